@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Creates .venv-peer with the peers the benchmarks compare against: Python MLX (the same
+# pinned version our build links) and mlx-lm. Idempotent; everything comes from PyPI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv-peer/bin/python ]; then
+  python3 -m venv .venv-peer
+fi
+.venv-peer/bin/pip install -q "mlx[cpu]==0.32.4" "mlx-lm==0.32.2" numpy
+.venv-peer/bin/python -c "import mlx.core as mx; print('peer mlx', mx.__version__)"

@@ -1,0 +1,632 @@
+// See shim.h. Kept deliberately thin: argument translation only, no policy.
+#include "mlx-sys/src/shim.h"
+#include "mlx-sys/src/lib.rs.h"
+
+#include <dlfcn.h>
+
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#ifdef MLXR_OPENBLAS
+extern "C" char* openblas_get_config(void);
+
+namespace {
+// Referenced from a static initializer so that the linker keeps libopenblas among the NEEDED
+// entries of every binary that links this shim, even under --as-needed and --gc-sections: the
+// loader then binds MLX's cblas_sgemm to OpenBLAS rather than the bundled reference BLAS.
+[[maybe_unused]] const char* const openblas_anchor = openblas_get_config();
+}  // namespace
+#endif
+
+namespace mx = mlx::core;
+
+namespace mlxr {
+
+namespace {
+
+mx::Dtype to_dtype(uint8_t code) {
+  using V = mx::Dtype::Val;
+  switch (static_cast<V>(code)) {
+    case V::bool_: return mx::bool_;
+    case V::uint8: return mx::uint8;
+    case V::uint16: return mx::uint16;
+    case V::uint32: return mx::uint32;
+    case V::uint64: return mx::uint64;
+    case V::int8: return mx::int8;
+    case V::int16: return mx::int16;
+    case V::int32: return mx::int32;
+    case V::int64: return mx::int64;
+    case V::float16: return mx::float16;
+    case V::float32: return mx::float32;
+    case V::float64: return mx::float64;
+    case V::bfloat16: return mx::bfloat16;
+    case V::complex64: return mx::complex64;
+  }
+  throw std::invalid_argument("[mlx-runner] unknown dtype code " + std::to_string(code));
+}
+
+mx::Shape to_shape(I32s s) {
+  return mx::Shape(s.begin(), s.end());
+}
+
+std::vector<int> to_ints(I32s s) {
+  return std::vector<int>(s.begin(), s.end());
+}
+
+ArrPtr wrap(mx::array a) {
+  return std::make_unique<Arr>(std::move(a));
+}
+
+std::unique_ptr<ArrVec> wrap_vec(std::vector<mx::array> v) {
+  auto out = std::make_unique<ArrVec>();
+  out->v = std::move(v);
+  return out;
+}
+
+// A scalar converted to `dt` on the host: a constant, not an astype node in the graph.
+mx::array host_scalar(double v, mx::Dtype dt) {
+  return mx::array(v, dt);
+}
+
+std::optional<mx::array> opt(const Arr* p) {
+  if (p == nullptr) {
+    return std::nullopt;
+  }
+  return p->a;
+}
+
+}  // namespace
+
+// --- library ---------------------------------------------------------------------------------
+
+rust::String version() {
+  return rust::String(mx::version());
+}
+
+rust::String blas_library() {
+  // Which shared object the dynamic loader binds `cblas_sgemm` to: libmlx resolves it through
+  // the same global search order, so this is the BLAS that serves MLX's float32 matmuls.
+  void* sym = dlsym(RTLD_DEFAULT, "cblas_sgemm");
+  if (sym == nullptr) {
+    return rust::String("none (cblas_sgemm not found)");
+  }
+  Dl_info info;
+  if (dladdr(sym, &info) == 0 || info.dli_fname == nullptr) {
+    return rust::String("unknown");
+  }
+  return rust::String(info.dli_fname);
+}
+
+rust::String openblas_config() {
+#ifdef MLXR_OPENBLAS
+  const char* c = openblas_get_config();
+  return rust::String(c ? c : "");
+#else
+  return rust::String("");
+#endif
+}
+
+bool gpu_available() {
+  return mx::is_available(mx::Device::gpu);
+}
+
+void set_default_device(bool gpu) {
+  mx::set_default_device(gpu ? mx::Device::gpu : mx::Device::cpu);
+}
+
+bool default_device_is_gpu() {
+  return mx::default_device() == mx::Device::gpu;
+}
+
+void init_thread() {
+  // MLX keeps default streams per thread; a thread that did not create MLX's first stream must
+  // make its own before it builds any array (BUILD_NOTES.md, "Threads").
+  auto dev = mx::default_device();
+  if (!mx::peek_default_stream(dev).has_value()) {
+    mx::set_default_stream(mx::new_stream(dev));
+  }
+}
+
+void synchronize() {
+  mx::synchronize();
+}
+
+// --- memory ----------------------------------------------------------------------------------
+
+size_t active_memory() { return mx::get_active_memory(); }
+size_t peak_memory() { return mx::get_peak_memory(); }
+size_t cache_memory() { return mx::get_cache_memory(); }
+void reset_peak_memory() { mx::reset_peak_memory(); }
+size_t memory_limit() { return mx::get_memory_limit(); }
+size_t set_memory_limit(size_t bytes) { return mx::set_memory_limit(bytes); }
+size_t set_cache_limit(size_t bytes) { return mx::set_cache_limit(bytes); }
+void clear_cache() { mx::clear_cache(); }
+
+// --- construction and read-back --------------------------------------------------------------
+
+ArrPtr from_bytes(rust::Slice<const uint8_t> data, I32s shape, uint8_t dtype) {
+  auto dt = to_dtype(dtype);
+  auto sh = to_shape(shape);
+  size_t n = 1;
+  for (auto d : sh) {
+    if (d < 0) {
+      throw std::invalid_argument("[from_bytes] negative dimension in shape");
+    }
+    n *= static_cast<size_t>(d);
+  }
+  if (n * dt.size() != data.size()) {
+    throw std::invalid_argument(
+        "[from_bytes] " + std::to_string(data.size()) + " bytes do not fill a shape of " +
+        std::to_string(n) + " elements of " + std::to_string(dt.size()) + " bytes");
+  }
+  auto buf = mx::allocator::malloc(data.size());
+  if (data.size() > 0) {
+    std::memcpy(buf.buffer().raw_ptr(), data.data(), data.size());
+  }
+  return wrap(mx::array(std::move(buf), std::move(sh), dt));
+}
+
+ArrPtr from_external(
+    size_t ptr,
+    I32s shape,
+    uint8_t dtype,
+    size_t ctx,
+    rust::Fn<void(size_t)> release) {
+  // MLX uses the memory in place where the allocator can (the CPU one can) and calls `release`
+  // once it no longer needs it; the Rust side keeps the mapping alive until then.
+  return wrap(mx::array(
+      reinterpret_cast<void*>(ptr), to_shape(shape), to_dtype(dtype),
+      [ctx, release](void*) { release(ctx); }));
+}
+
+ArrPtr scalar(double v, uint8_t dtype) {
+  return wrap(host_scalar(v, to_dtype(dtype)));
+}
+
+ArrPtr full(I32s shape, double v, uint8_t dtype) {
+  auto dt = to_dtype(dtype);
+  // Build the fill value in the target dtype so that integer and bool fills are exact.
+  return wrap(mx::full(to_shape(shape), host_scalar(v, dt), dt));
+}
+
+ArrPtr full_like(const Arr& a, double v) {
+  return wrap(mx::full_like(a.a, host_scalar(v, a.a.dtype())));
+}
+
+ArrPtr arange(double start, double stop, double step, uint8_t dtype) {
+  return wrap(mx::arange(start, stop, step, to_dtype(dtype)));
+}
+
+ArrPtr tri(int32_t n, int32_t m, int32_t k, uint8_t dtype) {
+  return wrap(mx::tri(n, m, k, to_dtype(dtype)));
+}
+
+ArrPtr clone(const Arr& a) {
+  return wrap(a.a);
+}
+
+rust::Vec<int32_t> shape(const Arr& a) {
+  rust::Vec<int32_t> out;
+  for (auto d : a.a.shape()) {
+    out.push_back(d);
+  }
+  return out;
+}
+
+uint8_t dtype(const Arr& a) {
+  return static_cast<uint8_t>(a.a.dtype().val());
+}
+
+size_t ndim(const Arr& a) { return a.a.ndim(); }
+size_t size(const Arr& a) { return a.a.size(); }
+size_t nbytes(const Arr& a) { return a.a.nbytes(); }
+
+void eval(const Arr& a) {
+  mx::eval({a.a});
+}
+
+void eval_all(const ArrVec& v) {
+  mx::eval(v.v);
+}
+
+void async_eval_all(const ArrVec& v) {
+  mx::async_eval(v.v);
+}
+
+void copy_to(const Arr& a, rust::Slice<uint8_t> out) {
+  if (out.size() != a.a.nbytes()) {
+    throw std::invalid_argument("[copy_to] output buffer has the wrong size");
+  }
+  auto c = mx::contiguous(a.a);
+  c.eval();
+  if (out.size() > 0) {
+    std::memcpy(out.data(), c.data<uint8_t>(), out.size());
+  }
+}
+
+std::unique_ptr<ArrVec> vec_new() {
+  return std::make_unique<ArrVec>();
+}
+
+void vec_push(ArrVec& v, const Arr& a) {
+  v.v.push_back(a.a);
+}
+
+size_t vec_len(const ArrVec& v) {
+  return v.v.size();
+}
+
+ArrPtr vec_get(const ArrVec& v, size_t i) {
+  return wrap(v.v.at(i));
+}
+
+// --- element-wise ----------------------------------------------------------------------------
+
+ArrPtr unary(UnaryOp op, const Arr& x) {
+  const auto& a = x.a;
+  switch (op) {
+    case UnaryOp::Abs: return wrap(mx::abs(a));
+    case UnaryOp::Negative: return wrap(mx::negative(a));
+    case UnaryOp::Sign: return wrap(mx::sign(a));
+    case UnaryOp::Exp: return wrap(mx::exp(a));
+    case UnaryOp::Log: return wrap(mx::log(a));
+    case UnaryOp::Log1p: return wrap(mx::log1p(a));
+    case UnaryOp::Sqrt: return wrap(mx::sqrt(a));
+    case UnaryOp::Rsqrt: return wrap(mx::rsqrt(a));
+    case UnaryOp::Square: return wrap(mx::square(a));
+    case UnaryOp::Reciprocal: return wrap(mx::reciprocal(a));
+    case UnaryOp::Tanh: return wrap(mx::tanh(a));
+    case UnaryOp::Sigmoid: return wrap(mx::sigmoid(a));
+    case UnaryOp::Erf: return wrap(mx::erf(a));
+    case UnaryOp::Sin: return wrap(mx::sin(a));
+    case UnaryOp::Cos: return wrap(mx::cos(a));
+    case UnaryOp::Floor: return wrap(mx::floor(a));
+    case UnaryOp::Ceil: return wrap(mx::ceil(a));
+    case UnaryOp::Round: return wrap(mx::round(a));
+    case UnaryOp::LogicalNot: return wrap(mx::logical_not(a));
+    case UnaryOp::IsNan: return wrap(mx::isnan(a));
+    case UnaryOp::IsInf: return wrap(mx::isinf(a));
+    case UnaryOp::StopGradient: return wrap(mx::stop_gradient(a));
+    case UnaryOp::Copy: return wrap(mx::copy(a));
+    case UnaryOp::Contiguous: return wrap(mx::contiguous(a));
+  }
+  throw std::invalid_argument("[unary] unknown op");
+}
+
+ArrPtr binary(BinaryOp op, const Arr& x, const Arr& y) {
+  const auto& a = x.a;
+  const auto& b = y.a;
+  switch (op) {
+    case BinaryOp::Add: return wrap(mx::add(a, b));
+    case BinaryOp::Subtract: return wrap(mx::subtract(a, b));
+    case BinaryOp::Multiply: return wrap(mx::multiply(a, b));
+    case BinaryOp::Divide: return wrap(mx::divide(a, b));
+    case BinaryOp::FloorDivide: return wrap(mx::floor_divide(a, b));
+    case BinaryOp::Remainder: return wrap(mx::remainder(a, b));
+    case BinaryOp::Power: return wrap(mx::power(a, b));
+    case BinaryOp::Maximum: return wrap(mx::maximum(a, b));
+    case BinaryOp::Minimum: return wrap(mx::minimum(a, b));
+    case BinaryOp::Equal: return wrap(mx::equal(a, b));
+    case BinaryOp::NotEqual: return wrap(mx::not_equal(a, b));
+    case BinaryOp::Less: return wrap(mx::less(a, b));
+    case BinaryOp::LessEqual: return wrap(mx::less_equal(a, b));
+    case BinaryOp::Greater: return wrap(mx::greater(a, b));
+    case BinaryOp::GreaterEqual: return wrap(mx::greater_equal(a, b));
+    case BinaryOp::LogicalAnd: return wrap(mx::logical_and(a, b));
+    case BinaryOp::LogicalOr: return wrap(mx::logical_or(a, b));
+    case BinaryOp::LogAddExp: return wrap(mx::logaddexp(a, b));
+  }
+  throw std::invalid_argument("[binary] unknown op");
+}
+
+ArrPtr where_(const Arr& cond, const Arr& x, const Arr& y) {
+  return wrap(mx::where(cond.a, x.a, y.a));
+}
+
+ArrPtr astype(const Arr& a, uint8_t dtype) {
+  return wrap(mx::astype(a.a, to_dtype(dtype)));
+}
+
+ArrPtr clip(const Arr& a, const Arr* lo, const Arr* hi) {
+  return wrap(mx::clip(a.a, opt(lo), opt(hi)));
+}
+
+// --- shape -----------------------------------------------------------------------------------
+
+ArrPtr reshape(const Arr& a, I32s shape) { return wrap(mx::reshape(a.a, to_shape(shape))); }
+ArrPtr transpose(const Arr& a, I32s axes) { return wrap(mx::transpose(a.a, to_ints(axes))); }
+ArrPtr swapaxes(const Arr& a, int32_t a1, int32_t a2) { return wrap(mx::swapaxes(a.a, a1, a2)); }
+ArrPtr expand_dims(const Arr& a, I32s axes) { return wrap(mx::expand_dims(a.a, to_ints(axes))); }
+ArrPtr squeeze(const Arr& a, I32s axes) { return wrap(mx::squeeze(a.a, to_ints(axes))); }
+ArrPtr flatten(const Arr& a, int32_t start, int32_t end) {
+  return wrap(mx::flatten(a.a, start, end));
+}
+ArrPtr broadcast_to(const Arr& a, I32s shape) {
+  return wrap(mx::broadcast_to(a.a, to_shape(shape)));
+}
+ArrPtr concatenate(const ArrVec& v, int32_t axis) { return wrap(mx::concatenate(v.v, axis)); }
+ArrPtr stack(const ArrVec& v, int32_t axis) { return wrap(mx::stack(v.v, axis)); }
+std::unique_ptr<ArrVec> split_sections(const Arr& a, int32_t n, int32_t axis) {
+  return wrap_vec(mx::split(a.a, n, axis));
+}
+std::unique_ptr<ArrVec> split_indices(const Arr& a, I32s indices, int32_t axis) {
+  return wrap_vec(mx::split(a.a, to_shape(indices), axis));
+}
+ArrPtr repeat(const Arr& a, int32_t repeats, int32_t axis) {
+  return wrap(mx::repeat(a.a, repeats, axis));
+}
+ArrPtr tile(const Arr& a, I32s reps) { return wrap(mx::tile(a.a, to_ints(reps))); }
+ArrPtr pad(const Arr& a, I32s axes, I32s lo, I32s hi, double value) {
+  return wrap(mx::pad(
+      a.a, to_ints(axes), to_shape(lo), to_shape(hi),
+      host_scalar(value, a.a.dtype())));
+}
+
+ArrPtr flip(const Arr& a, int32_t axis) { return wrap(mx::flip(a.a, axis)); }
+
+// --- indexing --------------------------------------------------------------------------------
+
+ArrPtr slice(const Arr& a, I32s start, I32s stop, I32s strides) {
+  return wrap(mx::slice(a.a, to_shape(start), to_shape(stop), to_shape(strides)));
+}
+ArrPtr slice_dynamic(const Arr& a, const Arr& start, I32s axes, I32s sizes) {
+  return wrap(mx::slice(a.a, start.a, to_ints(axes), to_shape(sizes)));
+}
+ArrPtr slice_update(const Arr& src, const Arr& upd, I32s start, I32s stop, I32s strides) {
+  return wrap(mx::slice_update(src.a, upd.a, to_shape(start), to_shape(stop), to_shape(strides)));
+}
+ArrPtr slice_update_dynamic(const Arr& src, const Arr& upd, const Arr& start, I32s axes) {
+  return wrap(mx::slice_update(src.a, upd.a, start.a, to_ints(axes)));
+}
+ArrPtr take(const Arr& a, const Arr& idx, int32_t axis) { return wrap(mx::take(a.a, idx.a, axis)); }
+ArrPtr take_flat(const Arr& a, const Arr& idx) { return wrap(mx::take(a.a, idx.a)); }
+ArrPtr take_along_axis(const Arr& a, const Arr& idx, int32_t axis) {
+  return wrap(mx::take_along_axis(a.a, idx.a, axis));
+}
+ArrPtr put_along_axis(const Arr& a, const Arr& idx, const Arr& vals, int32_t axis) {
+  return wrap(mx::put_along_axis(a.a, idx.a, vals.a, axis));
+}
+ArrPtr scatter_add_axis(const Arr& a, const Arr& idx, const Arr& vals, int32_t axis) {
+  return wrap(mx::scatter_add_axis(a.a, idx.a, vals.a, axis));
+}
+ArrPtr scatter_add(const Arr& a, const ArrVec& idx, const Arr& upd, I32s axes) {
+  return wrap(mx::scatter_add(a.a, idx.v, upd.a, to_ints(axes)));
+}
+ArrPtr scatter(const Arr& a, const ArrVec& idx, const Arr& upd, I32s axes) {
+  return wrap(mx::scatter(a.a, idx.v, upd.a, to_ints(axes)));
+}
+
+// --- reductions, scans, sorting --------------------------------------------------------------
+
+ArrPtr reduce(ReduceOp op, const Arr& x, I32s axes_, bool keepdims) {
+  const auto& a = x.a;
+  auto axes = to_ints(axes_);
+  switch (op) {
+    case ReduceOp::Sum: return wrap(mx::sum(a, axes, keepdims));
+    case ReduceOp::Mean: return wrap(mx::mean(a, axes, keepdims));
+    case ReduceOp::Max: return wrap(mx::max(a, axes, keepdims));
+    case ReduceOp::Min: return wrap(mx::min(a, axes, keepdims));
+    case ReduceOp::Prod: return wrap(mx::prod(a, axes, keepdims));
+    case ReduceOp::All: return wrap(mx::all(a, axes, keepdims));
+    case ReduceOp::Any: return wrap(mx::any(a, axes, keepdims));
+    case ReduceOp::LogSumExp: return wrap(mx::logsumexp(a, axes, keepdims));
+  }
+  throw std::invalid_argument("[reduce] unknown op");
+}
+
+ArrPtr reduce_all(ReduceOp op, const Arr& x, bool keepdims) {
+  const auto& a = x.a;
+  switch (op) {
+    case ReduceOp::Sum: return wrap(mx::sum(a, keepdims));
+    case ReduceOp::Mean: return wrap(mx::mean(a, keepdims));
+    case ReduceOp::Max: return wrap(mx::max(a, keepdims));
+    case ReduceOp::Min: return wrap(mx::min(a, keepdims));
+    case ReduceOp::Prod: return wrap(mx::prod(a, keepdims));
+    case ReduceOp::All: return wrap(mx::all(a, keepdims));
+    case ReduceOp::Any: return wrap(mx::any(a, keepdims));
+    case ReduceOp::LogSumExp: return wrap(mx::logsumexp(a, keepdims));
+  }
+  throw std::invalid_argument("[reduce_all] unknown op");
+}
+
+ArrPtr argmax(const Arr& a, int32_t axis, bool keepdims) {
+  return wrap(mx::argmax(a.a, axis, keepdims));
+}
+ArrPtr argmin(const Arr& a, int32_t axis, bool keepdims) {
+  return wrap(mx::argmin(a.a, axis, keepdims));
+}
+ArrPtr softmax(const Arr& a, I32s axes, bool precise) {
+  return wrap(mx::softmax(a.a, to_ints(axes), precise));
+}
+ArrPtr cumsum(const Arr& a, int32_t axis, bool reverse, bool inclusive) {
+  return wrap(mx::cumsum(a.a, axis, reverse, inclusive));
+}
+ArrPtr cummax(const Arr& a, int32_t axis, bool reverse, bool inclusive) {
+  return wrap(mx::cummax(a.a, axis, reverse, inclusive));
+}
+ArrPtr sort(const Arr& a, int32_t axis) { return wrap(mx::sort(a.a, axis)); }
+ArrPtr argsort(const Arr& a, int32_t axis) { return wrap(mx::argsort(a.a, axis)); }
+ArrPtr partition(const Arr& a, int32_t kth, int32_t axis) {
+  return wrap(mx::partition(a.a, kth, axis));
+}
+ArrPtr argpartition(const Arr& a, int32_t kth, int32_t axis) {
+  return wrap(mx::argpartition(a.a, kth, axis));
+}
+ArrPtr topk(const Arr& a, int32_t k, int32_t axis) { return wrap(mx::topk(a.a, k, axis)); }
+
+// --- linear algebra and quantization ---------------------------------------------------------
+
+ArrPtr matmul(const Arr& a, const Arr& b) { return wrap(mx::matmul(a.a, b.a)); }
+
+ArrPtr addmm(const Arr& c, const Arr& a, const Arr& b, float alpha, float beta) {
+  return wrap(mx::addmm(c.a, a.a, b.a, alpha, beta));
+}
+
+ArrPtr gather_mm(const Arr& a, const Arr& b, const Arr* lhs, const Arr* rhs, bool sorted) {
+  return wrap(mx::gather_mm(a.a, b.a, opt(lhs), opt(rhs), sorted));
+}
+
+std::unique_ptr<ArrVec> quantize(const Arr& w, int32_t group_size, int32_t bits) {
+  return wrap_vec(mx::quantize(w.a, group_size, bits, "affine"));
+}
+
+ArrPtr dequantize(
+    const Arr& w,
+    const Arr& scales,
+    const Arr* biases,
+    int32_t group_size,
+    int32_t bits) {
+  return wrap(mx::dequantize(w.a, scales.a, opt(biases), group_size, bits, "affine"));
+}
+
+ArrPtr quantized_matmul(
+    const Arr& x,
+    const Arr& w,
+    const Arr& scales,
+    const Arr* biases,
+    bool transpose,
+    int32_t group_size,
+    int32_t bits) {
+  return wrap(mx::quantized_matmul(
+      x.a, w.a, scales.a, opt(biases), transpose, group_size, bits, "affine"));
+}
+
+ArrPtr gather_qmm(
+    const Arr& x,
+    const Arr& w,
+    const Arr& scales,
+    const Arr* biases,
+    const Arr* lhs,
+    const Arr* rhs,
+    bool transpose,
+    int32_t group_size,
+    int32_t bits,
+    bool sorted) {
+  return wrap(mx::gather_qmm(
+      x.a, w.a, scales.a, opt(biases), opt(lhs), opt(rhs), transpose, group_size, bits,
+      "affine", std::nullopt, sorted));
+}
+
+// --- fast --------------------------------------------------------------------------------------
+
+ArrPtr rms_norm(const Arr& x, const Arr* w, float eps) {
+  return wrap(mx::fast::rms_norm(x.a, opt(w), eps));
+}
+
+ArrPtr layer_norm(const Arr& x, const Arr* w, const Arr* b, float eps) {
+  return wrap(mx::fast::layer_norm(x.a, opt(w), opt(b), eps));
+}
+
+ArrPtr rope(
+    const Arr& x,
+    int32_t dims,
+    bool traditional,
+    float base,
+    bool has_base,
+    float scale,
+    int32_t offset,
+    const Arr* freqs) {
+  std::optional<float> b = has_base ? std::optional<float>(base) : std::nullopt;
+  return wrap(mx::fast::rope(x.a, dims, traditional, b, scale, offset, opt(freqs)));
+}
+
+ArrPtr rope_dynamic(
+    const Arr& x,
+    int32_t dims,
+    bool traditional,
+    float base,
+    bool has_base,
+    float scale,
+    const Arr& offset,
+    const Arr* freqs) {
+  std::optional<float> b = has_base ? std::optional<float>(base) : std::nullopt;
+  return wrap(mx::fast::rope(x.a, dims, traditional, b, scale, offset.a, opt(freqs)));
+}
+
+ArrPtr sdpa(
+    const Arr& q,
+    const Arr& k,
+    const Arr& v,
+    float scale,
+    rust::Str mask_mode,
+    const Arr* mask,
+    const Arr* sinks) {
+  return wrap(mx::fast::scaled_dot_product_attention(
+      q.a, k.a, v.a, scale, std::string(mask_mode), opt(mask), opt(sinks)));
+}
+
+// --- random ------------------------------------------------------------------------------------
+
+ArrPtr random_key(uint64_t seed) { return wrap(mx::random::key(seed)); }
+
+ArrPtr random_split(const Arr& key, int32_t num) {
+  return wrap(mx::random::split(key.a, num));
+}
+
+ArrPtr random_uniform(I32s shape, uint8_t dtype, double low, double high, const Arr* key) {
+  auto dt = to_dtype(dtype);
+  return wrap(mx::random::uniform(
+      host_scalar(low, dt), host_scalar(high, dt),
+      to_shape(shape), dt, opt(key)));
+}
+
+ArrPtr random_normal(I32s shape, uint8_t dtype, double loc, double scale, const Arr* key) {
+  auto dt = to_dtype(dtype);
+  return wrap(mx::random::normal(
+      to_shape(shape), dt, host_scalar(loc, dt),
+      host_scalar(scale, dt), opt(key)));
+}
+
+ArrPtr random_randint(I32s shape, uint8_t dtype, int64_t low, int64_t high, const Arr* key) {
+  return wrap(mx::random::randint(
+      mx::array(low, mx::int64), mx::array(high, mx::int64), to_shape(shape), to_dtype(dtype),
+      opt(key)));
+}
+
+ArrPtr random_categorical(const Arr& logits, int32_t axis, int32_t num_samples, const Arr* key) {
+  if (num_samples <= 0) {
+    return wrap(mx::random::categorical(logits.a, axis, opt(key)));
+  }
+  return wrap(mx::random::categorical(logits.a, axis, num_samples, opt(key)));
+}
+
+ArrPtr random_bernoulli(const Arr& p, I32s shape, bool has_shape, const Arr* key) {
+  if (has_shape) {
+    return wrap(mx::random::bernoulli(p.a, to_shape(shape), opt(key)));
+  }
+  return wrap(mx::random::bernoulli(p.a, opt(key)));
+}
+
+ArrPtr random_gumbel(I32s shape, uint8_t dtype, const Arr* key) {
+  return wrap(mx::random::gumbel(to_shape(shape), to_dtype(dtype), opt(key)));
+}
+
+// --- io ----------------------------------------------------------------------------------------
+
+std::unique_ptr<ArrVec> load_safetensors(rust::Str path, rust::Vec<rust::String>& names) {
+  auto [arrays, meta] = mx::load_safetensors(std::string(path));
+  auto out = std::make_unique<ArrVec>();
+  for (auto& [name, arr] : arrays) {
+    names.push_back(rust::String(name));
+    out->v.push_back(arr);
+  }
+  return out;
+}
+
+void save_safetensors(
+    rust::Str path,
+    rust::Slice<const rust::String> names,
+    const ArrVec& arrays) {
+  if (names.size() != arrays.v.size()) {
+    throw std::invalid_argument("[save_safetensors] names and arrays differ in length");
+  }
+  std::unordered_map<std::string, mx::array> m;
+  for (size_t i = 0; i < names.size(); ++i) {
+    m.insert_or_assign(std::string(names[i]), arrays.v[i]);
+  }
+  mx::save_safetensors(std::string(path), std::move(m));
+}
+
+}  // namespace mlxr

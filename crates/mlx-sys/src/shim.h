@@ -1,0 +1,203 @@
+// Our C++ shim over MLX's C++ API (decision D2). Every function here is called through the cxx
+// bridge in lib.rs; any C++ exception thrown inside becomes a Rust `Err` carrying MLX's message.
+// Optional arrays cross as nullable raw pointers; shapes and axes as slices of i32.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <mlx/mlx.h>
+
+#include "rust/cxx.h"
+
+namespace mlxr {
+
+struct Arr {
+  mlx::core::array a;
+  explicit Arr(mlx::core::array x) : a(std::move(x)) {}
+};
+
+struct ArrVec {
+  std::vector<mlx::core::array> v;
+};
+
+enum class UnaryOp : uint8_t;
+enum class BinaryOp : uint8_t;
+enum class ReduceOp : uint8_t;
+
+using ArrPtr = std::unique_ptr<Arr>;
+using I32s = rust::Slice<const int32_t>;
+
+// --- library ---------------------------------------------------------------------------------
+rust::String version();
+rust::String blas_library();
+rust::String openblas_config();
+bool gpu_available();
+void set_default_device(bool gpu);
+bool default_device_is_gpu();
+void init_thread();
+void synchronize();
+
+// --- memory ----------------------------------------------------------------------------------
+size_t active_memory();
+size_t peak_memory();
+size_t cache_memory();
+void reset_peak_memory();
+size_t memory_limit();
+size_t set_memory_limit(size_t bytes);
+size_t set_cache_limit(size_t bytes);
+void clear_cache();
+
+// --- construction and read-back --------------------------------------------------------------
+ArrPtr from_bytes(rust::Slice<const uint8_t> data, I32s shape, uint8_t dtype);
+ArrPtr from_external(
+    size_t ptr,
+    I32s shape,
+    uint8_t dtype,
+    size_t ctx,
+    rust::Fn<void(size_t)> release);
+ArrPtr scalar(double v, uint8_t dtype);
+ArrPtr full(I32s shape, double v, uint8_t dtype);
+ArrPtr full_like(const Arr& a, double v);
+ArrPtr arange(double start, double stop, double step, uint8_t dtype);
+ArrPtr tri(int32_t n, int32_t m, int32_t k, uint8_t dtype);
+ArrPtr clone(const Arr& a);
+
+rust::Vec<int32_t> shape(const Arr& a);
+uint8_t dtype(const Arr& a);
+size_t ndim(const Arr& a);
+size_t size(const Arr& a);
+size_t nbytes(const Arr& a);
+void eval(const Arr& a);
+void eval_all(const ArrVec& v);
+void async_eval_all(const ArrVec& v);
+void copy_to(const Arr& a, rust::Slice<uint8_t> out);
+
+std::unique_ptr<ArrVec> vec_new();
+void vec_push(ArrVec& v, const Arr& a);
+size_t vec_len(const ArrVec& v);
+ArrPtr vec_get(const ArrVec& v, size_t i);
+
+// --- element-wise ----------------------------------------------------------------------------
+ArrPtr unary(UnaryOp op, const Arr& a);
+ArrPtr binary(BinaryOp op, const Arr& a, const Arr& b);
+ArrPtr where_(const Arr& cond, const Arr& x, const Arr& y);
+ArrPtr astype(const Arr& a, uint8_t dtype);
+ArrPtr clip(const Arr& a, const Arr* lo, const Arr* hi);
+
+// --- shape -----------------------------------------------------------------------------------
+ArrPtr reshape(const Arr& a, I32s shape);
+ArrPtr transpose(const Arr& a, I32s axes);
+ArrPtr swapaxes(const Arr& a, int32_t a1, int32_t a2);
+ArrPtr expand_dims(const Arr& a, I32s axes);
+ArrPtr squeeze(const Arr& a, I32s axes);
+ArrPtr flatten(const Arr& a, int32_t start, int32_t end);
+ArrPtr broadcast_to(const Arr& a, I32s shape);
+ArrPtr concatenate(const ArrVec& v, int32_t axis);
+ArrPtr stack(const ArrVec& v, int32_t axis);
+std::unique_ptr<ArrVec> split_sections(const Arr& a, int32_t n, int32_t axis);
+std::unique_ptr<ArrVec> split_indices(const Arr& a, I32s indices, int32_t axis);
+ArrPtr repeat(const Arr& a, int32_t repeats, int32_t axis);
+ArrPtr tile(const Arr& a, I32s reps);
+ArrPtr pad(const Arr& a, I32s axes, I32s lo, I32s hi, double value);
+ArrPtr flip(const Arr& a, int32_t axis);
+
+// --- indexing --------------------------------------------------------------------------------
+ArrPtr slice(const Arr& a, I32s start, I32s stop, I32s strides);
+ArrPtr slice_dynamic(const Arr& a, const Arr& start, I32s axes, I32s sizes);
+ArrPtr slice_update(const Arr& src, const Arr& upd, I32s start, I32s stop, I32s strides);
+ArrPtr slice_update_dynamic(const Arr& src, const Arr& upd, const Arr& start, I32s axes);
+ArrPtr take(const Arr& a, const Arr& idx, int32_t axis);
+ArrPtr take_flat(const Arr& a, const Arr& idx);
+ArrPtr take_along_axis(const Arr& a, const Arr& idx, int32_t axis);
+ArrPtr put_along_axis(const Arr& a, const Arr& idx, const Arr& vals, int32_t axis);
+ArrPtr scatter_add_axis(const Arr& a, const Arr& idx, const Arr& vals, int32_t axis);
+ArrPtr scatter_add(const Arr& a, const ArrVec& idx, const Arr& upd, I32s axes);
+ArrPtr scatter(const Arr& a, const ArrVec& idx, const Arr& upd, I32s axes);
+
+// --- reductions, scans, sorting --------------------------------------------------------------
+ArrPtr reduce(ReduceOp op, const Arr& a, I32s axes, bool keepdims);
+ArrPtr reduce_all(ReduceOp op, const Arr& a, bool keepdims);
+ArrPtr argmax(const Arr& a, int32_t axis, bool keepdims);
+ArrPtr argmin(const Arr& a, int32_t axis, bool keepdims);
+ArrPtr softmax(const Arr& a, I32s axes, bool precise);
+ArrPtr cumsum(const Arr& a, int32_t axis, bool reverse, bool inclusive);
+ArrPtr cummax(const Arr& a, int32_t axis, bool reverse, bool inclusive);
+ArrPtr sort(const Arr& a, int32_t axis);
+ArrPtr argsort(const Arr& a, int32_t axis);
+ArrPtr partition(const Arr& a, int32_t kth, int32_t axis);
+ArrPtr argpartition(const Arr& a, int32_t kth, int32_t axis);
+ArrPtr topk(const Arr& a, int32_t k, int32_t axis);
+
+// --- linear algebra and quantization ---------------------------------------------------------
+ArrPtr matmul(const Arr& a, const Arr& b);
+ArrPtr addmm(const Arr& c, const Arr& a, const Arr& b, float alpha, float beta);
+ArrPtr gather_mm(const Arr& a, const Arr& b, const Arr* lhs, const Arr* rhs, bool sorted);
+std::unique_ptr<ArrVec> quantize(const Arr& w, int32_t group_size, int32_t bits);
+ArrPtr dequantize(const Arr& w, const Arr& scales, const Arr* biases, int32_t group_size, int32_t bits);
+ArrPtr quantized_matmul(
+    const Arr& x,
+    const Arr& w,
+    const Arr& scales,
+    const Arr* biases,
+    bool transpose,
+    int32_t group_size,
+    int32_t bits);
+ArrPtr gather_qmm(
+    const Arr& x,
+    const Arr& w,
+    const Arr& scales,
+    const Arr* biases,
+    const Arr* lhs,
+    const Arr* rhs,
+    bool transpose,
+    int32_t group_size,
+    int32_t bits,
+    bool sorted);
+
+// --- fast --------------------------------------------------------------------------------------
+ArrPtr rms_norm(const Arr& x, const Arr* w, float eps);
+ArrPtr layer_norm(const Arr& x, const Arr* w, const Arr* b, float eps);
+ArrPtr rope(
+    const Arr& x,
+    int32_t dims,
+    bool traditional,
+    float base,
+    bool has_base,
+    float scale,
+    int32_t offset,
+    const Arr* freqs);
+ArrPtr rope_dynamic(
+    const Arr& x,
+    int32_t dims,
+    bool traditional,
+    float base,
+    bool has_base,
+    float scale,
+    const Arr& offset,
+    const Arr* freqs);
+ArrPtr sdpa(
+    const Arr& q,
+    const Arr& k,
+    const Arr& v,
+    float scale,
+    rust::Str mask_mode,
+    const Arr* mask,
+    const Arr* sinks);
+
+// --- random ------------------------------------------------------------------------------------
+ArrPtr random_key(uint64_t seed);
+ArrPtr random_split(const Arr& key, int32_t num);
+ArrPtr random_uniform(I32s shape, uint8_t dtype, double low, double high, const Arr* key);
+ArrPtr random_normal(I32s shape, uint8_t dtype, double loc, double scale, const Arr* key);
+ArrPtr random_randint(I32s shape, uint8_t dtype, int64_t low, int64_t high, const Arr* key);
+ArrPtr random_categorical(const Arr& logits, int32_t axis, int32_t num_samples, const Arr* key);
+ArrPtr random_bernoulli(const Arr& p, I32s shape, bool has_shape, const Arr* key);
+ArrPtr random_gumbel(I32s shape, uint8_t dtype, const Arr* key);
+
+// --- io ----------------------------------------------------------------------------------------
+std::unique_ptr<ArrVec> load_safetensors(rust::Str path, rust::Vec<rust::String>& names);
+void save_safetensors(rust::Str path, rust::Slice<const rust::String> names, const ArrVec& arrays);
+
+} // namespace mlxr

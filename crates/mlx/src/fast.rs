@@ -1,0 +1,125 @@
+//! MLX's fused kernels: RMS norm, rotary embeddings, scaled dot-product attention.
+
+use crate::ops::ptr;
+use crate::{Array, Result};
+use mlx_sys::ffi;
+
+/// `x · (mean(x²) + eps)^-½ · w` over the last axis, accumulated in float32. `w = None` is the
+/// no-scale variant.
+pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array> {
+    // SAFETY: the pointer is null or points at an array that outlives the call.
+    Ok(Array::from_raw(unsafe {
+        ffi::rms_norm(x.arr(), ptr(weight), eps)?
+    }))
+}
+
+pub fn layer_norm(
+    x: &Array,
+    weight: Option<&Array>,
+    bias: Option<&Array>,
+    eps: f32,
+) -> Result<Array> {
+    // SAFETY: the pointers are null or point at arrays that outlive the call.
+    Ok(Array::from_raw(unsafe {
+        ffi::layer_norm(x.arr(), ptr(weight), ptr(bias), eps)?
+    }))
+}
+
+/// How the rotation frequencies of [`rope`] are given.
+#[derive(Debug, Clone, Copy)]
+pub enum RopeFreqs<'a> {
+    /// `θ_j = base^(-2j/dims)`.
+    Base(f32),
+    /// Explicit wavelengths: the angle of pair `j` at position `p` is `p / freqs[j]`
+    /// (an infinite wavelength leaves its pair unrotated).
+    Custom(&'a Array),
+}
+
+/// Rotary position embedding of the last axis of `x` (`[B, H, L, D]`) for positions
+/// `offset .. offset + L`. `traditional` rotates adjacent pairs `(2j, 2j+1)`; otherwise the
+/// rotate-half layout `(j, j + dims/2)`. Only the first `dims` features rotate.
+pub fn rope(
+    x: &Array,
+    dims: i32,
+    traditional: bool,
+    freqs: RopeFreqs<'_>,
+    scale: f32,
+    offset: i32,
+) -> Result<Array> {
+    let (base, has_base, f) = match freqs {
+        RopeFreqs::Base(b) => (b, true, None),
+        RopeFreqs::Custom(a) => (0.0, false, Some(a)),
+    };
+    // SAFETY: the pointer is null or points at an array that outlives the call.
+    Ok(Array::from_raw(unsafe {
+        ffi::rope(
+            x.arr(),
+            dims,
+            traditional,
+            base,
+            has_base,
+            scale,
+            offset,
+            ptr(f),
+        )?
+    }))
+}
+
+/// [`rope`] with the offset held in an array: a scalar, or one offset per batch row.
+pub fn rope_dynamic(
+    x: &Array,
+    dims: i32,
+    traditional: bool,
+    freqs: RopeFreqs<'_>,
+    scale: f32,
+    offset: &Array,
+) -> Result<Array> {
+    let (base, has_base, f) = match freqs {
+        RopeFreqs::Base(b) => (b, true, None),
+        RopeFreqs::Custom(a) => (0.0, false, Some(a)),
+    };
+    // SAFETY: the pointer is null or points at an array that outlives the call.
+    Ok(Array::from_raw(unsafe {
+        ffi::rope_dynamic(
+            x.arr(),
+            dims,
+            traditional,
+            base,
+            has_base,
+            scale,
+            offset.arr(),
+            ptr(f),
+        )?
+    }))
+}
+
+/// The mask of [`scaled_dot_product_attention`].
+#[derive(Debug, Clone, Copy)]
+pub enum SdpaMask<'a> {
+    None,
+    /// Lower-right aligned causal mask (the last query sees every key).
+    Causal,
+    /// A boolean mask (true = attend) or an additive float mask, broadcast to `[B, H, Lq, Lk]`.
+    Array(&'a Array),
+}
+
+/// `softmax(q kᵀ · scale + mask) v` with `q: [B, Hq, Lq, D]`, `k, v: [B, Hkv, Lk, D]`;
+/// grouped-query attention when `Hq` is a multiple of `Hkv`.
+pub fn scaled_dot_product_attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: SdpaMask<'_>,
+    sinks: Option<&Array>,
+) -> Result<Array> {
+    let (mode, arr) = match mask {
+        SdpaMask::None => ("", None),
+        SdpaMask::Causal => ("causal", None),
+        SdpaMask::Array(a) => ("array", Some(a)),
+    };
+    // SAFETY: the pointers are null or point at arrays that outlive the call.
+    Ok(Array::from_raw(unsafe {
+        ffi::sdpa(q.arr(), k.arr(), v.arr(), scale, mode, ptr(arr), ptr(sinks))?
+    }))
+}

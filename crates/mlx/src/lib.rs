@@ -1,0 +1,31 @@
+//! A safe, method-based Rust API over MLX (decision D2).
+//!
+//! This crate owns the boundary between Rust and MLX: [`Array`] and its operations, dtypes,
+//! devices and streams, evaluation, memory counters, random keys, the `fast` kernels,
+//! quantization and safetensors loading. Every MLX error — C++ exceptions included — comes back
+//! as [`Error`]; nothing here panics or aborts on bad arguments.
+//!
+//! MLX streams are per thread and arrays are not `Send`: everything MLX lives on one thread
+//! (decision D3). A thread other than the one that first touched MLX calls [`init_thread`] once.
+
+mod array;
+mod dtype;
+mod error;
+pub mod fast;
+mod index;
+pub mod io;
+pub mod memory;
+mod ops;
+pub mod random;
+mod runtime;
+
+pub use array::Array;
+pub use dtype::{Dtype, Element};
+pub use error::{Error, Result};
+pub use fast::SdpaMask;
+pub use index::Ix;
+pub use ops::{concatenate, stack, where_};
+pub use runtime::{
+    async_eval, blas_library, default_device, eval, gpu_available, init_thread, openblas_config,
+    set_default_device, synchronize, version, Device,
+};

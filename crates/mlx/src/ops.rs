@@ -1,0 +1,530 @@
+//! Array operations as methods. Each builds graph nodes; nothing is computed until evaluation.
+//!
+//! Scalar variants (`add_scalar`, `mul_scalar`, ...) follow MLX's Python rule for Python numbers:
+//! the scalar takes the array's dtype, so `x_bf16 * 0.5` stays bf16 (a "weak" scalar), and an
+//! integer array meeting a non-integral scalar becomes float32.
+
+use crate::array::{pack, unpack};
+use crate::{Array, Dtype, Error, Result};
+use mlx_sys::ffi::{self, BinaryOp, ReduceOp, UnaryOp};
+
+/// A nullable pointer for an optional array argument of the bridge.
+pub(crate) fn ptr(a: Option<&Array>) -> *const ffi::Arr {
+    a.map_or(std::ptr::null(), |a| a.arr() as *const ffi::Arr)
+}
+
+macro_rules! unary {
+    ($($(#[$m:meta])* $name:ident => $op:ident;)*) => {
+        impl Array {
+            $(
+                $(#[$m])*
+                pub fn $name(&self) -> Result<Array> {
+                    Ok(Array::from_raw(ffi::unary(UnaryOp::$op, self.arr())?))
+                }
+            )*
+        }
+    };
+}
+
+macro_rules! binary {
+    ($($(#[$m:meta])* $name:ident, $scalar:ident => $op:ident;)*) => {
+        impl Array {
+            $(
+                $(#[$m])*
+                pub fn $name(&self, other: &Array) -> Result<Array> {
+                    Ok(Array::from_raw(ffi::binary(BinaryOp::$op, self.arr(), other.arr())?))
+                }
+
+                /// The same with a weakly typed scalar on the right (see the module docs).
+                pub fn $scalar(&self, v: f64) -> Result<Array> {
+                    let s = self.weak_scalar(v)?;
+                    Ok(Array::from_raw(ffi::binary(BinaryOp::$op, self.arr(), s.arr())?))
+                }
+            )*
+        }
+    };
+}
+
+macro_rules! reduce {
+    ($($(#[$m:meta])* $name:ident, $all:ident => $op:ident;)*) => {
+        impl Array {
+            $(
+                $(#[$m])*
+                pub fn $name(&self, axes: &[i32], keepdims: bool) -> Result<Array> {
+                    Ok(Array::from_raw(ffi::reduce(ReduceOp::$op, self.arr(), axes, keepdims)?))
+                }
+
+                /// The same over every element.
+                pub fn $all(&self, keepdims: bool) -> Result<Array> {
+                    Ok(Array::from_raw(ffi::reduce_all(ReduceOp::$op, self.arr(), keepdims)?))
+                }
+            )*
+        }
+    };
+}
+
+unary! {
+    abs => Abs;
+    negative => Negative;
+    sign => Sign;
+    exp => Exp;
+    log => Log;
+    log1p => Log1p;
+    sqrt => Sqrt;
+    rsqrt => Rsqrt;
+    square => Square;
+    reciprocal => Reciprocal;
+    tanh => Tanh;
+    sigmoid => Sigmoid;
+    erf => Erf;
+    sin => Sin;
+    cos => Cos;
+    floor => Floor;
+    ceil => Ceil;
+    round => Round;
+    logical_not => LogicalNot;
+    isnan => IsNan;
+    isinf => IsInf;
+    stop_gradient => StopGradient;
+    /// A new array with its own copy of the data.
+    copy => Copy;
+    /// The same values laid out row-contiguously.
+    contiguous => Contiguous;
+}
+
+binary! {
+    add, add_scalar => Add;
+    subtract, subtract_scalar => Subtract;
+    multiply, multiply_scalar => Multiply;
+    divide, divide_scalar => Divide;
+    floor_divide, floor_divide_scalar => FloorDivide;
+    remainder, remainder_scalar => Remainder;
+    power, power_scalar => Power;
+    maximum, maximum_scalar => Maximum;
+    minimum, minimum_scalar => Minimum;
+    equal, equal_scalar => Equal;
+    not_equal, not_equal_scalar => NotEqual;
+    less, less_scalar => Less;
+    less_equal, less_equal_scalar => LessEqual;
+    greater, greater_scalar => Greater;
+    greater_equal, greater_equal_scalar => GreaterEqual;
+    logical_and, logical_and_scalar => LogicalAnd;
+    logical_or, logical_or_scalar => LogicalOr;
+    logaddexp, logaddexp_scalar => LogAddExp;
+}
+
+reduce! {
+    sum, sum_all => Sum;
+    mean, mean_all => Mean;
+    max, max_all => Max;
+    min, min_all => Min;
+    prod, prod_all => Prod;
+    all, all_all => All;
+    any, any_all => Any;
+    logsumexp, logsumexp_all => LogSumExp;
+}
+
+impl Array {
+    /// A scalar for `v` typed the way MLX types a Python number next to this array.
+    fn weak_scalar(&self, v: f64) -> Result<Array> {
+        let dt = self.dtype();
+        let integral = v.fract() == 0.0;
+        let dtype = match dt {
+            _ if dt.is_float() || dt == Dtype::Complex64 => dt,
+            _ if dt.is_integer() && integral => dt,
+            Dtype::Bool if integral => Dtype::I32,
+            _ => Dtype::F32,
+        };
+        Array::scalar_as(v, dtype)
+    }
+
+    pub fn astype(&self, dtype: Dtype) -> Result<Array> {
+        if self.dtype() == dtype {
+            return Ok(self.clone());
+        }
+        Ok(Array::from_raw(ffi::astype(self.arr(), dtype.code())?))
+    }
+
+    /// Limits values to `[lo, hi]`; either bound may be absent.
+    pub fn clip(&self, lo: Option<&Array>, hi: Option<&Array>) -> Result<Array> {
+        // SAFETY: the pointers are null or point at arrays that outlive the call.
+        Ok(Array::from_raw(unsafe {
+            ffi::clip(self.arr(), ptr(lo), ptr(hi))?
+        }))
+    }
+
+    // --- shape -------------------------------------------------------------------------------
+
+    /// A view with a new shape; one dimension may be -1.
+    pub fn reshape(&self, shape: &[i32]) -> Result<Array> {
+        Ok(Array::from_raw(ffi::reshape(self.arr(), shape)?))
+    }
+
+    /// Permutes the axes.
+    pub fn transpose(&self, axes: &[i32]) -> Result<Array> {
+        Ok(Array::from_raw(ffi::transpose(self.arr(), axes)?))
+    }
+
+    /// Reverses the order of all axes (`a.T`).
+    pub fn t(&self) -> Result<Array> {
+        let n = self.ndim() as i32;
+        let axes: Vec<i32> = (0..n).rev().collect();
+        self.transpose(&axes)
+    }
+
+    pub fn swapaxes(&self, a: i32, b: i32) -> Result<Array> {
+        Ok(Array::from_raw(ffi::swapaxes(self.arr(), a, b)?))
+    }
+
+    pub fn expand_dims(&self, axis: i32) -> Result<Array> {
+        self.expand_dims_axes(&[axis])
+    }
+
+    pub fn expand_dims_axes(&self, axes: &[i32]) -> Result<Array> {
+        Ok(Array::from_raw(ffi::expand_dims(self.arr(), axes)?))
+    }
+
+    pub fn squeeze(&self, axis: i32) -> Result<Array> {
+        self.squeeze_axes(&[axis])
+    }
+
+    pub fn squeeze_axes(&self, axes: &[i32]) -> Result<Array> {
+        Ok(Array::from_raw(ffi::squeeze(self.arr(), axes)?))
+    }
+
+    /// Merges axes `start..=end` into one.
+    pub fn flatten(&self, start: i32, end: i32) -> Result<Array> {
+        Ok(Array::from_raw(ffi::flatten(self.arr(), start, end)?))
+    }
+
+    pub fn broadcast_to(&self, shape: &[i32]) -> Result<Array> {
+        Ok(Array::from_raw(ffi::broadcast_to(self.arr(), shape)?))
+    }
+
+    /// Splits into `n` equal parts along `axis`.
+    pub fn split(&self, n: i32, axis: i32) -> Result<Vec<Array>> {
+        unpack(ffi::split_sections(self.arr(), n, axis)?)
+    }
+
+    /// Splits before each of `indices` along `axis`.
+    pub fn split_at(&self, indices: &[i32], axis: i32) -> Result<Vec<Array>> {
+        unpack(ffi::split_indices(self.arr(), indices, axis)?)
+    }
+
+    pub fn repeat(&self, repeats: i32, axis: i32) -> Result<Array> {
+        Ok(Array::from_raw(ffi::repeat(self.arr(), repeats, axis)?))
+    }
+
+    pub fn tile(&self, reps: &[i32]) -> Result<Array> {
+        Ok(Array::from_raw(ffi::tile(self.arr(), reps)?))
+    }
+
+    /// Pads `axes[i]` with `lo[i]` entries before and `hi[i]` after, filled with `value`.
+    pub fn pad(&self, axes: &[i32], lo: &[i32], hi: &[i32], value: f64) -> Result<Array> {
+        Ok(Array::from_raw(ffi::pad(self.arr(), axes, lo, hi, value)?))
+    }
+
+    /// Reverses the order of elements along `axis`.
+    pub fn flip(&self, axis: i32) -> Result<Array> {
+        Ok(Array::from_raw(ffi::flip(self.arr(), axis)?))
+    }
+
+    // --- gathers and scatters --------------------------------------------------------------
+
+    /// Slices of size `sizes` along `axes` starting at the positions held in `start` (an
+    /// integer array evaluated on the device, so the graph does not change with the offset).
+    pub fn slice_dynamic(&self, start: &Array, axes: &[i32], sizes: &[i32]) -> Result<Array> {
+        Ok(Array::from_raw(ffi::slice_dynamic(
+            self.arr(),
+            start.arr(),
+            axes,
+            sizes,
+        )?))
+    }
+
+    /// Writes `update` at the positions held in `start` along `axes`.
+    pub fn slice_update_dynamic(
+        &self,
+        update: &Array,
+        start: &Array,
+        axes: &[i32],
+    ) -> Result<Array> {
+        Ok(Array::from_raw(ffi::slice_update_dynamic(
+            self.arr(),
+            update.arr(),
+            start.arr(),
+            axes,
+        )?))
+    }
+
+    /// Gathers entries along `axis` at `indices` (NumPy `take`).
+    pub fn take(&self, indices: &Array, axis: i32) -> Result<Array> {
+        Ok(Array::from_raw(ffi::take(self.arr(), indices.arr(), axis)?))
+    }
+
+    /// Gathers from the flattened array.
+    pub fn take_flat(&self, indices: &Array) -> Result<Array> {
+        Ok(Array::from_raw(ffi::take_flat(self.arr(), indices.arr())?))
+    }
+
+    pub fn take_along_axis(&self, indices: &Array, axis: i32) -> Result<Array> {
+        Ok(Array::from_raw(ffi::take_along_axis(
+            self.arr(),
+            indices.arr(),
+            axis,
+        )?))
+    }
+
+    pub fn put_along_axis(&self, indices: &Array, values: &Array, axis: i32) -> Result<Array> {
+        Ok(Array::from_raw(ffi::put_along_axis(
+            self.arr(),
+            indices.arr(),
+            values.arr(),
+            axis,
+        )?))
+    }
+
+    /// Adds `values` at `indices` along `axis`; repeated indices accumulate.
+    pub fn scatter_add_axis(&self, indices: &Array, values: &Array, axis: i32) -> Result<Array> {
+        Ok(Array::from_raw(ffi::scatter_add_axis(
+            self.arr(),
+            indices.arr(),
+            values.arr(),
+            axis,
+        )?))
+    }
+
+    /// General scatter-add: one index array per entry of `axes` (MLX `scatter_add`).
+    pub fn scatter_add(&self, indices: &[&Array], updates: &Array, axes: &[i32]) -> Result<Array> {
+        let idx = pack(indices.iter().copied());
+        Ok(Array::from_raw(ffi::scatter_add(
+            self.arr(),
+            &idx,
+            updates.arr(),
+            axes,
+        )?))
+    }
+
+    /// General scatter (assignment): one index array per entry of `axes`.
+    pub fn scatter(&self, indices: &[&Array], updates: &Array, axes: &[i32]) -> Result<Array> {
+        let idx = pack(indices.iter().copied());
+        Ok(Array::from_raw(ffi::scatter(
+            self.arr(),
+            &idx,
+            updates.arr(),
+            axes,
+        )?))
+    }
+
+    // --- reductions, scans, sorting --------------------------------------------------------
+
+    pub fn argmax(&self, axis: i32, keepdims: bool) -> Result<Array> {
+        Ok(Array::from_raw(ffi::argmax(self.arr(), axis, keepdims)?))
+    }
+
+    pub fn argmin(&self, axis: i32, keepdims: bool) -> Result<Array> {
+        Ok(Array::from_raw(ffi::argmin(self.arr(), axis, keepdims)?))
+    }
+
+    /// Softmax over `axes`; `precise` accumulates in float32 for half-precision inputs.
+    pub fn softmax(&self, axes: &[i32], precise: bool) -> Result<Array> {
+        Ok(Array::from_raw(ffi::softmax(self.arr(), axes, precise)?))
+    }
+
+    /// `x - logsumexp(x)` along `axis`.
+    pub fn log_softmax(&self, axis: i32) -> Result<Array> {
+        self.subtract(&self.logsumexp(&[axis], true)?)
+    }
+
+    pub fn cumsum(&self, axis: i32, reverse: bool, inclusive: bool) -> Result<Array> {
+        Ok(Array::from_raw(ffi::cumsum(
+            self.arr(),
+            axis,
+            reverse,
+            inclusive,
+        )?))
+    }
+
+    pub fn cummax(&self, axis: i32, reverse: bool, inclusive: bool) -> Result<Array> {
+        Ok(Array::from_raw(ffi::cummax(
+            self.arr(),
+            axis,
+            reverse,
+            inclusive,
+        )?))
+    }
+
+    /// Ascending sort along `axis`.
+    pub fn sort(&self, axis: i32) -> Result<Array> {
+        Ok(Array::from_raw(ffi::sort(self.arr(), axis)?))
+    }
+
+    pub fn argsort(&self, axis: i32) -> Result<Array> {
+        Ok(Array::from_raw(ffi::argsort(self.arr(), axis)?))
+    }
+
+    /// Reorders so that position `kth` holds the value it would have after sorting, smaller
+    /// values before it and larger after (in no particular order).
+    pub fn partition(&self, kth: i32, axis: i32) -> Result<Array> {
+        Ok(Array::from_raw(ffi::partition(self.arr(), kth, axis)?))
+    }
+
+    pub fn argpartition(&self, kth: i32, axis: i32) -> Result<Array> {
+        Ok(Array::from_raw(ffi::argpartition(self.arr(), kth, axis)?))
+    }
+
+    /// The `k` largest values along `axis` (unordered).
+    pub fn topk(&self, k: i32, axis: i32) -> Result<Array> {
+        Ok(Array::from_raw(ffi::topk(self.arr(), k, axis)?))
+    }
+
+    // --- linear algebra and quantization ---------------------------------------------------
+
+    pub fn matmul(&self, other: &Array) -> Result<Array> {
+        Ok(Array::from_raw(ffi::matmul(self.arr(), other.arr())?))
+    }
+
+    /// `beta * self + alpha * (a @ b)`.
+    pub fn addmm(&self, a: &Array, b: &Array, alpha: f32, beta: f32) -> Result<Array> {
+        Ok(Array::from_raw(ffi::addmm(
+            self.arr(),
+            a.arr(),
+            b.arr(),
+            alpha,
+            beta,
+        )?))
+    }
+
+    /// Matrix products with matrix-level gathers: the `rhs[i]`-th matrix of `b` for each row
+    /// block (MLX `gather_mm`, the mixture-of-experts kernel).
+    pub fn gather_mm(
+        &self,
+        b: &Array,
+        lhs_indices: Option<&Array>,
+        rhs_indices: Option<&Array>,
+        sorted: bool,
+    ) -> Result<Array> {
+        // SAFETY: the pointers are null or point at arrays that outlive the call.
+        Ok(Array::from_raw(unsafe {
+            ffi::gather_mm(
+                self.arr(),
+                b.arr(),
+                ptr(lhs_indices),
+                ptr(rhs_indices),
+                sorted,
+            )?
+        }))
+    }
+}
+
+/// Affine quantization of a matrix along its last axis (MLX's `quantize`, mode "affine").
+#[derive(Debug, Clone)]
+pub struct Quantized {
+    /// Packed uint32 words.
+    pub weight: Array,
+    pub scales: Array,
+    pub biases: Array,
+    pub group_size: i32,
+    pub bits: i32,
+}
+
+impl Array {
+    pub fn quantize(&self, group_size: i32, bits: i32) -> Result<Quantized> {
+        let mut parts = unpack(ffi::quantize(self.arr(), group_size, bits)?)?;
+        if parts.len() != 3 {
+            return Err(Error::Mlx(format!(
+                "quantize returned {} arrays, expected weight, scales and biases",
+                parts.len()
+            )));
+        }
+        let biases = parts.pop().ok_or_else(|| Error::Mlx("no biases".into()))?;
+        let scales = parts.pop().ok_or_else(|| Error::Mlx("no scales".into()))?;
+        let weight = parts.pop().ok_or_else(|| Error::Mlx("no weight".into()))?;
+        Ok(Quantized {
+            weight,
+            scales,
+            biases,
+            group_size,
+            bits,
+        })
+    }
+
+    /// `self @ Wᵀ` (or `self @ W` when `transpose` is false) with a quantized `W`.
+    pub fn quantized_matmul(&self, w: &Quantized, transpose: bool) -> Result<Array> {
+        // SAFETY: the pointer points at an array that outlives the call.
+        Ok(Array::from_raw(unsafe {
+            ffi::quantized_matmul(
+                self.arr(),
+                w.weight.arr(),
+                w.scales.arr(),
+                ptr(Some(&w.biases)),
+                transpose,
+                w.group_size,
+                w.bits,
+            )?
+        }))
+    }
+
+    /// [`Array::gather_mm`] with quantized matrices.
+    pub fn gather_qmm(
+        &self,
+        w: &Quantized,
+        lhs_indices: Option<&Array>,
+        rhs_indices: Option<&Array>,
+        transpose: bool,
+        sorted: bool,
+    ) -> Result<Array> {
+        // SAFETY: the pointers are null or point at arrays that outlive the call.
+        Ok(Array::from_raw(unsafe {
+            ffi::gather_qmm(
+                self.arr(),
+                w.weight.arr(),
+                w.scales.arr(),
+                ptr(Some(&w.biases)),
+                ptr(lhs_indices),
+                ptr(rhs_indices),
+                transpose,
+                w.group_size,
+                w.bits,
+                sorted,
+            )?
+        }))
+    }
+}
+
+impl Quantized {
+    /// Back to a dense matrix.
+    pub fn dequantize(&self) -> Result<Array> {
+        // SAFETY: the pointer points at an array that outlives the call.
+        Ok(Array::from_raw(unsafe {
+            ffi::dequantize(
+                self.weight.arr(),
+                self.scales.arr(),
+                ptr(Some(&self.biases)),
+                self.group_size,
+                self.bits,
+            )?
+        }))
+    }
+}
+
+/// Joins arrays along an existing axis.
+pub fn concatenate(arrays: &[&Array], axis: i32) -> Result<Array> {
+    Ok(Array::from_raw(ffi::concatenate(
+        &pack(arrays.iter().copied()),
+        axis,
+    )?))
+}
+
+/// Joins arrays along a new axis.
+pub fn stack(arrays: &[&Array], axis: i32) -> Result<Array> {
+    Ok(Array::from_raw(ffi::stack(
+        &pack(arrays.iter().copied()),
+        axis,
+    )?))
+}
+
+/// `cond ? x : y`, element-wise with broadcasting.
+pub fn where_(cond: &Array, x: &Array, y: &Array) -> Result<Array> {
+    Ok(Array::from_raw(ffi::where_(cond.arr(), x.arr(), y.arr())?))
+}

@@ -1,0 +1,73 @@
+//! The MLX library itself: version, devices, streams, evaluation, which BLAS serves it.
+
+use crate::array::pack;
+use crate::{Array, Result};
+use mlx_sys::ffi;
+
+/// MLX's version string ("0.32.4").
+pub fn version() -> String {
+    ffi::version()
+}
+
+/// The shared object that `cblas_sgemm` resolves to, i.e. the BLAS behind float32 matmuls on
+/// the CPU (OpenBLAS when the build found it, otherwise the reference BLAS bundled with MLX).
+pub fn blas_library() -> String {
+    ffi::blas_library()
+}
+
+/// OpenBLAS's build configuration when the binary links it, else `None`.
+pub fn openblas_config() -> Option<String> {
+    Some(ffi::openblas_config()).filter(|s| !s.is_empty())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Gpu,
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Device::Cpu => "cpu",
+            Device::Gpu => "gpu",
+        })
+    }
+}
+
+pub fn gpu_available() -> bool {
+    ffi::gpu_available()
+}
+
+pub fn default_device() -> Device {
+    if ffi::default_device_is_gpu() {
+        Device::Gpu
+    } else {
+        Device::Cpu
+    }
+}
+
+pub fn set_default_device(d: Device) -> Result<()> {
+    Ok(ffi::set_default_device(d == Device::Gpu)?)
+}
+
+/// Gives the calling thread its own default stream if it has none yet. Call once at the start
+/// of a thread that will own MLX work (the engine thread, decision D3).
+pub fn init_thread() -> Result<()> {
+    Ok(ffi::init_thread()?)
+}
+
+/// Waits for everything queued on the default stream.
+pub fn synchronize() -> Result<()> {
+    Ok(ffi::synchronize()?)
+}
+
+/// Computes all of `arrays`, sharing their common subgraphs.
+pub fn eval(arrays: &[&Array]) -> Result<()> {
+    Ok(ffi::eval_all(&pack(arrays.iter().copied()))?)
+}
+
+/// Starts computing `arrays` and returns at once; reading them later waits for the result.
+pub fn async_eval(arrays: &[&Array]) -> Result<()> {
+    Ok(ffi::async_eval_all(&pack(arrays.iter().copied()))?)
+}
