@@ -35,6 +35,16 @@ pub enum RopeFreqs<'a> {
     Custom(&'a Array),
 }
 
+impl RopeFreqs<'_> {
+    /// The (base, has_base, freqs) triple the bridge takes.
+    fn parts(&self) -> (f32, bool, *const ffi::Arr) {
+        match *self {
+            RopeFreqs::Base(b) => (b, true, std::ptr::null()),
+            RopeFreqs::Custom(a) => (0.0, false, ptr(Some(a))),
+        }
+    }
+}
+
 /// Rotary position embedding of the last axis of `x` (`[B, H, L, D]`) for positions
 /// `offset .. offset + L`. `traditional` rotates adjacent pairs `(2j, 2j+1)`; otherwise the
 /// rotate-half layout `(j, j + dims/2)`. Only the first `dims` features rotate.
@@ -46,22 +56,10 @@ pub fn rope(
     scale: f32,
     offset: i32,
 ) -> Result<Array> {
-    let (base, has_base, f) = match freqs {
-        RopeFreqs::Base(b) => (b, true, None),
-        RopeFreqs::Custom(a) => (0.0, false, Some(a)),
-    };
+    let (base, has_base, f) = freqs.parts();
     // SAFETY: the pointer is null or points at an array that outlives the call.
     Ok(Array::from_raw(unsafe {
-        ffi::rope(
-            x.arr(),
-            dims,
-            traditional,
-            base,
-            has_base,
-            scale,
-            offset,
-            ptr(f),
-        )?
+        ffi::rope(x.arr(), dims, traditional, base, has_base, scale, offset, f)?
     }))
 }
 
@@ -74,10 +72,7 @@ pub fn rope_dynamic(
     scale: f32,
     offset: &Array,
 ) -> Result<Array> {
-    let (base, has_base, f) = match freqs {
-        RopeFreqs::Base(b) => (b, true, None),
-        RopeFreqs::Custom(a) => (0.0, false, Some(a)),
-    };
+    let (base, has_base, f) = freqs.parts();
     // SAFETY: the pointer is null or points at an array that outlives the call.
     Ok(Array::from_raw(unsafe {
         ffi::rope_dynamic(
@@ -88,7 +83,7 @@ pub fn rope_dynamic(
             has_base,
             scale,
             offset.arr(),
-            ptr(f),
+            f,
         )?
     }))
 }

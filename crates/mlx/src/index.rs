@@ -138,6 +138,34 @@ struct Plan {
     new_axes: Vec<i32>,
 }
 
+impl Plan {
+    /// The (start, stop, stride) vectors MLX's slice and slice_update take.
+    fn bounds(&self) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+        (
+            self.axes.iter().map(|a| a.start).collect(),
+            self.axes.iter().map(|a| a.stop).collect(),
+            self.axes.iter().map(|a| a.step).collect(),
+        )
+    }
+
+    /// Axes indexed by a single position.
+    fn squeezed(&self) -> Vec<i32> {
+        (0..self.axes.len() as i32)
+            .filter(|&i| self.axes[i as usize].squeeze)
+            .collect()
+    }
+
+    /// Reverses the axes that a negative step selected back to front.
+    fn flip(&self, mut a: Array) -> Result<Array> {
+        for (axis, p) in self.axes.iter().enumerate() {
+            if p.flip {
+                a = a.flip(axis as i32)?;
+            }
+        }
+        Ok(a)
+    }
+}
+
 fn plan(shape: &[i32], index: &[Ix]) -> Result<Plan> {
     let consumed = index
         .iter()
@@ -229,22 +257,14 @@ impl Array {
     pub fn index(&self, index: &[Ix]) -> Result<Array> {
         let shape = self.shape();
         let plan = plan(&shape, index)?;
-        let start: Vec<i32> = plan.axes.iter().map(|a| a.start).collect();
-        let stop: Vec<i32> = plan.axes.iter().map(|a| a.stop).collect();
-        let step: Vec<i32> = plan.axes.iter().map(|a| a.step).collect();
-        let mut out = Array::from_raw(ffi::slice(self.arr(), &start, &stop, &step)?);
-        for (axis, a) in plan.axes.iter().enumerate() {
-            if a.flip {
-                out = out.flip(axis as i32)?;
-            }
-        }
-        let squeeze: Vec<i32> = plan
-            .axes
-            .iter()
-            .enumerate()
-            .filter(|(_, a)| a.squeeze)
-            .map(|(i, _)| i as i32)
-            .collect();
+        let (start, stop, step) = plan.bounds();
+        let mut out = plan.flip(Array::from_raw(ffi::slice(
+            self.arr(),
+            &start,
+            &stop,
+            &step,
+        )?))?;
+        let squeeze = plan.squeezed();
         if !squeeze.is_empty() {
             out = out.squeeze_axes(&squeeze)?;
         }
@@ -298,25 +318,12 @@ impl Array {
             .map(|(_, &n)| n)
             .collect();
         let mut upd = update.broadcast_to(&kept)?;
-        let squeezed: Vec<i32> = plan
-            .axes
-            .iter()
-            .enumerate()
-            .filter(|(_, a)| a.squeeze)
-            .map(|(i, _)| i as i32)
-            .collect();
+        let squeezed = plan.squeezed();
         if !squeezed.is_empty() {
             upd = upd.expand_dims_axes(&squeezed)?;
         }
-        for (axis, a) in plan.axes.iter().enumerate() {
-            if a.flip {
-                upd = upd.flip(axis as i32)?;
-            }
-        }
-        let upd = upd.astype(self.dtype())?;
-        let start: Vec<i32> = plan.axes.iter().map(|a| a.start).collect();
-        let stop: Vec<i32> = plan.axes.iter().map(|a| a.stop).collect();
-        let step: Vec<i32> = plan.axes.iter().map(|a| a.step).collect();
+        let upd = plan.flip(upd)?.astype(self.dtype())?;
+        let (start, stop, step) = plan.bounds();
         Ok(Array::from_raw(ffi::slice_update(
             self.arr(),
             upd.arr(),
