@@ -1,0 +1,164 @@
+//! Caches that keep every position: full attention (keys + values) and MLA (one latent array).
+
+use crate::{time_len, AttnMask, CacheError, Result, STEP};
+use mlx::{Array, Ix};
+
+/// A `[B, H, T, D]` buffer that grows along time in steps of [`STEP`] and holds `len` valid
+/// positions `0..len` in order.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Growing {
+    data: Option<Array>,
+    len: usize,
+}
+
+impl Growing {
+    fn capacity(&self) -> usize {
+        self.data.as_ref().map_or(0, |d| d.shape()[2] as usize)
+    }
+
+    /// Writes `x` (`[B, H, L, D]`) at positions `len..len+L` and returns the valid view.
+    pub(crate) fn append(&mut self, x: &Array) -> Result<Array> {
+        let l = time_len(x)?;
+        let end = self.len + l;
+        if end > self.capacity() {
+            let s = x.shape();
+            // The new buffer holds the valid prefix plus room up to the next step boundary.
+            let fresh_len = end.div_ceil(STEP) * STEP - self.len;
+            let fresh = Array::zeros(&[s[0], s[1], fresh_len as i32, s[3]], x.dtype())?;
+            self.data = Some(match &self.data {
+                // Keep only the valid prefix: positions past `len` were rewound away.
+                Some(d) => {
+                    let kept = d.index(&[
+                        Ix::full(),
+                        Ix::full(),
+                        Ix::slice(None, Some(self.len as i32), 1),
+                    ])?;
+                    mlx::concatenate(&[&kept, &fresh], 2)?
+                }
+                None => fresh,
+            });
+        }
+        let data = self.data.as_ref().ok_or_else(|| CacheError::Shape {
+            got: "no buffer".into(),
+        })?;
+        let updated = data.slice_update(
+            x,
+            &[
+                Ix::full(),
+                Ix::full(),
+                Ix::slice(Some(self.len as i32), Some(end as i32), 1),
+            ],
+        )?;
+        self.data = Some(updated);
+        self.len = end;
+        self.view()
+    }
+
+    pub(crate) fn view(&self) -> Result<Array> {
+        match &self.data {
+            Some(d) => Ok(d.index(&[
+                Ix::full(),
+                Ix::full(),
+                Ix::slice(None, Some(self.len as i32), 1),
+            ])?),
+            None => Err(CacheError::Shape {
+                got: "empty cache".into(),
+            }),
+        }
+    }
+
+    pub(crate) fn rewind(&mut self, n: usize) -> Result<()> {
+        if n > self.len {
+            return Err(CacheError::Rewind {
+                n,
+                why: format!("the cache holds only {} tokens", self.len),
+            });
+        }
+        self.len -= n;
+        Ok(())
+    }
+
+    pub(crate) fn nbytes(&self) -> usize {
+        self.data.as_ref().map_or(0, Array::nbytes)
+    }
+}
+
+/// Keys and values of a full-attention layer: every position is kept.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    keys: Growing,
+    values: Growing,
+}
+
+impl KvCache {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends `[B, H, L, D]` keys and values; returns all keys and values so far.
+    pub fn update(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        Ok((self.keys.append(keys)?, self.values.append(values)?))
+    }
+
+    /// The mask for the `l` queries of the last update: keys are positions `0..offset`, the
+    /// queries the last `l` of them, so a lower-right causal mask is exact.
+    pub fn mask(&self, l: usize) -> AttnMask {
+        if l <= 1 {
+            AttnMask::None
+        } else {
+            AttnMask::Causal
+        }
+    }
+
+    pub fn offset(&self) -> usize {
+        self.keys.len
+    }
+
+    /// Forgets the last `n` tokens.
+    pub fn rewind(&mut self, n: usize) -> Result<()> {
+        self.keys.rewind(n)?;
+        self.values.rewind(n)
+    }
+
+    pub fn nbytes(&self) -> usize {
+        self.keys.nbytes() + self.values.nbytes()
+    }
+}
+
+/// MLA's cache: per token one row holding the normalised latent `c` and the rotated rope key
+/// (`kv_lora_rank + qk_rope_head_dim` values, shared by all heads), stored as `[B, 1, T, r+dr]`.
+#[derive(Debug, Clone, Default)]
+pub struct LatentCache {
+    rows: Growing,
+}
+
+impl LatentCache {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends `[B, 1, L, r+dr]` rows; returns all rows so far.
+    pub fn update(&mut self, rows: &Array) -> Result<Array> {
+        self.rows.append(rows)
+    }
+
+    pub fn mask(&self, l: usize) -> AttnMask {
+        if l <= 1 {
+            AttnMask::None
+        } else {
+            AttnMask::Causal
+        }
+    }
+
+    pub fn offset(&self) -> usize {
+        self.rows.len
+    }
+
+    pub fn rewind(&mut self, n: usize) -> Result<()> {
+        self.rows.rewind(n)
+    }
+
+    pub fn nbytes(&self) -> usize {
+        self.rows.nbytes()
+    }
+}

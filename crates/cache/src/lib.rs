@@ -1,0 +1,81 @@
+//! Attention caches, owned by the caller and passed into a model's forward call (STYLE.md: the
+//! model is weights plus a function; the runner owns the state, so that the prefix tree,
+//! snapshots and speculation rollback can manipulate it).
+//!
+//! Three kinds, all storing `[B, H, T, D]` arrays with time on axis 2:
+//! - [`KvCache`]: keys and values of full-attention layers, growing in steps;
+//! - [`RotatingKvCache`]: keys and values of sliding-window layers, bounded by the window;
+//! - [`LatentCache`]: one array per layer, for MLA's compressed latent plus rope key.
+//!
+//! Every cache has an explicit `offset` (tokens seen) and `rewind(n)`.
+
+mod growing;
+mod mask;
+mod rotating;
+
+pub use growing::{KvCache, LatentCache};
+pub use mask::AttnMask;
+pub use rotating::RotatingKvCache;
+
+/// Errors of cache bookkeeping (MLX errors pass through).
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    #[error(transparent)]
+    Mlx(#[from] mlx::Error),
+    #[error("cannot rewind {n} tokens: {why}")]
+    Rewind { n: usize, why: String },
+    #[error("cache update with {got} tokens, expected a [B, H, L, D] array")]
+    Shape { got: String },
+}
+
+pub type Result<T> = std::result::Result<T, CacheError>;
+
+/// Allocation granularity along time, as in mlx-lm: growing by a step at a time keeps the
+/// number of reallocations (each a copy of the whole buffer) logarithmic-free and small.
+pub const STEP: usize = 256;
+
+/// One layer's cache, of whichever kind the layer needs.
+#[derive(Debug, Clone)]
+pub enum LayerCache {
+    Kv(KvCache),
+    Rotating(RotatingKvCache),
+    Latent(LatentCache),
+}
+
+impl LayerCache {
+    pub fn offset(&self) -> usize {
+        match self {
+            LayerCache::Kv(c) => c.offset(),
+            LayerCache::Rotating(c) => c.offset(),
+            LayerCache::Latent(c) => c.offset(),
+        }
+    }
+
+    pub fn rewind(&mut self, n: usize) -> Result<()> {
+        match self {
+            LayerCache::Kv(c) => c.rewind(n),
+            LayerCache::Rotating(c) => c.rewind(n),
+            LayerCache::Latent(c) => c.rewind(n),
+        }
+    }
+
+    /// Bytes held by the cache's buffers (allocated, not just filled).
+    pub fn nbytes(&self) -> usize {
+        match self {
+            LayerCache::Kv(c) => c.nbytes(),
+            LayerCache::Rotating(c) => c.nbytes(),
+            LayerCache::Latent(c) => c.nbytes(),
+        }
+    }
+}
+
+/// The time length of a `[B, H, L, D]` update.
+pub(crate) fn time_len(x: &mlx::Array) -> Result<usize> {
+    let s = x.shape();
+    if s.len() != 4 {
+        return Err(CacheError::Shape {
+            got: format!("{s:?}"),
+        });
+    }
+    Ok(s[2] as usize)
+}

@@ -1,0 +1,262 @@
+//! The sliding-window cache.
+//!
+//! The buffer always holds a run of consecutive positions `offset - count .. offset`, laid out as
+//! a rotation of its `S` slots starting at slot `start`. Single-token writes go into the ring
+//! (overwriting the oldest token once `capacity` slots are full); a batched write of `L` tokens
+//! first linearises the buffer, keeping `capacity - 1` old tokens (`window - 1` without slack,
+//! exactly what the first new query can see), and appends the `L` new ones, with an explicit
+//! window mask, so that a batched write equals `L` single steps.
+//!
+//! `capacity = window + slack`: the slack keeps history past the window so that speculation can
+//! rewind tokens that were written into the ring. mlx-lm's `RotatingKVCache` refuses to trim
+//! once it has wrapped (and then silently keeps rejected draft tokens, MODELS.md §4); here a
+//! rewind succeeds whenever the tokens the next query needs are still held, and is an error
+//! otherwise, never a silent divergence.
+
+use crate::{time_len, AttnMask, CacheError, Result, STEP};
+use mlx::{Array, Ix};
+
+#[derive(Debug, Clone)]
+pub struct RotatingKvCache {
+    window: usize,
+    capacity: usize,
+    keys: Option<Array>,
+    values: Option<Array>,
+    /// Slot of the oldest held token.
+    start: usize,
+    /// Tokens held.
+    count: usize,
+    /// Tokens seen; the next token's position.
+    offset: usize,
+}
+
+fn time(a: &Array, start: usize, end: usize) -> Result<Array> {
+    Ok(a.index(&[
+        Ix::full(),
+        Ix::full(),
+        Ix::slice(Some(start as i32), Some(end as i32), 1),
+    ])?)
+}
+
+impl RotatingKvCache {
+    /// A cache for a layer whose queries see at most `window` keys (including themselves).
+    pub fn new(window: usize) -> Self {
+        Self::with_slack(window, 0)
+    }
+
+    /// As [`RotatingKvCache::new`], keeping `slack` extra tokens of history so that up to
+    /// `slack + 1` ring-written tokens can be rewound.
+    pub fn with_slack(window: usize, slack: usize) -> Self {
+        let window = window.max(1);
+        RotatingKvCache {
+            window,
+            capacity: window + slack,
+            keys: None,
+            values: None,
+            start: 0,
+            count: 0,
+            offset: 0,
+        }
+    }
+
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    fn slots(&self) -> usize {
+        self.keys.as_ref().map_or(0, |k| k.shape()[2] as usize)
+    }
+
+    pub fn nbytes(&self) -> usize {
+        self.keys.as_ref().map_or(0, Array::nbytes) + self.values.as_ref().map_or(0, Array::nbytes)
+    }
+
+    /// The last `keep` held tokens of `a` in time order, followed by `pad` empty slots.
+    fn linear(&self, a: &Array, keep: usize, pad: usize) -> Result<Array> {
+        let s = self.slots();
+        let first = self.start + self.count - keep; // logical index of the first kept token
+        let parts: Vec<Array> = if keep == 0 {
+            vec![]
+        } else if first >= s {
+            vec![time(a, first - s, first - s + keep)?]
+        } else if first + keep <= s {
+            vec![time(a, first, first + keep)?]
+        } else {
+            vec![time(a, first, s)?, time(a, 0, first + keep - s)?]
+        };
+        let mut parts = parts;
+        if pad > 0 {
+            let sh = a.shape();
+            parts.push(Array::zeros(&[sh[0], sh[1], pad as i32, sh[3]], a.dtype())?);
+        }
+        let refs: Vec<&Array> = parts.iter().collect();
+        Ok(match refs.len() {
+            1 => parts[0].clone(),
+            _ => mlx::concatenate(&refs, 2)?,
+        })
+    }
+
+    /// Rewrites the buffers as the last `keep` tokens in time order plus `pad` empty slots.
+    fn relinearize(&mut self, keep: usize, pad: usize) -> Result<()> {
+        if let (Some(k), Some(v)) = (&self.keys, &self.values) {
+            let (k, v) = (self.linear(k, keep, pad)?, self.linear(v, keep, pad)?);
+            self.keys = Some(k);
+            self.values = Some(v);
+        }
+        self.start = 0;
+        self.count = keep;
+        Ok(())
+    }
+
+    /// Writes `[B, H, L, D]` keys and values for the next `L` positions; returns the keys and
+    /// values attention should see, in slot order (use [`RotatingKvCache::mask`] with them).
+    pub fn update(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        let l = time_len(keys)?;
+        if l == 1 {
+            self.write_one(keys, values)?;
+        } else {
+            self.write_many(keys, values, l)?;
+        }
+        self.offset += l;
+        self.view()
+    }
+
+    fn write_one(&mut self, k: &Array, v: &Array) -> Result<()> {
+        if self.keys.is_none() {
+            let sh = k.shape();
+            let n = self.capacity.min(STEP) as i32;
+            self.keys = Some(Array::zeros(&[sh[0], sh[1], n, sh[3]], k.dtype())?);
+            self.values = Some(Array::zeros(&[sh[0], sh[1], n, v.shape()[3]], v.dtype())?);
+        }
+        if self.slots() > self.capacity {
+            // A batched write left more than the ring holds: drop the oldest.
+            self.relinearize(
+                self.count.min(self.capacity - 1),
+                self.capacity - self.count.min(self.capacity - 1),
+            )?;
+        }
+        let s = self.slots();
+        let slot = if self.count < s {
+            self.count += 1;
+            (self.start + self.count - 1) % s
+        } else if s < self.capacity {
+            let grow = STEP.min(self.capacity - s);
+            self.relinearize(self.count, grow)?;
+            self.count += 1;
+            self.count - 1
+        } else {
+            let slot = self.start;
+            self.start = (self.start + 1) % s;
+            slot
+        };
+        let at = [
+            Ix::full(),
+            Ix::full(),
+            Ix::slice(Some(slot as i32), Some(slot as i32 + 1), 1),
+        ];
+        let (keys, values) = (self.keys.as_ref(), self.values.as_ref());
+        if let (Some(keys), Some(values)) = (keys, values) {
+            let (nk, nv) = (keys.slice_update(k, &at)?, values.slice_update(v, &at)?);
+            self.keys = Some(nk);
+            self.values = Some(nv);
+        }
+        Ok(())
+    }
+
+    fn write_many(&mut self, k: &Array, v: &Array, l: usize) -> Result<()> {
+        let keep = self.count.min(self.capacity - 1);
+        let (nk, nv) = match (&self.keys, &self.values) {
+            (Some(ok), Some(ov)) if keep > 0 => {
+                let (ok, ov) = (self.linear(ok, keep, 0)?, self.linear(ov, keep, 0)?);
+                (
+                    mlx::concatenate(&[&ok, k], 2)?,
+                    mlx::concatenate(&[&ov, v], 2)?,
+                )
+            }
+            _ => (k.clone(), v.clone()),
+        };
+        self.keys = Some(nk);
+        self.values = Some(nv);
+        self.start = 0;
+        self.count = keep + l;
+        Ok(())
+    }
+
+    /// The held keys and values in slot order: the filled prefix when the buffer is linear,
+    /// the whole ring otherwise.
+    fn view(&self) -> Result<(Array, Array)> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Err(CacheError::Shape {
+                got: "empty cache".into(),
+            });
+        };
+        if self.start == 0 {
+            Ok((time(k, 0, self.count)?, time(v, 0, self.count)?))
+        } else {
+            Ok((k.clone(), v.clone()))
+        }
+    }
+
+    /// Positions of the slots [`RotatingKvCache::update`] returned (`-1` for an empty slot).
+    pub fn key_positions(&self) -> Vec<i32> {
+        let s = self.slots();
+        let base = (self.offset - self.count) as i32;
+        if self.start == 0 {
+            return (0..self.count as i32).map(|i| base + i).collect();
+        }
+        (0..s)
+            .map(|slot| {
+                let logical = (slot + s - self.start) % s;
+                if logical < self.count {
+                    base + logical as i32
+                } else {
+                    -1
+                }
+            })
+            .collect()
+    }
+
+    /// The mask for the `l` queries of the last update (positions `offset - l .. offset`).
+    pub fn mask(&self, l: usize) -> Result<AttnMask> {
+        // One query over keys that are all held and all inside its window sees every key (their
+        // order in the buffer does not matter to attention).
+        if l == 1 && self.count <= self.window && (self.start == 0 || self.count == self.slots()) {
+            return Ok(AttnMask::None);
+        }
+        Ok(AttnMask::from_positions(
+            &self.key_positions(),
+            (self.offset - l) as i32,
+            l as i32,
+            Some(self.window as i32),
+        )?)
+    }
+
+    /// Forgets the last `n` tokens. Fails, changing nothing, when the tokens the next query
+    /// would need were already overwritten.
+    pub fn rewind(&mut self, n: usize) -> Result<()> {
+        if n > self.count {
+            return Err(CacheError::Rewind {
+                n,
+                why: format!("the cache holds only {} tokens", self.count),
+            });
+        }
+        let needed = (self.window - 1).min(self.offset - n);
+        if self.count - n < needed {
+            return Err(CacheError::Rewind {
+                n,
+                why: format!(
+                    "the sliding window needs the {needed} tokens before position {}, but only {} are still held (raise the cache's slack)",
+                    self.offset - n,
+                    self.count - n
+                ),
+            });
+        }
+        self.count -= n;
+        self.offset -= n;
+        Ok(())
+    }
+}

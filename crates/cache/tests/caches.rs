@@ -1,0 +1,193 @@
+//! Caches against the definition: attention over what a cache returns, with its mask, must equal
+//! attention over the full history with a causal (and window) mask, for any sequence of batched
+//! writes, single writes and rewinds.
+
+use cache::{AttnMask, KvCache, LatentCache, RotatingKvCache};
+use mlx::fast::scaled_dot_product_attention;
+use mlx::{Array, Dtype, Ix};
+use proptest::prelude::*;
+
+const D: i32 = 4;
+
+/// Deterministic keys/values/queries for positions `start..start+l`, `[1, 1, l, D]`.
+fn rows(start: usize, l: usize, salt: u32) -> Array {
+    let v: Vec<f32> = (0..l * D as usize)
+        .map(|i| {
+            let p = (start * D as usize + i) as u32;
+            let h = p
+                .wrapping_mul(2654435761)
+                .wrapping_add(salt.wrapping_mul(40503));
+            (h % 1000) as f32 / 500.0 - 1.0
+        })
+        .collect();
+    Array::from_slice(&v, &[1, 1, l as i32, D]).unwrap()
+}
+
+fn f32s(a: &Array) -> Vec<f32> {
+    a.astype(Dtype::F32).unwrap().to_vec().unwrap()
+}
+
+/// Attention of queries at `start..start+l` over the whole history `0..start+l`.
+fn reference(start: usize, l: usize, window: Option<usize>) -> Vec<f32> {
+    let end = start + l;
+    let (k, v, q) = (rows(0, end, 1), rows(0, end, 2), rows(start, l, 3));
+    let pos: Vec<i32> = (0..end as i32).collect();
+    let m =
+        AttnMask::from_positions(&pos, start as i32, l as i32, window.map(|w| w as i32)).unwrap();
+    f32s(&scaled_dot_product_attention(&q, &k, &v, 0.5, m.as_sdpa(), None).unwrap())
+}
+
+fn close(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-5)
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Write(usize),
+    Rewind(usize),
+}
+
+fn ops() -> impl Strategy<Value = Vec<Op>> {
+    prop::collection::vec(
+        prop_oneof![
+            4 => Just(Op::Write(1)),
+            2 => (2usize..12).prop_map(Op::Write),
+            1 => (1usize..4).prop_map(Op::Rewind),
+        ],
+        1..40,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn rotating_cache_equals_full_history(window in 1usize..7, slack in 0usize..4, ops in ops()) {
+        let mut c = RotatingKvCache::with_slack(window, slack);
+        for op in ops {
+            match op {
+                Op::Write(l) => {
+                    let start = c.offset();
+                    let (k, v) = c.update(&rows(start, l, 1), &rows(start, l, 2)).unwrap();
+                    let m = c.mask(l).unwrap();
+                    let got = f32s(&scaled_dot_product_attention(&rows(start, l, 3), &k, &v, 0.5, m.as_sdpa(), None).unwrap());
+                    prop_assert!(close(&got, &reference(start, l, Some(window))), "write {l} at {start}");
+                }
+                Op::Rewind(n) => {
+                    let before = c.offset();
+                    if c.rewind(n).is_ok() {
+                        prop_assert_eq!(c.offset(), before - n);
+                    } else {
+                        // A refused rewind changes nothing.
+                        prop_assert_eq!(c.offset(), before);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn kv_cache_equals_full_history(ops in ops()) {
+        let mut c = KvCache::new();
+        for op in ops {
+            match op {
+                Op::Write(l) => {
+                    let start = c.offset();
+                    let (k, v) = c.update(&rows(start, l, 1), &rows(start, l, 2)).unwrap();
+                    let got = f32s(&scaled_dot_product_attention(&rows(start, l, 3), &k, &v, 0.5, c.mask(l).as_sdpa(), None).unwrap());
+                    prop_assert!(close(&got, &reference(start, l, None)));
+                }
+                Op::Rewind(n) => {
+                    let n = n.min(c.offset());
+                    let before = c.offset();
+                    c.rewind(n).unwrap();
+                    prop_assert_eq!(c.offset(), before - n);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn batched_write_equals_single_steps() {
+    let (window, total) = (4, 11);
+    let mut batched = RotatingKvCache::new(window);
+    let mut single = RotatingKvCache::new(window);
+    batched.update(&rows(0, 3, 1), &rows(0, 3, 2)).unwrap();
+    for p in 0..3 {
+        single.update(&rows(p, 1, 1), &rows(p, 1, 2)).unwrap();
+    }
+    let (k, v) = batched
+        .update(&rows(3, total - 3, 1), &rows(3, total - 3, 2))
+        .unwrap();
+    let m = batched.mask(total - 3).unwrap();
+    let got = f32s(
+        &scaled_dot_product_attention(&rows(3, total - 3, 3), &k, &v, 0.5, m.as_sdpa(), None)
+            .unwrap(),
+    );
+    let mut want = Vec::new();
+    for p in 3..total {
+        let (k, v) = single.update(&rows(p, 1, 1), &rows(p, 1, 2)).unwrap();
+        let m = single.mask(1).unwrap();
+        want.extend(f32s(
+            &scaled_dot_product_attention(&rows(p, 1, 3), &k, &v, 0.5, m.as_sdpa(), None).unwrap(),
+        ));
+    }
+    assert!(close(&got, &want));
+    // The ring never holds more than the window once single steps run.
+    assert!(single.key_positions().len() <= window);
+}
+
+#[test]
+fn rotating_rewind_limits() {
+    // No slack: after the ring wraps, one token can be rewound, not two.
+    let mut c = RotatingKvCache::new(4);
+    for p in 0..10 {
+        c.update(&rows(p, 1, 1), &rows(p, 1, 2)).unwrap();
+    }
+    let e = c.rewind(2).unwrap_err().to_string();
+    assert!(e.contains("cannot rewind 2 tokens"), "{e}");
+    assert_eq!(c.offset(), 10);
+    c.rewind(1).unwrap();
+    assert_eq!(c.offset(), 9);
+    // With slack 3, up to 4 ring-written tokens can go.
+    let mut c = RotatingKvCache::with_slack(4, 3);
+    for p in 0..20 {
+        c.update(&rows(p, 1, 1), &rows(p, 1, 2)).unwrap();
+    }
+    c.rewind(4).unwrap();
+    assert!(c.rewind(1).is_err());
+    // Early on, everything is held and any rewind within the offset works.
+    let mut c = RotatingKvCache::new(8);
+    c.update(&rows(0, 5, 1), &rows(0, 5, 2)).unwrap();
+    c.rewind(5).unwrap();
+    assert_eq!(c.offset(), 0);
+    assert!(c.rewind(1).is_err());
+}
+
+#[test]
+fn kv_cache_grows_past_a_step_and_rewinds() {
+    let mut c = KvCache::new();
+    c.update(&rows(0, 300, 1), &rows(0, 300, 2)).unwrap();
+    let (k, _) = c.update(&rows(300, 1, 1), &rows(300, 1, 2)).unwrap();
+    assert_eq!(k.shape(), vec![1, 1, 301, D]);
+    assert_eq!(f32s(&k), f32s(&rows(0, 301, 1)));
+    c.rewind(101).unwrap();
+    let (k, _) = c.update(&rows(200, 2, 1), &rows(200, 2, 2)).unwrap();
+    assert_eq!(f32s(&k), f32s(&rows(0, 202, 1)));
+    assert!(c.rewind(500).is_err());
+    assert!(c.nbytes() >= 512 * 4 * 4);
+}
+
+#[test]
+fn latent_cache_appends_rows() {
+    let mut c = LatentCache::new();
+    c.update(&rows(0, 3, 1)).unwrap();
+    let all = c.update(&rows(3, 1, 1)).unwrap();
+    assert_eq!(f32s(&all), f32s(&rows(0, 4, 1)));
+    c.rewind(2).unwrap();
+    assert_eq!(c.offset(), 2);
+    assert!(matches!(c.mask(1), AttnMask::None));
+    assert!(matches!(c.mask(3), AttnMask::Causal));
+    let _ = Ix::full();
+}
