@@ -24,7 +24,7 @@ pub use dtype::{Dtype, Element};
 pub use error::{Error, Result};
 pub use fast::SdpaMask;
 pub use index::Ix;
-pub use ops::{concatenate, stack, where_};
+pub use ops::{concatenate, stack, where_, Quantized};
 pub use runtime::{
     async_eval, blas_library, default_device, eval, gpu_available, init_thread, openblas_config,
     set_default_device, synchronize, version, Device,

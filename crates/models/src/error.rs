@@ -1,0 +1,37 @@
+use std::path::PathBuf;
+
+/// Why a model could not be loaded or run. Every variant names what is wrong (the file, the
+/// field, the tensor), so the CLI can print it as one line.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Config { path: PathBuf, message: String },
+    #[error("unknown architecture {model_type:?} in {path} (supported: gemma4, gemma4_text, glm4_moe_lite)")]
+    UnknownArchitecture { path: PathBuf, model_type: String },
+    #[error("missing tensor {name} (looked in {dir})")]
+    MissingTensor { name: String, dir: PathBuf },
+    #[error("tensor {name} has shape {got:?}, but the config implies {expected:?}")]
+    Shape {
+        name: String,
+        expected: Vec<i32>,
+        got: Vec<i32>,
+    },
+    #[error("tensor {name}: {message}")]
+    Tensor { name: String, message: String },
+    #[error("tokenizer {path}: {message}")]
+    Tokenizer { path: PathBuf, message: String },
+    #[error(transparent)]
+    Mlx(#[from] mlx::Error),
+    #[error(transparent)]
+    Cache(#[from] cache::CacheError),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T> = std::result::Result<T, ModelError>;

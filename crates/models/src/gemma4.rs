@@ -1,0 +1,832 @@
+//! gemma4 text models (MODELS.md §1): E2B/E4B with per-layer embeddings and KV-shared layers,
+//! 31B with k_eq_v full layers, and the 26B MoE form with experts beside the dense MLP.
+//!
+//! Reads top to bottom in the order data flows: config, attention, MLP and MoE, decoder layer,
+//! the model. The model holds weights only; caches are passed in (one per non-shared layer).
+
+use crate::config::JsonFile;
+use crate::nn::{gelu_tanh, norm, Embedding, Experts, Linear, Rope};
+use crate::weights::{Vb, Weights};
+use crate::{CausalLm, ModelError, Result};
+use cache::{AttnMask, KvCache, LayerCache, RotatingKvCache};
+use mlx::fast::scaled_dot_product_attention;
+use mlx::{Array, Ix};
+use serde::Deserialize;
+use serde_json::Value;
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
+
+// ------------------------------------------------------------------------------------------
+// Config
+// ------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Deserialize)]
+struct RopeParams {
+    rope_type: Option<String>,
+    rope_theta: Option<f32>,
+    partial_rotary_factor: Option<f32>,
+    factor: Option<f32>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct PerLayer {
+    head_dim: Option<i32>,
+    num_key_value_heads: Option<i32>,
+}
+
+/// `text_config` of a `gemma4` checkpoint, or the whole config of `gemma4_text`. Both spellings
+/// the ecosystem writes are accepted (MODELS.md §1.1: `global_head_dim` /
+/// `num_global_key_value_heads` or transformers' `per_layer_config`; `layer_types` or a window
+/// pattern; `rope_parameters` or `rope_theta`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct Gemma4Config {
+    pub hidden_size: i32,
+    pub num_hidden_layers: i32,
+    pub intermediate_size: i32,
+    pub num_attention_heads: i32,
+    #[serde(default = "one")]
+    pub num_key_value_heads: i32,
+    #[serde(default = "d256")]
+    pub head_dim: i32,
+    pub global_head_dim: Option<i32>,
+    pub num_global_key_value_heads: Option<i32>,
+    per_layer_config: Option<HashMap<String, PerLayer>>,
+    pub vocab_size: i32,
+    #[serde(default = "eps6")]
+    pub rms_norm_eps: f32,
+    pub sliding_window: i32,
+    layer_types: Option<Vec<String>>,
+    sliding_window_pattern: Option<i32>,
+    #[serde(default)]
+    pub num_kv_shared_layers: i32,
+    pub hidden_size_per_layer_input: Option<i32>,
+    pub vocab_size_per_layer_input: Option<i32>,
+    #[serde(default)]
+    pub use_double_wide_mlp: bool,
+    #[serde(default)]
+    pub attention_k_eq_v: bool,
+    #[serde(default)]
+    pub enable_moe_block: bool,
+    pub num_experts: Option<i32>,
+    pub top_k_experts: Option<i32>,
+    pub moe_intermediate_size: Option<i32>,
+    pub final_logit_softcapping: Option<f32>,
+    #[serde(default = "ctx")]
+    pub max_position_embeddings: usize,
+    #[serde(default = "yes")]
+    pub tie_word_embeddings: bool,
+    rope_parameters: Option<HashMap<String, RopeParams>>,
+    rope_theta: Option<f32>,
+}
+
+fn one() -> i32 {
+    1
+}
+fn d256() -> i32 {
+    256
+}
+fn eps6() -> f32 {
+    1e-6
+}
+fn ctx() -> usize {
+    131072
+}
+fn yes() -> bool {
+    true
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LayerKind {
+    Sliding,
+    Full,
+}
+
+/// Everything a layer's shape depends on, resolved from the config.
+#[derive(Debug, Clone)]
+pub struct LayerSpec {
+    pub kind: LayerKind,
+    pub head_dim: i32,
+    pub kv_heads: i32,
+    /// The earlier layer whose K/V this KV-shared layer reads.
+    pub shared_from: Option<usize>,
+    /// k_eq_v full layers reuse the raw key projection as values.
+    pub k_eq_v: bool,
+    pub intermediate: i32,
+}
+
+impl Gemma4Config {
+    /// Reads the text config from `config.json` (`gemma4` wrapper or `gemma4_text`).
+    pub fn from_file(file: &JsonFile) -> Result<Gemma4Config> {
+        let text = file.value.get("text_config").unwrap_or(&file.value);
+        let mut cfg: Gemma4Config = file.parse(text)?;
+        if cfg.vocab_size <= 0 {
+            if let Some(v) = file.value.get("vocab_size").and_then(Value::as_i64) {
+                cfg.vocab_size = v as i32;
+            }
+        }
+        cfg.validate().map_err(|m| file.error(m))?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> std::result::Result<(), String> {
+        let positive = [
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("intermediate_size", self.intermediate_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("vocab_size", self.vocab_size),
+            ("sliding_window", self.sliding_window),
+        ];
+        for (name, v) in positive {
+            if v <= 0 {
+                return Err(format!("{name} must be positive, got {v}"));
+            }
+        }
+        if let Some(t) = &self.layer_types {
+            if t.len() != self.num_hidden_layers as usize {
+                return Err(format!(
+                    "layer_types has {} entries for {} layers",
+                    t.len(),
+                    self.num_hidden_layers
+                ));
+            }
+            if let Some(bad) = t
+                .iter()
+                .find(|s| *s != "sliding_attention" && *s != "full_attention")
+            {
+                return Err(format!("layer_types: unknown layer type {bad:?}"));
+            }
+        }
+        if self.num_kv_shared_layers < 0 || self.num_kv_shared_layers >= self.num_hidden_layers {
+            return Err(format!(
+                "num_kv_shared_layers must be in [0, num_hidden_layers), got {}",
+                self.num_kv_shared_layers
+            ));
+        }
+        if self.enable_moe_block {
+            for (name, v) in [
+                ("num_experts", self.num_experts),
+                ("top_k_experts", self.top_k_experts),
+                ("moe_intermediate_size", self.moe_intermediate_size),
+            ] {
+                if v.unwrap_or(0) <= 0 {
+                    return Err(format!("enable_moe_block needs a positive {name}"));
+                }
+            }
+            if self.top_k_experts > self.num_experts {
+                return Err("top_k_experts exceeds num_experts".into());
+            }
+        }
+        let specs = self.layer_specs()?;
+        for (i, s) in specs.iter().enumerate() {
+            if self.num_attention_heads % s.kv_heads != 0 {
+                return Err(format!(
+                    "layer {i}: num_attention_heads {} is not a multiple of its {} KV heads",
+                    self.num_attention_heads, s.kv_heads
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn layer_kinds(&self) -> Vec<LayerKind> {
+        let n = self.num_hidden_layers as usize;
+        match &self.layer_types {
+            Some(t) => t
+                .iter()
+                .map(|s| {
+                    if s == "full_attention" {
+                        LayerKind::Full
+                    } else {
+                        LayerKind::Sliding
+                    }
+                })
+                .collect(),
+            None => {
+                // mlx-lm's fallback: (pattern - 1) sliding layers, then one full layer.
+                let p = self.sliding_window_pattern.unwrap_or(5).max(1) as usize;
+                (0..n)
+                    .map(|i| {
+                        if (i + 1) % p == 0 {
+                            LayerKind::Full
+                        } else {
+                            LayerKind::Sliding
+                        }
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    pub fn ple_dim(&self) -> i32 {
+        self.hidden_size_per_layer_input.unwrap_or(0)
+    }
+
+    pub fn first_shared(&self) -> usize {
+        (self.num_hidden_layers - self.num_kv_shared_layers) as usize
+    }
+
+    pub fn layer_specs(&self) -> std::result::Result<Vec<LayerSpec>, String> {
+        let kinds = self.layer_kinds();
+        let first_shared = self.first_shared();
+        let mut last_of_kind: HashMap<LayerKind, usize> = HashMap::new();
+        let mut out = Vec::with_capacity(kinds.len());
+        for (i, &kind) in kinds.iter().enumerate() {
+            let full = kind == LayerKind::Full;
+            let k_eq_v = self.attention_k_eq_v && full;
+            let mut head_dim = if full {
+                self.global_head_dim.unwrap_or(self.head_dim)
+            } else {
+                self.head_dim
+            };
+            let mut kv_heads = if k_eq_v {
+                self.num_global_key_value_heads
+                    .unwrap_or(self.num_key_value_heads)
+            } else {
+                self.num_key_value_heads
+            };
+            if let Some(pl) = self
+                .per_layer_config
+                .as_ref()
+                .and_then(|m| m.get(&i.to_string()))
+            {
+                head_dim = pl.head_dim.unwrap_or(head_dim);
+                kv_heads = pl.num_key_value_heads.unwrap_or(kv_heads);
+            }
+            let shared_from = if i >= first_shared {
+                Some(*last_of_kind.get(&kind).ok_or_else(|| {
+                    format!("KV-shared layer {i} has no earlier {kind:?} layer to share with")
+                })?)
+            } else {
+                last_of_kind.insert(kind, i);
+                None
+            };
+            let wide = self.use_double_wide_mlp && shared_from.is_some();
+            out.push(LayerSpec {
+                kind,
+                head_dim,
+                kv_heads,
+                shared_from,
+                k_eq_v,
+                intermediate: self.intermediate_size * if wide { 2 } else { 1 },
+            });
+        }
+        Ok(out)
+    }
+
+    fn rope_params(&self, kind: LayerKind) -> Option<&RopeParams> {
+        let key = match kind {
+            LayerKind::Sliding => "sliding_attention",
+            LayerKind::Full => "full_attention",
+        };
+        self.rope_parameters.as_ref().and_then(|m| m.get(key))
+    }
+
+    fn rope(&self, kind: LayerKind, head_dim: i32) -> Result<Rope> {
+        let p = self.rope_params(kind);
+        let (default_theta, default_type, default_partial) = match kind {
+            LayerKind::Sliding => (10_000.0, "default", 1.0),
+            LayerKind::Full => (1_000_000.0, "proportional", 0.25),
+        };
+        let theta = p
+            .and_then(|p| p.rope_theta)
+            .or(self.rope_theta.filter(|_| kind == LayerKind::Sliding))
+            .unwrap_or(default_theta);
+        let ty = p
+            .and_then(|p| p.rope_type.clone())
+            .unwrap_or(default_type.into());
+        let partial = p
+            .and_then(|p| p.partial_rotary_factor)
+            .unwrap_or(default_partial);
+        let factor = p.and_then(|p| p.factor).unwrap_or(1.0);
+        match ty.as_str() {
+            "proportional" => {
+                let rotated = (partial * head_dim as f32 / 2.0).floor() as i32;
+                Rope::proportional(head_dim, rotated, theta, factor)
+            }
+            "default" => {
+                let dims = (head_dim as f32 * partial) as i32;
+                Ok(Rope::standard(dims, theta, false))
+            }
+            other => Err(ModelError::Invalid(format!(
+                "rope_type {other:?} is not supported"
+            ))),
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Blocks
+// ------------------------------------------------------------------------------------------
+
+struct Attention {
+    q_proj: Linear,
+    k_proj: Option<Linear>,
+    v_proj: Option<Linear>,
+    o_proj: Linear,
+    q_norm: Array,
+    k_norm: Option<Array>,
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+}
+
+impl Attention {
+    fn new(vb: &Vb, cfg: &Gemma4Config, spec: &LayerSpec) -> Result<Attention> {
+        let (h, d, nh, nkv) = (
+            cfg.hidden_size,
+            spec.head_dim,
+            cfg.num_attention_heads,
+            spec.kv_heads,
+        );
+        let own_kv = spec.shared_from.is_none();
+        Ok(Attention {
+            q_proj: vb.pp("q_proj").linear(nh * d, h)?,
+            k_proj: own_kv
+                .then(|| vb.pp("k_proj").linear(nkv * d, h))
+                .transpose()?,
+            v_proj: (own_kv && !spec.k_eq_v)
+                .then(|| vb.pp("v_proj").linear(nkv * d, h))
+                .transpose()?,
+            o_proj: vb.pp("o_proj").linear(h, nh * d)?,
+            q_norm: vb.pp("q_norm").get("weight", &[d])?,
+            k_norm: own_kv
+                .then(|| vb.pp("k_norm").get("weight", &[d]))
+                .transpose()?,
+            heads: nh,
+            kv_heads: nkv,
+            head_dim: d,
+        })
+    }
+
+    /// Normalised, rotated `[B, H, L, d]` keys and values of this layer's own projections.
+    fn project_kv(
+        &self,
+        x: &Array,
+        rope: &Rope,
+        offset: usize,
+        eps: f32,
+    ) -> Result<(Array, Array)> {
+        let (k_proj, k_norm) = match (&self.k_proj, &self.k_norm) {
+            (Some(p), Some(n)) => (p, n),
+            _ => {
+                return Err(ModelError::Invalid(
+                    "KV-shared layer asked for its own K/V".into(),
+                ))
+            }
+        };
+        let s = x.shape();
+        let shape = [s[0], s[1], self.kv_heads, self.head_dim];
+        let k_raw = k_proj.forward(x)?.reshape(&shape)?;
+        // k_eq_v: the raw key projection, taken before k_norm, doubles as the values.
+        let v_raw = match &self.v_proj {
+            Some(v) => v.forward(x)?.reshape(&shape)?,
+            None => k_raw.clone(),
+        };
+        let k = norm(&k_raw, Some(k_norm), eps)?.transpose(&[0, 2, 1, 3])?;
+        let k = rope.apply(&k, offset)?;
+        let v = norm(&v_raw, None, eps)?.transpose(&[0, 2, 1, 3])?;
+        Ok((k, v))
+    }
+
+    fn queries(&self, x: &Array, rope: &Rope, offset: usize, eps: f32) -> Result<Array> {
+        let s = x.shape();
+        let q = self
+            .q_proj
+            .forward(x)?
+            .reshape(&[s[0], s[1], self.heads, self.head_dim])?;
+        let q = norm(&q, Some(&self.q_norm), eps)?.transpose(&[0, 2, 1, 3])?;
+        rope.apply(&q, offset)
+    }
+
+    fn output(&self, q: &Array, k: &Array, v: &Array, mask: &AttnMask) -> Result<Array> {
+        // q and k are RMS-normalised, so the attention scale is 1 (MODELS.md §1.3).
+        let o = scaled_dot_product_attention(q, k, v, 1.0, mask.as_sdpa(), None)?;
+        let s = q.shape();
+        let o = o
+            .transpose(&[0, 2, 1, 3])?
+            .reshape(&[s[0], s[2], self.heads * self.head_dim])?;
+        self.o_proj.forward(&o)
+    }
+}
+
+/// GeGLU: `down(gelu_tanh(gate x) ⊙ up x)`.
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Mlp {
+    fn new(vb: &Vb, h: i32, i: i32) -> Result<Mlp> {
+        Ok(Mlp {
+            gate: vb.pp("gate_proj").linear(i, h)?,
+            up: vb.pp("up_proj").linear(i, h)?,
+            down: vb.pp("down_proj").linear(h, i)?,
+        })
+    }
+
+    fn forward(&self, x: &Array) -> Result<Array> {
+        let a = gelu_tanh(&self.gate.forward(x)?)?.multiply(&self.up.forward(x)?)?;
+        self.down.forward(&a)
+    }
+}
+
+/// The 26B form's expert block, which runs beside the dense MLP.
+struct Moe {
+    proj: Linear,
+    /// `router.scale · H^-½`, folded into the router's RMS norm weight.
+    router_norm: Array,
+    per_expert_scale: Array,
+    gate: Experts,
+    up: Experts,
+    down: Experts,
+    top_k: i32,
+    experts: i32,
+}
+
+impl Moe {
+    fn new(vb: &Vb, cfg: &Gemma4Config) -> Result<Moe> {
+        let h = cfg.hidden_size;
+        let e = cfg.num_experts.unwrap_or(0);
+        let i = cfg.moe_intermediate_size.unwrap_or(0);
+        let router = vb.pp("router");
+        let scale = router.get("scale", &[h])?;
+        let router_norm = vb
+            .weights()
+            .keep(scale.multiply_scalar(f64::from(h).powf(-0.5))?);
+        let ex = vb.pp("experts");
+        let (gate, up) = if ex.has("gate_up_proj") {
+            // transformers' fused layout: rows 0..I are the gate, I..2I the up projection.
+            let gu = ex.get("gate_up_proj", &[e, 2 * i, h])?;
+            let parts = gu.split(2, 1)?;
+            (
+                Experts::dense(vb.weights(), parts[0].clone())?,
+                Experts::dense(vb.weights(), parts[1].clone())?,
+            )
+        } else {
+            let sg = ex.pp("switch_glu");
+            (
+                sg.pp("gate_proj").experts(e, i, h)?,
+                sg.pp("up_proj").experts(e, i, h)?,
+            )
+        };
+        let down = if ex.has("down_proj") {
+            Experts::dense(vb.weights(), ex.get("down_proj", &[e, h, i])?)?
+        } else {
+            ex.pp("switch_glu").pp("down_proj").experts(e, h, i)?
+        };
+        Ok(Moe {
+            proj: router.pp("proj").linear(e, h)?,
+            router_norm,
+            per_expert_scale: router.get("per_expert_scale", &[e])?,
+            gate,
+            up,
+            down,
+            top_k: cfg.top_k_experts.unwrap_or(1),
+            experts: e,
+        })
+    }
+
+    /// `router_in` is the residual stream, `x` the pre-normed expert input; both `[B, L, H]`.
+    fn forward(&self, router_in: &Array, x: &Array, eps: f32) -> Result<Array> {
+        let scores = self
+            .proj
+            .forward(&norm(router_in, Some(&self.router_norm), eps)?)?;
+        let k = self.top_k;
+        let idx =
+            scores
+                .argpartition(self.experts - k, -1)?
+                .slice_axis(-1, self.experts - k, None)?;
+        // A softmax over the selected logits equals renormalising the full softmax over them.
+        let w = scores.take_along_axis(&idx, -1)?.softmax(&[-1], true)?;
+        let w = w.multiply(&self.per_expert_scale.take(&idx, 0)?)?;
+        let xe = x.expand_dims_axes(&[-2, -3])?; // [B, L, 1, 1, H]
+        let g = self.gate.forward(&xe, &idx, false)?;
+        let u = self.up.forward(&xe, &idx, false)?;
+        let y = self
+            .down
+            .forward(&gelu_tanh(&g)?.multiply(&u)?, &idx, false)?; // [B, L, k, 1, H]
+        Ok(y.squeeze(-2)?
+            .multiply(&w.expand_dims(-1)?)?
+            .sum(&[-2], false)?)
+    }
+}
+
+struct PerLayerInput {
+    gate: Linear,
+    proj: Linear,
+    post_norm: Array,
+}
+
+struct DecoderLayer {
+    spec: LayerSpec,
+    attn: Attention,
+    mlp: Mlp,
+    moe: Option<(Moe, [Array; 3])>, // pre_ffn_2, post_ffn_1, post_ffn_2
+    input_norm: Array,
+    post_attn_norm: Array,
+    pre_ffn_norm: Array,
+    post_ffn_norm: Array,
+    ple: Option<PerLayerInput>,
+    layer_scalar: Array,
+}
+
+impl DecoderLayer {
+    fn new(vb: &Vb, cfg: &Gemma4Config, spec: LayerSpec) -> Result<DecoderLayer> {
+        let h = cfg.hidden_size;
+        let n = |name: &str| vb.pp(name).get("weight", &[h]);
+        let moe = if cfg.enable_moe_block {
+            Some((
+                Moe::new(vb, cfg)?,
+                [
+                    n("pre_feedforward_layernorm_2")?,
+                    n("post_feedforward_layernorm_1")?,
+                    n("post_feedforward_layernorm_2")?,
+                ],
+            ))
+        } else {
+            None
+        };
+        let p = cfg.ple_dim();
+        let ple = if p > 0 {
+            Some(PerLayerInput {
+                gate: vb.pp("per_layer_input_gate").linear(p, h)?,
+                proj: vb.pp("per_layer_projection").linear(h, p)?,
+                post_norm: n("post_per_layer_input_norm")?,
+            })
+        } else {
+            None
+        };
+        Ok(DecoderLayer {
+            attn: Attention::new(&vb.pp("self_attn"), cfg, &spec)?,
+            mlp: Mlp::new(&vb.pp("mlp"), h, spec.intermediate)?,
+            moe,
+            input_norm: n("input_layernorm")?,
+            post_attn_norm: n("post_attention_layernorm")?,
+            pre_ffn_norm: n("pre_feedforward_layernorm")?,
+            post_ffn_norm: n("post_feedforward_layernorm")?,
+            ple,
+            layer_scalar: vb.get("layer_scalar", &[1])?,
+            spec,
+        })
+    }
+
+    fn feed_forward(&self, h: &Array, eps: f32) -> Result<Array> {
+        let dense = self.mlp.forward(&norm(h, Some(&self.pre_ffn_norm), eps)?)?;
+        let f = match &self.moe {
+            None => dense,
+            Some((moe, [pre2, post1, post2])) => {
+                let experts = moe.forward(h, &norm(h, Some(pre2), eps)?, eps)?;
+                norm(&dense, Some(post1), eps)?.add(&norm(&experts, Some(post2), eps)?)?
+            }
+        };
+        norm(&f, Some(&self.post_ffn_norm), eps)
+    }
+}
+
+/// Per-layer embeddings of the E2B/E4B models.
+struct Ple {
+    embed: Embedding,
+    model_proj: Linear,
+    proj_norm: Array,
+    dim: i32,
+}
+
+// ------------------------------------------------------------------------------------------
+// Model
+// ------------------------------------------------------------------------------------------
+
+pub struct Gemma4 {
+    cfg: Gemma4Config,
+    embed: Embedding,
+    ple: Option<Ple>,
+    layers: Vec<DecoderLayer>,
+    norm: Array,
+    lm_head: Option<Linear>,
+    rope_sliding: Rope,
+    rope_full: Rope,
+    /// Index into the caller's cache list for each non-shared layer.
+    cache_slot: Vec<Option<usize>>,
+}
+
+/// The checkpoint prefix of the text model: transformers' multimodal wrapper, mlx-lm's
+/// multimodal wrapper, or a text-only checkpoint.
+fn text_prefix(w: &Weights) -> Result<&'static str> {
+    for p in ["model.language_model", "language_model.model", "model"] {
+        if w.contains(&format!("{p}.embed_tokens.weight")) {
+            return Ok(p);
+        }
+    }
+    Err(ModelError::MissingTensor {
+        name: "model.embed_tokens.weight (or model.language_model.embed_tokens.weight)".into(),
+        dir: "the checkpoint".into(),
+    })
+}
+
+impl Gemma4 {
+    pub fn new(cfg: Gemma4Config, w: &Weights) -> Result<Gemma4> {
+        let specs = cfg.layer_specs().map_err(ModelError::Invalid)?;
+        let root = w.root().pp(text_prefix(w)?);
+        let h = cfg.hidden_size;
+        let l = cfg.num_hidden_layers;
+        let p = cfg.ple_dim();
+        let ple = if p > 0 {
+            let v = cfg.vocab_size_per_layer_input.unwrap_or(cfg.vocab_size);
+            Some(Ple {
+                embed: root.pp("embed_tokens_per_layer").embedding(v, l * p)?,
+                model_proj: root.pp("per_layer_model_projection").linear(l * p, h)?,
+                proj_norm: root.pp("per_layer_projection_norm").get("weight", &[p])?,
+                dim: p,
+            })
+        } else {
+            None
+        };
+        let mut cache_slot = Vec::with_capacity(specs.len());
+        let mut next = 0;
+        let mut layers = Vec::with_capacity(specs.len());
+        for (i, spec) in specs.into_iter().enumerate() {
+            cache_slot.push(spec.shared_from.is_none().then(|| {
+                next += 1;
+                next - 1
+            }));
+            layers.push(DecoderLayer::new(&root.pp("layers").pp(i), &cfg, spec)?);
+        }
+        let sliding_dim = cfg.head_dim;
+        let full_dim = cfg.global_head_dim.unwrap_or(cfg.head_dim);
+        let full_dim = layers
+            .iter()
+            .find(|l| l.spec.kind == LayerKind::Full)
+            .map_or(full_dim, |l| l.spec.head_dim);
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(w.root().pp("lm_head").linear(cfg.vocab_size, h)?)
+        };
+        Ok(Gemma4 {
+            embed: root.pp("embed_tokens").embedding(cfg.vocab_size, h)?,
+            ple,
+            layers,
+            norm: root.pp("norm").get("weight", &[h])?,
+            lm_head,
+            rope_sliding: cfg.rope(LayerKind::Sliding, sliding_dim)?,
+            rope_full: cfg.rope(LayerKind::Full, full_dim)?,
+            cache_slot,
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &Gemma4Config {
+        &self.cfg
+    }
+
+    /// `E[ids] · √H`, the scale cast to the compute dtype first (as transformers does).
+    pub fn embed_scaled(&self, tokens: &Array) -> Result<Array> {
+        let e = self.embed.lookup(tokens)?;
+        Ok(e.multiply_scalar(f64::from(self.cfg.hidden_size).sqrt())?)
+    }
+
+    /// `[B, L, num_layers, P]` per-layer inputs (MODELS.md §1.3).
+    fn per_layer_inputs(&self, ple: &Ple, tokens: &Array, h0: &Array) -> Result<Array> {
+        let s = tokens.shape();
+        let (l, p) = (self.cfg.num_hidden_layers, ple.dim);
+        let shape = [s[0], s[1], l, p];
+        let token_part = ple
+            .embed
+            .lookup(tokens)?
+            .multiply_scalar(f64::from(p).sqrt())?
+            .reshape(&shape)?;
+        let ctx = ple
+            .model_proj
+            .forward(h0)?
+            .multiply_scalar(f64::from(self.cfg.hidden_size).powf(-0.5))?
+            .reshape(&shape)?;
+        let ctx = norm(&ctx, Some(&ple.proj_norm), self.cfg.rms_norm_eps)?;
+        Ok(ctx
+            .add(&token_part)?
+            .multiply_scalar(std::f64::consts::FRAC_1_SQRT_2)?)
+    }
+
+    fn rope(&self, kind: LayerKind) -> &Rope {
+        match kind {
+            LayerKind::Sliding => &self.rope_sliding,
+            LayerKind::Full => &self.rope_full,
+        }
+    }
+}
+
+impl CausalLm for Gemma4 {
+    fn make_caches(&self) -> Vec<LayerCache> {
+        self.layers
+            .iter()
+            .filter(|l| l.spec.shared_from.is_none())
+            .map(|l| match l.spec.kind {
+                LayerKind::Sliding => {
+                    LayerCache::Rotating(RotatingKvCache::new(self.cfg.sliding_window as usize))
+                }
+                LayerKind::Full => LayerCache::Kv(KvCache::new()),
+            })
+            .collect()
+    }
+
+    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array> {
+        let eps = self.cfg.rms_norm_eps;
+        let expected = self.cache_slot.iter().flatten().count();
+        if caches.len() != expected {
+            return Err(ModelError::Invalid(format!(
+                "gemma4 needs {expected} layer caches, got {}",
+                caches.len()
+            )));
+        }
+        let l = tokens.shape().get(1).copied().unwrap_or(0) as usize;
+        let offset = caches.first().map_or(0, LayerCache::offset);
+        let mut h = self.embed_scaled(tokens)?;
+        let ple = match &self.ple {
+            Some(p) => Some(self.per_layer_inputs(p, tokens, &h)?),
+            None => None,
+        };
+        let mut kv: Vec<Option<(Array, Array)>> = vec![None; self.layers.len()];
+        let mut masks: HashMap<LayerKind, AttnMask> = HashMap::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let rope = self.rope(layer.spec.kind);
+            let x = norm(&h, Some(&layer.input_norm), eps)?;
+            let q = layer.attn.queries(&x, rope, offset, eps)?;
+            let (k, v) = match (layer.spec.shared_from, self.cache_slot[i]) {
+                (Some(src), _) => kv[src].clone().ok_or_else(|| {
+                    ModelError::Invalid(format!(
+                        "layer {i} shares K/V with layer {src}, which has none"
+                    ))
+                })?,
+                (None, Some(slot)) => {
+                    let (k, v) = layer.attn.project_kv(&x, rope, offset, eps)?;
+                    let (k, v) = match &mut caches[slot] {
+                        LayerCache::Rotating(c) => {
+                            let kv = c.update(&k, &v)?;
+                            if let Entry::Vacant(e) = masks.entry(layer.spec.kind) {
+                                e.insert(c.mask(l)?);
+                            }
+                            kv
+                        }
+                        LayerCache::Kv(c) => {
+                            let kv = c.update(&k, &v)?;
+                            masks.entry(layer.spec.kind).or_insert_with(|| c.mask(l));
+                            kv
+                        }
+                        LayerCache::Latent(_) => {
+                            return Err(ModelError::Invalid(
+                                "gemma4 was given an MLA latent cache".into(),
+                            ))
+                        }
+                    };
+                    (k, v)
+                }
+                (None, None) => {
+                    return Err(ModelError::Invalid(format!("layer {i} has no cache slot")))
+                }
+            };
+            let mask = masks
+                .get(&layer.spec.kind)
+                .cloned()
+                .unwrap_or(AttnMask::None);
+            let a = layer.attn.output(&q, &k, &v, &mask)?;
+            kv[i] = Some((k, v));
+            h = h.add(&norm(&a, Some(&layer.post_attn_norm), eps)?)?;
+            h = h.add(&layer.feed_forward(&h, eps)?)?;
+            if let (Some(pl), Some(all)) = (&layer.ple, &ple) {
+                let this = all.index(&[Ix::full(), Ix::full(), Ix::At(i as i32)])?;
+                let g = gelu_tanh(&pl.gate.forward(&h)?)?.multiply(&this)?;
+                h = h.add(&norm(&pl.proj.forward(&g)?, Some(&pl.post_norm), eps)?)?;
+            }
+            h = h.multiply(&layer.layer_scalar)?;
+        }
+        norm(&h, Some(&self.norm), eps)
+    }
+
+    fn logits(&self, hidden: &Array) -> Result<Array> {
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(hidden)?,
+            None => self.embed.as_linear(hidden)?,
+        };
+        Ok(match self.cfg.final_logit_softcapping {
+            Some(c) if c > 0.0 => logits
+                .divide_scalar(f64::from(c))?
+                .tanh()?
+                .multiply_scalar(f64::from(c))?,
+            _ => logits,
+        })
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size as usize
+    }
+
+    fn max_context(&self) -> usize {
+        self.cfg.max_position_embeddings
+    }
+
+    fn architecture(&self) -> &'static str {
+        "gemma4"
+    }
+}

@@ -1,0 +1,609 @@
+//! GLM4-MoE-Lite (GLM-4.7-Flash, MODELS.md §3): multi-head latent attention with a compressed
+//! per-token cache, sigmoid-routed experts with a selection-only correction bias, shared
+//! experts, dense first layers, untied head.
+//!
+//! Reads top to bottom in the order data flows: config, attention, MLP and MoE, decoder layer,
+//! the model. The model holds weights only; caches are passed in (one latent cache per layer).
+
+use crate::config::JsonFile;
+use crate::nn::{norm, silu, Embedding, Experts, Linear, Rope};
+use crate::weights::{Vb, Weights};
+use crate::{CausalLm, ModelError, Result};
+use cache::{LatentCache, LayerCache};
+use mlx::fast::scaled_dot_product_attention;
+use mlx::{Array, Dtype, Ix};
+use serde::Deserialize;
+use serde_json::Value;
+
+// ------------------------------------------------------------------------------------------
+// Config
+// ------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Deserialize)]
+struct RopeParameters {
+    rope_type: Option<String>,
+    rope_theta: Option<f32>,
+}
+
+/// `config.json` of a `glm4_moe_lite` checkpoint, accepting both spellings (MODELS.md §3.1:
+/// `first_k_dense_replace` or `mlp_layer_types`, `rope_theta` or `rope_parameters`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct GlmConfig {
+    pub vocab_size: i32,
+    pub hidden_size: i32,
+    pub intermediate_size: i32,
+    pub moe_intermediate_size: i32,
+    pub num_hidden_layers: i32,
+    pub num_attention_heads: i32,
+    #[serde(default = "one")]
+    pub n_shared_experts: i32,
+    pub n_routed_experts: i32,
+    #[serde(default = "one_f")]
+    pub routed_scaling_factor: f32,
+    pub kv_lora_rank: i32,
+    pub q_lora_rank: Option<i32>,
+    pub qk_rope_head_dim: i32,
+    pub qk_nope_head_dim: i32,
+    pub v_head_dim: i32,
+    #[serde(default = "one")]
+    pub n_group: i32,
+    #[serde(default = "one")]
+    pub topk_group: i32,
+    pub num_experts_per_tok: i32,
+    #[serde(default = "yes")]
+    pub norm_topk_prob: bool,
+    first_k_dense_replace: Option<i32>,
+    #[serde(default = "one")]
+    moe_layer_freq: i32,
+    mlp_layer_types: Option<Vec<String>>,
+    #[serde(default = "ctx")]
+    pub max_position_embeddings: usize,
+    #[serde(default = "eps5")]
+    pub rms_norm_eps: f32,
+    rope_theta: Option<f32>,
+    rope_parameters: Option<RopeParameters>,
+    rope_scaling: Option<Value>,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub num_nextn_predict_layers: i32,
+}
+
+fn one() -> i32 {
+    1
+}
+fn one_f() -> f32 {
+    1.0
+}
+fn yes() -> bool {
+    true
+}
+fn ctx() -> usize {
+    202_752
+}
+fn eps5() -> f32 {
+    1e-5
+}
+
+impl GlmConfig {
+    pub fn from_file(file: &JsonFile) -> Result<GlmConfig> {
+        let cfg: GlmConfig = file.parse(&file.value)?;
+        cfg.validate().map_err(|m| file.error(m))?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> std::result::Result<(), String> {
+        for (name, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("kv_lora_rank", self.kv_lora_rank),
+            ("qk_rope_head_dim", self.qk_rope_head_dim),
+            ("qk_nope_head_dim", self.qk_nope_head_dim),
+            ("v_head_dim", self.v_head_dim),
+            ("n_routed_experts", self.n_routed_experts),
+            ("num_experts_per_tok", self.num_experts_per_tok),
+            ("n_group", self.n_group),
+            ("topk_group", self.topk_group),
+        ] {
+            if v <= 0 {
+                return Err(format!("{name} must be positive, got {v}"));
+            }
+        }
+        if self.num_experts_per_tok > self.n_routed_experts {
+            return Err("num_experts_per_tok exceeds n_routed_experts".into());
+        }
+        if self.n_routed_experts % self.n_group != 0 || self.topk_group > self.n_group {
+            return Err(format!(
+                "n_group {} / topk_group {} do not fit {} experts",
+                self.n_group, self.topk_group, self.n_routed_experts
+            ));
+        }
+        if self.n_group > 1 && self.n_routed_experts / self.n_group < 2 {
+            return Err("grouped routing needs at least 2 experts per group".into());
+        }
+        if let Some(t) = &self.mlp_layer_types {
+            if t.len() != self.num_hidden_layers as usize {
+                return Err(format!(
+                    "mlp_layer_types has {} entries for {} layers",
+                    t.len(),
+                    self.num_hidden_layers
+                ));
+            }
+            if let Some(bad) = t.iter().find(|s| *s != "dense" && *s != "sparse") {
+                return Err(format!("mlp_layer_types: unknown entry {bad:?}"));
+            }
+        }
+        match &self.rope_scaling {
+            None | Some(Value::Null) => {}
+            Some(v) => {
+                let ty = v
+                    .get("type")
+                    .or_else(|| v.get("rope_type"))
+                    .and_then(Value::as_str);
+                if ty != Some("default") {
+                    return Err(format!("rope_scaling {v} is not supported"));
+                }
+            }
+        }
+        if self.qk_rope_head_dim % 2 != 0 {
+            return Err("qk_rope_head_dim must be even".into());
+        }
+        Ok(())
+    }
+
+    pub fn is_moe_layer(&self, i: usize) -> bool {
+        match &self.mlp_layer_types {
+            Some(t) => t[i] == "sparse",
+            None => {
+                let first = self.first_k_dense_replace.unwrap_or(0) as usize;
+                i >= first && i % self.moe_layer_freq.max(1) as usize == 0
+            }
+        }
+    }
+
+    fn rope_theta(&self) -> f32 {
+        self.rope_theta
+            .or(self.rope_parameters.as_ref().and_then(|p| p.rope_theta))
+            .unwrap_or(1_000_000.0)
+    }
+
+    fn rope(&self) -> Result<Rope> {
+        if let Some(ty) = self
+            .rope_parameters
+            .as_ref()
+            .and_then(|p| p.rope_type.as_deref())
+        {
+            if ty != "default" {
+                return Err(ModelError::Invalid(format!(
+                    "rope_type {ty:?} is not supported"
+                )));
+            }
+        }
+        // GLM rotates adjacent pairs (2i, 2i+1): mlx's "traditional" layout.
+        Ok(Rope::standard(
+            self.qk_rope_head_dim,
+            self.rope_theta(),
+            true,
+        ))
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Multi-head latent attention
+// ------------------------------------------------------------------------------------------
+
+enum QueryProj {
+    Lora { a: Linear, norm: Array, b: Linear },
+    Direct(Linear),
+}
+
+struct Mla {
+    q: QueryProj,
+    kv_a: Linear,
+    kv_a_norm: Array,
+    /// `W_UK` per head, `[nH, d_nope, r]`: absorbs the key up-projection into the query.
+    wk: Array,
+    /// `W_UKᵀ`, `[nH, r, d_nope]`: expands latents to per-head keys.
+    wk_t: Array,
+    /// `W_UVᵀ`, `[nH, r, d_v]`: latents (or attended latents) to per-head values.
+    wv_t: Array,
+    o_proj: Linear,
+    heads: i32,
+    nope: i32,
+    rope_dim: i32,
+    rank: i32,
+    v_dim: i32,
+    scale: f32,
+}
+
+impl Mla {
+    fn new(vb: &Vb, cfg: &GlmConfig) -> Result<Mla> {
+        let (h, nh, dn, dr, dv, r) = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+            cfg.kv_lora_rank,
+        );
+        let q = match cfg.q_lora_rank {
+            Some(ql) if ql > 0 => QueryProj::Lora {
+                a: vb.pp("q_a_proj").linear(ql, h)?,
+                norm: vb.pp("q_a_layernorm").get("weight", &[ql])?,
+                b: vb.pp("q_b_proj").linear(nh * (dn + dr), ql)?,
+            },
+            _ => QueryProj::Direct(vb.pp("q_proj").linear(nh * (dn + dr), h)?),
+        };
+        let w = vb.weights();
+        let (wk, wv) = if vb.pp("kv_b_proj").has("weight") {
+            let kvb = vb.pp("kv_b_proj");
+            let full = if kvb.is_quantized() {
+                kvb.quantized(&[], nh * (dn + dv), r)?
+                    .dequantize()?
+                    .astype(w.dtype())?
+            } else {
+                kvb.get("weight", &[nh * (dn + dv), r])?
+            };
+            let full = full.reshape(&[nh, dn + dv, r])?;
+            let parts = full.split_at(&[dn], 1)?;
+            (parts[0].clone(), parts[1].clone())
+        } else {
+            // mlx-lm's converted layout: embed_q = W_UKᵀ [nH, r, dn], unembed_out = W_UV.
+            let dense = |name: &str, rows: i32, cols: i32| -> Result<Array> {
+                let m = vb.pp(name);
+                if m.is_quantized() {
+                    Ok(m.quantized(&[nh], rows, cols)?
+                        .dequantize()?
+                        .astype(w.dtype())?)
+                } else {
+                    m.get("weight", &[nh, rows, cols])
+                }
+            };
+            (
+                dense("embed_q", r, dn)?.swapaxes(-1, -2)?,
+                dense("unembed_out", dv, r)?,
+            )
+        };
+        Ok(Mla {
+            q,
+            kv_a: vb.pp("kv_a_proj_with_mqa").linear(r + dr, h)?,
+            kv_a_norm: vb.pp("kv_a_layernorm").get("weight", &[r])?,
+            wk_t: w.keep(wk.swapaxes(-1, -2)?.contiguous()?),
+            wk: w.keep(wk.contiguous()?),
+            wv_t: w.keep(wv.swapaxes(-1, -2)?.contiguous()?),
+            o_proj: vb.pp("o_proj").linear(h, nh * dv)?,
+            heads: nh,
+            nope: dn,
+            rope_dim: dr,
+            rank: r,
+            v_dim: dv,
+            scale: ((dn + dr) as f32).powf(-0.5),
+        })
+    }
+
+    fn forward(&self, x: &Array, cache: &mut LatentCache, rope: &Rope, eps: f32) -> Result<Array> {
+        let s = x.shape();
+        let (b, l) = (s[0], s[1]);
+        let (nh, dn, dr, r) = (self.heads, self.nope, self.rope_dim, self.rank);
+        let offset = cache.offset();
+        let q = match &self.q {
+            QueryProj::Lora { a, norm: n, b } => b.forward(&norm(&a.forward(x)?, Some(n), eps)?)?,
+            QueryProj::Direct(p) => p.forward(x)?,
+        };
+        let q = q.reshape(&[b, l, nh, dn + dr])?.transpose(&[0, 2, 1, 3])?;
+        let qs = q.split_at(&[dn], -1)?;
+        let (q_nope, q_rope) = (&qs[0], rope.apply(&qs[1], offset)?);
+
+        let ckv = self.kv_a.forward(x)?;
+        let parts = ckv.split_at(&[r], -1)?;
+        let latent = norm(&parts[0], Some(&self.kv_a_norm), eps)?.expand_dims(1)?; // [B,1,L,r]
+        let k_rope = rope.apply(&parts[1].expand_dims(1)?, offset)?; // one rope key for all heads
+        let rows = cache.update(&mlx::concatenate(&[&latent, &k_rope], -1)?)?; // [B,1,T,r+dr]
+        let mask = cache.mask(l as usize);
+        let t = rows.shape()[2];
+
+        let o = if l == 1 {
+            // Absorbed form (MODELS.md §3.3): score = (q_nope W_UK)·c + q_rope·k_rope, and the
+            // values are the latents themselves, up-projected after attention.
+            let q_lat = q_nope.matmul(&self.wk)?; // [B,nH,1,r]
+            let qq = mlx::concatenate(&[&q_lat, &q_rope], -1)?;
+            let v = rows.index(&[Ix::Ellipsis, Ix::slice(None, Some(r), 1)])?;
+            let o = scaled_dot_product_attention(&qq, &rows, &v, self.scale, mask.as_sdpa(), None)?;
+            o.matmul(&self.wv_t)? // [B,nH,1,dv]
+        } else {
+            let c = rows.index(&[Ix::Ellipsis, Ix::slice(None, Some(r), 1)])?;
+            let kr = rows.index(&[Ix::Ellipsis, Ix::slice(Some(r), None, 1)])?;
+            let k_nope = c.matmul(&self.wk_t)?; // [B,nH,T,dn]
+            let v = c.matmul(&self.wv_t)?; // [B,nH,T,dv]
+            let k = mlx::concatenate(&[&k_nope, &kr.broadcast_to(&[b, nh, t, dr])?], -1)?;
+            let qq = mlx::concatenate(&[q_nope, &q_rope], -1)?;
+            scaled_dot_product_attention(&qq, &k, &v, self.scale, mask.as_sdpa(), None)?
+        };
+        let o = o
+            .transpose(&[0, 2, 1, 3])?
+            .reshape(&[b, l, nh * self.v_dim])?;
+        self.o_proj.forward(&o)
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Feed-forward: dense MLP and routed experts
+// ------------------------------------------------------------------------------------------
+
+/// SwiGLU: `down(silu(gate x) ⊙ up x)`.
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Mlp {
+    fn new(vb: &Vb, h: i32, i: i32) -> Result<Mlp> {
+        Ok(Mlp {
+            gate: vb.pp("gate_proj").linear(i, h)?,
+            up: vb.pp("up_proj").linear(i, h)?,
+            down: vb.pp("down_proj").linear(h, i)?,
+        })
+    }
+
+    fn forward(&self, x: &Array) -> Result<Array> {
+        self.down
+            .forward(&silu(&self.gate.forward(x)?)?.multiply(&self.up.forward(x)?)?)
+    }
+}
+
+struct Moe {
+    /// Router weight, transposed, float32.
+    gate_t: Array,
+    /// Added to the scores for selection only (MODELS.md §3.3), float32.
+    correction: Array,
+    gate: Experts,
+    up: Experts,
+    down: Experts,
+    shared: Mlp,
+    experts: i32,
+    top_k: i32,
+    groups: i32,
+    topk_groups: i32,
+    norm_topk: bool,
+    scaling: f32,
+}
+
+/// Expert matrices under `mlp`: mlx-lm's stacked `switch_mlp.*`, a fused `experts.gate_up_proj`,
+/// or one tensor per expert as in the GLM-4.7-Flash checkpoints (stacked here once).
+fn experts(vb: &Vb, which: &str, e: i32, out: i32, inp: i32) -> Result<Experts> {
+    let sw = vb.pp("switch_mlp").pp(which);
+    if sw.has("weight") {
+        return sw.experts(e, out, inp);
+    }
+    let ex = vb.pp("experts");
+    let fused = ex.has("gate_up_proj") && which != "down_proj";
+    if fused {
+        let gu = ex.get("gate_up_proj", &[e, 2 * out, inp])?;
+        let parts = gu.split(2, 1)?;
+        let part = if which == "gate_proj" {
+            &parts[0]
+        } else {
+            &parts[1]
+        };
+        return Experts::dense(vb.weights(), part.clone());
+    }
+    if ex.has(which) {
+        return Experts::dense(vb.weights(), ex.get(which, &[e, out, inp])?);
+    }
+    let per: Vec<Array> = (0..e)
+        .map(|i| ex.pp(i).pp(which).get("weight", &[out, inp]))
+        .collect::<Result<_>>()?;
+    let refs: Vec<&Array> = per.iter().collect();
+    Experts::dense(vb.weights(), mlx::stack(&refs, 0)?)
+}
+
+impl Moe {
+    fn new(vb: &Vb, cfg: &GlmConfig) -> Result<Moe> {
+        let (h, e, i) = (
+            cfg.hidden_size,
+            cfg.n_routed_experts,
+            cfg.moe_intermediate_size,
+        );
+        let g = vb.pp("gate");
+        let gate_t = g.get_f32("weight", &[e, h])?.t()?;
+        Ok(Moe {
+            gate_t: vb.weights().keep(gate_t),
+            correction: g.get_f32("e_score_correction_bias", &[e])?,
+            gate: experts(vb, "gate_proj", e, i, h)?,
+            up: experts(vb, "up_proj", e, i, h)?,
+            down: experts(vb, "down_proj", e, h, i)?,
+            shared: Mlp::new(&vb.pp("shared_experts"), h, i * cfg.n_shared_experts)?,
+            experts: e,
+            top_k: cfg.num_experts_per_tok,
+            groups: cfg.n_group,
+            topk_groups: cfg.topk_group,
+            norm_topk: cfg.norm_topk_prob,
+            scaling: cfg.routed_scaling_factor,
+        })
+    }
+
+    /// Expert ids `[.., k]` and their weights `[.., k]` (float32), as transformers routes.
+    fn route(&self, x: &Array) -> Result<(Array, Array)> {
+        let scores = x.astype(Dtype::F32)?.matmul(&self.gate_t)?.sigmoid()?;
+        let mut choice = scores.add(&self.correction)?;
+        if self.groups > 1 {
+            // Keep the topk_group groups with the largest sum of their two best corrected
+            // scores; the other groups' experts cannot be chosen (-inf, as transformers does).
+            let shape = choice.shape();
+            let lead = &shape[..shape.len() - 1];
+            let per = self.experts / self.groups;
+            let mut gshape = lead.to_vec();
+            gshape.extend([self.groups, per]);
+            let grouped = choice.reshape(&gshape)?;
+            let best2 = grouped.topk(2, -1)?.sum(&[-1], false)?; // [.., G]
+            let drop = self.groups - self.topk_groups;
+            if drop > 0 {
+                let dropped = best2
+                    .argpartition(drop - 1, -1)?
+                    .slice_axis(-1, 0, Some(drop))?;
+                let mut ishape = lead.to_vec();
+                ishape.extend([drop, 1]);
+                let mut full = lead.to_vec();
+                full.extend([drop, per]);
+                let idx = dropped.reshape(&ishape)?.broadcast_to(&full)?;
+                let ninf = Array::full(&full, f64::NEG_INFINITY, Dtype::F32)?;
+                choice = grouped.put_along_axis(&idx, &ninf, -2)?.reshape(&shape)?;
+            }
+        }
+        let k = self.top_k;
+        let idx = choice
+            .negative()?
+            .argpartition(k - 1, -1)?
+            .slice_axis(-1, 0, Some(k))?;
+        let mut w = scores.take_along_axis(&idx, -1)?;
+        if self.norm_topk {
+            w = w.divide(&w.sum(&[-1], true)?.add_scalar(1e-20)?)?;
+        }
+        Ok((idx, w.multiply_scalar(f64::from(self.scaling))?))
+    }
+
+    fn forward(&self, x: &Array) -> Result<Array> {
+        let (idx, w) = self.route(x)?;
+        let xe = x.expand_dims_axes(&[-2, -3])?; // [B, L, 1, 1, H]
+        let g = self.gate.forward(&xe, &idx, false)?;
+        let u = self.up.forward(&xe, &idx, false)?;
+        let y = self.down.forward(&silu(&g)?.multiply(&u)?, &idx, false)?; // [B, L, k, 1, H]
+        let w = w.astype(x.dtype())?.expand_dims(-1)?;
+        let routed = y.squeeze(-2)?.multiply(&w)?.sum(&[-2], false)?;
+        Ok(routed.add(&self.shared.forward(x)?)?)
+    }
+}
+
+enum FeedForward {
+    Dense(Mlp),
+    Moe(Box<Moe>),
+}
+
+struct DecoderLayer {
+    attn: Mla,
+    ffn: FeedForward,
+    input_norm: Array,
+    post_attn_norm: Array,
+}
+
+impl DecoderLayer {
+    fn new(vb: &Vb, cfg: &GlmConfig, i: usize) -> Result<DecoderLayer> {
+        let h = cfg.hidden_size;
+        let ffn = if cfg.is_moe_layer(i) {
+            FeedForward::Moe(Box::new(Moe::new(&vb.pp("mlp"), cfg)?))
+        } else {
+            FeedForward::Dense(Mlp::new(&vb.pp("mlp"), h, cfg.intermediate_size)?)
+        };
+        Ok(DecoderLayer {
+            attn: Mla::new(&vb.pp("self_attn"), cfg)?,
+            ffn,
+            input_norm: vb.pp("input_layernorm").get("weight", &[h])?,
+            post_attn_norm: vb.pp("post_attention_layernorm").get("weight", &[h])?,
+        })
+    }
+
+    fn forward(&self, h: &Array, cache: &mut LatentCache, rope: &Rope, eps: f32) -> Result<Array> {
+        let a = self
+            .attn
+            .forward(&norm(h, Some(&self.input_norm), eps)?, cache, rope, eps)?;
+        let h = h.add(&a)?;
+        let x = norm(&h, Some(&self.post_attn_norm), eps)?;
+        let f = match &self.ffn {
+            FeedForward::Dense(m) => m.forward(&x)?,
+            FeedForward::Moe(m) => m.forward(&x)?,
+        };
+        Ok(h.add(&f)?)
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Model
+// ------------------------------------------------------------------------------------------
+
+pub struct Glm4MoeLite {
+    cfg: GlmConfig,
+    embed: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: Array,
+    lm_head: Option<Linear>,
+    rope: Rope,
+}
+
+impl Glm4MoeLite {
+    pub fn new(cfg: GlmConfig, w: &Weights) -> Result<Glm4MoeLite> {
+        let root = w.root();
+        let model = root.pp("model");
+        let h = cfg.hidden_size;
+        let layers = (0..cfg.num_hidden_layers as usize)
+            .map(|i| DecoderLayer::new(&model.pp("layers").pp(i), &cfg, i))
+            .collect::<Result<Vec<_>>>()?;
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(root.pp("lm_head").linear(cfg.vocab_size, h)?)
+        };
+        Ok(Glm4MoeLite {
+            embed: model.pp("embed_tokens").embedding(cfg.vocab_size, h)?,
+            layers,
+            norm: model.pp("norm").get("weight", &[h])?,
+            lm_head,
+            rope: cfg.rope()?,
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &GlmConfig {
+        &self.cfg
+    }
+}
+
+impl CausalLm for Glm4MoeLite {
+    fn make_caches(&self) -> Vec<LayerCache> {
+        (0..self.layers.len())
+            .map(|_| LayerCache::Latent(LatentCache::new()))
+            .collect()
+    }
+
+    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array> {
+        if caches.len() != self.layers.len() {
+            return Err(ModelError::Invalid(format!(
+                "glm4_moe_lite needs {} layer caches, got {}",
+                self.layers.len(),
+                caches.len()
+            )));
+        }
+        let eps = self.cfg.rms_norm_eps;
+        let mut h = self.embed.lookup(tokens)?;
+        for (layer, c) in self.layers.iter().zip(caches.iter_mut()) {
+            let LayerCache::Latent(c) = c else {
+                return Err(ModelError::Invalid(
+                    "glm4_moe_lite needs latent caches".into(),
+                ));
+            };
+            h = layer.forward(&h, c, &self.rope, eps)?;
+        }
+        norm(&h, Some(&self.norm), eps)
+    }
+
+    fn logits(&self, hidden: &Array) -> Result<Array> {
+        match &self.lm_head {
+            Some(head) => head.forward(hidden),
+            None => self.embed.as_linear(hidden),
+        }
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size as usize
+    }
+
+    fn max_context(&self) -> usize {
+        self.cfg.max_position_embeddings
+    }
+
+    fn architecture(&self) -> &'static str {
+        "glm4_moe_lite"
+    }
+}

@@ -1,0 +1,158 @@
+//! Model loading and forward passes: gemma4 (all variants) and GLM4-MoE-Lite on MLX.
+//!
+//! A model is weights plus a function ([`CausalLm`]): the caller creates the layer caches with
+//! [`CausalLm::make_caches`], keeps them, and passes them into every [`CausalLm::forward`] call
+//! (STYLE.md). [`load`] reads a model directory (HF or mlx-lm layout, sharded or not, dense or
+//! mlx-lm quantized) and its tokenizer, failing with an error that names the file, field or
+//! tensor at fault.
+
+mod config;
+mod error;
+pub mod gemma4;
+pub mod glm4_moe_lite;
+pub mod nn;
+mod tokenizer;
+pub mod weights;
+
+pub use cache::{LayerCache, RotatingKvCache};
+pub use config::JsonFile;
+pub use error::{ModelError, Result};
+pub use tokenizer::{StreamDecoder, Tokenizer};
+
+use mlx::{Array, Dtype};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use weights::{QuantConfig, Weights};
+
+/// A causal language model: weights plus a pure function of tokens and caches.
+pub trait CausalLm {
+    /// Fresh caches for one sequence batch, in the order `forward` expects them.
+    fn make_caches(&self) -> Vec<LayerCache>;
+    /// Runs `tokens: [B, L]` (int32) at the caches' offset and returns the final hidden states
+    /// after the last norm, `[B, L, H]`. The caches advance by `L`.
+    fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array>;
+    /// Output logits `[.., V]` for hidden states from `forward` (slice them first: the head is
+    /// the largest matmul, and prefill needs only the last position).
+    fn logits(&self, hidden: &Array) -> Result<Array>;
+    fn vocab_size(&self) -> usize;
+    /// The longest context the model supports.
+    fn max_context(&self) -> usize;
+    fn architecture(&self) -> &'static str;
+}
+
+/// Which dtype to compute in (decision D6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DtypeChoice {
+    /// float32 on the CPU (its fast BLAS path); the checkpoint's dtype on a GPU.
+    Auto,
+    Fixed(Dtype),
+}
+
+impl std::str::FromStr for DtypeChoice {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(DtypeChoice::Auto),
+            "f32" | "float32" => Ok(DtypeChoice::Fixed(Dtype::F32)),
+            "f16" | "float16" => Ok(DtypeChoice::Fixed(Dtype::F16)),
+            "bf16" | "bfloat16" => Ok(DtypeChoice::Fixed(Dtype::Bf16)),
+            other => Err(format!(
+                "unknown dtype {other:?} (expected auto, f32, f16 or bf16)"
+            )),
+        }
+    }
+}
+
+/// A loaded model directory.
+pub struct LoadedModel {
+    pub model: Box<dyn CausalLm>,
+    pub tokenizer: Tokenizer,
+    pub dir: PathBuf,
+    pub dtype: Dtype,
+    /// Checkpoint tensors the model did not use (multimodal towers, MTP layers).
+    pub unused_tensors: Vec<String>,
+}
+
+fn checkpoint_dtype(cfg: &Value) -> Dtype {
+    let name = cfg
+        .get("torch_dtype")
+        .or_else(|| cfg.get("dtype"))
+        .or_else(|| cfg.get("text_config").and_then(|t| t.get("dtype")))
+        .and_then(Value::as_str)
+        .unwrap_or("bfloat16");
+    Dtype::from_name(name)
+        .filter(|d| d.is_float())
+        .unwrap_or(Dtype::Bf16)
+}
+
+fn resolve_dtype(choice: DtypeChoice, cfg: &Value) -> Dtype {
+    match choice {
+        DtypeChoice::Fixed(d) => d,
+        DtypeChoice::Auto if mlx::default_device() == mlx::Device::Gpu => checkpoint_dtype(cfg),
+        DtypeChoice::Auto => Dtype::F32,
+    }
+}
+
+fn quant_config(file: &JsonFile) -> Result<Option<QuantConfig>> {
+    let q = file
+        .value
+        .get("quantization")
+        .or_else(|| file.value.get("quantization_config"));
+    match q {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => QuantConfig::parse(v).map(Some).map_err(|m| file.error(m)),
+    }
+}
+
+enum Arch {
+    Gemma4(gemma4::Gemma4Config),
+    Glm(glm4_moe_lite::GlmConfig),
+}
+
+/// Loads the model in `dir`: config, tokenizer, then weights (lazily read, cast once).
+pub fn load(dir: &Path, dtype: DtypeChoice) -> Result<LoadedModel> {
+    if !dir.is_dir() {
+        return Err(ModelError::Io {
+            path: dir.to_path_buf(),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such model directory"),
+        });
+    }
+    let file = JsonFile::read(&dir.join("config.json"))?;
+    let model_type = file.model_type()?;
+    let arch = match model_type.as_str() {
+        "gemma4" | "gemma4_text" => Arch::Gemma4(gemma4::Gemma4Config::from_file(&file)?),
+        "glm4_moe_lite" => Arch::Glm(glm4_moe_lite::GlmConfig::from_file(&file)?),
+        _ => {
+            return Err(ModelError::UnknownArchitecture {
+                path: file.path.clone(),
+                model_type,
+            })
+        }
+    };
+    let quant = quant_config(&file)?;
+    let tokenizer = Tokenizer::load(dir)?;
+    let dtype = resolve_dtype(dtype, &file.value);
+    let weights = Weights::load(dir, dtype, quant)?;
+    let model: Box<dyn CausalLm> = match arch {
+        Arch::Gemma4(cfg) => Box::new(gemma4::Gemma4::new(cfg, &weights)?),
+        Arch::Glm(cfg) => Box::new(glm4_moe_lite::Glm4MoeLite::new(cfg, &weights)?),
+    };
+    if tokenizer.vocab_size() > model.vocab_size() {
+        return Err(ModelError::Tokenizer {
+            path: dir.join("tokenizer.json"),
+            message: format!(
+                "has {} tokens but the model's vocabulary has {}",
+                tokenizer.vocab_size(),
+                model.vocab_size()
+            ),
+        });
+    }
+    weights.materialize()?;
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        dir: dir.to_path_buf(),
+        dtype,
+        unused_tensors: weights.unused(),
+    })
+}

@@ -1,0 +1,169 @@
+//! The building blocks both model families share: linear layers and embeddings (dense or
+//! mlx-lm quantized), stacked experts for mixture-of-experts layers, activations, RoPE.
+
+use crate::weights::Weights;
+use crate::Result;
+use mlx::fast::{rms_norm, rope, RopeFreqs};
+use mlx::{Array, Quantized};
+
+/// `y = x Wᵀ`, with `W` stored `[out, in]` as in the checkpoints.
+pub enum Linear {
+    /// Holds `Wᵀ` as a transposed view: BLAS reads it in place, no copy.
+    Dense {
+        wt: Array,
+    },
+    Quantized(Quantized),
+}
+
+impl Linear {
+    pub fn dense(w: Array) -> Result<Linear> {
+        Ok(Linear::Dense { wt: w.t()? })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        Ok(match self {
+            Linear::Dense { wt } => x.matmul(wt)?,
+            Linear::Quantized(q) => x.quantized_matmul(q, true)?,
+        })
+    }
+}
+
+/// Expert matrices `[E, out, in]` applied per token to its selected experts in one
+/// `gather_mm` / `gather_qmm` call (no loop over experts).
+pub enum Experts {
+    /// Holds `[E, in, out]`, transposed and made contiguous once at load.
+    Dense {
+        wt: Array,
+    },
+    Quantized(Quantized),
+}
+
+impl Experts {
+    pub fn dense(weights: &Weights, w: Array) -> Result<Experts> {
+        let wt = weights.keep(w.swapaxes(-1, -2)?.contiguous()?);
+        Ok(Experts::Dense { wt })
+    }
+
+    /// `x: [..., 1, in]` (one row per token and selected expert), `idx: [..., k]` expert ids;
+    /// returns `[..., k, 1, out]`.
+    pub fn forward(&self, x: &Array, idx: &Array, sorted: bool) -> Result<Array> {
+        Ok(match self {
+            Experts::Dense { wt } => x.gather_mm(wt, None, Some(idx), sorted)?,
+            Experts::Quantized(q) => x.gather_qmm(q, None, Some(idx), true, sorted)?,
+        })
+    }
+}
+
+/// A token embedding table `[V, H]`, also usable as a tied output head.
+pub enum Embedding {
+    Dense(Array),
+    Quantized(Quantized),
+}
+
+impl Embedding {
+    /// Rows for `ids` (any shape): `[..ids, H]`.
+    pub fn lookup(&self, ids: &Array) -> Result<Array> {
+        Ok(match self {
+            Embedding::Dense(w) => w.take(ids, 0)?,
+            Embedding::Quantized(q) => {
+                let part = |a: &Array| a.take(ids, 0);
+                Quantized {
+                    weight: part(&q.weight)?,
+                    scales: part(&q.scales)?,
+                    biases: part(&q.biases)?,
+                    group_size: q.group_size,
+                    bits: q.bits,
+                }
+                .dequantize()?
+            }
+        })
+    }
+
+    /// `h Eᵀ`: the tied head.
+    pub fn as_linear(&self, h: &Array) -> Result<Array> {
+        Ok(match self {
+            Embedding::Dense(w) => h.matmul(&w.t()?)?,
+            Embedding::Quantized(q) => h.quantized_matmul(q, true)?,
+        })
+    }
+}
+
+/// `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))` (gelu_pytorch_tanh).
+pub fn gelu_tanh(x: &Array) -> Result<Array> {
+    const C: f64 = 0.797_884_560_802_865_4; // √(2/π)
+    let inner = x
+        .add(&x.power_scalar(3.0)?.multiply_scalar(0.044715)?)?
+        .multiply_scalar(C)?;
+    Ok(x.multiply_scalar(0.5)?
+        .multiply(&inner.tanh()?.add_scalar(1.0)?)?)
+}
+
+/// `x · sigmoid(x)`.
+pub fn silu(x: &Array) -> Result<Array> {
+    Ok(x.multiply(&x.sigmoid()?)?)
+}
+
+/// RMS norm with a learned scale (`None`: the no-scale variant).
+pub fn norm(x: &Array, w: Option<&Array>, eps: f32) -> Result<Array> {
+    Ok(rms_norm(x, w, eps)?)
+}
+
+/// How one kind of layer rotates its queries and keys.
+pub struct Rope {
+    dims: i32,
+    traditional: bool,
+    base: f32,
+    /// Explicit wavelengths (gemma4's proportional RoPE) instead of `base`.
+    freqs: Option<Array>,
+}
+
+impl Rope {
+    /// Standard RoPE over the first `dims` features with `θ_j = base^(-2j/dims)`.
+    pub fn standard(dims: i32, base: f32, traditional: bool) -> Rope {
+        Rope {
+            dims,
+            traditional,
+            base,
+            freqs: None,
+        }
+    }
+
+    /// Rotate-half over all `head_dim` features where only the first `rotated` frequency pairs
+    /// turn: pair `j < rotated` has wavelength `base^(2j/head_dim) · factor`, the rest infinite
+    /// (MODELS.md §1.3, "proportional").
+    pub fn proportional(head_dim: i32, rotated: i32, base: f32, factor: f32) -> Result<Rope> {
+        let half = head_dim / 2;
+        let f: Vec<f32> = (0..half)
+            .map(|j| {
+                if j < rotated {
+                    (f64::from(base).powf(2.0 * f64::from(j) / f64::from(head_dim))
+                        * f64::from(factor)) as f32
+                } else {
+                    f32::INFINITY
+                }
+            })
+            .collect();
+        Ok(Rope {
+            dims: head_dim,
+            traditional: false,
+            base,
+            freqs: Some(Array::from_slice(&f, &[half])?),
+        })
+    }
+
+    /// Rotates `x: [B, H, L, D]` for positions `offset..offset+L`.
+    pub fn apply(&self, x: &Array, offset: usize) -> Result<Array> {
+        let freqs = match &self.freqs {
+            Some(f) => RopeFreqs::Custom(f),
+            None => RopeFreqs::Base(self.base),
+        };
+        Ok(rope(
+            x,
+            self.dims,
+            self.traditional,
+            freqs,
+            1.0,
+            offset as i32,
+        )?)
+    }
+}

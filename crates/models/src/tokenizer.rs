@@ -1,0 +1,182 @@
+//! Text in and out: `tokenizer.json` through the `tokenizers` crate, BOS handling from
+//! `tokenizer_config.json`, EOS ids from `generation_config.json`, and a streaming decoder that
+//! only ever emits text at UTF-8 boundaries.
+
+use crate::config::{token_ids, JsonFile};
+use crate::{ModelError, Result};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+    add_bos: Option<bool>,
+    bos: Option<u32>,
+    eos: Vec<u32>,
+}
+
+fn special_token_id(inner: &tokenizers::Tokenizer, v: Option<&Value>) -> Option<u32> {
+    let text = match v? {
+        Value::String(s) => s.clone(),
+        Value::Object(o) => o.get("content")?.as_str()?.to_string(),
+        _ => return None,
+    };
+    inner.token_to_id(&text)
+}
+
+impl Tokenizer {
+    /// Loads `tokenizer.json` plus the optional `tokenizer_config.json`,
+    /// `generation_config.json` and `config.json` of `dir` (the latter two for EOS ids).
+    pub fn load(dir: &Path) -> Result<Tokenizer> {
+        let path = dir.join("tokenizer.json");
+        if !path.is_file() {
+            return Err(ModelError::Tokenizer {
+                path,
+                message: "missing".into(),
+            });
+        }
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| ModelError::Tokenizer {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        let tcfg = JsonFile::read_optional(&dir.join("tokenizer_config.json"))?;
+        let gcfg = JsonFile::read_optional(&dir.join("generation_config.json"))?;
+        let mcfg = JsonFile::read_optional(&dir.join("config.json"))?;
+        let tval = tcfg.as_ref().map(|f| &f.value);
+        let add_bos = tval
+            .and_then(|v| v.get("add_bos_token"))
+            .and_then(Value::as_bool);
+        let bos = special_token_id(&inner, tval.and_then(|v| v.get("bos_token"))).or_else(|| {
+            token_ids(gcfg.as_ref().and_then(|g| g.value.get("bos_token_id")))
+                .first()
+                .copied()
+        });
+        // EOS: generation_config first (what generation stops on), then config.json (or its
+        // text_config), then the tokenizer's eos_token.
+        let mut eos = token_ids(gcfg.as_ref().and_then(|g| g.value.get("eos_token_id")));
+        if eos.is_empty() {
+            if let Some(m) = &mcfg {
+                eos = token_ids(m.value.get("eos_token_id"));
+                if eos.is_empty() {
+                    eos = token_ids(
+                        m.value
+                            .get("text_config")
+                            .and_then(|t| t.get("eos_token_id")),
+                    );
+                }
+            }
+        }
+        if eos.is_empty() {
+            eos.extend(special_token_id(
+                &inner,
+                tval.and_then(|v| v.get("eos_token")),
+            ));
+        }
+        Ok(Tokenizer {
+            inner,
+            path,
+            add_bos,
+            bos,
+            eos,
+        })
+    }
+
+    fn err(&self, e: impl std::fmt::Display) -> ModelError {
+        ModelError::Tokenizer {
+            path: self.path.clone(),
+            message: e.to_string(),
+        }
+    }
+
+    /// Token ids for `text`, with special tokens added exactly as the tokenizer config says:
+    /// the post-processor of `tokenizer.json`, corrected by `add_bos_token` when it is set.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids = self
+            .inner
+            .encode(text, true)
+            .map_err(|e| self.err(e))?
+            .get_ids()
+            .to_vec();
+        if let Some(bos) = self.bos {
+            let starts = ids.first() == Some(&bos);
+            match self.add_bos {
+                Some(true) if !starts => ids.insert(0, bos),
+                Some(false) if starts => {
+                    let plain = self.inner.encode(text, false).map_err(|e| self.err(e))?;
+                    if plain.get_ids().first() != Some(&bos) {
+                        ids.remove(0);
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(ids)
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, false).map_err(|e| self.err(e))
+    }
+
+    /// The text of one token as a client would see it in logprobs.
+    pub fn token_text(&self, id: u32) -> String {
+        self.decode(&[id]).unwrap_or_default()
+    }
+
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos
+    }
+
+    pub fn bos_id(&self) -> Option<u32> {
+        self.bos
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn stream(&self) -> StreamDecoder<'_> {
+        StreamDecoder {
+            tok: self,
+            ids: Vec::new(),
+            prefix: 0,
+            read: 0,
+        }
+    }
+}
+
+/// Incremental detokenisation: decodes a short window of recent tokens and emits only the new
+/// suffix, holding text back while it ends in an incomplete UTF-8 sequence (shown as U+FFFD by
+/// byte-fallback decoders) so that a character split across tokens is never emitted broken.
+pub struct StreamDecoder<'a> {
+    tok: &'a Tokenizer,
+    ids: Vec<u32>,
+    prefix: usize,
+    read: usize,
+}
+
+impl StreamDecoder<'_> {
+    /// Adds a token; returns the text that became final (possibly empty).
+    pub fn push(&mut self, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let before = self.tok.decode(&self.ids[self.prefix..self.read])?;
+        let now = self.tok.decode(&self.ids[self.prefix..])?;
+        if now.len() > before.len() && !now.ends_with('\u{FFFD}') {
+            if let Some(new) = now.get(before.len()..).filter(|_| now.starts_with(&before)) {
+                let new = new.to_string();
+                self.prefix = self.read;
+                self.read = self.ids.len();
+                return Ok(new);
+            }
+        }
+        Ok(String::new())
+    }
+
+    /// Whatever is still held back (an incomplete character at the end of generation).
+    pub fn flush(&mut self) -> Result<String> {
+        let before = self.tok.decode(&self.ids[self.prefix..self.read])?;
+        let now = self.tok.decode(&self.ids[self.prefix..])?;
+        self.prefix = self.ids.len();
+        self.read = self.ids.len();
+        Ok(now.get(before.len()..).unwrap_or_default().to_string())
+    }
+}

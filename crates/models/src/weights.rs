@@ -1,0 +1,396 @@
+//! Checkpoint tensors and the path-aware view the model files build themselves from.
+//!
+//! [`Weights::load`] reads every shard of a model directory (through `model.safetensors.index.json`
+//! when present, else every `model*.safetensors`), and [`Vb`] hands tensors out by path, checking
+//! shapes against what the config implies and naming the full tensor path in every error.
+//! Floating-point tensors are cast to the compute dtype; quantized ones (mlx-lm's packed
+//! `weight` + `scales` + `biases`) keep their packed form. Everything handed out is remembered so
+//! that [`Weights::materialize`] can evaluate the casts once, at load, rather than on every call.
+
+use crate::nn::{Embedding, Experts, Linear};
+use crate::{ModelError, Result};
+use mlx::{Array, Dtype};
+use serde_json::Value;
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+/// mlx-lm's `quantization` block: defaults plus per-module overrides (or `false` to exclude).
+#[derive(Debug, Clone, Default)]
+pub struct QuantConfig {
+    pub group_size: i32,
+    pub bits: i32,
+    overrides: HashMap<String, Option<(i32, i32)>>,
+}
+
+impl QuantConfig {
+    pub fn parse(v: &Value) -> std::result::Result<QuantConfig, String> {
+        let obj = v.as_object().ok_or("quantization must be an object")?;
+        let int =
+            |o: &serde_json::Map<String, Value>, k: &str| -> std::result::Result<i32, String> {
+                o.get(k)
+                    .and_then(Value::as_i64)
+                    .map(|x| x as i32)
+                    .ok_or_else(|| format!("quantization.{k} must be an integer"))
+            };
+        let mut q = QuantConfig {
+            group_size: int(obj, "group_size")?,
+            bits: int(obj, "bits")?,
+            overrides: HashMap::new(),
+        };
+        if let Some(mode) = obj.get("mode").and_then(Value::as_str) {
+            if mode != "affine" {
+                return Err(format!(
+                    "quantization mode {mode:?} is not supported (only affine)"
+                ));
+            }
+        }
+        for (k, v) in obj {
+            match v {
+                Value::Object(o) => {
+                    q.overrides
+                        .insert(k.clone(), Some((int(o, "group_size")?, int(o, "bits")?)));
+                }
+                Value::Bool(false) => {
+                    q.overrides.insert(k.clone(), None);
+                }
+                _ => {}
+            }
+        }
+        Ok(q)
+    }
+
+    /// (group_size, bits) for the module at `path`.
+    fn params(&self, path: &str) -> Option<(i32, i32)> {
+        match self.overrides.get(path) {
+            Some(p) => *p,
+            None => Some((self.group_size, self.bits)),
+        }
+    }
+}
+
+/// All tensors of a checkpoint.
+pub struct Weights {
+    dir: PathBuf,
+    tensors: HashMap<String, Array>,
+    dtype: Dtype,
+    quant: Option<QuantConfig>,
+    used: RefCell<HashSet<String>>,
+    handed_out: RefCell<Vec<Array>>,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
+    move |source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// The safetensors files of a model directory.
+pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
+        let v: Value = serde_json::from_str(&text).map_err(|e| ModelError::Config {
+            path: index.clone(),
+            message: format!("not valid JSON: {e}"),
+        })?;
+        let map = v
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| ModelError::Config {
+                path: index.clone(),
+                message: "no weight_map object".into(),
+            })?;
+        let mut files: Vec<PathBuf> = map
+            .values()
+            .filter_map(Value::as_str)
+            .map(|f| dir.join(f))
+            .collect();
+        files.sort();
+        files.dedup();
+        if let Some(missing) = files.iter().find(|f| !f.is_file()) {
+            return Err(ModelError::Config {
+                path: index,
+                message: format!("lists {} which does not exist", missing.display()),
+            });
+        }
+        return Ok(files);
+    }
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(io_err(dir))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("model") && n.ends_with(".safetensors"))
+        })
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(ModelError::Config {
+            path: dir.to_path_buf(),
+            message: "no model*.safetensors files".into(),
+        });
+    }
+    Ok(files)
+}
+
+impl Weights {
+    /// Reads the tensors of every shard (lazily: data is read when first evaluated).
+    pub fn load(dir: &Path, dtype: Dtype, quant: Option<QuantConfig>) -> Result<Weights> {
+        let mut tensors = HashMap::new();
+        for f in shard_files(dir)? {
+            let t = mlx::io::load_safetensors(&f).map_err(|e| match e {
+                mlx::Error::Io { path, source } => ModelError::Io { path, source },
+                other => ModelError::Mlx(other),
+            })?;
+            tensors.extend(t.arrays);
+        }
+        Ok(Weights {
+            dir: dir.to_path_buf(),
+            tensors,
+            dtype,
+            quant,
+            used: RefCell::new(HashSet::new()),
+            handed_out: RefCell::new(Vec::new()),
+        })
+    }
+
+    /// Tensors built in memory (tests, derived checkpoints).
+    pub fn from_arrays(
+        tensors: HashMap<String, Array>,
+        dtype: Dtype,
+        quant: Option<QuantConfig>,
+    ) -> Weights {
+        Weights {
+            dir: PathBuf::from("<memory>"),
+            tensors,
+            dtype,
+            quant,
+            used: RefCell::new(HashSet::new()),
+            handed_out: RefCell::new(Vec::new()),
+        }
+    }
+
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    pub fn root(&self) -> Vb<'_> {
+        Vb {
+            w: self,
+            prefix: String::new(),
+        }
+    }
+
+    /// Whether any tensor name starts with `prefix`.
+    pub fn has_prefix(&self, prefix: &str) -> bool {
+        self.tensors.keys().any(|k| k.starts_with(prefix))
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Evaluates every tensor handed out (casts, stacks, transposes), so that forward passes
+    /// start from materialised weights.
+    pub fn materialize(&self) -> Result<()> {
+        let arrays = self.handed_out.borrow();
+        for chunk in arrays.chunks(256) {
+            let refs: Vec<&Array> = chunk.iter().collect();
+            mlx::eval(&refs)?;
+        }
+        Ok(())
+    }
+
+    /// Names no model code asked for (multimodal towers, MTP layers, ...), sorted.
+    pub fn unused(&self) -> Vec<String> {
+        let used = self.used.borrow();
+        let mut v: Vec<String> = self
+            .tensors
+            .keys()
+            .filter(|k| !used.contains(*k))
+            .cloned()
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn raw(&self, name: &str) -> Result<Array> {
+        let a = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_string(),
+                dir: self.dir.clone(),
+            })?;
+        self.used.borrow_mut().insert(name.to_string());
+        Ok(a.clone())
+    }
+
+    pub(crate) fn keep(&self, a: Array) -> Array {
+        self.handed_out.borrow_mut().push(a.clone());
+        a
+    }
+}
+
+/// A view of [`Weights`] under a path prefix (`model.layers.3.self_attn`).
+#[derive(Clone)]
+pub struct Vb<'a> {
+    w: &'a Weights,
+    prefix: String,
+}
+
+impl<'a> Vb<'a> {
+    pub fn pp(&self, part: impl std::fmt::Display) -> Vb<'a> {
+        let prefix = if self.prefix.is_empty() {
+            part.to_string()
+        } else {
+            format!("{}.{part}", self.prefix)
+        };
+        Vb { w: self.w, prefix }
+    }
+
+    pub fn path(&self) -> &str {
+        &self.prefix
+    }
+
+    pub fn name(&self, leaf: &str) -> String {
+        if self.prefix.is_empty() {
+            leaf.to_string()
+        } else {
+            format!("{}.{leaf}", self.prefix)
+        }
+    }
+
+    pub fn weights(&self) -> &'a Weights {
+        self.w
+    }
+
+    pub fn has(&self, leaf: &str) -> bool {
+        self.w.contains(&self.name(leaf))
+    }
+
+    /// A floating-point tensor of exactly `shape`, in the compute dtype.
+    pub fn get(&self, leaf: &str, shape: &[i32]) -> Result<Array> {
+        let name = self.name(leaf);
+        let a = self.w.raw(&name)?;
+        if a.shape() != shape {
+            return Err(ModelError::Shape {
+                name,
+                expected: shape.to_vec(),
+                got: a.shape(),
+            });
+        }
+        self.cast(&name, a)
+    }
+
+    /// A floating-point tensor of any shape, in the compute dtype.
+    pub fn get_unchecked(&self, leaf: &str) -> Result<Array> {
+        let name = self.name(leaf);
+        let a = self.w.raw(&name)?;
+        self.cast(&name, a)
+    }
+
+    /// A tensor kept in float32 whatever the compute dtype (router biases, MODELS.md §3.2).
+    pub fn get_f32(&self, leaf: &str, shape: &[i32]) -> Result<Array> {
+        let name = self.name(leaf);
+        let a = self.w.raw(&name)?;
+        if a.shape() != shape {
+            return Err(ModelError::Shape {
+                name,
+                expected: shape.to_vec(),
+                got: a.shape(),
+            });
+        }
+        Ok(self.w.keep(a.astype(Dtype::F32)?))
+    }
+
+    fn cast(&self, name: &str, a: Array) -> Result<Array> {
+        if !a.dtype().is_float() {
+            return Err(ModelError::Tensor {
+                name: name.to_string(),
+                message: format!("expected a floating-point tensor, found {:?}", a.dtype()),
+            });
+        }
+        Ok(self.w.keep(a.astype(self.w.dtype)?))
+    }
+
+    /// Whether the module at this path is stored quantized.
+    pub fn is_quantized(&self) -> bool {
+        self.has("scales")
+    }
+
+    /// Quantized parts of the module at this path, checked against the config and `rows × cols`
+    /// (`lead` leading dimensions for stacked experts).
+    pub(crate) fn quantized(&self, lead: &[i32], rows: i32, cols: i32) -> Result<mlx::Quantized> {
+        let wname = self.name("weight");
+        let q = self.w.quant.as_ref().ok_or_else(|| ModelError::Tensor {
+            name: wname.clone(),
+            message: "stored quantized, but config.json has no quantization block".into(),
+        })?;
+        let (group_size, bits) = q.params(&self.prefix).ok_or_else(|| ModelError::Tensor {
+            name: wname.clone(),
+            message: "stored quantized, but the quantization block excludes this module".into(),
+        })?;
+        let weight = self.w.raw(&wname)?;
+        let scales = self.get_unchecked("scales")?;
+        let biases = self.get_unchecked("biases")?;
+        let mut expect_w: Vec<i32> = lead.to_vec();
+        expect_w.extend([rows, cols * bits / 32]);
+        let mut expect_s: Vec<i32> = lead.to_vec();
+        expect_s.extend([rows, cols / group_size]);
+        if weight.dtype() != Dtype::U32 || weight.shape() != expect_w {
+            return Err(ModelError::Tensor {
+                name: wname,
+                message: format!(
+                    "{:?} {:?} does not hold {rows}x{cols} at {bits} bits (expected u32 {expect_w:?})",
+                    weight.dtype(),
+                    weight.shape()
+                ),
+            });
+        }
+        for (n, a) in [("scales", &scales), ("biases", &biases)] {
+            if a.shape() != expect_s {
+                return Err(ModelError::Shape {
+                    name: self.name(n),
+                    expected: expect_s,
+                    got: a.shape(),
+                });
+            }
+        }
+        Ok(mlx::Quantized {
+            weight,
+            scales,
+            biases,
+            group_size,
+            bits,
+        })
+    }
+
+    /// A linear layer `[out, in]` at this path, dense or quantized.
+    pub fn linear(&self, out: i32, inp: i32) -> Result<Linear> {
+        if self.is_quantized() {
+            return Ok(Linear::Quantized(self.quantized(&[], out, inp)?));
+        }
+        Linear::dense(self.get("weight", &[out, inp])?)
+    }
+
+    /// Stacked expert matrices `[E, out, in]` at this path, dense or quantized.
+    pub fn experts(&self, e: i32, out: i32, inp: i32) -> Result<Experts> {
+        if self.is_quantized() {
+            return Ok(Experts::Quantized(self.quantized(&[e], out, inp)?));
+        }
+        let w = self.get("weight", &[e, out, inp])?;
+        Experts::dense(self.w, w)
+    }
+
+    /// An embedding table `[vocab, dim]` at this path, dense or quantized.
+    pub fn embedding(&self, vocab: i32, dim: i32) -> Result<Embedding> {
+        if self.is_quantized() {
+            return Ok(Embedding::Quantized(self.quantized(&[], vocab, dim)?));
+        }
+        Ok(Embedding::Dense(self.get("weight", &[vocab, dim])?))
+    }
+}
