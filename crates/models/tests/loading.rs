@@ -1,0 +1,390 @@
+//! Loading every layout the ecosystem writes, and failing clearly on everything else.
+
+use mlx::{Array, Dtype, Ix};
+use models::{load, DtypeChoice, LoadedModel, ModelError};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/models")
+        .join(name)
+}
+
+/// A copy of a fixture model directory that a test may change.
+struct Scratch {
+    dir: tempfile::TempDir,
+}
+
+impl Scratch {
+    fn of(name: &str) -> Scratch {
+        let dir = tempfile::tempdir().unwrap();
+        for e in std::fs::read_dir(fixture(name)).unwrap() {
+            let p = e.unwrap().path();
+            std::fs::copy(&p, dir.path().join(p.file_name().unwrap())).unwrap();
+        }
+        Scratch { dir }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn config(&self) -> Value {
+        serde_json::from_str(&std::fs::read_to_string(self.path().join("config.json")).unwrap())
+            .unwrap()
+    }
+
+    fn set_config(&self, v: &Value) {
+        std::fs::write(
+            self.path().join("config.json"),
+            serde_json::to_string_pretty(v).unwrap(),
+        )
+        .unwrap();
+    }
+
+    fn tensors(&self) -> HashMap<String, Array> {
+        mlx::io::load_safetensors(self.path().join("model.safetensors"))
+            .unwrap()
+            .arrays
+    }
+
+    fn set_tensors(&self, t: &HashMap<String, Array>) {
+        std::fs::remove_file(self.path().join("model.safetensors")).ok();
+        save(&self.path().join("model.safetensors"), t);
+    }
+
+    fn load(&self) -> models::Result<LoadedModel> {
+        load(self.path(), DtypeChoice::Fixed(Dtype::F32))
+    }
+}
+
+fn save(path: &Path, t: &HashMap<String, Array>) {
+    let refs: Vec<(&str, &Array)> = t.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    mlx::io::save_safetensors(path, &refs).unwrap();
+}
+
+/// Last-position logits of the golden token sequence.
+fn last_logits(m: &LoadedModel) -> Vec<f32> {
+    let ids: Vec<i32> = vec![2, 17, 200, 45, 3, 99, 128, 7, 7, 250, 31, 64];
+    let mut c = m.model.make_caches();
+    let h = m
+        .model
+        .forward(&Array::from_slice(&ids, &[1, 12]).unwrap(), &mut c)
+        .unwrap();
+    let h = h.index(&[Ix::full(), Ix::At(-1)]).unwrap();
+    m.model
+        .logits(&h)
+        .unwrap()
+        .astype(Dtype::F32)
+        .unwrap()
+        .to_vec()
+        .unwrap()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn reference(name: &str) -> Vec<f32> {
+    last_logits(&load(&fixture(name), DtypeChoice::Fixed(Dtype::F32)).unwrap())
+}
+
+#[test]
+fn gemma4_multimodal_wrapper_with_towers() {
+    let s = Scratch::of("gemma4_e2b_like");
+    let text = s.config();
+    s.set_config(
+        &json!({"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
+                         "text_config": text, "vision_config": {"hidden_size": 16}}),
+    );
+    let mut t: HashMap<String, Array> = s
+        .tensors()
+        .into_iter()
+        .map(|(k, v)| (k.replacen("model.", "model.language_model.", 1), v))
+        .collect();
+    // Towers and clip buffers that text generation must skip.
+    t.insert(
+        "model.vision_tower.encoder.weight".into(),
+        Array::zeros(&[4, 4], Dtype::F32).unwrap(),
+    );
+    t.insert(
+        "model.embed_vision.embedding_projection.weight".into(),
+        Array::zeros(&[4, 4], Dtype::F32).unwrap(),
+    );
+    s.set_tensors(&t);
+    let m = s.load().unwrap();
+    assert!(max_diff(&last_logits(&m), &reference("gemma4_e2b_like")) < 1e-5);
+    assert!(m
+        .unused_tensors
+        .iter()
+        .any(|n| n.starts_with("model.vision_tower")));
+}
+
+#[test]
+fn gemma4_per_layer_config_spelling() {
+    // transformers >= 5.2x writes per_layer_config instead of the global fields.
+    let s = Scratch::of("gemma4_31b_like");
+    let mut c = s.config();
+    let ghd = c["global_head_dim"].clone();
+    let gkv = c["num_global_key_value_heads"].clone();
+    let obj = c.as_object_mut().unwrap();
+    obj.remove("global_head_dim");
+    obj.remove("num_global_key_value_heads");
+    let per: serde_json::Map<String, Value> = [2, 5]
+        .iter()
+        .map(|i| {
+            (
+                i.to_string(),
+                json!({"head_dim": ghd, "num_key_value_heads": gkv}),
+            )
+        })
+        .collect();
+    obj.insert("per_layer_config".into(), Value::Object(per));
+    s.set_config(&c);
+    assert!(
+        max_diff(
+            &last_logits(&s.load().unwrap()),
+            &reference("gemma4_31b_like")
+        ) < 1e-5
+    );
+}
+
+#[test]
+fn gemma4_window_pattern_instead_of_layer_types() {
+    let s = Scratch::of("gemma4_26b_a4b_like");
+    let mut c = s.config();
+    c.as_object_mut().unwrap().remove("layer_types");
+    c["sliding_window_pattern"] = json!(3); // S, S, F, S, S, F
+    s.set_config(&c);
+    assert!(
+        max_diff(
+            &last_logits(&s.load().unwrap()),
+            &reference("gemma4_26b_a4b_like")
+        ) < 1e-5
+    );
+}
+
+#[test]
+fn glm_alternative_spellings() {
+    let s = Scratch::of("glm4_moe_lite");
+    let mut c = s.config();
+    let o = c.as_object_mut().unwrap();
+    // Only the transformers spellings: mlp_layer_types and rope_parameters.
+    for k in ["first_k_dense_replace", "rope_theta", "moe_layer_freq"] {
+        o.remove(k);
+    }
+    s.set_config(&c);
+    assert!(
+        max_diff(
+            &last_logits(&s.load().unwrap()),
+            &reference("glm4_moe_lite")
+        ) < 1e-5
+    );
+    // Only the mlx-lm / GLM-4.7-Flash spellings.
+    let o = c.as_object_mut().unwrap();
+    o.remove("mlp_layer_types");
+    o.remove("rope_parameters");
+    o.insert("first_k_dense_replace".into(), json!(1));
+    o.insert("rope_theta".into(), json!(1000000.0));
+    s.set_config(&c);
+    assert!(
+        max_diff(
+            &last_logits(&s.load().unwrap()),
+            &reference("glm4_moe_lite")
+        ) < 1e-5
+    );
+}
+
+#[test]
+fn sharded_checkpoint_with_index() {
+    let s = Scratch::of("glm4_moe_lite");
+    let t = s.tensors();
+    let mut names: Vec<&String> = t.keys().collect();
+    names.sort();
+    let (a, b) = names.split_at(names.len() / 2);
+    let mut map = serde_json::Map::new();
+    for (file, part) in [
+        ("model-00001-of-00002.safetensors", a),
+        ("model-00002-of-00002.safetensors", b),
+    ] {
+        let shard: HashMap<String, Array> =
+            part.iter().map(|n| ((*n).clone(), t[*n].clone())).collect();
+        save(&s.path().join(file), &shard);
+        for n in part {
+            map.insert((*n).clone(), json!(file));
+        }
+    }
+    std::fs::remove_file(s.path().join("model.safetensors")).unwrap();
+    std::fs::write(
+        s.path().join("model.safetensors.index.json"),
+        serde_json::to_string(&json!({"metadata": {}, "weight_map": map})).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        max_diff(
+            &last_logits(&s.load().unwrap()),
+            &reference("glm4_moe_lite")
+        ) < 1e-5
+    );
+}
+
+/// A bf16 (or f16) checkpoint computes exactly like an f32 one holding the same rounded values.
+#[test]
+fn half_precision_checkpoints() {
+    for half in [Dtype::Bf16, Dtype::F16] {
+        let low = Scratch::of("gemma4_e2b_like");
+        let rounded = Scratch::of("gemma4_e2b_like");
+        let t = low.tensors();
+        let cast: HashMap<String, Array> = t
+            .iter()
+            .map(|(k, v)| (k.clone(), v.astype(half).unwrap()))
+            .collect();
+        low.set_tensors(&cast);
+        let back: HashMap<String, Array> = cast
+            .iter()
+            .map(|(k, v)| (k.clone(), v.astype(Dtype::F32).unwrap()))
+            .collect();
+        rounded.set_tensors(&back);
+        let a = last_logits(&low.load().unwrap());
+        let b = last_logits(&rounded.load().unwrap());
+        assert_eq!(a, b, "{half:?}");
+        assert!(max_diff(&a, &reference("gemma4_e2b_like")) < 0.5);
+    }
+}
+
+fn load_err(s: &Scratch) -> String {
+    match s.load() {
+        Ok(_) => panic!("loaded a broken model"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn missing_tensor_is_named() {
+    let s = Scratch::of("gemma4_31b_like");
+    let mut t = s.tensors();
+    t.remove("model.layers.3.self_attn.q_norm.weight");
+    s.set_tensors(&t);
+    let e = load_err(&s);
+    assert!(
+        e.contains("missing tensor model.layers.3.self_attn.q_norm.weight"),
+        "{e}"
+    );
+}
+
+#[test]
+fn wrong_shape_is_named() {
+    let s = Scratch::of("glm4_moe_lite");
+    let mut t = s.tensors();
+    t.insert(
+        "model.layers.1.self_attn.o_proj.weight".into(),
+        Array::zeros(&[64, 60], Dtype::F32).unwrap(),
+    );
+    s.set_tensors(&t);
+    let e = load_err(&s);
+    assert!(
+        e.contains("model.layers.1.self_attn.o_proj.weight has shape [64, 60]")
+            && e.contains("[64, 64]"),
+        "{e}"
+    );
+}
+
+#[test]
+fn wrong_dtype_is_named() {
+    let s = Scratch::of("gemma4_31b_like");
+    let mut t = s.tensors();
+    t.insert(
+        "model.norm.weight".into(),
+        Array::zeros(&[64], Dtype::I32).unwrap(),
+    );
+    s.set_tensors(&t);
+    let e = load_err(&s);
+    assert!(
+        e.contains("model.norm.weight") && e.contains("floating-point"),
+        "{e}"
+    );
+}
+
+#[test]
+fn truncated_safetensors_is_named() {
+    let s = Scratch::of("gemma4_31b_like");
+    let p = s.path().join("model.safetensors");
+    let bytes = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &bytes[..bytes.len() / 2]).unwrap();
+    let e = load_err(&s);
+    assert!(e.contains("model.safetensors"), "{e}");
+}
+
+#[test]
+fn config_problems_are_named() {
+    let s = Scratch::of("gemma4_31b_like");
+    let mut c = s.config();
+    c.as_object_mut().unwrap().remove("hidden_size");
+    s.set_config(&c);
+    let e = load_err(&s);
+    assert!(
+        e.contains("config.json") && e.contains("hidden_size"),
+        "{e}"
+    );
+
+    c["hidden_size"] = json!("sixty-four");
+    s.set_config(&c);
+    let e = load_err(&s);
+    assert!(
+        e.contains("config.json") && e.contains("invalid type"),
+        "{e}"
+    );
+
+    c["hidden_size"] = json!(64);
+    c["model_type"] = json!("llama");
+    s.set_config(&c);
+    let e = s.load().err().unwrap();
+    assert!(matches!(e, ModelError::UnknownArchitecture { .. }), "{e}");
+    assert!(e.to_string().contains("\"llama\""), "{e}");
+
+    c.as_object_mut().unwrap().remove("model_type");
+    s.set_config(&c);
+    assert!(load_err(&s).contains("model_type"));
+
+    std::fs::write(s.path().join("config.json"), "{not json").unwrap();
+    let e = load_err(&s);
+    assert!(e.contains("config.json: not valid JSON"), "{e}");
+
+    let s = Scratch::of("glm4_moe_lite");
+    let mut c = s.config();
+    c["num_experts_per_tok"] = json!(99);
+    s.set_config(&c);
+    assert!(load_err(&s).contains("num_experts_per_tok exceeds n_routed_experts"));
+}
+
+#[test]
+fn missing_files_are_named() {
+    let e = load(Path::new("/nonexistent/model"), DtypeChoice::Auto)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("/nonexistent/model"), "{e}");
+    let s = Scratch::of("gemma4_31b_like");
+    std::fs::remove_file(s.path().join("tokenizer.json")).unwrap();
+    assert!(load_err(&s).contains("tokenizer.json"));
+    let s = Scratch::of("gemma4_31b_like");
+    std::fs::remove_file(s.path().join("model.safetensors")).unwrap();
+    assert!(load_err(&s).contains("no model*.safetensors"));
+}
+
+#[test]
+fn quantized_tensor_without_quantization_block() {
+    let s = Scratch::of("glm4_moe_lite_q4");
+    let mut c = s.config();
+    let o = c.as_object_mut().unwrap();
+    o.remove("quantization");
+    o.remove("quantization_config");
+    s.set_config(&c);
+    let e = load_err(&s);
+    assert!(e.contains("no quantization block"), "{e}");
+}

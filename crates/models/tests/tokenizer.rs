@@ -1,0 +1,98 @@
+//! Tokenizer files as the model directories ship them.
+
+use models::Tokenizer;
+use std::path::PathBuf;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/models")
+        .join(name)
+}
+
+#[test]
+fn bos_and_eos_follow_the_config_files() {
+    let g = Tokenizer::load(&fixture("gemma4_e2b_like")).unwrap();
+    let ids = g.encode("Hello world").unwrap();
+    assert_eq!(ids[0], 2, "gemma adds <bos>");
+    assert_eq!(g.decode(&ids[1..]).unwrap(), "Hello world");
+    assert_eq!(g.eos_ids(), &[1]);
+
+    let glm = Tokenizer::load(&fixture("glm4_moe_lite")).unwrap();
+    let ids = glm.encode("Hello world").unwrap();
+    assert_ne!(ids[0], 2, "add_bos_token is false");
+    assert_eq!(glm.decode(&ids).unwrap(), "Hello world");
+    assert_eq!(glm.eos_ids(), &[1, 3], "eos_token_id as a list");
+}
+
+#[test]
+fn add_bos_token_false_wins_over_a_bos_adding_post_processor() {
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["tokenizer.json", "generation_config.json"] {
+        std::fs::copy(fixture("gemma4_e2b_like").join(f), dir.path().join(f)).unwrap();
+    }
+    let mut tj: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("tokenizer.json")).unwrap())
+            .unwrap();
+    tj["post_processor"] = serde_json::json!({
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<bos>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<bos>": {"id": "<bos>", "ids": [2], "tokens": ["<bos>"]}}
+    });
+    std::fs::write(dir.path().join("tokenizer.json"), tj.to_string()).unwrap();
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"add_bos_token": false, "bos_token": "<bos>"}"#,
+    )
+    .unwrap();
+    let t = Tokenizer::load(dir.path()).unwrap();
+    assert_ne!(t.encode("hi").unwrap()[0], 2);
+    // Without the flag, the post-processor decides, and adds exactly one BOS.
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        r#"{"bos_token": "<bos>"}"#,
+    )
+    .unwrap();
+    let t = Tokenizer::load(dir.path()).unwrap();
+    let ids = t.encode("hi").unwrap();
+    assert_eq!(ids[0], 2);
+    assert_ne!(ids[1], 2);
+}
+
+#[test]
+fn streaming_emits_only_whole_characters() {
+    let t = Tokenizer::load(&fixture("gemma4_e2b_like")).unwrap();
+    let text = "héllo 世界 🎉 done";
+    let ids = t.encode(text).unwrap();
+    // Byte fallback splits the non-ASCII characters over several tokens.
+    assert!(ids.len() > text.chars().count());
+    let mut s = t.stream();
+    let mut out = String::new();
+    for &id in &ids[1..] {
+        let piece = s.push(id).unwrap();
+        assert!(
+            !piece.contains('\u{FFFD}'),
+            "emitted a broken character: {piece:?}"
+        );
+        out.push_str(&piece);
+    }
+    out.push_str(&s.flush().unwrap());
+    assert_eq!(out, text);
+}
+
+#[test]
+fn incomplete_character_at_the_end_is_flushed() {
+    let t = Tokenizer::load(&fixture("gemma4_e2b_like")).unwrap();
+    let ids = t.encode("🎉").unwrap();
+    let mut s = t.stream();
+    let mut out = String::new();
+    // Drop the last byte token: the character can never complete.
+    for &id in &ids[1..ids.len() - 1] {
+        out.push_str(&s.push(id).unwrap());
+    }
+    assert_eq!(
+        out, "",
+        "nothing is emitted while the character is incomplete"
+    );
+    assert!(s.flush().unwrap().contains('\u{FFFD}'));
+}
