@@ -1,0 +1,17 @@
+//! Turning logits into tokens for many sequences at once, and giving speculation the
+//! distributions it needs. Semantics: OLLAMA_RUNNER_REFERENCE.md §6 and §4.3, with the issue's
+//! order of transforms (penalties, top-k, temperature, top-p, min-p, renormalise, sample).
+//!
+//! Sampling is by inverse CDF with one uniform number per row, drawn from the row's own slot key
+//! (SplitMix64 of the seed and a draw counter): a seeded slot draws the same numbers whatever
+//! other slots share the batch, and the fused and per-slot paths give identical tokens.
+
+mod distribution;
+mod options;
+mod pipeline;
+mod sampler;
+
+pub use distribution::Distribution;
+pub use options::{Options, SampleError, MAX_TOP_LOGPROBS};
+pub use pipeline::Strategy;
+pub use sampler::{Sampled, Sampler, TopLogprobs};
