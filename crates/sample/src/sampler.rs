@@ -83,6 +83,7 @@ pub struct Sampler {
     free_rows: Vec<usize>,
     num_ctx: usize,
     strategy: Strategy,
+    allow_fused: bool,
 }
 
 impl Sampler {
@@ -96,7 +97,14 @@ impl Sampler {
             free_rows: Vec::new(),
             num_ctx,
             strategy: Strategy::OneSort,
+            allow_fused: true,
         }
+    }
+
+    /// Turns the fused batch path off, so every call takes the per-slot path (benchmarks and
+    /// tests; results are the same either way).
+    pub fn set_allow_fused(&mut self, allow: bool) {
+        self.allow_fused = allow;
     }
 
     /// Chooses how top-k and top-p share work (benchmarks only; results are the same).
