@@ -1,7 +1,13 @@
 //! `mlx-runner`: a local LLM runner on MLX.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use models::DtypeChoice;
+use runner::protocol::CompletionChunk;
+use runner::{Ctx, Event, Generation, GenerationParams};
+use sample::{Options, Sampler};
+use std::io::Write;
+use std::path::PathBuf;
 
 #[derive(Parser)]
 #[command(name = "mlx-runner", version, about = "A local LLM runner on MLX")]
@@ -14,12 +20,64 @@ struct Cli {
 enum Command {
     /// Print the MLX version, the compute device and the BLAS library that serves sgemm.
     Info,
+    /// Generate a completion once, in-process (smoke tests and benchmarks).
+    Generate(GenerateArgs),
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    /// Model directory (config.json, *.safetensors, tokenizer.json, ...).
+    #[arg(long)]
+    model: PathBuf,
+    /// The prompt text, tokenized as the model's tokenizer config says.
+    #[arg(long)]
+    prompt: String,
+    /// Tokens to generate at most.
+    #[arg(short = 'n', long = "num-predict", default_value_t = 64)]
+    num_predict: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: i32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    #[arg(long, default_value_t = 64)]
+    repeat_last_n: i32,
+    #[arg(long, default_value_t = -1)]
+    seed: i64,
+    /// Stop strings (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Also report this many most likely alternatives per token (implies --logprobs).
+    #[arg(long, default_value_t = 0)]
+    top_logprobs: i32,
+    /// Report the chosen token's logprob.
+    #[arg(long)]
+    logprobs: bool,
+    /// Print the runner's NDJSON completion chunks instead of plain text.
+    #[arg(long)]
+    json: bool,
+    /// Compute dtype: auto (float32 on CPU), f32, f16 or bf16.
+    #[arg(long, default_value = "auto")]
+    dtype: DtypeChoice,
+    /// Context length (default: the model's maximum).
+    #[arg(long)]
+    ctx_size: Option<usize>,
+    /// Tokens per prefill forward pass.
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
 }
 
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Info => info(),
+        Command::Generate(args) => generate(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -45,5 +103,79 @@ fn info() -> Result<()> {
     let s: f32 = a.matmul(&a)?.sum_all(false)?.item()?;
     anyhow::ensure!(s == 54.0, "MLX self-check failed: expected 54, got {s}");
     println!("self-check ok");
+    Ok(())
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    let loaded = models::load(&a.model, a.dtype)?;
+    let num_ctx = a.ctx_size.unwrap_or(loaded.model.max_context());
+    let options = Options {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repeat_last_n: a.repeat_last_n,
+        repeat_penalty: a.repeat_penalty,
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
+        seed: a.seed,
+        logprobs: a.logprobs || a.top_logprobs > 0,
+        top_logprobs: a.top_logprobs,
+    };
+    options.validate()?;
+    let prompt = loaded.tokenizer.encode(&a.prompt)?;
+    let params = GenerationParams {
+        prompt,
+        options,
+        num_predict: Some(a.num_predict),
+        num_ctx,
+        stop: a.stop.clone(),
+        prefill_chunk: a.prefill_chunk,
+    };
+    let mut sampler = Sampler::new(num_ctx);
+    let mut ctx = Ctx {
+        model: &*loaded.model,
+        tokenizer: &loaded.tokenizer,
+        sampler: &mut sampler,
+    };
+    if a.num_predict == 0 {
+        return Ok(());
+    }
+    let mut g = Generation::start(&mut ctx, 0, params)?;
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    while let Some(ev) = g.step(&mut ctx)? {
+        match ev {
+            Event::Token { text, logprob, .. } => {
+                if a.json {
+                    let chunk = CompletionChunk::content(text, logprob.map(|l| vec![l]));
+                    writeln!(out, "{}", serde_json::to_string(&chunk)?)?;
+                } else {
+                    write!(out, "{text}")?;
+                }
+                out.flush().context("writing to stdout")?;
+            }
+            Event::Done {
+                reason,
+                text,
+                stats,
+            } => {
+                if a.json {
+                    let chunk = CompletionChunk::done(reason, text, &stats);
+                    writeln!(out, "{}", serde_json::to_string(&chunk)?)?;
+                } else {
+                    writeln!(out, "{text}")?;
+                    let rate = |n: usize, ns: u64| n as f64 / (ns.max(1) as f64 / 1e9);
+                    eprintln!(
+                        "prompt: {} tokens, {:.1} tok/s; generated: {} tokens, {:.1} tok/s",
+                        stats.prompt_eval_count,
+                        rate(stats.prompt_eval_count, stats.prompt_eval_ns),
+                        stats.eval_count,
+                        rate(stats.eval_count.saturating_sub(1), stats.eval_ns),
+                    );
+                }
+            }
+        }
+    }
     Ok(())
 }

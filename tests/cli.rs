@@ -34,3 +34,117 @@ fn unknown_subcommand_is_a_clear_error() {
         "{err}"
     );
 }
+
+fn fixture(name: &str) -> String {
+    format!(
+        "{}/tests/fixtures/models/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+#[test]
+fn generate_prints_text_and_stats() {
+    let out = mlx_runner()
+        .args([
+            "generate",
+            "--model",
+            &fixture("gemma4_e2b_like"),
+            "--prompt",
+            "Hello world",
+            "-n",
+            "8",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("prompt: ") && err.contains(" tokens, ") && err.contains("generated:"),
+        "{err}"
+    );
+}
+
+#[test]
+fn generate_json_streams_protocol_chunks() {
+    let out = mlx_runner()
+        .args([
+            "generate",
+            "--model",
+            &fixture("glm4_moe_lite"),
+            "--prompt",
+            "Hello",
+            "-n",
+            "4",
+            "--json",
+            "--top-logprobs",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let last = lines.last().unwrap();
+    assert_eq!(last["Done"], true);
+    assert!(
+        last["DoneReason"].is_u64()
+            && last["EvalCount"].is_u64()
+            && last["PromptEvalDuration"].is_u64()
+    );
+    for l in &lines[..lines.len() - 1] {
+        assert_eq!(l["Done"], false);
+        let lp = &l["Logprobs"][0];
+        assert!(lp["logprob"].as_f64().unwrap() <= 0.0);
+        assert_eq!(lp["top_logprobs"].as_array().unwrap().len(), 2);
+    }
+}
+
+#[test]
+fn generate_with_a_broken_model_fails_with_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("config.json"), r#"{"model_type": "llama"}"#).unwrap();
+    let out = mlx_runner()
+        .args([
+            "generate",
+            "--model",
+            dir.path().to_str().unwrap(),
+            "--prompt",
+            "x",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("unknown architecture \"llama\""), "{err}");
+    let out = mlx_runner()
+        .args(["generate", "--model", "/no/such/dir", "--prompt", "x"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/no/such/dir"));
+    let out = mlx_runner()
+        .args([
+            "generate",
+            "--model",
+            &fixture("glm4_moe_lite"),
+            "--prompt",
+            "x",
+            "--top-k=-3",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("top_k must be >= 0"));
+}

@@ -183,7 +183,7 @@ fn plan(shape: &[i32], index: &[Ix]) -> Result<Plan> {
     let mut expanded: Vec<Ix> = Vec::with_capacity(index.len() + shape.len());
     for ix in index {
         if let Ix::Ellipsis = ix {
-            expanded.extend(std::iter::repeat(Ix::full()).take(shape.len() - consumed));
+            expanded.extend(std::iter::repeat_n(Ix::full(), shape.len() - consumed));
         } else {
             expanded.push(*ix);
         }

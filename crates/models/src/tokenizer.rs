@@ -133,50 +133,55 @@ impl Tokenizer {
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
-
-    pub fn stream(&self) -> StreamDecoder<'_> {
-        StreamDecoder {
-            tok: self,
-            ids: Vec::new(),
-            prefix: 0,
-            read: 0,
-        }
-    }
 }
 
 /// Incremental detokenisation: decodes a short window of recent tokens and emits only the new
 /// suffix, holding text back while it ends in an incomplete UTF-8 sequence (shown as U+FFFD by
 /// byte-fallback decoders) so that a character split across tokens is never emitted broken.
-pub struct StreamDecoder<'a> {
-    tok: &'a Tokenizer,
+#[derive(Debug, Clone, Default)]
+pub struct StreamDecoder {
     ids: Vec<u32>,
     prefix: usize,
     read: usize,
 }
 
-impl StreamDecoder<'_> {
+impl StreamDecoder {
+    pub fn new() -> StreamDecoder {
+        StreamDecoder::default()
+    }
+
     /// Adds a token; returns the text that became final (possibly empty).
-    pub fn push(&mut self, id: u32) -> Result<String> {
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String> {
         self.ids.push(id);
-        let before = self.tok.decode(&self.ids[self.prefix..self.read])?;
-        let now = self.tok.decode(&self.ids[self.prefix..])?;
-        if now.len() > before.len() && !now.ends_with('\u{FFFD}') {
-            if let Some(new) = now.get(before.len()..).filter(|_| now.starts_with(&before)) {
-                let new = new.to_string();
-                self.prefix = self.read;
-                self.read = self.ids.len();
-                return Ok(new);
-            }
+        let before = tok.decode(&self.ids[self.prefix..self.read])?;
+        let now = tok.decode(&self.ids[self.prefix..])?;
+        let new = suffix_after(&now, &before);
+        if !new.is_empty() && !now.ends_with('\u{FFFD}') {
+            let new = new.to_string();
+            self.prefix = self.read;
+            self.read = self.ids.len();
+            return Ok(new);
         }
         Ok(String::new())
     }
 
     /// Whatever is still held back (an incomplete character at the end of generation).
-    pub fn flush(&mut self) -> Result<String> {
-        let before = self.tok.decode(&self.ids[self.prefix..self.read])?;
-        let now = self.tok.decode(&self.ids[self.prefix..])?;
+    pub fn flush(&mut self, tok: &Tokenizer) -> Result<String> {
+        let before = tok.decode(&self.ids[self.prefix..self.read])?;
+        let now = tok.decode(&self.ids[self.prefix..])?;
         self.prefix = self.ids.len();
         self.read = self.ids.len();
-        Ok(now.get(before.len()..).unwrap_or_default().to_string())
+        Ok(suffix_after(&now, &before).to_string())
     }
+}
+
+/// What `now` adds after `before`. Byte-fallback decoders can rewrite earlier text when a new
+/// byte makes a run invalid (`y` then `0xA5` decodes as two replacement characters), so when
+/// `now` does not extend `before` byte for byte, skip as many characters as `before` had.
+fn suffix_after<'a>(now: &'a str, before: &str) -> &'a str {
+    if let Some(rest) = now.strip_prefix(before) {
+        return rest;
+    }
+    let skip = before.chars().count();
+    now.char_indices().nth(skip).map_or("", |(i, _)| &now[i..])
 }

@@ -87,7 +87,7 @@ fn check_model(name: &str, tol: f32) {
         tol,
     );
     let mut pieces = vec![12];
-    pieces.extend(std::iter::repeat(1).take(t - 12));
+    pieces.extend(std::iter::repeat_n(1, t - 12));
     compare(
         &format!("{name} incremental"),
         &run(&*m.model, &ids, &pieces),

@@ -66,17 +66,17 @@ fn streaming_emits_only_whole_characters() {
     let ids = t.encode(text).unwrap();
     // Byte fallback splits the non-ASCII characters over several tokens.
     assert!(ids.len() > text.chars().count());
-    let mut s = t.stream();
+    let mut s = models::StreamDecoder::new();
     let mut out = String::new();
     for &id in &ids[1..] {
-        let piece = s.push(id).unwrap();
+        let piece = s.push(&t, id).unwrap();
         assert!(
             !piece.contains('\u{FFFD}'),
             "emitted a broken character: {piece:?}"
         );
         out.push_str(&piece);
     }
-    out.push_str(&s.flush().unwrap());
+    out.push_str(&s.flush(&t).unwrap());
     assert_eq!(out, text);
 }
 
@@ -84,15 +84,27 @@ fn streaming_emits_only_whole_characters() {
 fn incomplete_character_at_the_end_is_flushed() {
     let t = Tokenizer::load(&fixture("gemma4_e2b_like")).unwrap();
     let ids = t.encode("🎉").unwrap();
-    let mut s = t.stream();
+    let mut s = models::StreamDecoder::new();
     let mut out = String::new();
     // Drop the last byte token: the character can never complete.
     for &id in &ids[1..ids.len() - 1] {
-        out.push_str(&s.push(id).unwrap());
+        out.push_str(&s.push(&t, id).unwrap());
     }
     assert_eq!(
         out, "",
         "nothing is emitted while the character is incomplete"
     );
-    assert!(s.flush().unwrap().contains('\u{FFFD}'));
+    assert!(s.flush(&t).unwrap().contains('\u{FFFD}'));
+}
+
+#[test]
+fn a_byte_that_breaks_earlier_text_still_streams_sensibly() {
+    // Byte-fallback tokens are 4 + byte in the fixture vocabulary: 'y' is 0x79, then a lone
+    // continuation byte 0xA5 turns the decoded pair into two replacement characters.
+    let t = Tokenizer::load(&fixture("glm4_moe_lite")).unwrap();
+    assert_eq!(t.decode(&[4 + 0x79, 4 + 0xA5]).unwrap(), "\u{FFFD}\u{FFFD}");
+    let mut s = models::StreamDecoder::new();
+    assert_eq!(s.push(&t, 4 + 0x79).unwrap(), "y");
+    assert_eq!(s.push(&t, 4 + 0xA5).unwrap(), "");
+    assert_eq!(s.flush(&t).unwrap(), "\u{FFFD}");
 }
