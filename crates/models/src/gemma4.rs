@@ -660,13 +660,17 @@ impl Gemma4 {
             .iter()
             .find(|l| l.spec.kind == LayerKind::Full)
             .map_or(full_dim, |l| l.spec.head_dim);
-        let lm_head = if cfg.tie_word_embeddings {
-            None
+        let embed = root.pp("embed_tokens").embedding(cfg.vocab_size, h)?;
+        let (embed, lm_head) = if cfg.tie_word_embeddings {
+            (embed.for_tied_head(w)?, None)
         } else {
-            Some(w.root().pp("lm_head").linear(cfg.vocab_size, h)?)
+            (
+                embed,
+                Some(w.root().pp("lm_head").linear(cfg.vocab_size, h)?),
+            )
         };
         Ok(Gemma4 {
-            embed: root.pp("embed_tokens").embedding(cfg.vocab_size, h)?,
+            embed,
             ple,
             layers,
             norm: root.pp("norm").get("weight", &[h])?,

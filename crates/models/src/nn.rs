@@ -8,16 +8,32 @@ use mlx::{Array, Quantized};
 
 /// `y = x Wᵀ`, with `W` stored `[out, in]` as in the checkpoints.
 pub enum Linear {
-    /// Holds `Wᵀ` as a transposed view: BLAS reads it in place, no copy.
+    /// Holds `Wᵀ` (`[in, out]`), laid out by [`weight_layout`].
     Dense {
         wt: Array,
     },
     Quantized(Quantized),
 }
 
+/// `Wᵀ` in the layout this device multiplies fastest. On the CPU, `[in, out]` row-major:
+/// OpenBLAS's matrix-vector kernel streams that layout at ~13 GB/s here against ~10 GB/s for
+/// the checkpoint's `[out, in]` read transposed, and decoding is bound by reading the weights
+/// once per token (measured with `x @ W` against `x @ W.T` on a 476 MB matrix). So on the CPU
+/// the weights are transposed once at load; elsewhere a transposed view costs nothing.
+pub fn weight_layout(weights: &Weights, w: &Array) -> Result<Array> {
+    let t = w.t()?;
+    Ok(if mlx::default_device() == mlx::Device::Cpu {
+        weights.keep(t.contiguous()?)
+    } else {
+        t
+    })
+}
+
 impl Linear {
-    pub fn dense(w: Array) -> Result<Linear> {
-        Ok(Linear::Dense { wt: w.t()? })
+    pub fn dense(weights: &Weights, w: Array) -> Result<Linear> {
+        Ok(Linear::Dense {
+            wt: weight_layout(weights, &w)?,
+        })
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
@@ -56,15 +72,36 @@ impl Experts {
 
 /// A token embedding table `[V, H]`, also usable as a tied output head.
 pub enum Embedding {
+    /// `[V, H]`.
     Dense(Array),
+    /// `Eᵀ`, `[H, V]`: a tied head in the CPU's fast layout ([`weight_layout`]); lookups
+    /// gather columns, which costs little next to the head reading the whole table per token.
+    DenseTransposed(Array),
     Quantized(Quantized),
 }
 
 impl Embedding {
+    /// The same table, laid out for use as a tied output head on this device.
+    pub fn for_tied_head(self, weights: &Weights) -> Result<Embedding> {
+        Ok(match self {
+            Embedding::Dense(w) if mlx::default_device() == mlx::Device::Cpu => {
+                Embedding::DenseTransposed(weight_layout(weights, &w)?)
+            }
+            other => other,
+        })
+    }
+
     /// Rows for `ids` (any shape): `[..ids, H]`.
     pub fn lookup(&self, ids: &Array) -> Result<Array> {
         Ok(match self {
             Embedding::Dense(w) => w.take(ids, 0)?,
+            Embedding::DenseTransposed(wt) => {
+                // [H, ..ids] -> [..ids, H]
+                let cols = wt.take(ids, 1)?;
+                let n = cols.ndim() as i32;
+                let axes: Vec<i32> = (1..n).chain(std::iter::once(0)).collect();
+                cols.transpose(&axes)?
+            }
             Embedding::Quantized(q) => {
                 let part = |a: &Array| a.take(ids, 0);
                 Quantized {
@@ -83,6 +120,7 @@ impl Embedding {
     pub fn as_linear(&self, h: &Array) -> Result<Array> {
         Ok(match self {
             Embedding::Dense(w) => h.matmul(&w.t()?)?,
+            Embedding::DenseTransposed(wt) => h.matmul(wt)?,
             Embedding::Quantized(q) => h.quantized_matmul(q, true)?,
         })
     }

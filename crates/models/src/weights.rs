@@ -374,7 +374,7 @@ impl<'a> Vb<'a> {
         if self.is_quantized() {
             return Ok(Linear::Quantized(self.quantized(&[], out, inp)?));
         }
-        Linear::dense(self.get("weight", &[out, inp])?)
+        Linear::dense(self.w, self.get("weight", &[out, inp])?)
     }
 
     /// Stacked expert matrices `[E, out, in]` at this path, dense or quantized.
