@@ -3,7 +3,10 @@
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use models::DtypeChoice;
+use runner::engine::EngineConfig;
+use runner::process::RunnerOptions;
 use runner::protocol::CompletionChunk;
+use runner::text::TextStream;
 use runner::{Ctx, Event, Generation, GenerationParams};
 use sample::{Options, Sampler};
 use std::io::Write;
@@ -22,6 +25,37 @@ enum Command {
     Info,
     /// Generate a completion once, in-process (smoke tests and benchmarks).
     Generate(GenerateArgs),
+    /// Serve a model over local HTTP, as a parent model server spawns it (PROTOCOL.md).
+    Runner(RunnerArgs),
+}
+
+#[derive(clap::Args)]
+struct RunnerArgs {
+    /// Model directory.
+    #[arg(long)]
+    model: PathBuf,
+    #[arg(long)]
+    port: u16,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Context length (default: the model's maximum).
+    #[arg(long)]
+    ctx_size: Option<usize>,
+    /// Compute dtype: auto (float32 on CPU, the checkpoint's on a GPU), f32, f16 or bf16.
+    #[arg(long, default_value = "auto")]
+    dtype: DtypeChoice,
+    /// Sequences generated concurrently; more requests wait in arrival order.
+    #[arg(long, default_value_t = 4)]
+    parallel: usize,
+    /// Tokens per prefill forward pass.
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+    /// Log at debug level.
+    #[arg(long)]
+    verbose: bool,
+    /// Accepted for compatibility with the ollama parent; ignored.
+    #[arg(long)]
+    mlx_engine: bool,
 }
 
 #[derive(clap::Args)]
@@ -78,6 +112,7 @@ fn main() {
     let result = match cli.command {
         Command::Info => info(),
         Command::Generate(args) => generate(args),
+        Command::Runner(args) => runner(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -106,6 +141,60 @@ fn info() -> Result<()> {
     Ok(())
 }
 
+fn finish(
+    out: &mut impl Write,
+    a: &GenerateArgs,
+    reason: runner::protocol::DoneReason,
+    tail: String,
+    stats: &runner::protocol::Stats,
+) -> Result<()> {
+    if a.json {
+        let chunk = CompletionChunk::done(reason, tail, stats);
+        writeln!(out, "{}", serde_json::to_string(&chunk)?)?;
+    } else {
+        writeln!(out, "{tail}")?;
+        let rate = |n: usize, ns: u64| n as f64 / (ns.max(1) as f64 / 1e9);
+        eprintln!(
+            "prompt: {} tokens, {:.1} tok/s; generated: {} tokens, {:.1} tok/s",
+            stats.prompt_eval_count,
+            rate(stats.prompt_eval_count, stats.prompt_eval_ns),
+            stats.eval_count,
+            rate(stats.eval_count.saturating_sub(1), stats.eval_ns),
+        );
+    }
+    Ok(())
+}
+
+fn runner(a: RunnerArgs) -> Result<()> {
+    let level = if a.verbose { "debug" } else { "info" };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(filter)
+        .with_ansi(false)
+        .init();
+    let _ = a.mlx_engine;
+    let opts = RunnerOptions {
+        engine: EngineConfig {
+            model_dir: a.model,
+            dtype: a.dtype,
+            ctx_size: a.ctx_size,
+            parallel: a.parallel,
+            prefill_chunk: a.prefill_chunk,
+        },
+        host: a.host,
+        port: a.port,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(runner::process::run(opts))
+        .map_err(anyhow::Error::msg)
+}
+
 fn generate(a: GenerateArgs) -> Result<()> {
     let loaded = models::load(&a.model, a.dtype)?;
     let num_ctx = a.ctx_size.unwrap_or(loaded.model.max_context());
@@ -129,51 +218,58 @@ fn generate(a: GenerateArgs) -> Result<()> {
         options,
         num_predict: Some(a.num_predict),
         num_ctx,
-        stop: a.stop.clone(),
         prefill_chunk: a.prefill_chunk,
-    };
-    let mut sampler = Sampler::new(num_ctx);
-    let mut ctx = Ctx {
-        model: &*loaded.model,
-        tokenizer: &loaded.tokenizer,
-        sampler: &mut sampler,
+        eos: loaded.tokenizer.eos_ids().to_vec(),
     };
     if a.num_predict == 0 {
         return Ok(());
     }
-    let mut g = Generation::start(&mut ctx, 0, params)?;
+    let tok = &loaded.tokenizer;
+    let mut sampler = Sampler::new(num_ctx);
+    let mut ctx = Ctx {
+        model: &*loaded.model,
+        sampler: &mut sampler,
+    };
+    let mut g = Generation::new(&mut ctx, 0, params)?;
+    let mut text = TextStream::new(&a.stop);
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    while let Some(ev) = g.step(&mut ctx)? {
+    let mut stopped = false;
+    while !g.is_finished() {
+        let Some(ev) = g.step(&mut ctx)? else {
+            continue;
+        };
         match ev {
-            Event::Token { text, logprob, .. } => {
+            Event::Token { id, logprob } => {
+                let piece = text.push(tok, id, logprob.as_ref())?;
                 if a.json {
-                    let chunk = CompletionChunk::content(text, logprob.map(|l| vec![l]));
+                    let chunk =
+                        CompletionChunk::content(piece.text, piece.logprob.map(|l| vec![l]));
                     writeln!(out, "{}", serde_json::to_string(&chunk)?)?;
                 } else {
-                    write!(out, "{text}")?;
+                    write!(out, "{}", piece.text)?;
                 }
                 out.flush().context("writing to stdout")?;
-            }
-            Event::Done {
-                reason,
-                text,
-                stats,
-            } => {
-                if a.json {
-                    let chunk = CompletionChunk::done(reason, text, &stats);
-                    writeln!(out, "{}", serde_json::to_string(&chunk)?)?;
-                } else {
-                    writeln!(out, "{text}")?;
-                    let rate = |n: usize, ns: u64| n as f64 / (ns.max(1) as f64 / 1e9);
-                    eprintln!(
-                        "prompt: {} tokens, {:.1} tok/s; generated: {} tokens, {:.1} tok/s",
-                        stats.prompt_eval_count,
-                        rate(stats.prompt_eval_count, stats.prompt_eval_ns),
-                        stats.eval_count,
-                        rate(stats.eval_count.saturating_sub(1), stats.eval_ns),
-                    );
+                if piece.stopped {
+                    stopped = true;
+                    g.cancel(&mut ctx);
+                    let stats = g.stats().clone();
+                    finish(
+                        &mut out,
+                        &a,
+                        runner::protocol::DoneReason::Stop,
+                        String::new(),
+                        &stats,
+                    )?;
                 }
+            }
+            Event::Done { reason, stats } => {
+                let tail = if stopped {
+                    String::new()
+                } else {
+                    text.finish(tok)?
+                };
+                finish(&mut out, &a, reason, tail, &stats)?;
             }
         }
     }

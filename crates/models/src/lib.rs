@@ -66,7 +66,7 @@ impl std::str::FromStr for DtypeChoice {
 /// A loaded model directory.
 pub struct LoadedModel {
     pub model: Box<dyn CausalLm>,
-    pub tokenizer: Tokenizer,
+    pub tokenizer: std::sync::Arc<Tokenizer>,
     pub dir: PathBuf,
     pub dtype: Dtype,
     /// Checkpoint tensors the model did not use (multimodal towers, MTP layers).
@@ -150,7 +150,7 @@ pub fn load(dir: &Path, dtype: DtypeChoice) -> Result<LoadedModel> {
     weights.materialize()?;
     Ok(LoadedModel {
         model,
-        tokenizer,
+        tokenizer: std::sync::Arc::new(tokenizer),
         dir: dir.to_path_buf(),
         dtype,
         unused_tensors: weights.unused(),

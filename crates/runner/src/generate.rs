@@ -1,16 +1,16 @@
-//! One sequence's generation: chunked prefill, then a pipelined decode loop in which the next
-//! step's graph is built and dispatched (async eval) before the previous token is read back, so
-//! the device never waits on the host. Text comes out at UTF-8 boundaries with stop strings held
-//! back and never emitted.
+//! One sequence's generation on the engine thread: chunked prefill, then a pipelined decode
+//! loop in which the next step's graph is built and dispatched (async eval) before the previous
+//! token is read back, so the device never waits on the host.
 //!
-//! A [`Generation`] holds only per-sequence state; the model, tokenizer and sampler are passed
-//! into each call (the engine owns them), so one engine can drive many sequences.
+//! A [`Generation`] holds only per-sequence state; the model and sampler are passed into each
+//! call (the engine owns them), so one engine can interleave many sequences. It deals in token
+//! ids only: text (detokenisation, stop strings, logprob token strings) is [`crate::text`]'s
+//! job, off the engine thread.
 
-use crate::protocol::{DoneReason, Stats, TokenLogprob, TopLogprob};
-use crate::stop::{StopMatcher, StopOutcome};
+use crate::protocol::{DoneReason, Stats};
 use cache::LayerCache;
 use mlx::{Array, Ix};
-use models::{CausalLm, StreamDecoder, Tokenizer};
+use models::CausalLm;
 use sample::{Options, Sampled, Sampler};
 use std::time::Instant;
 
@@ -38,34 +38,35 @@ pub struct GenerationParams {
     pub num_predict: Option<usize>,
     /// Positions this sequence may use (prompt plus generated tokens).
     pub num_ctx: usize,
-    pub stop: Vec<String>,
     /// Tokens per prefill forward pass.
     pub prefill_chunk: usize,
+    /// Token ids that end generation (not emitted).
+    pub eos: Vec<u32>,
 }
 
 /// The borrowed pieces a generation runs on.
 pub struct Ctx<'a> {
     pub model: &'a dyn CausalLm,
-    pub tokenizer: &'a Tokenizer,
     pub sampler: &'a mut Sampler,
+}
+
+/// A token's logprob and the most likely alternatives, as ids (text is added off-engine).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RawLogprob {
+    pub logprob: f32,
+    /// Sorted by logprob, descending.
+    pub top: Vec<(u32, f32)>,
 }
 
 /// One step's outcome.
 #[derive(Debug, Clone)]
 pub enum Event {
-    /// A token was generated; `text` is what became final with it (often empty while a
-    /// character or a possible stop string is incomplete).
     Token {
         id: u32,
-        text: String,
-        logprob: Option<TokenLogprob>,
+        logprob: Option<RawLogprob>,
     },
-    /// Generation ended; `text` is what was still held back (never part of a stop string).
-    Done {
-        reason: DoneReason,
-        text: String,
-        stats: Stats,
-    },
+    /// Generation ended: EOS (`Stop`), a limit (`Length`) or cancellation.
+    Done { reason: DoneReason, stats: Stats },
 }
 
 pub struct Generation {
@@ -73,12 +74,11 @@ pub struct Generation {
     caches: Vec<LayerCache>,
     /// Tokens fed through the model so far (the caches hold exactly these).
     fed: Vec<u32>,
+    /// Next prompt position to prefill.
+    prefilled: usize,
     generated: usize,
     params: GenerationParams,
     pending: Option<Sampled>,
-    eos: Vec<u32>,
-    decoder: StreamDecoder,
-    stops: StopMatcher,
     started: Instant,
     first_token_at: Option<Instant>,
     stats: Stats,
@@ -91,23 +91,22 @@ fn tokens_array(ids: &[u32]) -> Result<Array> {
 }
 
 impl Generation {
-    /// Prefills the prompt through fresh caches and dispatches the first token. `slot` is the
-    /// sampler slot this sequence registers under.
-    pub fn start(ctx: &mut Ctx<'_>, slot: usize, params: GenerationParams) -> Result<Generation> {
+    /// Registers the sequence with fresh caches. Prefill happens in [`Generation::step`], a
+    /// chunk per call, so an engine can interleave it with other sequences' decoding.
+    pub fn new(ctx: &mut Ctx<'_>, slot: usize, params: GenerationParams) -> Result<Generation> {
         let caches = ctx.model.make_caches();
-        Self::start_with(ctx, slot, params, caches, 0)
+        Self::with_caches(ctx, slot, params, caches, 0)
     }
 
-    /// As [`Generation::start`], with caches that already hold the first `cached` prompt
-    /// tokens (a prefix-cache hit); at least the last prompt token is always evaluated.
-    pub fn start_with(
+    /// As [`Generation::new`], with caches that already hold the first `cached` prompt tokens
+    /// (a prefix-cache hit); at least the last prompt token is always evaluated.
+    pub fn with_caches(
         ctx: &mut Ctx<'_>,
         slot: usize,
         params: GenerationParams,
         caches: Vec<LayerCache>,
         cached: usize,
     ) -> Result<Generation> {
-        let started = Instant::now();
         let n = params.prompt.len();
         if n == 0 {
             return Err(GenerateError::BadRequest("prompt is empty".into()));
@@ -124,16 +123,14 @@ impl Generation {
             ));
         }
         ctx.sampler.add(slot, &params.options, &params.prompt)?;
-        let mut g = Generation {
+        Ok(Generation {
             slot,
             caches,
             fed: params.prompt[..cached].to_vec(),
+            prefilled: cached,
             generated: 0,
             pending: None,
-            eos: ctx.tokenizer.eos_ids().to_vec(),
-            decoder: StreamDecoder::new(),
-            stops: StopMatcher::new(&params.stop),
-            started,
+            started: Instant::now(),
             first_token_at: None,
             stats: Stats {
                 prompt_eval_count: n,
@@ -142,34 +139,25 @@ impl Generation {
             },
             finished: false,
             params,
-        };
-        match g.prefill(ctx, cached) {
-            Ok(()) => Ok(g),
-            Err(e) => {
-                let _ = ctx.sampler.remove(slot);
-                Err(e)
-            }
-        }
+        })
     }
 
-    fn prefill(&mut self, ctx: &mut Ctx<'_>, cached: usize) -> Result<()> {
-        let prompt = self.params.prompt.clone();
-        let chunk = self.params.prefill_chunk.max(1);
-        let mut at = cached;
-        while at < prompt.len() {
-            let end = (at + chunk).min(prompt.len());
-            let hidden = ctx
-                .model
-                .forward(&tokens_array(&prompt[at..end])?, &mut self.caches)?;
-            self.fed.extend_from_slice(&prompt[at..end]);
-            at = end;
-            if at < prompt.len() {
-                // Materialise this chunk's cache writes before building the next chunk's graph.
-                hidden.eval()?;
-            } else {
-                let last = hidden.index(&[Ix::full(), Ix::slice(Some(-1), None, 1)])?;
-                self.dispatch(ctx, &last)?;
-            }
+    /// Runs the next prefill chunk; the last one samples and dispatches the first token.
+    fn prefill_chunk(&mut self, ctx: &mut Ctx<'_>) -> Result<()> {
+        let prompt = &self.params.prompt;
+        let at = self.prefilled;
+        let end = (at + self.params.prefill_chunk.max(1)).min(prompt.len());
+        let hidden = ctx
+            .model
+            .forward(&tokens_array(&prompt[at..end])?, &mut self.caches)?;
+        self.fed.extend_from_slice(&prompt[at..end]);
+        self.prefilled = end;
+        if end < prompt.len() {
+            // Materialise this chunk's cache writes before building the next chunk's graph.
+            hidden.eval()?;
+        } else {
+            let last = hidden.index(&[Ix::full(), Ix::slice(Some(-1), None, 1)])?;
+            self.dispatch(ctx, &last)?;
         }
         Ok(())
     }
@@ -206,17 +194,26 @@ impl Generation {
         self.finished
     }
 
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// Whether the prompt is still being prefilled.
+    pub fn prefilling(&self) -> bool {
+        self.prefilled < self.params.prompt.len()
+    }
+
     /// Whether one more token may be fed after the one now pending.
     fn may_continue(&self) -> bool {
         let under_limit = self
             .params
             .num_predict
             .is_none_or(|n| self.generated + 1 < n);
-        // The pending token sits at position fed.len(); feeding it needs that slot.
+        // The pending token sits at position fed.len(); feeding it needs that position.
         under_limit && self.fed.len() + 1 < self.params.num_ctx
     }
 
-    fn logprob(&self, tok: &Tokenizer, s: &Sampled, id: u32) -> Result<Option<TokenLogprob>> {
+    fn logprob(&self, s: &Sampled) -> Result<Option<RawLogprob>> {
         let Some(lp) = &s.logprobs else {
             return Ok(None);
         };
@@ -226,33 +223,27 @@ impl Generation {
         if let (Some(t), true) = (&s.top, want > 0) {
             let ids = t.ids.to_vec::<i32>()?;
             let vals = t.logprobs.to_vec::<f32>()?;
-            let mut pairs: Vec<(i32, f32)> = ids.into_iter().zip(vals).collect();
-            pairs.sort_by(|a, b| b.1.total_cmp(&a.1));
-            top = pairs
-                .into_iter()
-                .take(want)
-                .map(|(i, l)| TopLogprob {
-                    token: tok.token_text(i as u32),
-                    logprob: l,
-                })
-                .collect();
+            top = ids.into_iter().map(|i| i as u32).zip(vals).collect();
+            top.sort_by(|a, b| b.1.total_cmp(&a.1));
+            top.truncate(want);
         }
-        Ok(Some(TokenLogprob {
-            token: tok.token_text(id),
-            logprob,
-            top_logprobs: top,
-        }))
+        Ok(Some(RawLogprob { logprob, top }))
     }
 
-    /// Produces the next event: a token, or the end. After `Done` the sequence's sampler slot
+    /// Does the next piece of work: a prefill chunk (returns `None`), or reads the pending token
+    /// after dispatching its successor (returns it, or the end). After `Done` the sampler slot
     /// is released and further calls return `None`.
     pub fn step(&mut self, ctx: &mut Ctx<'_>) -> Result<Option<Event>> {
         if self.finished {
             return Ok(None);
         }
+        if self.prefilling() {
+            self.prefill_chunk(ctx)?;
+            return Ok(None);
+        }
         let Some(current) = self.pending.take() else {
             // The previous token was the last one a limit allowed.
-            return Ok(Some(self.finish_flushed(ctx, DoneReason::Length)?));
+            return Ok(Some(self.finish(ctx, DoneReason::Length)));
         };
         // Dispatch the next step before reading the current token (the lazy token feeds
         // straight back into the model), unless a limit already forbids another token.
@@ -274,31 +265,14 @@ impl Generation {
         }
         self.generated += 1;
         self.stats.eval_count = self.generated;
-        if self.eos.contains(&id) {
-            return Ok(Some(self.finish_flushed(ctx, DoneReason::Stop)?));
+        if self.params.eos.contains(&id) {
+            return Ok(Some(self.finish(ctx, DoneReason::Stop)));
         }
-        let logprob = self.logprob(ctx.tokenizer, &current, id)?;
-        let piece = self.decoder.push(ctx.tokenizer, id)?;
-        Ok(Some(match self.stops.push(&piece) {
-            StopOutcome::Stopped(text) => self.finish(ctx, DoneReason::Stop, text),
-            StopOutcome::Emit(text) => Event::Token { id, text, logprob },
-        }))
+        let logprob = self.logprob(&current)?;
+        Ok(Some(Event::Token { id, logprob }))
     }
 
-    /// Ends with whatever text is still held back (an incomplete character, a partial stop
-    /// string that can no longer complete).
-    fn finish_flushed(&mut self, ctx: &mut Ctx<'_>, reason: DoneReason) -> Result<Event> {
-        let tail = self.decoder.flush(ctx.tokenizer)?;
-        Ok(match self.stops.push(&tail) {
-            StopOutcome::Stopped(text) => self.finish(ctx, DoneReason::Stop, text),
-            StopOutcome::Emit(text) => {
-                let text = text + &self.stops.finish();
-                self.finish(ctx, reason, text)
-            }
-        })
-    }
-
-    fn finish(&mut self, ctx: &mut Ctx<'_>, reason: DoneReason, text: String) -> Event {
+    fn finish(&mut self, ctx: &mut Ctx<'_>, reason: DoneReason) -> Event {
         self.finished = true;
         self.pending = None;
         let _ = ctx.sampler.remove(self.slot);
@@ -307,13 +281,30 @@ impl Generation {
         }
         Event::Done {
             reason,
-            text,
             stats: self.stats.clone(),
         }
     }
 
-    /// Stops early (the client went away): releases the sampler slot.
+    /// Ends early (the client went away, or a stop string was seen off-engine).
     pub fn cancel(&mut self, ctx: &mut Ctx<'_>) -> Event {
-        self.finish(ctx, DoneReason::ConnectionClosed, String::new())
+        // A dispatched but unread token may still be computing; wait for it so no graph
+        // outlives the caches it writes.
+        if let Some(p) = &self.pending {
+            let _ = p.tokens.eval();
+        }
+        self.finish(ctx, DoneReason::ConnectionClosed)
+    }
+
+    /// Runs to the end without interruption, handing each event to `f` (the CLI's loop).
+    pub fn run(&mut self, ctx: &mut Ctx<'_>, mut f: impl FnMut(&Event) -> bool) -> Result<()> {
+        while !self.finished {
+            if let Some(e) = self.step(ctx)? {
+                if !f(&e) && !self.finished {
+                    let e = self.cancel(ctx);
+                    f(&e);
+                }
+            }
+        }
+        Ok(())
     }
 }

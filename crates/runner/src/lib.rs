@@ -1,8 +1,13 @@
 //! The runner: the generation pipeline, the engine thread that owns MLX (decision D3), and the
 //! ollama-compatible HTTP server (PROTOCOL.md).
 
+pub mod engine;
 pub mod generate;
+pub mod metrics;
+pub mod process;
 pub mod protocol;
+pub mod server;
 pub mod stop;
+pub mod text;
 
-pub use generate::{Ctx, Event, GenerateError, Generation, GenerationParams};
+pub use generate::{Ctx, Event, GenerateError, Generation, GenerationParams, RawLogprob};

@@ -3,6 +3,7 @@
 use mlx::{Array, Dtype, Ix};
 use models::{load, DtypeChoice, LoadedModel};
 use runner::protocol::DoneReason;
+use runner::text::TextStream;
 use runner::{Ctx, Event, Generation, GenerationParams};
 use sample::{Options, Sampler};
 use std::path::PathBuf;
@@ -25,39 +26,42 @@ fn golden(name: &str, key: &str) -> Array {
         .unwrap()
 }
 
-fn params(prompt: Vec<u32>, n: Option<usize>) -> GenerationParams {
+fn params(prompt: Vec<u32>, n: Option<usize>, eos: &[u32]) -> GenerationParams {
     GenerationParams {
         prompt,
         options: Options::greedy(),
         num_predict: n,
         num_ctx: 512,
-        stop: vec![],
         prefill_chunk: 512,
+        eos: eos.to_vec(),
     }
 }
 
-/// Runs to the end; returns the generated ids, the full text and the final event.
-fn run(m: &LoadedModel, p: GenerationParams) -> (Vec<u32>, String, DoneReason) {
+/// Runs to the end through the text layer; returns the generated ids, the text and the reason.
+fn run(m: &LoadedModel, p: GenerationParams, stops: &[String]) -> (Vec<u32>, String, DoneReason) {
     let mut sampler = Sampler::new(p.num_ctx);
     let mut ctx = Ctx {
         model: &*m.model,
-        tokenizer: &m.tokenizer,
         sampler: &mut sampler,
     };
-    let mut g = Generation::start(&mut ctx, 7, p).unwrap();
+    let mut g = Generation::new(&mut ctx, 7, p).unwrap();
+    let mut stream = TextStream::new(stops);
     let (mut ids, mut text) = (Vec::new(), String::new());
     loop {
-        match g.step(&mut ctx).unwrap().unwrap() {
-            Event::Token { id, text: t, .. } => {
+        match g.step(&mut ctx).unwrap() {
+            None => continue,
+            Some(Event::Token { id, logprob }) => {
                 ids.push(id);
-                text.push_str(&t);
+                let piece = stream.push(&m.tokenizer, id, logprob.as_ref()).unwrap();
+                text.push_str(&piece.text);
+                if piece.stopped {
+                    g.cancel(&mut ctx);
+                    assert!(!ctx.sampler.contains(7));
+                    return (ids, text, DoneReason::Stop);
+                }
             }
-            Event::Done {
-                reason,
-                text: t,
-                stats,
-            } => {
-                text.push_str(&t);
+            Some(Event::Done { reason, stats }) => {
+                text.push_str(&stream.finish(&m.tokenizer).unwrap());
                 // EOS counts as an evaluated token but is not emitted.
                 assert!(stats.eval_count == ids.len() || stats.eval_count == ids.len() + 1);
                 assert!(!ctx.sampler.contains(7), "the slot is released at the end");
@@ -69,41 +73,24 @@ fn run(m: &LoadedModel, p: GenerationParams) -> (Vec<u32>, String, DoneReason) {
 
 fn greedy_matches_reference(name: &str) {
     let m = model(name);
-    let prompt: Vec<u32> = golden(name, "input_ids")
-        .to_vec::<i32>()
-        .unwrap()
-        .iter()
-        .map(|&t| t as u32)
-        .collect();
-    let want: Vec<u32> = golden(name, "greedy_continuation")
-        .to_vec::<i32>()
-        .unwrap()
-        .iter()
-        .map(|&t| t as u32)
-        .collect();
+    let ids = |k: &str| -> Vec<u32> {
+        golden(name, k)
+            .to_vec::<i32>()
+            .unwrap()
+            .iter()
+            .map(|&t| t as u32)
+            .collect()
+    };
+    let (prompt, want) = (ids("input_ids"), ids("greedy_continuation"));
     let eos = m.tokenizer.eos_ids().to_vec();
     for chunk in [512, 5] {
-        let mut p = params(prompt.clone(), Some(want.len()));
+        let mut p = params(prompt.clone(), Some(want.len()), &eos);
         p.prefill_chunk = chunk;
-        let mut sampler = Sampler::new(512);
-        let mut ctx = Ctx {
-            model: &*m.model,
-            tokenizer: &m.tokenizer,
-            sampler: &mut sampler,
-        };
-        let mut g = Generation::start(&mut ctx, 0, p).unwrap();
-        let mut got = Vec::new();
-        while let Some(e) = g.step(&mut ctx).unwrap() {
-            match e {
-                Event::Token { id, .. } => got.push(id),
-                Event::Done { reason, .. } => {
-                    // The reference stops at EOS and includes it.
-                    if reason == DoneReason::Stop {
-                        got.push(*want.last().unwrap());
-                        assert!(eos.contains(want.last().unwrap()));
-                    }
-                }
-            }
+        let (mut got, _, reason) = run(&m, p, &[]);
+        // The reference stops at EOS and includes it.
+        if reason == DoneReason::Stop {
+            assert!(eos.contains(want.last().unwrap()));
+            got.push(*want.last().unwrap());
         }
         assert_eq!(got, want, "{name} (prefill chunk {chunk})");
     }
@@ -163,7 +150,7 @@ fn first_logprobs_match_the_reference_log_softmax() {
             .map(|&x| (f64::from(x) - mx).exp())
             .sum::<f64>()
             .ln();
-    let mut p = params(prompt, Some(1));
+    let mut p = params(prompt, Some(1), &[]);
     p.options = Options {
         logprobs: true,
         top_logprobs: 3,
@@ -172,18 +159,26 @@ fn first_logprobs_match_the_reference_log_softmax() {
     let mut sampler = Sampler::new(512);
     let mut ctx = Ctx {
         model: &*m.model,
-        tokenizer: &m.tokenizer,
         sampler: &mut sampler,
     };
-    let mut g = Generation::start(&mut ctx, 0, p).unwrap();
-    let Some(Event::Token {
+    let mut g = Generation::new(&mut ctx, 0, p).unwrap();
+    let ev = loop {
+        if let Some(e) = g.step(&mut ctx).unwrap() {
+            break e;
+        }
+    };
+    let Event::Token {
         id,
-        logprob: Some(lp),
-        ..
-    }) = g.step(&mut ctx).unwrap()
+        logprob: Some(raw),
+    } = ev
     else {
         panic!("no token")
     };
+    let lp = TextStream::new(&[])
+        .push(&m.tokenizer, id, Some(&raw))
+        .unwrap()
+        .logprob
+        .unwrap();
     assert!((f64::from(lp.logprob) - (f64::from(last[id as usize]) - lse)).abs() < 1e-4);
     assert_eq!(lp.top_logprobs.len(), 3);
     assert_eq!(
@@ -203,8 +198,10 @@ fn first_logprobs_match_the_reference_log_softmax() {
 fn limits_and_stops() {
     let m = model("gemma4_31b_like");
     let prompt = m.tokenizer.encode("The quick brown fox").unwrap();
+    let eos = m.tokenizer.eos_ids().to_vec();
+    let params = |p: Vec<u32>, n: Option<usize>| params(p, n, &eos);
     // num_predict.
-    let (ids, _, reason) = run(&m, params(prompt.clone(), Some(3)));
+    let (ids, _, reason) = run(&m, params(prompt.clone(), Some(3)), &[]);
     assert!(ids.len() <= 3);
     if ids.len() == 3 {
         assert_eq!(reason, DoneReason::Length);
@@ -212,7 +209,7 @@ fn limits_and_stops() {
     // Context limit: the prompt plus generated tokens never exceed num_ctx.
     let mut p = params(prompt.clone(), None);
     p.num_ctx = prompt.len() + 4;
-    let (ids, _, reason) = run(&m, p);
+    let (ids, _, reason) = run(&m, p, &[]);
     assert!(ids.len() <= 4, "{}", ids.len());
     if ids.len() == 4 {
         assert_eq!(reason, DoneReason::Length);
@@ -223,23 +220,26 @@ fn limits_and_stops() {
     let mut sampler = Sampler::new(512);
     let mut ctx = Ctx {
         model: &*m.model,
-        tokenizer: &m.tokenizer,
         sampler: &mut sampler,
     };
-    let e = Generation::start(&mut ctx, 0, p).err().unwrap().to_string();
+    let e = Generation::new(&mut ctx, 0, p).err().unwrap().to_string();
     assert!(e.contains("does not fit the context"), "{e}");
     assert!(!sampler.contains(0));
 
-    // Stop strings: take the unconstrained output and stop on a piece of it, split anywhere.
-    let (_, full, _) = run(&m, params(prompt.clone(), Some(12)));
+    // Stop strings: take the unconstrained output and stop on a piece of it.
+    let (_, full, _) = run(&m, params(prompt.clone(), Some(12)), &[]);
     let chars: Vec<char> = full.chars().collect();
-    if chars.len() >= 4 {
-        let stop: String = chars[2..4].iter().collect();
-        let mut p = params(prompt.clone(), Some(12));
-        p.stop = vec![stop.clone()];
-        let (_, text, reason) = run(&m, p);
-        assert_eq!(reason, DoneReason::Stop);
-        assert!(!text.contains(&stop), "{text:?} contains {stop:?}");
-        assert_eq!(text, full[..full.find(&stop).unwrap()]);
-    }
+    assert!(
+        chars.len() >= 4,
+        "the fixture model writes at least 4 characters here: {full:?}"
+    );
+    let stop: String = chars[2..4].iter().collect();
+    let (_, text, reason) = run(
+        &m,
+        params(prompt.clone(), Some(12)),
+        std::slice::from_ref(&stop),
+    );
+    assert_eq!(reason, DoneReason::Stop);
+    assert!(!text.contains(&stop), "{text:?} contains {stop:?}");
+    assert_eq!(text, full[..full.find(&stop).unwrap()]);
 }

@@ -1,0 +1,349 @@
+//! The engine thread (decision D3): the one OS thread that owns MLX, the model, the caches and
+//! the sampler. HTTP handlers send it jobs over a channel and receive token events back.
+//!
+//! Sequences live in slots. Up to `parallel` run at once, stepped round-robin (a prefill chunk
+//! or a decode step each turn), so a long prompt never stalls other streams and no request
+//! starves; the rest wait in arrival order. Each step dispatches its successor before reading
+//! its own token, so the device keeps working while the host hands results out.
+
+use crate::generate::{Ctx, Event, GenerateError, Generation, GenerationParams, RawLogprob};
+use crate::metrics::Metrics;
+use crate::protocol::{DoneReason, Stats};
+use models::{DtypeChoice, LoadedModel, Tokenizer};
+use sample::Sampler;
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, Sender, TryRecvError};
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+use tokio::sync::{mpsc::UnboundedSender, oneshot};
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub model_dir: PathBuf,
+    pub dtype: DtypeChoice,
+    /// Context length; defaults to the model's maximum.
+    pub ctx_size: Option<usize>,
+    /// Sequences stepped concurrently.
+    pub parallel: usize,
+    pub prefill_chunk: usize,
+}
+
+/// What the engine tells a request's stream.
+#[derive(Debug, Clone)]
+pub enum EngineEvent {
+    Token {
+        id: u32,
+        logprob: Option<RawLogprob>,
+    },
+    Done {
+        reason: DoneReason,
+        stats: Stats,
+    },
+    /// The request could not be served as asked (an HTTP 400 when nothing was streamed yet).
+    Rejected(String),
+    /// An engine error; the engine goes on serving others.
+    Error(String),
+}
+
+pub struct CompletionJob {
+    pub params: GenerationParams,
+    pub events: UnboundedSender<EngineEvent>,
+    /// Set by the HTTP side when the client goes away or a stop string ends the text.
+    pub cancel: Arc<AtomicBool>,
+    pub received: Instant,
+}
+
+pub enum Job {
+    Complete(CompletionJob),
+    /// Ends every stream and stops the engine.
+    Shutdown,
+}
+
+/// State the engine publishes for the HTTP side.
+#[derive(Default)]
+pub struct Shared {
+    pub tokenizer: OnceLock<Arc<Tokenizer>>,
+    pub context_length: AtomicUsize,
+    /// MLX active + cache bytes, refreshed by the engine after every turn.
+    pub memory: AtomicU64,
+    pub cache_memory: AtomicU64,
+    pub metrics: Metrics,
+    pub architecture: OnceLock<&'static str>,
+}
+
+impl Shared {
+    pub fn ready(&self) -> bool {
+        self.tokenizer.get().is_some()
+    }
+}
+
+pub struct EngineHandle {
+    pub jobs: Sender<Job>,
+    pub shared: Arc<Shared>,
+    /// Resolves once with the outcome of loading the model.
+    pub loaded: oneshot::Receiver<Result<(), String>>,
+    pub thread: std::thread::JoinHandle<()>,
+}
+
+/// Starts the engine thread, which loads the model and then serves jobs.
+pub fn spawn(cfg: EngineConfig) -> std::io::Result<EngineHandle> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (loaded_tx, loaded) = oneshot::channel();
+    let shared = Arc::new(Shared::default());
+    let s = Arc::clone(&shared);
+    let thread = std::thread::Builder::new()
+        .name("mlx-engine".into())
+        .spawn(move || engine_main(cfg, rx, s, loaded_tx))?;
+    Ok(EngineHandle {
+        jobs: tx,
+        shared,
+        loaded,
+        thread,
+    })
+}
+
+fn engine_main(
+    cfg: EngineConfig,
+    rx: Receiver<Job>,
+    shared: Arc<Shared>,
+    loaded: oneshot::Sender<Result<(), String>>,
+) {
+    if let Err(e) = mlx::init_thread() {
+        let _ = loaded.send(Err(e.to_string()));
+        return;
+    }
+    let model = match models::load(&cfg.model_dir, cfg.dtype) {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = loaded.send(Err(e.to_string()));
+            return;
+        }
+    };
+    let ctx_len = cfg
+        .ctx_size
+        .unwrap_or(model.model.max_context())
+        .min(model.model.max_context());
+    shared.context_length.store(ctx_len, Ordering::Relaxed);
+    let _ = shared.architecture.set(model.model.architecture());
+    let mut engine = Engine {
+        sampler: Sampler::new(ctx_len),
+        model,
+        cfg,
+        shared,
+        active: Vec::new(),
+        queue: VecDeque::new(),
+        next_slot: 0,
+    };
+    engine.publish_memory();
+    // The tokenizer going public is what makes the runner ready.
+    let _ = engine
+        .shared
+        .tokenizer
+        .set(Arc::clone(&engine.model.tokenizer));
+    let _ = loaded.send(Ok(()));
+    engine.run(rx);
+}
+
+struct Active {
+    gen: Generation,
+    job: CompletionJob,
+}
+
+struct Engine {
+    model: LoadedModel,
+    sampler: Sampler,
+    cfg: EngineConfig,
+    shared: Arc<Shared>,
+    active: Vec<Active>,
+    queue: VecDeque<CompletionJob>,
+    next_slot: usize,
+}
+
+impl Engine {
+    fn run(&mut self, rx: Receiver<Job>) {
+        loop {
+            // Wait for work when idle; otherwise take whatever has arrived and keep stepping.
+            let incoming = if self.active.is_empty() && self.queue.is_empty() {
+                match rx.recv() {
+                    Ok(j) => vec![j],
+                    Err(_) => return,
+                }
+            } else {
+                let mut v = Vec::new();
+                loop {
+                    match rx.try_recv() {
+                        Ok(j) => v.push(j),
+                        Err(TryRecvError::Empty) => break,
+                        Err(TryRecvError::Disconnected) => {
+                            v.push(Job::Shutdown);
+                            break;
+                        }
+                    }
+                }
+                v
+            };
+            for job in incoming {
+                match job {
+                    Job::Complete(j) => self.queue.push_back(j),
+                    Job::Shutdown => {
+                        self.shutdown();
+                        return;
+                    }
+                }
+            }
+            self.admit();
+            self.turn();
+            self.publish_memory();
+        }
+    }
+
+    fn publish_memory(&self) {
+        let m = mlx::memory::active() + mlx::memory::cache();
+        self.shared.memory.store(m as u64, Ordering::Relaxed);
+    }
+
+    fn admit(&mut self) {
+        while self.active.len() < self.cfg.parallel.max(1) {
+            let Some(job) = self.queue.pop_front() else {
+                break;
+            };
+            if job.cancel.load(Ordering::Relaxed) {
+                self.shared
+                    .metrics
+                    .requests_cancelled
+                    .fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let slot = self.next_slot;
+            self.next_slot += 1;
+            let mut ctx = Ctx {
+                model: &*self.model.model,
+                sampler: &mut self.sampler,
+            };
+            match Generation::new(&mut ctx, slot, job.params.clone()) {
+                Ok(gen) => self.active.push(Active { gen, job }),
+                Err(GenerateError::BadRequest(m)) => {
+                    self.shared
+                        .metrics
+                        .bad_requests
+                        .fetch_add(1, Ordering::Relaxed);
+                    let _ = job.events.send(EngineEvent::Rejected(m));
+                }
+                Err(e) => {
+                    self.shared
+                        .metrics
+                        .requests_failed
+                        .fetch_add(1, Ordering::Relaxed);
+                    let _ = job.events.send(EngineEvent::Error(e.to_string()));
+                }
+            }
+        }
+    }
+
+    /// One round-robin turn: every active sequence does one piece of work.
+    fn turn(&mut self) {
+        let mut i = 0;
+        while i < self.active.len() {
+            let done = self.step_one(i);
+            if done {
+                let a = self.active.swap_remove(i);
+                self.retire(a);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Steps sequence `i`; returns whether it has ended.
+    fn step_one(&mut self, i: usize) -> bool {
+        let a = &mut self.active[i];
+        let mut ctx = Ctx {
+            model: &*self.model.model,
+            sampler: &mut self.sampler,
+        };
+        if a.job.cancel.load(Ordering::Relaxed) || a.job.events.is_closed() {
+            let ev = a.gen.cancel(&mut ctx);
+            self.shared
+                .metrics
+                .requests_cancelled
+                .fetch_add(1, Ordering::Relaxed);
+            if let Event::Done { reason, stats } = ev {
+                let _ = a.job.events.send(EngineEvent::Done { reason, stats });
+            }
+            return true;
+        }
+        match a.gen.step(&mut ctx) {
+            Ok(None) => a.gen.is_finished(),
+            Ok(Some(Event::Token { id, logprob })) => {
+                let _ = a.job.events.send(EngineEvent::Token { id, logprob });
+                false
+            }
+            Ok(Some(Event::Done { reason, stats })) => {
+                Self::record(&self.shared, &a.job, &stats);
+                let _ = a.job.events.send(EngineEvent::Done { reason, stats });
+                true
+            }
+            Err(e) => {
+                tracing::error!("generation failed: {e}");
+                self.shared
+                    .metrics
+                    .requests_failed
+                    .fetch_add(1, Ordering::Relaxed);
+                let _ = a.gen.cancel(&mut ctx);
+                let _ = a.job.events.send(EngineEvent::Error(e.to_string()));
+                true
+            }
+        }
+    }
+
+    fn record(shared: &Shared, job: &CompletionJob, s: &Stats) {
+        let m = &shared.metrics;
+        m.prompt_tokens
+            .fetch_add(s.prompt_eval_count as u64, Ordering::Relaxed);
+        m.generated_tokens
+            .fetch_add(s.eval_count as u64, Ordering::Relaxed);
+        m.time_to_first_token.observe(s.prompt_eval_ns as f64 / 1e9);
+        m.request_duration
+            .observe(job.received.elapsed().as_secs_f64());
+        if s.eval_count > 1 {
+            m.time_per_token
+                .observe(s.eval_ns as f64 / 1e9 / (s.eval_count - 1) as f64);
+        }
+        let rate = |n: usize, ns: u64| n as f64 / (ns.max(1) as f64 / 1e9);
+        tracing::info!(
+            prompt_tokens = s.prompt_eval_count,
+            cached_tokens = s.cached_tokens,
+            generated_tokens = s.eval_count,
+            prefill_tok_s = format!(
+                "{:.1}",
+                rate(s.prompt_eval_count - s.cached_tokens, s.prompt_eval_ns)
+            ),
+            decode_tok_s = format!("{:.1}", rate(s.eval_count.saturating_sub(1), s.eval_ns)),
+            "completion"
+        );
+    }
+
+    /// A finished sequence hands its caches back (kept by the prefix cache in a later step).
+    fn retire(&mut self, a: Active) {
+        drop(a.gen.into_parts());
+    }
+
+    fn shutdown(&mut self) {
+        for mut a in std::mem::take(&mut self.active) {
+            let mut ctx = Ctx {
+                model: &*self.model.model,
+                sampler: &mut self.sampler,
+            };
+            if let Event::Done { reason, stats } = a.gen.cancel(&mut ctx) {
+                let _ = a.job.events.send(EngineEvent::Done { reason, stats });
+            }
+        }
+        for j in self.queue.drain(..) {
+            let _ = j
+                .events
+                .send(EngineEvent::Error("the runner is shutting down".into()));
+        }
+    }
+}

@@ -1,0 +1,106 @@
+//! The runner process: bind, load the model on the engine thread, serve until a signal, the
+//! parent's death or a load failure, then end streams and exit.
+
+use crate::engine::{self, EngineConfig, Job};
+use crate::server::{router, AppState};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct RunnerOptions {
+    pub engine: EngineConfig,
+    pub host: String,
+    pub port: u16,
+}
+
+/// Why the runner stopped serving.
+enum Exit {
+    Signal(&'static str),
+    ParentGone,
+}
+
+async fn signals() -> Exit {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        // Without signal handlers the runner still stops when its parent dies.
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => Exit::Signal("SIGTERM"),
+        _ = int.recv() => Exit::Signal("SIGINT"),
+    }
+}
+
+/// Resolves when the process that started us is gone (we were re-parented).
+async fn parent_gone() -> Exit {
+    // SAFETY: getppid has no preconditions and cannot fail.
+    let parent = unsafe { libc::getppid() };
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // SAFETY: as above.
+        if unsafe { libc::getppid() } != parent {
+            return Exit::ParentGone;
+        }
+    }
+}
+
+/// Runs the runner to completion. An `Err` is the one line to print before exiting non-zero.
+pub async fn run(opts: RunnerOptions) -> Result<(), String> {
+    let addr: SocketAddr = format!("{}:{}", opts.host, opts.port)
+        .parse()
+        .map_err(|e| format!("invalid listen address {}:{}: {e}", opts.host, opts.port))?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    let handle = engine::spawn(opts.engine.clone())
+        .map_err(|e| format!("cannot start the engine thread: {e}"))?;
+    let (loaded, join, jobs, shared) = (handle.loaded, handle.thread, handle.jobs, handle.shared);
+    let state = AppState {
+        jobs: jobs.clone(),
+        shared: shared.clone(),
+        prefill_chunk: opts.engine.prefill_chunk,
+    };
+    let app = router(state);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async {
+                let _ = stop_rx.await;
+            })
+            .await
+    });
+
+    // Serve 503 while loading; a model that cannot load ends the process with its reason.
+    let load = tokio::select! {
+        r = loaded => r.unwrap_or_else(|_| Err("the engine thread died while loading".into())),
+        e = signals() => { let _ = stop_tx.send(()); return Err(format!("interrupted by {} while loading", match e { Exit::Signal(s) => s, Exit::ParentGone => "the parent's exit" })); }
+    };
+    if let Err(e) = load {
+        let _ = stop_tx.send(());
+        return Err(e);
+    }
+    tracing::info!(
+        model = %opts.engine.model_dir.display(),
+        architecture = shared.architecture.get().copied().unwrap_or("?"),
+        context = shared.context_length.load(std::sync::atomic::Ordering::Relaxed),
+        %addr,
+        "runner ready"
+    );
+    let why = tokio::select! {
+        e = signals() => e,
+        e = parent_gone() => e,
+    };
+    match why {
+        Exit::Signal(s) => tracing::info!("{s}: finishing in-flight streams and exiting"),
+        Exit::ParentGone => tracing::info!("parent process exited; shutting down"),
+    }
+    // End every stream (each gets its final chunk), then stop serving.
+    let _ = jobs.send(Job::Shutdown);
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    let _ = tokio::task::spawn_blocking(move || join.join()).await;
+    Ok(())
+}

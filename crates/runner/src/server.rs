@@ -1,0 +1,354 @@
+//! The HTTP side (PROTOCOL.md): small handlers that validate, tokenize and hand over to the
+//! engine, then turn its token events into NDJSON off the engine thread. One error type maps
+//! every failure to a status and a `{"error": "..."}` body.
+
+use crate::engine::{CompletionJob, EngineEvent, Job, Shared};
+use crate::generate::GenerationParams;
+use crate::protocol::{
+    CompletionChunk, CompletionRequest, DoneReason, StreamError, StreamErrorBody,
+};
+use crate::text::TextStream;
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use models::Tokenizer;
+use serde_json::json;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+/// Largest request body accepted (prompts are text; 32 MiB is ~8M tokens of English).
+pub const MAX_BODY: usize = 32 << 20;
+
+#[derive(Clone)]
+pub struct AppState {
+    pub jobs: Sender<Job>,
+    pub shared: Arc<Shared>,
+    pub prefill_chunk: usize,
+}
+
+/// Every failure a handler can answer with.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+        }
+    }
+
+    fn bad_request(message: impl Into<String>) -> ApiError {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(json!({ "error": self.message }))).into_response()
+    }
+}
+
+impl From<BytesRejection> for ApiError {
+    fn from(r: BytesRejection) -> ApiError {
+        let status = r.status();
+        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            format!("request body is larger than {MAX_BODY} bytes")
+        } else {
+            r.body_text()
+        };
+        ApiError::new(status, message)
+    }
+}
+
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/status", get(status))
+        .route("/health", get(status))
+        .route("/v1/completions", post(completions))
+        .route("/completion", post(completions))
+        .route("/v1/tokenize", post(tokenize))
+        .route("/v1/detokenize", post(detokenize))
+        .route("/metrics", get(metrics))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .with_state(state)
+}
+
+async fn status(State(app): State<AppState>) -> Response {
+    let ready = app.shared.ready();
+    let body = json!({
+        "Status": if ready { 0 } else { 1 },
+        "Progress": if ready { 100 } else { 0 },
+        "ContextLength": app.shared.context_length.load(Ordering::Relaxed),
+        "Memory": app.shared.memory.load(Ordering::Relaxed),
+    });
+    let code = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, Json(body)).into_response()
+}
+
+async fn metrics(State(app): State<AppState>) -> Response {
+    let s = &app.shared;
+    let text = s.metrics.render(
+        s.memory.load(Ordering::Relaxed),
+        s.cache_memory.load(Ordering::Relaxed),
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+fn tokenizer(app: &AppState) -> Result<Arc<Tokenizer>, ApiError> {
+    app.shared.tokenizer.get().cloned().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the model is still loading",
+        )
+    })
+}
+
+fn bad(app: &AppState, e: ApiError) -> ApiError {
+    if e.status.is_client_error() {
+        app.shared
+            .metrics
+            .bad_requests
+            .fetch_add(1, Ordering::Relaxed);
+    }
+    e
+}
+
+async fn tokenize(
+    State(app): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let run = async {
+        let body = body?;
+        let text = std::str::from_utf8(&body)
+            .map_err(|_| ApiError::bad_request("body is not UTF-8 text"))?;
+        let tok = tokenizer(&app)?;
+        let text = text.to_string();
+        let ids = tokio::task::spawn_blocking(move || tok.encode(&text))
+            .await
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        Ok(Json(ids).into_response())
+    };
+    run.await.map_err(|e| bad(&app, e))
+}
+
+async fn detokenize(
+    State(app): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let run = async {
+        let body = body?;
+        let ids: Vec<u32> = serde_json::from_slice(&body).map_err(|e| {
+            ApiError::bad_request(format!("body must be a JSON array of token ids: {e}"))
+        })?;
+        let tok = tokenizer(&app)?;
+        let vocab = tok.vocab_size();
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            return Err(ApiError::bad_request(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        let text = tok
+            .decode(&ids)
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        Ok(Json(json!({ "Content": text })).into_response())
+    };
+    run.await.map_err(|e| bad(&app, e))
+}
+
+/// Sets the engine's cancel flag when the response stream is dropped (the client went away).
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+async fn completions(
+    State(app): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let received = Instant::now();
+    let prepared = prepare(&app, body).await.map_err(|e| bad(&app, e))?;
+    let (req, prompt, num_ctx, tok) = prepared;
+    let params = GenerationParams {
+        prompt,
+        options: req.sampler_options(),
+        num_predict: (req.options.num_predict > 0).then_some(req.options.num_predict as usize),
+        num_ctx,
+        prefill_chunk: app.prefill_chunk,
+        eos: tok.eos_ids().to_vec(),
+    };
+    let (tx, mut rx) = unbounded_channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let job = CompletionJob {
+        params,
+        events: tx,
+        cancel: Arc::clone(&cancel),
+        received,
+    };
+    app.jobs
+        .send(Job::Complete(job))
+        .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped"))?;
+    app.shared.metrics.requests.fetch_add(1, Ordering::Relaxed);
+
+    // A request the engine refuses before producing anything still gets a plain 400.
+    let first = rx.recv().await;
+    if let Some(EngineEvent::Rejected(m)) = &first {
+        return Err(ApiError::bad_request(m.clone()));
+    }
+    let stream = NdjsonStream {
+        rx,
+        first,
+        text: TextStream::new(&req.options.stop),
+        tok,
+        guard: CancelOnDrop(cancel),
+        stopped: false,
+        ended: false,
+    };
+    let body = Body::from_stream(futures::stream::unfold(stream, |mut s| async move {
+        s.next_line()
+            .await
+            .map(|line| (Ok::<_, std::convert::Infallible>(line), s))
+    }));
+    Ok(Response::builder()
+        .header(header::CONTENT_TYPE, "application/x-ndjson")
+        .body(body)
+        .unwrap_or_else(|_| {
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "response").into_response()
+        }))
+}
+
+/// Parses, validates and tokenizes a completion request.
+async fn prepare(
+    app: &AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(CompletionRequest, Vec<u32>, usize, Arc<Tokenizer>), ApiError> {
+    let body = body?;
+    let req: CompletionRequest = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("invalid request: {e}")))?;
+    req.validate().map_err(ApiError::bad_request)?;
+    let tok = tokenizer(app)?;
+    let engine_ctx = app.shared.context_length.load(Ordering::Relaxed);
+    let num_ctx = req
+        .options
+        .num_ctx
+        .map_or(engine_ctx, |n| (n as usize).min(engine_ctx));
+    let text = req.prompt.clone();
+    let t = Arc::clone(&tok);
+    let prompt = tokio::task::spawn_blocking(move || t.encode(&text))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    if prompt.is_empty() {
+        return Err(ApiError::bad_request("prompt tokenizes to nothing"));
+    }
+    if prompt.len() >= num_ctx {
+        return Err(ApiError::bad_request(format!(
+            "prompt is too long: {} tokens do not fit the context of {num_ctx} tokens",
+            prompt.len()
+        )));
+    }
+    Ok((req, prompt, num_ctx, tok))
+}
+
+struct NdjsonStream {
+    rx: UnboundedReceiver<EngineEvent>,
+    first: Option<EngineEvent>,
+    text: TextStream,
+    tok: Arc<Tokenizer>,
+    guard: CancelOnDrop,
+    /// A stop string ended the text; waiting for the engine to confirm.
+    stopped: bool,
+    ended: bool,
+}
+
+fn line<T: serde::Serialize>(v: &T) -> Bytes {
+    let mut s = serde_json::to_vec(v).unwrap_or_else(|_| b"{}".to_vec());
+    s.push(b'\n');
+    Bytes::from(s)
+}
+
+fn error_line(message: String) -> Bytes {
+    line(&StreamError {
+        error: StreamErrorBody {
+            status_code: 500,
+            error: message,
+        },
+    })
+}
+
+impl NdjsonStream {
+    async fn next_line(&mut self) -> Option<Bytes> {
+        loop {
+            if self.ended {
+                return None;
+            }
+            let ev = match self.first.take() {
+                Some(e) => Some(e),
+                None => self.rx.recv().await,
+            };
+            let Some(ev) = ev else {
+                self.ended = true;
+                return Some(error_line(
+                    "the engine stopped before the completion ended".into(),
+                ));
+            };
+            match ev {
+                EngineEvent::Token { .. } if self.stopped => continue,
+                EngineEvent::Token { id, logprob } => {
+                    let piece = match self.text.push(&self.tok, id, logprob.as_ref()) {
+                        Ok(p) => p,
+                        Err(e) => {
+                            self.ended = true;
+                            self.guard.0.store(true, Ordering::Relaxed);
+                            return Some(error_line(e.to_string()));
+                        }
+                    };
+                    if piece.stopped {
+                        // End the sequence on the engine; its Done carries the statistics.
+                        self.stopped = true;
+                        self.guard.0.store(true, Ordering::Relaxed);
+                    }
+                    if piece.text.is_empty() && piece.logprob.is_none() {
+                        continue;
+                    }
+                    return Some(line(&CompletionChunk::content(
+                        piece.text,
+                        piece.logprob.map(|l| vec![l]),
+                    )));
+                }
+                EngineEvent::Done { reason, stats } => {
+                    self.ended = true;
+                    let (reason, tail) = if self.stopped {
+                        (DoneReason::Stop, String::new())
+                    } else {
+                        (reason, self.text.finish(&self.tok).unwrap_or_default())
+                    };
+                    return Some(line(&CompletionChunk::done(reason, tail, &stats)));
+                }
+                EngineEvent::Rejected(m) | EngineEvent::Error(m) => {
+                    self.ended = true;
+                    return Some(error_line(m));
+                }
+            }
+        }
+    }
+}

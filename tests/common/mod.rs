@@ -1,0 +1,163 @@
+//! Spawning the real binary the way a parent does: a free port, `/v1/status` polled until
+//! ready, NDJSON streamed over real loopback HTTP.
+#![allow(dead_code)]
+
+use serde_json::Value;
+use std::io::{BufRead, BufReader, Read};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/models")
+        .join(name)
+}
+
+pub fn golden(name: &str) -> std::collections::HashMap<String, mlx::Array> {
+    mlx::io::load_safetensors(fixture(name).join("golden.safetensors"))
+        .unwrap()
+        .arrays
+}
+
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+pub fn binary() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_mlx-runner"));
+    c.env_remove("LD_LIBRARY_PATH");
+    c
+}
+
+pub struct Runner {
+    pub child: Child,
+    pub port: u16,
+    stderr: Option<std::thread::JoinHandle<String>>,
+}
+
+impl Runner {
+    pub fn start(model: &str, extra: &[&str]) -> Runner {
+        let port = free_port();
+        let mut child = binary()
+            .args(["runner", "--model"])
+            .arg(fixture(model))
+            .args(["--port", &port.to_string()])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut err = child.stderr.take().unwrap();
+        let stderr = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = err.read_to_string(&mut s);
+            s
+        });
+        let r = Runner {
+            child,
+            port,
+            stderr: Some(stderr),
+        };
+        r.wait_ready();
+        r
+    }
+
+    fn wait_ready(&self) {
+        let start = Instant::now();
+        loop {
+            if let Ok(resp) = ureq::get(&self.url("/v1/status")).call() {
+                if resp.status() == 200 {
+                    return;
+                }
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "runner did not become ready"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// POSTs a completion and collects the NDJSON lines.
+    pub fn complete(&self, body: &Value) -> Vec<Value> {
+        let resp = ureq::post(&self.url("/v1/completions"))
+            .send_string(&body.to_string())
+            .unwrap_or_else(|e| panic!("completion failed: {e}"));
+        assert_eq!(resp.header("content-type"), Some("application/x-ndjson"));
+        BufReader::new(resp.into_reader())
+            .lines()
+            .map(|l| serde_json::from_str(&l.unwrap()).unwrap())
+            .collect()
+    }
+
+    /// POSTs a raw body and returns (status, parsed body).
+    pub fn post_raw(&self, path: &str, body: &str) -> (u16, Value) {
+        match ureq::post(&self.url(path)).send_string(body) {
+            Ok(r) => {
+                let status = r.status();
+                let text = r.into_string().unwrap();
+                (
+                    status,
+                    serde_json::from_str(&text).unwrap_or(Value::String(text)),
+                )
+            }
+            Err(ureq::Error::Status(code, r)) => {
+                let text = r.into_string().unwrap();
+                (
+                    code,
+                    serde_json::from_str(&text).unwrap_or(Value::String(text)),
+                )
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Sends SIGTERM and waits for the exit; returns the status and everything on stderr.
+    pub fn terminate(mut self) -> (std::process::ExitStatus, String) {
+        // SAFETY: kill with a valid pid and signal has no memory-safety preconditions.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let status = wait_timeout(&mut self.child, Duration::from_secs(10))
+            .expect("runner did not exit after SIGTERM");
+        let err = self
+            .stderr
+            .take()
+            .map(|h| h.join().unwrap())
+            .unwrap_or_default();
+        (status, err)
+    }
+}
+
+impl Drop for Runner {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn wait_timeout(child: &mut Child, t: Duration) -> Option<std::process::ExitStatus> {
+    let start = Instant::now();
+    while start.elapsed() < t {
+        if let Ok(Some(s)) = child.try_wait() {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+/// The text of a stream: every Content, in order.
+pub fn text_of(lines: &[Value]) -> String {
+    lines.iter().filter_map(|l| l["Content"].as_str()).collect()
+}
+
+pub fn done_of(lines: &[Value]) -> &Value {
+    let last = lines.last().expect("empty stream");
+    assert_eq!(last["Done"], true, "last line is not final: {last}");
+    last
+}
