@@ -1,0 +1,192 @@
+//! The runner over HTTP: `cargo bench --bench http`.
+//!
+//! On the benchmark model (target/bench-model, see benches/generate.rs): decode tokens/s and
+//! time to first token of `mlx-runner runner` through HTTP, against `mlx-runner generate`
+//! in-process (the protocol's overhead), and the same streamed request against
+//! `mlx_lm.server` on the same weights (the peer; OpenBLAS preloaded when present). Both servers
+//! are timed from the client: time to the first streamed text, and tokens after the first over
+//! the time after it. Medians of several runs.
+
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const ROUNDS: usize = 3;
+const TOKENS: usize = 48;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_for(url: &str) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(120) {
+        if ureq::get(url).call().is_ok() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    false
+}
+
+/// (time to first text in seconds, decode tokens/s) for one streamed request.
+fn ours(port: u16, prompt: &str) -> (f64, f64) {
+    let body = json!({"Prompt": prompt, "Options": {"num_predict": TOKENS, "temperature": 0, "repeat_penalty": 1.0}});
+    let start = Instant::now();
+    let resp = ureq::post(&format!("http://127.0.0.1:{port}/v1/completions"))
+        .send_string(&body.to_string())
+        .unwrap();
+    let (mut first, mut last, mut n) = (None, start, 0usize);
+    for line in BufReader::new(resp.into_reader()).lines() {
+        let v: Value = serde_json::from_str(&line.unwrap()).unwrap();
+        if v["Done"] == true {
+            n = v["EvalCount"].as_u64().unwrap_or(0) as usize;
+            break;
+        }
+        if !v["Content"].as_str().unwrap_or("").is_empty() {
+            first.get_or_insert_with(Instant::now);
+            last = Instant::now();
+        }
+    }
+    let first = first.unwrap_or(last);
+    (
+        (first - start).as_secs_f64(),
+        (n.saturating_sub(1)) as f64 / (last - first).as_secs_f64().max(1e-9),
+    )
+}
+
+fn peer(port: u16, prompt: &str) -> (f64, f64) {
+    let body = json!({"prompt": prompt, "max_tokens": TOKENS, "temperature": 0.0, "stream": true});
+    let start = Instant::now();
+    let resp = ureq::post(&format!("http://127.0.0.1:{port}/v1/completions"))
+        .send_string(&body.to_string())
+        .unwrap();
+    let (mut first, mut last, mut n) = (None, start, 0usize);
+    for line in BufReader::new(resp.into_reader()).lines() {
+        let line = line.unwrap();
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data.trim() == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
+        if v["choices"][0]["text"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty())
+        {
+            first.get_or_insert_with(Instant::now);
+            last = Instant::now();
+            n += 1;
+        }
+    }
+    let first = first.unwrap_or(last);
+    (
+        (first - start).as_secs_f64(),
+        (n.saturating_sub(1)) as f64 / (last - first).as_secs_f64().max(1e-9),
+    )
+}
+
+fn in_process(model: &Path, prompt: &str) -> f64 {
+    let out = Command::new(env!("CARGO_BIN_EXE_mlx-runner"))
+        .args(["generate", "--model"])
+        .arg(model)
+        .args(["--prompt", prompt, "-n", &TOKENS.to_string()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err.lines().find(|l| l.contains("generated:")).unwrap_or("");
+    line.rsplit("generated:")
+        .next()
+        .and_then(|s| s.split(',').nth(1))
+        .and_then(|s| s.trim().trim_end_matches(" tok/s").parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+fn main() {
+    let python = root().join(".venv-peer/bin/python");
+    let model = root().join("target/bench-model");
+    if !python.exists() || !model.join("model.safetensors").exists() {
+        eprintln!("run benches/peer-venv.sh and `cargo bench --bench generate` first (it writes the model)");
+        return;
+    }
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(12);
+    let port = free_port();
+    let _ours = Server(
+        Command::new(env!("CARGO_BIN_EXE_mlx-runner"))
+            .args(["runner", "--model"])
+            .arg(&model)
+            .args(["--port", &port.to_string()])
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let peer_port = free_port();
+    let mut peer_cmd = Command::new(&python);
+    peer_cmd
+        .args(["-m", "mlx_lm", "server", "--model"])
+        .arg(&model)
+        .args(["--port", &peer_port.to_string(), "--prompt-cache-size", "0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    if Path::new("/lib/x86_64-linux-gnu/libopenblas.so.0").exists() {
+        peer_cmd.env("LD_PRELOAD", "/lib/x86_64-linux-gnu/libopenblas.so.0");
+    }
+    let _peer = Server(peer_cmd.spawn().unwrap());
+    assert!(
+        wait_for(&format!("http://127.0.0.1:{port}/v1/status")),
+        "runner did not start"
+    );
+    assert!(
+        wait_for(&format!("http://127.0.0.1:{peer_port}/v1/models")),
+        "mlx_lm.server did not start"
+    );
+    let (mut ot, mut od, mut pt, mut pd, mut ip) = (vec![], vec![], vec![], vec![], vec![]);
+    for round in 0..ROUNDS {
+        // A different prompt per round keeps any prefix cache out of the measurement.
+        let p = format!("Round {round}. {prompt}");
+        let (t, d) = ours(port, &p);
+        ot.push(t);
+        od.push(d);
+        let (t, d) = peer(peer_port, &p);
+        pt.push(t);
+        pd.push(d);
+        ip.push(in_process(&model, &p));
+        eprintln!("round {round}: ours ttft {:.3}s {:.1} tok/s | mlx_lm.server ttft {:.3}s {:.1} tok/s | in-process {:.1} tok/s", ot[round], od[round], pt[round], pd[round], ip[round]);
+    }
+    let (ot, od, pt, pd, ip) = (median(ot), median(od), median(pt), median(pd), median(ip));
+    println!("\n~120M gemma4-shaped model, float32, ~330-token prompt, {TOKENS} new tokens; medians of {ROUNDS}\n");
+    println!("| | time to first token | decode tok/s |");
+    println!("|---|---|---|");
+    println!(
+        "| mlx-runner runner (HTTP) | {:.0} ms | {od:.1} |",
+        ot * 1e3
+    );
+    println!("| mlx-runner generate (in-process) | | {ip:.1} |");
+    println!("| mlx_lm.server (HTTP) | {:.0} ms | {pd:.1} |", pt * 1e3);
+    println!("\nHTTP / in-process decode: {:.2}; ours / mlx_lm.server: decode {:.2}, TTFT {:.2} (lower is better)", od / ip, od / pd, ot / pt);
+}
