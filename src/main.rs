@@ -50,6 +50,12 @@ struct RunnerArgs {
     /// Tokens per prefill forward pass.
     #[arg(long, default_value_t = 512)]
     prefill_chunk: usize,
+    /// Bytes the prefix cache may hold (default: a quarter of MLX's memory limit).
+    #[arg(long)]
+    cache_budget: Option<usize>,
+    /// Prompt tokens between sliding-window snapshots kept by the prefix cache.
+    #[arg(long, default_value_t = 256)]
+    cache_interval: usize,
     /// Log at debug level.
     #[arg(long)]
     verbose: bool,
@@ -182,6 +188,8 @@ fn runner(a: RunnerArgs) -> Result<()> {
             ctx_size: a.ctx_size,
             parallel: a.parallel,
             prefill_chunk: a.prefill_chunk,
+            cache_budget: a.cache_budget,
+            cache_interval: a.cache_interval,
         },
         host: a.host,
         port: a.port,
@@ -220,6 +228,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         num_ctx,
         prefill_chunk: a.prefill_chunk,
         eos: loaded.tokenizer.eos_ids().to_vec(),
+        checkpoints: Vec::new(),
     };
     if a.num_predict == 0 {
         return Ok(());

@@ -54,6 +54,34 @@ impl Growing {
         self.view()
     }
 
+    /// A buffer holding exactly `data`'s positions (restoring a snapshot).
+    pub(crate) fn from_data(data: Array) -> Result<Growing> {
+        let len = time_len(&data)?;
+        Ok(Growing {
+            data: Some(data),
+            len,
+        })
+    }
+
+    /// Positions `start..end` as a fresh array of exactly that size (a snapshot that does not
+    /// keep the live buffer alive).
+    pub(crate) fn copy_range(&self, start: usize, end: usize) -> Result<Array> {
+        let d = self.data.as_ref().ok_or_else(|| CacheError::Shape {
+            got: "empty cache".into(),
+        })?;
+        if end > self.len || start > end {
+            return Err(CacheError::Shape {
+                got: format!("positions {start}..{end} of a cache holding {}", self.len),
+            });
+        }
+        Ok(d.index(&[
+            Ix::full(),
+            Ix::full(),
+            Ix::slice(Some(start as i32), Some(end as i32), 1),
+        ])?
+        .copy()?)
+    }
+
     pub(crate) fn view(&self) -> Result<Array> {
         match &self.data {
             Some(d) => Ok(d.index(&[
@@ -123,6 +151,22 @@ impl KvCache {
     pub fn nbytes(&self) -> usize {
         self.keys.nbytes() + self.values.nbytes()
     }
+
+    /// A cache holding `keys` and `values` (`[B, H, T, D]`) as positions `0..T`.
+    pub fn from_state(keys: Array, values: Array) -> Result<KvCache> {
+        Ok(KvCache {
+            keys: Growing::from_data(keys)?,
+            values: Growing::from_data(values)?,
+        })
+    }
+
+    /// Copies of positions `start..end`.
+    pub fn copy_range(&self, start: usize, end: usize) -> Result<(Array, Array)> {
+        Ok((
+            self.keys.copy_range(start, end)?,
+            self.values.copy_range(start, end)?,
+        ))
+    }
 }
 
 /// MLA's cache: per token one row holding the normalised latent `c` and the rotated rope key
@@ -160,5 +204,17 @@ impl LatentCache {
 
     pub fn nbytes(&self) -> usize {
         self.rows.nbytes()
+    }
+
+    /// A cache holding `rows` (`[B, 1, T, r+dr]`) as positions `0..T`.
+    pub fn from_state(rows: Array) -> Result<LatentCache> {
+        Ok(LatentCache {
+            rows: Growing::from_data(rows)?,
+        })
+    }
+
+    /// A copy of positions `start..end`.
+    pub fn copy_range(&self, start: usize, end: usize) -> Result<Array> {
+        self.rows.copy_range(start, end)
     }
 }

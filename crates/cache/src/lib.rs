@@ -11,7 +11,9 @@
 
 mod growing;
 mod mask;
+pub mod prefix;
 mod rotating;
+pub mod trie;
 
 pub use growing::{KvCache, LatentCache};
 pub use mask::AttnMask;

@@ -9,6 +9,7 @@
 use crate::generate::{Ctx, Event, GenerateError, Generation, GenerationParams, RawLogprob};
 use crate::metrics::Metrics;
 use crate::protocol::{DoneReason, Stats};
+use cache::prefix::{needs_checkpoints, PrefixCache};
 use models::{DtypeChoice, LoadedModel, Tokenizer};
 use sample::Sampler;
 use std::collections::VecDeque;
@@ -28,6 +29,10 @@ pub struct EngineConfig {
     /// Sequences stepped concurrently.
     pub parallel: usize,
     pub prefill_chunk: usize,
+    /// Bytes the prefix cache may hold; `None`: a quarter of MLX's memory limit.
+    pub cache_budget: Option<usize>,
+    /// Prompt tokens between sliding-window snapshots.
+    pub cache_interval: usize,
 }
 
 /// What the engine tells a request's stream.
@@ -127,7 +132,9 @@ fn engine_main(
         .min(model.model.max_context());
     shared.context_length.store(ctx_len, Ordering::Relaxed);
     let _ = shared.architecture.set(model.model.architecture());
+    let budget = cfg.cache_budget.unwrap_or(mlx::memory::limit() / 4);
     let mut engine = Engine {
+        prefix: PrefixCache::new(budget, cfg.cache_interval),
         sampler: Sampler::new(ctx_len),
         model,
         cfg,
@@ -149,11 +156,14 @@ fn engine_main(
 struct Active {
     gen: Generation,
     job: CompletionJob,
+    /// An engine error left its caches in an unknown state: keep nothing of it.
+    failed: bool,
 }
 
 struct Engine {
     model: LoadedModel,
     sampler: Sampler,
+    prefix: PrefixCache,
     cfg: EngineConfig,
     shared: Arc<Shared>,
     active: Vec<Active>,
@@ -218,12 +228,47 @@ impl Engine {
             }
             let slot = self.next_slot;
             self.next_slot += 1;
+            let prompt = &job.params.prompt;
+            let fresh = self.model.model.make_caches();
+            let restored = match self.prefix.restore(prompt, fresh) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!("prefix cache restore failed, starting cold: {e}");
+                    cache::prefix::Restored {
+                        caches: self.model.model.make_caches(),
+                        cached: 0,
+                        matched: 0,
+                    }
+                }
+            };
+            let m = &self.shared.metrics;
+            if restored.cached > 0 {
+                m.cache_hits.fetch_add(1, Ordering::Relaxed);
+                m.cached_tokens
+                    .fetch_add(restored.cached as u64, Ordering::Relaxed);
+                let usable = restored.matched.min(prompt.len().saturating_sub(1));
+                m.recomputed_tokens
+                    .fetch_add((usable - restored.cached) as u64, Ordering::Relaxed);
+            } else {
+                m.cache_misses.fetch_add(1, Ordering::Relaxed);
+            }
+            let mut params = job.params.clone();
+            if needs_checkpoints(&restored.caches) {
+                params.checkpoints =
+                    self.prefix
+                        .plan(prompt.len(), restored.cached, restored.matched);
+            }
             let mut ctx = Ctx {
                 model: &*self.model.model,
                 sampler: &mut self.sampler,
             };
-            match Generation::new(&mut ctx, slot, job.params.clone()) {
-                Ok(gen) => self.active.push(Active { gen, job }),
+            match Generation::with_caches(&mut ctx, slot, params, restored.caches, restored.cached)
+            {
+                Ok(gen) => self.active.push(Active {
+                    gen,
+                    job,
+                    failed: false,
+                }),
                 Err(GenerateError::BadRequest(m)) => {
                     self.shared
                         .metrics
@@ -292,6 +337,7 @@ impl Engine {
                     .requests_failed
                     .fetch_add(1, Ordering::Relaxed);
                 let _ = a.gen.cancel(&mut ctx);
+                a.failed = true;
                 let _ = a.job.events.send(EngineEvent::Error(e.to_string()));
                 true
             }
@@ -325,9 +371,18 @@ impl Engine {
         );
     }
 
-    /// A finished sequence hands its caches back (kept by the prefix cache in a later step).
+    /// A finished or cancelled sequence leaves what it computed to the prefix cache.
     fn retire(&mut self, a: Active) {
-        drop(a.gen.into_parts());
+        if a.failed {
+            return;
+        }
+        let (caches, fed, taken) = a.gen.into_parts();
+        if let Err(e) = self.prefix.insert(&fed, &caches, taken) {
+            tracing::warn!("prefix cache insert failed: {e}");
+        }
+        self.shared
+            .cache_memory
+            .store(self.prefix.bytes() as u64, Ordering::Relaxed);
     }
 
     fn shutdown(&mut self) {

@@ -8,6 +8,7 @@
 //! job, off the engine thread.
 
 use crate::protocol::{DoneReason, Stats};
+use cache::prefix::CacheCheckpoint;
 use cache::LayerCache;
 use mlx::{Array, Ix};
 use models::CausalLm;
@@ -42,6 +43,9 @@ pub struct GenerationParams {
     pub prefill_chunk: usize,
     /// Token ids that end generation (not emitted).
     pub eos: Vec<u32>,
+    /// Prompt positions at which to snapshot the rotating caches during prefill (for the prefix
+    /// cache; empty when the model has none).
+    pub checkpoints: Vec<usize>,
 }
 
 /// The borrowed pieces a generation runs on.
@@ -83,6 +87,8 @@ pub struct Generation {
     first_token_at: Option<Instant>,
     stats: Stats,
     finished: bool,
+    /// Snapshots taken during prefill, by position.
+    taken: Vec<(usize, CacheCheckpoint)>,
 }
 
 fn tokens_array(ids: &[u32]) -> Result<Array> {
@@ -138,6 +144,7 @@ impl Generation {
                 ..Stats::default()
             },
             finished: false,
+            taken: Vec::new(),
             params,
         })
     }
@@ -146,12 +153,19 @@ impl Generation {
     fn prefill_chunk(&mut self, ctx: &mut Ctx<'_>) -> Result<()> {
         let prompt = &self.params.prompt;
         let at = self.prefilled;
-        let end = (at + self.params.prefill_chunk.max(1)).min(prompt.len());
+        let mut end = (at + self.params.prefill_chunk.max(1)).min(prompt.len());
+        // Chunks end where a snapshot is due.
+        if let Some(&cp) = self.params.checkpoints.iter().find(|&&p| p > at && p < end) {
+            end = cp;
+        }
         let hidden = ctx
             .model
             .forward(&tokens_array(&prompt[at..end])?, &mut self.caches)?;
         self.fed.extend_from_slice(&prompt[at..end]);
         self.prefilled = end;
+        if self.params.checkpoints.contains(&end) {
+            self.taken.push((end, CacheCheckpoint::of(&self.caches)));
+        }
         if end < prompt.len() {
             // Materialise this chunk's cache writes before building the next chunk's graph.
             hidden.eval()?;
@@ -181,9 +195,10 @@ impl Generation {
         Ok(())
     }
 
-    /// The caches and the tokens they hold (for the prefix cache once the sequence ends).
-    pub fn into_parts(self) -> (Vec<LayerCache>, Vec<u32>) {
-        (self.caches, self.fed)
+    /// The caches, the tokens they hold and the snapshots taken on the way (for the prefix
+    /// cache once the sequence ends).
+    pub fn into_parts(self) -> (Vec<LayerCache>, Vec<u32>, Vec<(usize, CacheCheckpoint)>) {
+        (self.caches, self.fed, self.taken)
     }
 
     pub fn slot(&self) -> usize {

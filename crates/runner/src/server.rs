@@ -195,6 +195,7 @@ async fn completions(
         num_ctx,
         prefill_chunk: app.prefill_chunk,
         eos: tok.eos_ids().to_vec(),
+        checkpoints: Vec::new(),
     };
     let (tx, mut rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));

@@ -34,6 +34,7 @@ fn params(prompt: Vec<u32>, n: Option<usize>, eos: &[u32]) -> GenerationParams {
         num_ctx: 512,
         prefill_chunk: 512,
         eos: eos.to_vec(),
+        checkpoints: Vec::new(),
     }
 }
 

@@ -1,0 +1,390 @@
+//! The prefix cache: past sequences' cache state in a [`Trie`], so that a request whose prompt
+//! starts like an earlier prompt (or an earlier prompt plus its answer) resumes from there
+//! instead of prefilling it again.
+//!
+//! Caches that keep every position (full-attention KV, MLA latents) store their data per trie
+//! edge and can be restored to any position. The rotating sliding-window cache keeps only its
+//! last `window` tokens, so it can only be restored where a snapshot of its whole state was
+//! taken: during prefill at regular intervals, just before the end of the prompt, at branch
+//! points, and at the end of every sequence. A hit therefore resumes at the deepest snapshot at
+//! or before the matched length, and reports how many matched tokens it had to recompute.
+//!
+//! The runner keeps the live state in each sequence's own caches; the trie holds only copies,
+//! taken when a sequence ends (what it computed, whether it finished or was cancelled). Nothing
+//! live is ever evicted.
+
+use crate::trie::{Checkpoint, Match, Segment, Trie};
+use crate::{CacheError, KvCache, LatentCache, LayerCache, Result, RotatingKvCache};
+use mlx::{Array, Ix};
+use std::rc::Rc;
+
+/// One layer's data for a run of positions.
+#[derive(Debug, Clone)]
+enum LayerRun {
+    Kv(Array, Array),
+    Latent(Array),
+    /// Rotating layers keep nothing per position (see [`CacheCheckpoint`]).
+    None,
+}
+
+impl LayerRun {
+    fn slice(&self, start: usize, end: usize) -> Result<LayerRun> {
+        let s = |a: &Array| -> Result<Array> {
+            Ok(a.index(&[
+                Ix::full(),
+                Ix::full(),
+                Ix::slice(Some(start as i32), Some(end as i32), 1),
+            ])?)
+        };
+        Ok(match self {
+            LayerRun::Kv(k, v) => LayerRun::Kv(s(k)?, s(v)?),
+            LayerRun::Latent(r) => LayerRun::Latent(s(r)?),
+            LayerRun::None => LayerRun::None,
+        })
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            LayerRun::Kv(k, v) => k.nbytes() + v.nbytes(),
+            LayerRun::Latent(r) => r.nbytes(),
+            LayerRun::None => 0,
+        }
+    }
+}
+
+/// Positions `offset..offset + len` of a stored copy (shared by the pieces a split makes).
+#[derive(Debug, Clone)]
+struct Piece {
+    offset: usize,
+    len: usize,
+    /// Per-layer data for `full` positions.
+    data: Rc<Vec<LayerRun>>,
+    full: usize,
+}
+
+impl Piece {
+    fn layer(&self, i: usize, take: usize) -> Result<LayerRun> {
+        self.data[i].slice(self.offset, self.offset + take.min(self.len))
+    }
+}
+
+/// Every layer's data for a run of positions, kept as a list of pieces so that splitting and
+/// joining never touch the arrays.
+#[derive(Debug, Clone)]
+pub struct CacheRun {
+    len: usize,
+    pieces: Vec<Piece>,
+}
+
+impl Segment for CacheRun {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn split(self, at: usize) -> (Self, Self) {
+        let (mut head, mut tail) = (Vec::new(), Vec::new());
+        let mut pos = 0;
+        for p in self.pieces {
+            let n = p.len;
+            if pos + n <= at {
+                head.push(p);
+            } else if pos >= at {
+                tail.push(p);
+            } else {
+                let cut = at - pos;
+                head.push(Piece {
+                    len: cut,
+                    ..p.clone()
+                });
+                tail.push(Piece {
+                    offset: p.offset + cut,
+                    len: n - cut,
+                    ..p
+                });
+            }
+            pos += n;
+        }
+        let len = |v: &Vec<Piece>| v.iter().map(|p| p.len).sum();
+        (
+            CacheRun {
+                len: len(&head),
+                pieces: head,
+            },
+            CacheRun {
+                len: len(&tail),
+                pieces: tail,
+            },
+        )
+    }
+
+    fn join(mut self, next: Self) -> Self {
+        self.len += next.len;
+        self.pieces.extend(next.pieces);
+        self
+    }
+
+    /// Each piece's share of its copy's bytes.
+    fn bytes(&self) -> usize {
+        self.pieces
+            .iter()
+            .map(|p| p.data.iter().map(LayerRun::bytes).sum::<usize>() * p.len / p.full.max(1))
+            .sum()
+    }
+}
+
+/// The whole state of every rotating layer at one position (`None` for other layers).
+#[derive(Debug, Clone)]
+pub struct CacheCheckpoint {
+    layers: Vec<Option<RotatingKvCache>>,
+}
+
+impl CacheCheckpoint {
+    /// Snapshots the rotating layers of `caches` (their arrays are shared, not copied: the live
+    /// cache copies on its next write).
+    pub fn of(caches: &[LayerCache]) -> CacheCheckpoint {
+        CacheCheckpoint {
+            layers: caches
+                .iter()
+                .map(|c| match c {
+                    LayerCache::Rotating(r) => Some(r.clone()),
+                    _ => None,
+                })
+                .collect(),
+        }
+    }
+}
+
+impl Checkpoint for CacheCheckpoint {
+    fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(RotatingKvCache::nbytes)
+            .sum()
+    }
+}
+
+/// Whether restoring these caches needs a checkpoint (any layer is rotating).
+pub fn needs_checkpoints(caches: &[LayerCache]) -> bool {
+    caches.iter().any(|c| matches!(c, LayerCache::Rotating(_)))
+}
+
+/// What [`PrefixCache::restore`] found.
+pub struct Restored {
+    pub caches: Vec<LayerCache>,
+    /// Prompt tokens the caches already hold.
+    pub cached: usize,
+    /// Prompt tokens that matched the trie (≥ `cached`; the difference was recomputed because
+    /// no rotating-cache snapshot sat closer to the end of the match).
+    pub matched: usize,
+}
+
+pub struct PrefixCache {
+    trie: Trie<CacheRun, CacheCheckpoint>,
+    budget: usize,
+    interval: usize,
+}
+
+impl PrefixCache {
+    /// `budget` bytes of snapshots; rotating-cache snapshots every `interval` prompt tokens.
+    pub fn new(budget: usize, interval: usize) -> PrefixCache {
+        PrefixCache {
+            trie: Trie::new(),
+            budget,
+            interval: interval.max(1),
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.trie.bytes()
+    }
+
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
+    /// Caches for `prompt`, restored to the longest usable stored prefix (leaving at least the
+    /// last prompt token to evaluate); `fresh` are empty caches of the right kinds.
+    pub fn restore(&mut self, prompt: &[u32], fresh: Vec<LayerCache>) -> Result<Restored> {
+        let m = self.trie.lookup(prompt);
+        let limit = m.len.min(prompt.len().saturating_sub(1));
+        let cached = if needs_checkpoints(&fresh) {
+            self.trie
+                .checkpoints_on(&m)
+                .into_iter()
+                .filter(|&p| p <= limit)
+                .max()
+                .unwrap_or(0)
+        } else {
+            limit
+        };
+        if cached == 0 {
+            return Ok(Restored {
+                caches: fresh,
+                cached: 0,
+                matched: m.len,
+            });
+        }
+        let caches = self.build(&m, cached, fresh)?;
+        Ok(Restored {
+            caches,
+            cached,
+            matched: m.len,
+        })
+    }
+
+    fn build(&self, m: &Match, upto: usize, fresh: Vec<LayerCache>) -> Result<Vec<LayerCache>> {
+        let checkpoint = self.trie.checkpoint_at(m, upto);
+        let segments = self.trie.segments_until(m, upto);
+        let mut out = Vec::with_capacity(fresh.len());
+        for (i, layer) in fresh.into_iter().enumerate() {
+            // This layer's data for positions 0..upto, in order.
+            let mut all: Vec<LayerRun> = Vec::new();
+            for (seg, take) in &segments {
+                let mut left = *take;
+                for p in &seg.pieces {
+                    if left == 0 {
+                        break;
+                    }
+                    all.push(p.layer(i, left)?);
+                    left -= p.len.min(left);
+                }
+            }
+            out.push(match layer {
+                LayerCache::Kv(_) => {
+                    let ks: Vec<&Array> = all
+                        .iter()
+                        .filter_map(|l| {
+                            if let LayerRun::Kv(k, _) = l {
+                                Some(k)
+                            } else {
+                                None
+                            }
+                        })
+                        .collect();
+                    let vs: Vec<&Array> = all
+                        .iter()
+                        .filter_map(|l| {
+                            if let LayerRun::Kv(_, v) = l {
+                                Some(v)
+                            } else {
+                                None
+                            }
+                        })
+                        .collect();
+                    LayerCache::Kv(KvCache::from_state(
+                        mlx::concatenate(&ks, 2)?,
+                        mlx::concatenate(&vs, 2)?,
+                    )?)
+                }
+                LayerCache::Latent(_) => {
+                    let rs: Vec<&Array> = all
+                        .iter()
+                        .filter_map(|l| {
+                            if let LayerRun::Latent(r) = l {
+                                Some(r)
+                            } else {
+                                None
+                            }
+                        })
+                        .collect();
+                    LayerCache::Latent(LatentCache::from_state(mlx::concatenate(&rs, 2)?)?)
+                }
+                LayerCache::Rotating(_) => {
+                    let cp = checkpoint
+                        .and_then(|c| c.layers.get(i).cloned().flatten())
+                        .ok_or_else(|| CacheError::Rewind {
+                            n: upto,
+                            why: format!("no sliding-window snapshot at position {upto}"),
+                        })?;
+                    LayerCache::Rotating(cp)
+                }
+            });
+        }
+        Ok(out)
+    }
+
+    /// Where a new sequence should snapshot its rotating caches during prefill: every
+    /// `interval` tokens, just before the last prompt token, and at the point where its prompt
+    /// left the stored prefix (a branch point later requests are likely to share).
+    pub fn plan(&self, prompt_len: usize, cached: usize, matched: usize) -> Vec<usize> {
+        let mut v: Vec<usize> = (1..)
+            .map(|k| k * self.interval)
+            .take_while(|&p| p < prompt_len)
+            .filter(|&p| p > cached)
+            .collect();
+        if prompt_len > 1 && prompt_len - 1 > cached {
+            v.push(prompt_len - 1);
+        }
+        if matched > cached && matched < prompt_len {
+            v.push(matched);
+        }
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// Stores a finished (or cancelled) sequence: `tokens` are what its `caches` hold, and
+    /// `checkpoints` the rotating-cache snapshots it took. Evicts down to the budget.
+    pub fn insert(
+        &mut self,
+        tokens: &[u32],
+        caches: &[LayerCache],
+        mut checkpoints: Vec<(usize, CacheCheckpoint)>,
+    ) -> Result<()> {
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        if needs_checkpoints(caches) {
+            checkpoints.push((tokens.len(), CacheCheckpoint::of(caches)));
+        }
+        let mut failed = None;
+        self.trie.insert(
+            tokens,
+            |start, end| match copy_run(caches, start, end) {
+                Ok(run) => run,
+                Err(e) => {
+                    failed = Some(e);
+                    CacheRun {
+                        len: end - start,
+                        pieces: Vec::new(),
+                    }
+                }
+            },
+            checkpoints,
+        );
+        if let Some(e) = failed {
+            // The trie now has an edge without data: drop everything rather than serve it.
+            self.trie = Trie::new();
+            return Err(e);
+        }
+        self.trie.evict(self.budget, &[]);
+        Ok(())
+    }
+}
+
+/// Copies positions `start..end` of every layer (rotating layers keep nothing per position).
+fn copy_run(caches: &[LayerCache], start: usize, end: usize) -> Result<CacheRun> {
+    let layers = caches
+        .iter()
+        .map(|c| {
+            Ok(match c {
+                LayerCache::Kv(kv) => {
+                    let (k, v) = kv.copy_range(start, end)?;
+                    LayerRun::Kv(k, v)
+                }
+                LayerCache::Latent(l) => LayerRun::Latent(l.copy_range(start, end)?),
+                LayerCache::Rotating(_) => LayerRun::None,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(CacheRun {
+        len: end - start,
+        pieces: vec![Piece {
+            offset: 0,
+            len: end - start,
+            data: Rc::new(layers),
+            full: end - start,
+        }],
+    })
+}
