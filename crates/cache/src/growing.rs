@@ -160,6 +160,14 @@ impl KvCache {
         })
     }
 
+    /// All keys and values held, or `None` when empty.
+    pub fn state(&self) -> Result<Option<(Array, Array)>> {
+        if self.keys.len == 0 {
+            return Ok(None);
+        }
+        Ok(Some((self.keys.view()?, self.values.view()?)))
+    }
+
     /// Copies of positions `start..end`.
     pub fn copy_range(&self, start: usize, end: usize) -> Result<(Array, Array)> {
         Ok((

@@ -201,6 +201,16 @@ impl RotatingKvCache {
         }
     }
 
+    /// The held keys and values in slot order with each slot's position, or `None` when empty
+    /// (the gemma4 assistant reads the target's window this way).
+    pub fn state(&self) -> Result<Option<(Array, Array, Vec<i32>)>> {
+        if self.count == 0 {
+            return Ok(None);
+        }
+        let (k, v) = self.view()?;
+        Ok(Some((k, v, self.key_positions())))
+    }
+
     /// Positions of the slots [`RotatingKvCache::update`] returned (`-1` for an empty slot).
     pub fn key_positions(&self) -> Vec<i32> {
         let s = self.slots();

@@ -128,6 +128,13 @@ impl Gemma4Config {
         Ok(cfg)
     }
 
+    /// The text config without the checks that assume a full model (the assistant's layers are
+    /// all KV-shared).
+    pub(crate) fn parse_text(file: &JsonFile) -> Result<Gemma4Config> {
+        let text = file.value.get("text_config").unwrap_or(&file.value);
+        file.parse(text)
+    }
+
     fn validate(&self) -> std::result::Result<(), String> {
         let positive = [
             ("hidden_size", self.hidden_size),
@@ -284,7 +291,7 @@ impl Gemma4Config {
         self.rope_parameters.as_ref().and_then(|m| m.get(key))
     }
 
-    fn rope(&self, kind: LayerKind, head_dim: i32) -> Result<Rope> {
+    pub(crate) fn rope(&self, kind: LayerKind, head_dim: i32) -> Result<Rope> {
         let p = self.rope_params(kind);
         let (default_theta, default_type, default_partial) = match kind {
             LayerKind::Sliding => (10_000.0, "default", 1.0),
@@ -321,7 +328,7 @@ impl Gemma4Config {
 // Blocks
 // ------------------------------------------------------------------------------------------
 
-struct Attention {
+pub(crate) struct Attention {
     q_proj: Linear,
     k_proj: Option<Linear>,
     v_proj: Option<Linear>,
@@ -391,7 +398,7 @@ impl Attention {
         Ok((k, v))
     }
 
-    fn queries(&self, x: &Array, rope: &Rope, offset: usize, eps: f32) -> Result<Array> {
+    pub(crate) fn queries(&self, x: &Array, rope: &Rope, offset: usize, eps: f32) -> Result<Array> {
         let s = x.shape();
         let q = self
             .q_proj
@@ -401,7 +408,7 @@ impl Attention {
         rope.apply(&q, offset)
     }
 
-    fn output(&self, q: &Array, k: &Array, v: &Array, mask: &AttnMask) -> Result<Array> {
+    pub(crate) fn output(&self, q: &Array, k: &Array, v: &Array, mask: &AttnMask) -> Result<Array> {
         // q and k are RMS-normalised, so the attention scale is 1 (MODELS.md §1.3).
         let o = scaled_dot_product_attention(q, k, v, 1.0, mask.as_sdpa(), None)?;
         let s = q.shape();
@@ -521,21 +528,21 @@ struct PerLayerInput {
     post_norm: Array,
 }
 
-struct DecoderLayer {
-    spec: LayerSpec,
-    attn: Attention,
+pub(crate) struct DecoderLayer {
+    pub(crate) spec: LayerSpec,
+    pub(crate) attn: Attention,
     mlp: Mlp,
     moe: Option<(Moe, [Array; 3])>, // pre_ffn_2, post_ffn_1, post_ffn_2
-    input_norm: Array,
-    post_attn_norm: Array,
+    pub(crate) input_norm: Array,
+    pub(crate) post_attn_norm: Array,
     pre_ffn_norm: Array,
     post_ffn_norm: Array,
     ple: Option<PerLayerInput>,
-    layer_scalar: Array,
+    pub(crate) layer_scalar: Array,
 }
 
 impl DecoderLayer {
-    fn new(vb: &Vb, cfg: &Gemma4Config, spec: LayerSpec) -> Result<DecoderLayer> {
+    pub(crate) fn new(vb: &Vb, cfg: &Gemma4Config, spec: LayerSpec) -> Result<DecoderLayer> {
         let h = cfg.hidden_size;
         let n = |name: &str| vb.pp(name).get("weight", &[h]);
         let moe = if cfg.enable_moe_block {
@@ -574,7 +581,7 @@ impl DecoderLayer {
         })
     }
 
-    fn feed_forward(&self, h: &Array, eps: f32) -> Result<Array> {
+    pub(crate) fn feed_forward(&self, h: &Array, eps: f32) -> Result<Array> {
         let dense = self.mlp.forward(&norm(h, Some(&self.pre_ffn_norm), eps)?)?;
         let f = match &self.moe {
             None => dense,
@@ -610,6 +617,18 @@ pub struct Gemma4 {
     rope_full: Rope,
     /// Index into the caller's cache list for each non-shared layer.
     cache_slot: Vec<Option<usize>>,
+    /// Extra history the rotating caches keep (see [`CausalLm::set_cache_slack`]).
+    slack: usize,
+}
+
+/// The K/V of the target's last non-shared sliding and full layers, which the gemma4 assistant
+/// attends to (MODELS.md §2.1).
+pub struct SharedKv {
+    /// Keys, values (`[1, nKV, S, d]`, slot order) and each slot's position (`-1` = empty).
+    pub sliding: Option<(Array, Array, Vec<i32>)>,
+    pub full: Option<(Array, Array)>,
+    /// Positions the target caches hold.
+    pub offset: usize,
 }
 
 /// The checkpoint prefix of the text model: transformers' multimodal wrapper, mlx-lm's
@@ -678,6 +697,7 @@ impl Gemma4 {
             rope_sliding: cfg.rope(LayerKind::Sliding, sliding_dim)?,
             rope_full: cfg.rope(LayerKind::Full, full_dim)?,
             cache_slot,
+            slack: 0,
             cfg,
         })
     }
@@ -711,6 +731,44 @@ impl Gemma4 {
         Ok(ctx
             .add(&token_part)?
             .multiply_scalar(std::f64::consts::FRAC_1_SQRT_2)?)
+    }
+
+    /// The store layers' K/V in `caches` (a cache list from [`CausalLm::make_caches`]).
+    pub fn shared_kv(&self, caches: &[LayerCache]) -> Result<SharedKv> {
+        let first_shared = self.cfg.first_shared();
+        let mut out = SharedKv {
+            sliding: None,
+            full: None,
+            offset: caches.first().map_or(0, LayerCache::offset),
+        };
+        for kind in [LayerKind::Sliding, LayerKind::Full] {
+            let Some(i) = (0..first_shared)
+                .rev()
+                .find(|&i| self.layers[i].spec.kind == kind)
+            else {
+                continue;
+            };
+            let slot = self.cache_slot[i]
+                .ok_or_else(|| ModelError::Invalid(format!("layer {i} has no cache")))?;
+            match caches.get(slot) {
+                Some(LayerCache::Rotating(c)) => {
+                    if let Some((k, v, pos)) = c.state()? {
+                        out.sliding = Some((k, v, pos));
+                    }
+                }
+                Some(LayerCache::Kv(c)) => {
+                    if let Some((k, v)) = c.state()? {
+                        out.full = Some((k, v));
+                    }
+                }
+                _ => {
+                    return Err(ModelError::Invalid(format!(
+                        "layer {i} has an unexpected cache kind"
+                    )))
+                }
+            }
+        }
+        Ok(out)
     }
 
     fn rope(&self, kind: LayerKind) -> &Rope {
@@ -832,5 +890,13 @@ impl CausalLm for Gemma4 {
 
     fn architecture(&self) -> &'static str {
         "gemma4"
+    }
+
+    fn set_cache_slack(&mut self, slack: usize) {
+        self.slack = slack;
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }

@@ -155,7 +155,8 @@ impl GlmConfig {
 
     pub fn is_moe_layer(&self, i: usize) -> bool {
         match &self.mlp_layer_types {
-            Some(t) => t[i] == "sparse",
+            // Past the main layers sit the MTP layers, whose blocks are MoE.
+            Some(t) => t.get(i).is_none_or(|s| s == "sparse"),
             None => {
                 let first = self.first_k_dense_replace.unwrap_or(0) as usize;
                 i >= first && i % self.moe_layer_freq.max(1) as usize == 0
@@ -525,6 +526,8 @@ impl DecoderLayer {
 
 pub struct Glm4MoeLite {
     cfg: GlmConfig,
+    /// Present when the checkpoint carries the MTP layer (`model.layers.{L}.*`).
+    mtp: Option<GlmMtp>,
     embed: Embedding,
     layers: Vec<DecoderLayer>,
     norm: Array,
@@ -545,18 +548,134 @@ impl Glm4MoeLite {
         } else {
             Some(root.pp("lm_head").linear(cfg.vocab_size, h)?)
         };
+        let embed = model.pp("embed_tokens").embedding(cfg.vocab_size, h)?;
+        let rope = cfg.rope()?;
+        let n = cfg.num_hidden_layers as usize;
+        let mtp = if cfg.num_nextn_predict_layers > 0
+            && w.contains(&format!("model.layers.{n}.eh_proj.weight"))
+        {
+            let head = match &lm_head {
+                Some(l) => l.clone(),
+                None => {
+                    return Err(ModelError::Invalid(
+                        "an MTP layer needs an untied lm_head".into(),
+                    ))
+                }
+            };
+            Some(GlmMtp::new(
+                &model.pp("layers").pp(n),
+                &cfg,
+                embed.clone(),
+                head,
+                n,
+            )?)
+        } else {
+            None
+        };
         Ok(Glm4MoeLite {
-            embed: model.pp("embed_tokens").embedding(cfg.vocab_size, h)?,
+            embed,
             layers,
             norm: model.pp("norm").get("weight", &[h])?,
             lm_head,
-            rope: cfg.rope()?,
+            rope,
+            mtp,
             cfg,
         })
     }
 
+    /// The checkpoint's own MTP drafter, if it has one.
+    pub fn mtp(&self) -> Option<&GlmMtp> {
+        self.mtp.as_ref()
+    }
+
+    pub fn rope(&self) -> &Rope {
+        &self.rope
+    }
+
     pub fn config(&self) -> &GlmConfig {
         &self.cfg
+    }
+}
+
+/// GLM's multi-token-prediction layer (MODELS.md §3.5): for each position i it fuses the next
+/// token's embedding with the target's final hidden state at i, runs one MLA + MoE block with
+/// its own latent cache, and predicts the token after next. Embedding and head are the target's
+/// own (the checkpoint's copies are identical and never read).
+pub struct GlmMtp {
+    embed: Embedding,
+    enorm: Array,
+    hnorm: Array,
+    eh_proj: Linear,
+    block: DecoderLayer,
+    head_norm: Array,
+    head: Linear,
+    hidden: i32,
+    eps: f32,
+}
+
+impl GlmMtp {
+    fn new(
+        vb: &Vb,
+        cfg: &GlmConfig,
+        embed: Embedding,
+        head: Linear,
+        index: usize,
+    ) -> Result<GlmMtp> {
+        let h = cfg.hidden_size;
+        Ok(GlmMtp {
+            embed,
+            enorm: vb.pp("enorm").get("weight", &[h])?,
+            hnorm: vb.pp("hnorm").get("weight", &[h])?,
+            eh_proj: vb.pp("eh_proj").linear(h, 2 * h)?,
+            block: DecoderLayer::new(vb, cfg, index)?,
+            head_norm: vb.pp("shared_head.norm").get("weight", &[h])?,
+            head,
+            hidden: h,
+            eps: cfg.rms_norm_eps,
+        })
+    }
+
+    /// Pairs `tokens[i]` (`[1, L]`, the token after position i) with `hidden[i]` (`[1, L, H]`,
+    /// the target's final hidden at i, or the previous MTP output when chaining), at the cache's
+    /// next positions. Returns the block outputs (for chaining) and the logits over the token
+    /// after next.
+    pub fn forward(
+        &self,
+        tokens: &Array,
+        hidden: &Array,
+        cache: &mut LatentCache,
+        rope: &Rope,
+    ) -> Result<(Array, Array)> {
+        let u = self.feed(tokens, hidden, cache, rope)?;
+        let logits = self
+            .head
+            .forward(&norm(&u, Some(&self.head_norm), self.eps)?)?;
+        Ok((u, logits))
+    }
+
+    /// Only the block, when the logits are not needed (keeping the cache in step).
+    pub fn feed(
+        &self,
+        tokens: &Array,
+        hidden: &Array,
+        cache: &mut LatentCache,
+        rope: &Rope,
+    ) -> Result<Array> {
+        let e = norm(&self.embed.lookup(tokens)?, Some(&self.enorm), self.eps)?;
+        let h = norm(
+            &hidden.reshape(&[1, -1, self.hidden])?,
+            Some(&self.hnorm),
+            self.eps,
+        )?;
+        let x = self.eh_proj.forward(&mlx::concatenate(&[&e, &h], -1)?)?;
+        self.block.forward(&x, cache, rope, self.eps)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match &self.head {
+            Linear::Dense { wt } => wt.shape().last().copied().unwrap_or(0) as usize,
+            Linear::Quantized(q) => q.weight.shape()[0] as usize,
+        }
     }
 }
 
@@ -605,5 +724,9 @@ impl CausalLm for Glm4MoeLite {
 
     fn architecture(&self) -> &'static str {
         "glm4_moe_lite"
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }

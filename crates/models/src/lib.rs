@@ -9,6 +9,7 @@
 mod config;
 mod error;
 pub mod gemma4;
+pub mod gemma4_assistant;
 pub mod glm4_moe_lite;
 pub mod nn;
 mod tokenizer;
@@ -38,6 +39,11 @@ pub trait CausalLm {
     /// The longest context the model supports.
     fn max_context(&self) -> usize;
     fn architecture(&self) -> &'static str;
+    /// Keep `slack` tokens of history past the sliding window in rotating caches made from now
+    /// on (speculation rewinds into it; the gemma4 assistant reads one key past the window).
+    fn set_cache_slack(&mut self, _slack: usize) {}
+    /// For drafters that need a specific target's internals.
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 /// Which dtype to compute in (decision D6).
@@ -107,6 +113,51 @@ fn quant_config(file: &JsonFile) -> Result<Option<QuantConfig>> {
 enum Arch {
     Gemma4(gemma4::Gemma4Config),
     Glm(glm4_moe_lite::GlmConfig),
+}
+
+/// A draft model for speculative decoding, loaded for a given target.
+pub enum Draft {
+    /// The gemma4 MTP assistant: reads the target's caches, keeps none of its own.
+    Assistant(gemma4_assistant::Gemma4Assistant),
+    /// A separate small model with the target's tokenizer and its own caches.
+    Model(Box<dyn CausalLm>),
+}
+
+/// Loads the drafter in `dir` for `target`, refusing one whose vocabulary or sizes do not fit.
+pub fn load_draft(dir: &Path, target: &LoadedModel, dtype: DtypeChoice) -> Result<Draft> {
+    let file = JsonFile::read(&dir.join("config.json"))?;
+    let model_type = file.model_type()?;
+    if model_type == "gemma4_assistant" {
+        let Some(t) = target.model.as_any().downcast_ref::<gemma4::Gemma4>() else {
+            return Err(file.error(format!(
+                "a gemma4_assistant drafts for gemma4 targets; the target is {}",
+                target.model.architecture()
+            )));
+        };
+        let weights = Weights::load(dir, target.dtype, quant_config(&file)?)?;
+        let a = gemma4_assistant::Gemma4Assistant::load(&file, &weights, t)?;
+        weights.materialize()?;
+        return Ok(Draft::Assistant(a));
+    }
+    let draft = load(dir, dtype)?;
+    if draft.model.vocab_size() != target.model.vocab_size() {
+        return Err(file.error(format!(
+            "the draft's vocabulary has {} tokens, the target's {}",
+            draft.model.vocab_size(),
+            target.model.vocab_size()
+        )));
+    }
+    if draft.tokenizer.vocab_size() != target.tokenizer.vocab_size() {
+        return Err(ModelError::Tokenizer {
+            path: dir.join("tokenizer.json"),
+            message: format!(
+                "has {} tokens, the target's tokenizer {}: not the same tokenizer",
+                draft.tokenizer.vocab_size(),
+                target.tokenizer.vocab_size()
+            ),
+        });
+    }
+    Ok(Draft::Model(draft.model))
 }
 
 /// Loads the model in `dir`: config, tokenizer, then weights (lazily read, cast once).

@@ -7,6 +7,7 @@ use mlx::fast::{rms_norm, rope, RopeFreqs};
 use mlx::{Array, Quantized};
 
 /// `y = x Wᵀ`, with `W` stored `[out, in]` as in the checkpoints.
+#[derive(Clone)]
 pub enum Linear {
     /// Holds `Wᵀ` (`[in, out]`), laid out by [`weight_layout`].
     Dense {
@@ -71,6 +72,7 @@ impl Experts {
 }
 
 /// A token embedding table `[V, H]`, also usable as a tied output head.
+#[derive(Clone)]
 pub enum Embedding {
     /// `[V, H]`.
     Dense(Array),

@@ -293,6 +293,20 @@ impl<'a> Vb<'a> {
         self.cast(&name, a)
     }
 
+    /// A tensor exactly as stored (integer tables such as a token ordering), shape checked.
+    pub fn raw_tensor(&self, leaf: &str, shape: &[i32]) -> Result<Array> {
+        let name = self.name(leaf);
+        let a = self.w.raw(&name)?;
+        if a.shape() != shape {
+            return Err(ModelError::Shape {
+                name,
+                expected: shape.to_vec(),
+                got: a.shape(),
+            });
+        }
+        Ok(a)
+    }
+
     /// A tensor kept in float32 whatever the compute dtype (router biases, MODELS.md §3.2).
     pub fn get_f32(&self, leaf: &str, shape: &[i32]) -> Result<Array> {
         let name = self.name(leaf);

@@ -1,0 +1,283 @@
+//! The gemma4 MTP drafter, `gemma4_assistant` (MODELS.md §2).
+//!
+//! A few gemma4 layers with no K/V of their own: each attends to the K/V of the target's last
+//! non-shared layer of its kind. Input is `[target embedding · √H_t, target hidden]` through
+//! `pre_projection`; the output hidden goes back through `post_projection` and replaces the
+//! target hidden in the next step (an EAGLE-like recurrence). The head is the assistant's own
+//! tied embedding, or the centroid-masked sparse head of the E2B/E4B assistants.
+
+use crate::config::JsonFile;
+use crate::gemma4::{DecoderLayer, Gemma4, Gemma4Config, LayerKind, LayerSpec, SharedKv};
+use crate::nn::{norm, Embedding, Linear, Rope};
+use crate::weights::Weights;
+use crate::{ModelError, Result};
+use cache::AttnMask;
+use mlx::{Array, Dtype};
+use serde_json::Value;
+
+/// Where the assistant's query sits (MODELS.md §2.4): transformers uses the position of the
+/// bonus token, `S`; mlx-vlm and ollama the last committed position, `S − 1`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueryPosition {
+    Bonus,
+    LastCommitted,
+}
+
+impl std::str::FromStr for QueryPosition {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "s" | "S" | "bonus" => Ok(QueryPosition::Bonus),
+            "s-1" | "S-1" | "last" => Ok(QueryPosition::LastCommitted),
+            other => Err(format!(
+                "unknown draft position {other:?} (expected s or s-1)"
+            )),
+        }
+    }
+}
+
+struct CentroidHead {
+    centroids: Linear,
+    /// `[C, V/C]`: the token ids each centroid owns.
+    ordering: Array,
+    top_k: i32,
+}
+
+pub struct Gemma4Assistant {
+    cfg: Gemma4Config,
+    pre_projection: Linear,
+    post_projection: Linear,
+    layers: Vec<DecoderLayer>,
+    norm: Array,
+    embed: Embedding,
+    centroid: Option<CentroidHead>,
+    rope_sliding: Rope,
+    rope_full: Rope,
+    backbone: i32,
+    pub position: QueryPosition,
+}
+
+/// One draft step's outputs.
+pub struct AssistantStep {
+    /// `[1, V]` float32; entries outside the centroid head's candidates are -inf.
+    pub logits: Array,
+    /// `[1, 1, H_target]`: the hidden state fed to the next step.
+    pub hidden: Array,
+    /// The final-normed assistant hidden (for tests).
+    pub normed: Array,
+}
+
+impl Gemma4Assistant {
+    /// Loads an assistant for `target` from its checkpoint, refusing one whose sizes do not fit.
+    pub fn load(file: &JsonFile, w: &Weights, target: &Gemma4) -> Result<Gemma4Assistant> {
+        let cfg = Gemma4Config::parse_text(file)?;
+        let t = target.config();
+        let int = |k: &str| file.value.get(k).and_then(Value::as_i64);
+        let backbone = int("backbone_hidden_size")
+            .ok_or_else(|| file.error("missing field `backbone_hidden_size`"))?
+            as i32;
+        let refuse = |m: String| {
+            Err(ModelError::Config {
+                path: file.path.clone(),
+                message: m,
+            })
+        };
+        if backbone != t.hidden_size {
+            return refuse(format!(
+                "the draft expects a target hidden size of {backbone}, the target has {}",
+                t.hidden_size
+            ));
+        }
+        if cfg.vocab_size != t.vocab_size {
+            return refuse(format!(
+                "the draft's vocabulary has {} tokens, the target's {}",
+                cfg.vocab_size, t.vocab_size
+            ));
+        }
+        let target_specs = t.layer_specs().map_err(ModelError::Invalid)?;
+        let store = |kind: LayerKind| {
+            target_specs
+                .iter()
+                .take(t.first_shared())
+                .filter(|s| s.kind == kind)
+                .last()
+                .cloned()
+        };
+        let kinds = cfg.layer_kinds();
+        let mut layers = Vec::with_capacity(kinds.len());
+        for (i, &kind) in kinds.iter().enumerate() {
+            let Some(ts) = store(kind) else {
+                return refuse(format!(
+                    "draft layer {i} is {kind:?} but the target has no such layer to read"
+                ));
+            };
+            let head_dim = match kind {
+                LayerKind::Sliding => cfg.head_dim,
+                LayerKind::Full => cfg.global_head_dim.unwrap_or(cfg.head_dim),
+            };
+            let kv_heads = match kind {
+                LayerKind::Full if cfg.attention_k_eq_v => cfg
+                    .num_global_key_value_heads
+                    .unwrap_or(cfg.num_key_value_heads),
+                _ => cfg.num_key_value_heads,
+            };
+            if head_dim != ts.head_dim
+                || kv_heads != ts.kv_heads
+                || cfg.num_attention_heads % ts.kv_heads != 0
+            {
+                return refuse(format!(
+                    "draft layer {i} ({kind:?}) expects head_dim {head_dim} and {kv_heads} KV heads; the target's layer has head_dim {} and {} KV heads",
+                    ts.head_dim, ts.kv_heads
+                ));
+            }
+            let spec = LayerSpec {
+                kind,
+                head_dim,
+                kv_heads: ts.kv_heads,
+                shared_from: Some(usize::MAX),
+                k_eq_v: false,
+                intermediate: cfg.intermediate_size,
+            };
+            layers.push(DecoderLayer::new(
+                &w.root().pp("model.layers").pp(i),
+                &cfg,
+                spec,
+            )?);
+        }
+        let h = cfg.hidden_size;
+        let root = w.root();
+        let ordered = file
+            .value
+            .get("use_ordered_embeddings")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        let centroid = if ordered {
+            let c = int("num_centroids").unwrap_or(2048) as i32;
+            let top_k = int("centroid_intermediate_top_k").unwrap_or(32) as i32;
+            if cfg.vocab_size % c != 0 || top_k > c {
+                return refuse(format!(
+                    "{c} centroids with top-k {top_k} do not fit a vocabulary of {}",
+                    cfg.vocab_size
+                ));
+            }
+            let me = root.pp("masked_embedding");
+            let ordering = w.keep(
+                me.raw_tensor("token_ordering", &[cfg.vocab_size])?
+                    .astype(Dtype::I32)?
+                    .reshape(&[c, cfg.vocab_size / c])?,
+            );
+            Some(CentroidHead {
+                centroids: me.pp("centroids").linear(c, h)?,
+                ordering,
+                top_k,
+            })
+        } else {
+            None
+        };
+        let full_dim = cfg.global_head_dim.unwrap_or(cfg.head_dim);
+        Ok(Gemma4Assistant {
+            pre_projection: root.pp("pre_projection").linear(h, 2 * backbone)?,
+            post_projection: root.pp("post_projection").linear(backbone, h)?,
+            layers,
+            norm: root.pp("model.norm").get("weight", &[h])?,
+            embed: root
+                .pp("model.embed_tokens")
+                .embedding(cfg.vocab_size, h)?
+                .for_tied_head(w)?,
+            centroid,
+            rope_sliding: cfg.rope(LayerKind::Sliding, cfg.head_dim)?,
+            rope_full: cfg.rope(LayerKind::Full, full_dim)?,
+            backbone,
+            position: QueryPosition::LastCommitted,
+            cfg,
+        })
+    }
+
+    /// One draft step: `token` (`[1, 1]` int32) is the last token, `hidden` (`[1, 1, H_t]`) the
+    /// target's (or the previous step's) hidden state; `kv` the target's store-layer K/V.
+    pub fn step(
+        &self,
+        target: &Gemma4,
+        token: &Array,
+        hidden: &Array,
+        kv: &SharedKv,
+    ) -> Result<AssistantStep> {
+        let eps = self.cfg.rms_norm_eps;
+        let s = kv.offset;
+        let pos = match self.position {
+            QueryPosition::Bonus => s,
+            QueryPosition::LastCommitted => s.saturating_sub(1),
+        };
+        let e = target.embed_scaled(token)?;
+        let x = mlx::concatenate(&[&e, &hidden.reshape(&[1, 1, self.backbone])?], -1)?;
+        let mut z = self.pre_projection.forward(&x)?;
+        // transformers' assistant mask: every full-attention key, and the last W + 1 sliding
+        // keys (its bidirectional window counts |q − k| ≤ W).
+        let w = self.cfg.sliding_window;
+        for layer in &self.layers {
+            let (k, v, mask) = match layer.spec.kind {
+                LayerKind::Full => {
+                    let (k, v) = kv.full.as_ref().ok_or_else(|| {
+                        ModelError::Invalid("the target has no full-attention K/V yet".into())
+                    })?;
+                    (k, v, AttnMask::None)
+                }
+                LayerKind::Sliding => {
+                    let (k, v, p) = kv.sliding.as_ref().ok_or_else(|| {
+                        ModelError::Invalid("the target has no sliding-window K/V yet".into())
+                    })?;
+                    let lo = s as i32 - 1 - w;
+                    let visible: Vec<bool> = p.iter().map(|&q| q >= 0 && q >= lo).collect();
+                    let mask = if visible.iter().all(|&b| b) {
+                        AttnMask::None
+                    } else {
+                        AttnMask::Array(Array::from_slice(&visible, &[1, visible.len() as i32])?)
+                    };
+                    (k, v, mask)
+                }
+            };
+            let rope = match layer.spec.kind {
+                LayerKind::Sliding => &self.rope_sliding,
+                LayerKind::Full => &self.rope_full,
+            };
+            let xn = norm(&z, Some(&layer.input_norm), eps)?;
+            let q = layer.attn.queries(&xn, rope, pos, eps)?;
+            let a = layer.attn.output(&q, k, v, &mask)?;
+            z = z.add(&norm(&a, Some(&layer.post_attn_norm), eps)?)?;
+            z = z.add(&layer.feed_forward(&z, eps)?)?;
+            z = z.multiply(&layer.layer_scalar)?;
+        }
+        let n = norm(&z, Some(&self.norm), eps)?;
+        let logits = match &self.centroid {
+            None => self.embed.as_linear(&n)?.reshape(&[1, -1])?,
+            Some(c) => self.centroid_logits(c, &n)?,
+        };
+        Ok(AssistantStep {
+            logits: logits.astype(Dtype::F32)?,
+            hidden: self.post_projection.forward(&n)?,
+            normed: n,
+        })
+    }
+
+    /// The sparse head: only the tokens of the top-k centroids get logits.
+    fn centroid_logits(&self, c: &CentroidHead, n: &Array) -> Result<Array> {
+        let v = self.cfg.vocab_size;
+        let n = n.reshape(&[1, -1])?;
+        let scores = c.centroids.forward(&n)?; // [1, C]
+        let k = c.top_k;
+        let top = scores
+            .negative()?
+            .argpartition(k - 1, -1)?
+            .slice_axis(-1, 0, Some(k))?
+            .reshape(&[-1])?;
+        let cand = c.ordering.take(&top, 0)?.reshape(&[-1])?; // [k * V/C]
+        let sel = self.embed.lookup(&cand)?; // [k * V/C, H]
+        let vals = n.matmul(&sel.t()?)?; // [1, k * V/C]
+        let floor = Array::full(&[1, v], f64::NEG_INFINITY, Dtype::F32)?;
+        Ok(floor.put_along_axis(&cand.reshape(&[1, -1])?, &vals.astype(Dtype::F32)?, -1)?)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size as usize
+    }
+}

@@ -1,0 +1,249 @@
+//! The drafters against transformers: the gemma4 assistant's draft steps (both query-position
+//! conventions, centroid and dense heads) and GLM's MTP layer.
+
+use mlx::{Array, Dtype, Ix};
+use models::gemma4::Gemma4;
+use models::gemma4_assistant::QueryPosition;
+use models::glm4_moe_lite::Glm4MoeLite;
+use models::{load, load_draft, CausalLm, Draft, DtypeChoice, LayerCache};
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/models")
+        .join(name)
+}
+
+fn golden(name: &str) -> HashMap<String, Array> {
+    mlx::io::load_safetensors(fixture(name).join("golden.safetensors"))
+        .unwrap()
+        .arrays
+}
+
+fn f32s(a: &Array) -> Vec<f32> {
+    a.astype(Dtype::F32).unwrap().to_vec().unwrap()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn argmax(v: &[f32]) -> usize {
+    v.iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .unwrap()
+        .0
+}
+
+#[test]
+fn glm_mtp_matches_the_reference() {
+    let m = load(&fixture("glm4_moe_lite"), DtypeChoice::Fixed(Dtype::F32)).unwrap();
+    let glm = m.model.as_any().downcast_ref::<Glm4MoeLite>().unwrap();
+    let mtp = glm.mtp().expect("the fixture carries an MTP layer");
+    let g = golden("glm4_moe_lite");
+    let ids = g["input_ids"].to_vec::<i32>().unwrap();
+    let t = ids.len() as i32;
+    let last = (0..)
+        .find(|i| !g.contains_key(&format!("hidden_states.{}", i + 1)))
+        .unwrap();
+    let hidden = g[&format!("hidden_states.{last}")]
+        .index(&[Ix::slice(None, Some(t - 1), 1)])
+        .unwrap();
+    let next = Array::from_slice(&ids[1..], &[1, t - 1]).unwrap();
+    let want = f32s(&g["mtp.logits"]);
+    let v = 512;
+    // All pairs at once.
+    let mut cache = cache::LatentCache::new();
+    let (_, logits) = mtp
+        .forward(
+            &next,
+            &hidden.expand_dims(0).unwrap(),
+            &mut cache,
+            glm.rope(),
+        )
+        .unwrap();
+    let got = f32s(&logits);
+    assert!(max_diff(&got, &want) < 1e-4, "{}", max_diff(&got, &want));
+    for r in 0..(t - 1) as usize {
+        assert_eq!(
+            argmax(&got[r * v..(r + 1) * v]),
+            argmax(&want[r * v..(r + 1) * v]),
+            "row {r}"
+        );
+    }
+    // Fed incrementally through the cache, as speculation does.
+    let mut cache = cache::LatentCache::new();
+    let mut rows = Vec::new();
+    let split = 7;
+    let (_, l) = mtp
+        .forward(
+            &next.slice_axis(1, 0, Some(split)).unwrap(),
+            &hidden
+                .slice_axis(0, 0, Some(split))
+                .unwrap()
+                .expand_dims(0)
+                .unwrap(),
+            &mut cache,
+            glm.rope(),
+        )
+        .unwrap();
+    rows.extend(f32s(&l));
+    for i in split..t - 1 {
+        let (_, l) = mtp
+            .forward(
+                &next.slice_axis(1, i, Some(i + 1)).unwrap(),
+                &hidden
+                    .slice_axis(0, i, Some(i + 1))
+                    .unwrap()
+                    .expand_dims(0)
+                    .unwrap(),
+                &mut cache,
+                glm.rope(),
+            )
+            .unwrap();
+        rows.extend(f32s(&l));
+    }
+    assert!(max_diff(&rows, &want) < 1e-4);
+}
+
+fn assistant_matches(name: &str, ordered: bool) {
+    let mut target = load(&fixture("gemma4_e2b_like"), DtypeChoice::Fixed(Dtype::F32)).unwrap();
+    // transformers' assistant reads W + 1 sliding keys: keep one token past the window.
+    target.model.set_cache_slack(1);
+    let Draft::Assistant(mut a) =
+        load_draft(&fixture(name), &target, DtypeChoice::Fixed(Dtype::F32)).unwrap()
+    else {
+        panic!("not an assistant")
+    };
+    let g = golden(name);
+    let prompt = g["prompt_ids"].to_vec::<i32>().unwrap();
+    let gemma = target.model.as_any().downcast_ref::<Gemma4>().unwrap();
+    let mut caches: Vec<LayerCache> = gemma.make_caches();
+    let hidden = gemma
+        .forward(
+            &Array::from_slice(&prompt, &[1, prompt.len() as i32]).unwrap(),
+            &mut caches,
+        )
+        .unwrap();
+    let h_last = hidden
+        .index(&[Ix::full(), Ix::slice(Some(-1), None, 1)])
+        .unwrap();
+    assert!(max_diff(&f32s(&h_last), &f32s(&g["target_hidden_last_postnorm"])) < 1e-4);
+    let kv = gemma.shared_kv(&caches).unwrap();
+    // The store layers' K/V equal transformers' shared_kv_states.
+    let (sk, _, _) = kv.sliding.as_ref().unwrap();
+    assert!(
+        max_diff(
+            &f32s(&sk.index(&[Ix::At(0)]).unwrap()),
+            &f32s(&g["shared_kv.sliding_attention.keys"])
+        ) < 1e-4
+    );
+    for (conv, position) in [
+        ("hf", QueryPosition::Bonus),
+        ("anchor_minus1", QueryPosition::LastCommitted),
+    ] {
+        a.position = position;
+        let mut tok = g["bonus_token"].to_vec::<i32>().unwrap()[0];
+        let mut h = h_last.clone();
+        for step in 0..3 {
+            let pre = format!("draft.{conv}.step{step}");
+            assert_eq!(
+                tok,
+                g[&format!("{pre}.input_token")].to_vec::<i32>().unwrap()[0],
+                "{name} {pre}"
+            );
+            let out = a
+                .step(gemma, &Array::from_slice(&[tok], &[1, 1]).unwrap(), &h, &kv)
+                .unwrap();
+            assert!(
+                max_diff(
+                    &f32s(&out.normed),
+                    &f32s(&g[&format!("{pre}.normed_hidden")])
+                ) < 1e-4,
+                "{name} {pre} normed"
+            );
+            assert!(
+                max_diff(
+                    &f32s(&out.hidden),
+                    &f32s(&g[&format!("{pre}.projected_hidden")])
+                ) < 1e-4,
+                "{name} {pre} hidden"
+            );
+            let got = f32s(&out.logits);
+            let want = f32s(&g[&format!("{pre}.logits")]);
+            if ordered {
+                // transformers fills the tokens outside the chosen centroids with (min − 1);
+                // here they are -inf. The chosen candidates must agree.
+                let fill = want.iter().cloned().fold(f32::INFINITY, f32::min);
+                for (i, (x, y)) in got.iter().zip(&want).enumerate() {
+                    if *y == fill {
+                        assert!(
+                            x.is_infinite() && *x < 0.0,
+                            "{name} {pre} token {i}: {x} outside the candidates"
+                        );
+                    } else {
+                        assert!((x - y).abs() < 1e-4, "{name} {pre} token {i}: {x} vs {y}");
+                    }
+                }
+                let dense = f32s(&g[&format!("{pre}.dense_logits")]);
+                assert!(dense
+                    .iter()
+                    .zip(&want)
+                    .all(|(d, w)| *w == fill || (d - w).abs() < 1e-4));
+            } else {
+                assert!(max_diff(&got, &want) < 1e-4, "{name} {pre}");
+            }
+            assert_eq!(argmax(&got), argmax(&want));
+            tok = argmax(&got) as i32;
+            h = out.hidden;
+        }
+    }
+}
+
+#[test]
+fn assistant_with_centroid_head_matches_transformers() {
+    assistant_matches("gemma4_assistant", true);
+}
+
+#[test]
+fn assistant_with_dense_head_matches_transformers() {
+    assistant_matches("gemma4_assistant_dense", false);
+}
+
+#[test]
+fn mismatched_drafts_are_refused() {
+    let glm = load(&fixture("glm4_moe_lite"), DtypeChoice::Fixed(Dtype::F32)).unwrap();
+    let e = load_draft(&fixture("gemma4_assistant"), &glm, DtypeChoice::Auto)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("drafts for gemma4 targets"), "{e}");
+    let gemma31 = load(&fixture("gemma4_31b_like"), DtypeChoice::Fixed(Dtype::F32)).unwrap();
+    let e = load_draft(&fixture("gemma4_assistant"), &gemma31, DtypeChoice::Auto)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("head_dim") || e.contains("KV heads"), "{e}");
+    // A separate model with a different vocabulary.
+    let dir = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(fixture("gemma4_31b_like")).unwrap() {
+        let p = f.unwrap().path();
+        std::fs::copy(&p, dir.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("config.json")).unwrap())
+            .unwrap();
+    c["vocab_size"] = serde_json::json!(256);
+    std::fs::write(dir.path().join("config.json"), c.to_string()).unwrap();
+    let e = load_draft(dir.path(), &gemma31, DtypeChoice::Auto)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("vocabulary") || e.contains("shape"), "{e}");
+}
