@@ -96,11 +96,9 @@ impl Gemma4Assistant {
         }
         let target_specs = t.layer_specs().map_err(ModelError::Invalid)?;
         let store = |kind: LayerKind| {
-            target_specs
+            target_specs[..t.first_shared()]
                 .iter()
-                .take(t.first_shared())
-                .filter(|s| s.kind == kind)
-                .last()
+                .rfind(|s| s.kind == kind)
                 .cloned()
         };
         let kinds = cfg.layer_kinds();

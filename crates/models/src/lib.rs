@@ -118,7 +118,7 @@ enum Arch {
 /// A draft model for speculative decoding, loaded for a given target.
 pub enum Draft {
     /// The gemma4 MTP assistant: reads the target's caches, keeps none of its own.
-    Assistant(gemma4_assistant::Gemma4Assistant),
+    Assistant(Box<gemma4_assistant::Gemma4Assistant>),
     /// A separate small model with the target's tokenizer and its own caches.
     Model(Box<dyn CausalLm>),
 }
@@ -137,7 +137,7 @@ pub fn load_draft(dir: &Path, target: &LoadedModel, dtype: DtypeChoice) -> Resul
         let weights = Weights::load(dir, target.dtype, quant_config(&file)?)?;
         let a = gemma4_assistant::Gemma4Assistant::load(&file, &weights, t)?;
         weights.materialize()?;
-        return Ok(Draft::Assistant(a));
+        return Ok(Draft::Assistant(Box::new(a)));
     }
     let draft = load(dir, dtype)?;
     if draft.model.vocab_size() != target.model.vocab_size() {
