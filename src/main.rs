@@ -29,8 +29,63 @@ enum Command {
     Runner(RunnerArgs),
 }
 
+/// `auto` or a fixed depth.
+#[derive(Debug, Clone, Copy)]
+struct DraftDepth(Option<usize>);
+
+impl std::str::FromStr for DraftDepth {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        if s == "auto" {
+            return Ok(DraftDepth(None));
+        }
+        s.parse()
+            .map(|n| DraftDepth(Some(n)))
+            .map_err(|_| format!("draft depth must be auto or a number, got {s:?}"))
+    }
+}
+
+#[derive(clap::Args, Clone)]
+struct DraftArgs {
+    /// Draft model directory: a gemma4 assistant, or a small model with the target's tokenizer.
+    /// A GLM target with its own MTP layer drafts with it by default.
+    #[arg(long)]
+    draft: Option<PathBuf>,
+    /// Draft depth: auto (adaptive, including no drafting when it does not pay) or a fixed
+    /// number; 0 turns drafting off.
+    #[arg(long, default_value = "auto")]
+    draft_depth: DraftDepth,
+    /// The deepest round the adaptive depth considers.
+    #[arg(long, default_value_t = 6)]
+    max_draft_depth: usize,
+    /// Query position of the gemma4 assistant: s-1 (the last committed position, as mlx-vlm
+    /// and ollama) or s (the bonus token's, as transformers).
+    #[arg(long, default_value = "s-1")]
+    draft_position: models::gemma4_assistant::QueryPosition,
+}
+
+impl DraftArgs {
+    fn engine(&self, model: PathBuf, dtype: DtypeChoice) -> EngineConfig {
+        EngineConfig {
+            model_dir: model,
+            dtype,
+            ctx_size: None,
+            parallel: 1,
+            prefill_chunk: 512,
+            cache_budget: None,
+            cache_interval: 256,
+            draft: self.draft.clone(),
+            draft_depth: self.draft_depth.0,
+            max_draft_depth: self.max_draft_depth,
+            draft_position: self.draft_position,
+        }
+    }
+}
+
 #[derive(clap::Args)]
 struct RunnerArgs {
+    #[command(flatten)]
+    draft: DraftArgs,
     /// Model directory.
     #[arg(long)]
     model: PathBuf,
@@ -111,6 +166,8 @@ struct GenerateArgs {
     /// Tokens per prefill forward pass.
     #[arg(long, default_value_t = 512)]
     prefill_chunk: usize,
+    #[command(flatten)]
+    draft: DraftArgs,
 }
 
 fn main() {
@@ -167,6 +224,14 @@ fn finish(
             stats.eval_count,
             rate(stats.eval_count.saturating_sub(1), stats.eval_ns),
         );
+        if stats.draft_tokens > 0 {
+            eprintln!(
+                "drafted: {} tokens, accepted {} ({:.0}%)",
+                stats.draft_tokens,
+                stats.draft_accepted,
+                100.0 * stats.draft_accepted as f64 / stats.draft_tokens as f64
+            );
+        }
     }
     Ok(())
 }
@@ -183,13 +248,12 @@ fn runner(a: RunnerArgs) -> Result<()> {
     let _ = a.mlx_engine;
     let opts = RunnerOptions {
         engine: EngineConfig {
-            model_dir: a.model,
-            dtype: a.dtype,
             ctx_size: a.ctx_size,
             parallel: a.parallel,
             prefill_chunk: a.prefill_chunk,
             cache_budget: a.cache_budget,
             cache_interval: a.cache_interval,
+            ..a.draft.engine(a.model, a.dtype)
         },
         host: a.host,
         port: a.port,
@@ -204,7 +268,10 @@ fn runner(a: RunnerArgs) -> Result<()> {
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
-    let loaded = models::load(&a.model, a.dtype)?;
+    let mut loaded = models::load(&a.model, a.dtype)?;
+    let cfg = a.draft.engine(a.model.clone(), a.dtype);
+    let draft = runner::engine::load_drafter(&cfg, &mut loaded).map_err(anyhow::Error::msg)?;
+    let mut controller = runner::depth::DepthController::new(cfg.max_draft_depth, cfg.draft_depth);
     let num_ctx = a.ctx_size.unwrap_or(loaded.model.max_context());
     let options = Options {
         temperature: a.temperature,
@@ -238,6 +305,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let mut ctx = Ctx {
         model: &*loaded.model,
         sampler: &mut sampler,
+        draft: draft.as_ref().map(|d| (d, &mut controller)),
     };
     let mut g = Generation::new(&mut ctx, 0, params)?;
     let mut text = TextStream::new(&a.stop);

@@ -218,7 +218,18 @@ impl PrefixCache {
         } else {
             limit
         };
-        if cached == 0 {
+        // Entries stored with another set of caches (a sequence that drafted with its own
+        // draft caches, another that did not) cannot serve this one.
+        let layers_fit = self
+            .trie
+            .segments_until(&m, cached)
+            .iter()
+            .all(|(seg, _)| seg.pieces.iter().all(|p| p.data.len() == fresh.len()))
+            && self
+                .trie
+                .checkpoint_at(&m, cached)
+                .is_none_or(|c| c.layers.len() == fresh.len());
+        if cached == 0 || !layers_fit {
             return Ok(Restored {
                 caches: fresh,
                 cached: 0,
@@ -332,11 +343,21 @@ impl PrefixCache {
         caches: &[LayerCache],
         mut checkpoints: Vec<(usize, CacheCheckpoint)>,
     ) -> Result<()> {
+        // Keep only what every cache holds (a drafter may trail the target by a few tokens).
+        let held = caches
+            .iter()
+            .map(LayerCache::offset)
+            .min()
+            .unwrap_or(0)
+            .min(tokens.len());
+        let tokens = &tokens[..held];
         if tokens.is_empty() {
             return Ok(());
         }
-        if needs_checkpoints(caches) {
-            checkpoints.push((tokens.len(), CacheCheckpoint::of(caches)));
+        let aligned = caches.iter().all(|c| c.offset() == held);
+        checkpoints.retain(|(p, _)| *p <= held);
+        if needs_checkpoints(caches) && aligned {
+            checkpoints.push((held, CacheCheckpoint::of(caches)));
         }
         let mut failed = None;
         self.trie.insert(

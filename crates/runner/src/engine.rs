@@ -6,9 +6,11 @@
 //! starves; the rest wait in arrival order. Each step dispatches its successor before reading
 //! its own token, so the device keeps working while the host hands results out.
 
+use crate::depth::DepthController;
 use crate::generate::{Ctx, Event, GenerateError, Generation, GenerationParams, RawLogprob};
 use crate::metrics::Metrics;
 use crate::protocol::{DoneReason, Stats};
+use crate::speculate::DraftModel;
 use cache::prefix::{needs_checkpoints, PrefixCache};
 use models::{DtypeChoice, LoadedModel, Tokenizer};
 use sample::Sampler;
@@ -33,6 +35,48 @@ pub struct EngineConfig {
     pub cache_budget: Option<usize>,
     /// Prompt tokens between sliding-window snapshots.
     pub cache_interval: usize,
+    /// A drafter directory (`--draft`); GLM's own MTP layer is used when there is none.
+    pub draft: Option<PathBuf>,
+    /// `None`: adaptive; `Some(0)` turns drafting off.
+    pub draft_depth: Option<usize>,
+    /// The deepest round the adaptive controller considers.
+    pub max_draft_depth: usize,
+    pub draft_position: models::gemma4_assistant::QueryPosition,
+}
+
+/// Loads the drafter the configuration asks for (or the target's built-in one), preparing the
+/// target's caches for it.
+pub fn load_drafter(
+    cfg: &EngineConfig,
+    target: &mut LoadedModel,
+) -> Result<Option<DraftModel>, String> {
+    if cfg.draft_depth == Some(0) {
+        return Ok(None);
+    }
+    let slack = cfg.draft_depth.unwrap_or(cfg.max_draft_depth).max(1);
+    if let Some(dir) = &cfg.draft {
+        let d = models::load_draft(dir, target, cfg.dtype)
+            .map_err(|e| format!("draft {}: {e}", dir.display()))?;
+        return Ok(Some(match d {
+            models::Draft::Assistant(mut a) => {
+                a.position = cfg.draft_position;
+                // transformers' assistant reads one sliding key past the window.
+                target.model.set_cache_slack(1);
+                DraftModel::Assistant(a)
+            }
+            models::Draft::Model(mut m) => {
+                // Drafts written into its ring one at a time must be rewindable.
+                m.set_cache_slack(slack);
+                DraftModel::Model(m)
+            }
+        }));
+    }
+    let has_mtp = target
+        .model
+        .as_any()
+        .downcast_ref::<models::glm4_moe_lite::Glm4MoeLite>()
+        .is_some_and(|g| g.mtp().is_some());
+    Ok(has_mtp.then_some(DraftModel::Mtp))
 }
 
 /// What the engine tells a request's stream.
@@ -119,13 +163,23 @@ fn engine_main(
         let _ = loaded.send(Err(e.to_string()));
         return;
     }
-    let model = match models::load(&cfg.model_dir, cfg.dtype) {
+    let mut model = match models::load(&cfg.model_dir, cfg.dtype) {
         Ok(m) => m,
         Err(e) => {
             let _ = loaded.send(Err(e.to_string()));
             return;
         }
     };
+    let draft = match load_drafter(&cfg, &mut model) {
+        Ok(d) => d,
+        Err(e) => {
+            let _ = loaded.send(Err(e));
+            return;
+        }
+    };
+    if let Some(d) = &draft {
+        tracing::info!(drafter = d.name(), "speculative decoding on");
+    }
     let ctx_len = cfg
         .ctx_size
         .unwrap_or(model.model.max_context())
@@ -133,7 +187,10 @@ fn engine_main(
     shared.context_length.store(ctx_len, Ordering::Relaxed);
     let _ = shared.architecture.set(model.model.architecture());
     let budget = cfg.cache_budget.unwrap_or(mlx::memory::limit() / 4);
+    let controller = DepthController::new(cfg.max_draft_depth, cfg.draft_depth);
     let mut engine = Engine {
+        draft,
+        controller,
         prefix: PrefixCache::new(budget, cfg.cache_interval),
         sampler: Sampler::new(ctx_len),
         model,
@@ -156,6 +213,8 @@ fn engine_main(
 struct Active {
     gen: Generation,
     job: CompletionJob,
+    /// Speculative rounds so far.
+    rounds: usize,
     /// An engine error left its caches in an unknown state: keep nothing of it.
     failed: bool,
 }
@@ -163,6 +222,8 @@ struct Active {
 struct Engine {
     model: LoadedModel,
     sampler: Sampler,
+    draft: Option<DraftModel>,
+    controller: DepthController,
     prefix: PrefixCache,
     cfg: EngineConfig,
     shared: Arc<Shared>,
@@ -209,6 +270,15 @@ impl Engine {
         }
     }
 
+    /// Empty caches for one sequence: the target's, then the drafter's own when it drafts.
+    fn fresh_caches(&self, drafting: bool) -> Vec<cache::LayerCache> {
+        let mut c = self.model.model.make_caches();
+        if let (Some(d), true) = (&self.draft, drafting) {
+            c.extend(d.make_caches());
+        }
+        c
+    }
+
     fn publish_memory(&self) {
         let m = mlx::memory::active() + mlx::memory::cache();
         self.shared.memory.store(m as u64, Ordering::Relaxed);
@@ -229,13 +299,14 @@ impl Engine {
             let slot = self.next_slot;
             self.next_slot += 1;
             let prompt = &job.params.prompt;
-            let fresh = self.model.model.make_caches();
+            let drafting = self.draft.is_some() && !job.params.options.logprobs;
+            let fresh = self.fresh_caches(drafting);
             let restored = match self.prefix.restore(prompt, fresh) {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::warn!("prefix cache restore failed, starting cold: {e}");
                     cache::prefix::Restored {
-                        caches: self.model.model.make_caches(),
+                        caches: self.fresh_caches(drafting),
                         cached: 0,
                         matched: 0,
                     }
@@ -261,12 +332,18 @@ impl Engine {
             let mut ctx = Ctx {
                 model: &*self.model.model,
                 sampler: &mut self.sampler,
+                draft: if drafting {
+                    self.draft.as_ref().map(|d| (d, &mut self.controller))
+                } else {
+                    None
+                },
             };
             match Generation::with_caches(&mut ctx, slot, params, restored.caches, restored.cached)
             {
                 Ok(gen) => self.active.push(Active {
                     gen,
                     job,
+                    rounds: 0,
                     failed: false,
                 }),
                 Err(GenerateError::BadRequest(m)) => {
@@ -307,6 +384,7 @@ impl Engine {
         let mut ctx = Ctx {
             model: &*self.model.model,
             sampler: &mut self.sampler,
+            draft: self.draft.as_ref().map(|d| (d, &mut self.controller)),
         };
         if a.job.cancel.load(Ordering::Relaxed) || a.job.events.is_closed() {
             let ev = a.gen.cancel(&mut ctx);
@@ -319,14 +397,29 @@ impl Engine {
             }
             return true;
         }
-        match a.gen.step(&mut ctx) {
+        let result = a.gen.step(&mut ctx);
+        let m = &self.shared.metrics;
+        for r in a.gen.take_rounds() {
+            m.draft_tokens.fetch_add(r.depth as u64, Ordering::Relaxed);
+            m.draft_accepted
+                .fetch_add(r.accepted as u64, Ordering::Relaxed);
+            for j in 0..r.depth {
+                let at = j.min(crate::metrics::DRAFT_POSITIONS - 1);
+                m.drafted_at[at].fetch_add(1, Ordering::Relaxed);
+                if j < r.accepted {
+                    m.accepted_at[at].fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            a.rounds += 1;
+        }
+        match result {
             Ok(None) => a.gen.is_finished(),
             Ok(Some(Event::Token { id, logprob })) => {
                 let _ = a.job.events.send(EngineEvent::Token { id, logprob });
                 false
             }
             Ok(Some(Event::Done { reason, stats })) => {
-                Self::record(&self.shared, &a.job, &stats);
+                Self::record(&self.shared, &a.job, &stats, a.rounds);
                 let _ = a.job.events.send(EngineEvent::Done { reason, stats });
                 true
             }
@@ -344,7 +437,7 @@ impl Engine {
         }
     }
 
-    fn record(shared: &Shared, job: &CompletionJob, s: &Stats) {
+    fn record(shared: &Shared, job: &CompletionJob, s: &Stats, rounds: usize) {
         let m = &shared.metrics;
         m.prompt_tokens
             .fetch_add(s.prompt_eval_count as u64, Ordering::Relaxed);
@@ -367,6 +460,9 @@ impl Engine {
                 rate(s.prompt_eval_count - s.cached_tokens, s.prompt_eval_ns)
             ),
             decode_tok_s = format!("{:.1}", rate(s.eval_count.saturating_sub(1), s.eval_ns)),
+            draft_tokens = s.draft_tokens,
+            draft_accepted = s.draft_accepted,
+            mean_depth = format!("{:.2}", s.draft_tokens as f64 / rounds.max(1) as f64),
             "completion"
         );
     }
@@ -390,6 +486,7 @@ impl Engine {
             let mut ctx = Ctx {
                 model: &*self.model.model,
                 sampler: &mut self.sampler,
+                draft: None,
             };
             if let Event::Done { reason, stats } = a.gen.cancel(&mut ctx) {
                 let _ = a.job.events.send(EngineEvent::Done { reason, stats });

@@ -1,18 +1,20 @@
-//! One sequence's generation on the engine thread: chunked prefill, then a pipelined decode
-//! loop in which the next step's graph is built and dispatched (async eval) before the previous
-//! token is read back, so the device never waits on the host.
+//! One sequence's generation on the engine thread: chunked prefill, then decoding, either one
+//! token per step (pipelined: the next step is dispatched before the current token is read, so
+//! the device never waits on the host) or in speculative rounds ([`crate::speculate`]).
 //!
-//! A [`Generation`] holds only per-sequence state; the model and sampler are passed into each
-//! call (the engine owns them), so one engine can interleave many sequences. It deals in token
-//! ids only: text (detokenisation, stop strings, logprob token strings) is [`crate::text`]'s
-//! job, off the engine thread.
+//! A [`Generation`] holds only per-sequence state; the model, drafter and sampler are passed
+//! into each call (the engine owns them), so one engine can interleave many sequences. It deals
+//! in token ids only: text is [`crate::text`]'s job, off the engine thread.
 
+use crate::depth::DepthController;
 use crate::protocol::{DoneReason, Stats};
+use crate::speculate::{DraftModel, DraftState};
 use cache::prefix::CacheCheckpoint;
 use cache::LayerCache;
 use mlx::{Array, Ix};
 use models::CausalLm;
 use sample::{Options, Sampled, Sampler};
+use std::collections::VecDeque;
 use std::time::Instant;
 
 #[derive(Debug, thiserror::Error)]
@@ -24,6 +26,8 @@ pub enum GenerateError {
     Model(#[from] models::ModelError),
     #[error(transparent)]
     Sample(#[from] sample::SampleError),
+    #[error(transparent)]
+    Cache(#[from] cache::CacheError),
     #[error(transparent)]
     Mlx(#[from] mlx::Error),
 }
@@ -52,6 +56,18 @@ pub struct GenerationParams {
 pub struct Ctx<'a> {
     pub model: &'a dyn CausalLm,
     pub sampler: &'a mut Sampler,
+    /// The drafter and its depth controller, when speculation is on.
+    pub draft: Option<(&'a DraftModel, &'a mut DepthController)>,
+}
+
+impl<'a> Ctx<'a> {
+    pub fn new(model: &'a dyn CausalLm, sampler: &'a mut Sampler) -> Ctx<'a> {
+        Ctx {
+            model,
+            sampler,
+            draft: None,
+        }
+    }
 }
 
 /// A token's logprob and the most likely alternatives, as ids (text is added off-engine).
@@ -73,25 +89,42 @@ pub enum Event {
     Done { reason: DoneReason, stats: Stats },
 }
 
-pub struct Generation {
-    slot: usize,
-    caches: Vec<LayerCache>,
-    /// Tokens fed through the model so far (the caches hold exactly these).
-    fed: Vec<u32>,
-    /// Next prompt position to prefill.
-    prefilled: usize,
-    generated: usize,
-    params: GenerationParams,
-    pending: Option<Sampled>,
-    started: Instant,
-    first_token_at: Option<Instant>,
-    stats: Stats,
-    finished: bool,
-    /// Snapshots taken during prefill, by position.
-    taken: Vec<(usize, CacheCheckpoint)>,
+/// A finished speculative round, for metrics.
+#[derive(Debug, Clone, Copy)]
+pub struct RoundReport {
+    pub depth: usize,
+    pub accepted: usize,
 }
 
-fn tokens_array(ids: &[u32]) -> Result<Array> {
+pub struct Generation {
+    pub(crate) slot: usize,
+    /// The target model's caches.
+    pub(crate) caches: Vec<LayerCache>,
+    /// Tokens fed through the target so far (its caches hold exactly these).
+    pub(crate) fed: Vec<u32>,
+    /// Next prompt position to prefill.
+    prefilled: usize,
+    pub(crate) generated: usize,
+    pub(crate) params: GenerationParams,
+    /// The last sampled token, not yet emitted nor fed.
+    pub(crate) pending: Option<Sampled>,
+    /// The target's final hidden state at the last fed position (the one that produced
+    /// `pending`): drafters condition on it.
+    pub(crate) last_hidden: Option<Array>,
+    pub(crate) draft: Option<DraftState>,
+    /// Tokens a speculative round produced, handed out one per step.
+    pub(crate) ready: VecDeque<Event>,
+    started: Instant,
+    first_token_at: Option<Instant>,
+    pub(crate) stats: Stats,
+    pub(crate) finished: bool,
+    /// Snapshots taken during prefill, by position.
+    taken: Vec<(usize, CacheCheckpoint)>,
+    /// Rounds finished since the engine last asked.
+    pub(crate) rounds: Vec<RoundReport>,
+}
+
+pub(crate) fn tokens_array(ids: &[u32]) -> Result<Array> {
     let v: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
     Ok(Array::from_slice(&v, &[1, v.len() as i32])?)
 }
@@ -100,17 +133,21 @@ impl Generation {
     /// Registers the sequence with fresh caches. Prefill happens in [`Generation::step`], a
     /// chunk per call, so an engine can interleave it with other sequences' decoding.
     pub fn new(ctx: &mut Ctx<'_>, slot: usize, params: GenerationParams) -> Result<Generation> {
-        let caches = ctx.model.make_caches();
+        let mut caches = ctx.model.make_caches();
+        if let Some((d, _)) = &ctx.draft {
+            caches.extend(d.make_caches());
+        }
         Self::with_caches(ctx, slot, params, caches, 0)
     }
 
-    /// As [`Generation::new`], with caches that already hold the first `cached` prompt tokens
-    /// (a prefix-cache hit); at least the last prompt token is always evaluated.
+    /// As [`Generation::new`], with caches (the target's, then the drafter's own) that already
+    /// hold the first `cached` prompt tokens (a prefix-cache hit); at least the last prompt token
+    /// is always evaluated.
     pub fn with_caches(
         ctx: &mut Ctx<'_>,
         slot: usize,
         params: GenerationParams,
-        caches: Vec<LayerCache>,
+        mut caches: Vec<LayerCache>,
         cached: usize,
     ) -> Result<Generation> {
         let n = params.prompt.len();
@@ -128,6 +165,17 @@ impl Generation {
                 "a cached prefix must leave a token to evaluate".into(),
             ));
         }
+        // Logprobs are reported for plain decoding only: drafting is off for such requests.
+        let draft = match &ctx.draft {
+            Some((d, _)) if !params.options.logprobs => {
+                let own = caches.split_off(ctx.model_caches_len());
+                Some(DraftState::new(d, own, cached))
+            }
+            _ => {
+                caches.truncate(ctx.model_caches_len());
+                None
+            }
+        };
         ctx.sampler.add(slot, &params.options, &params.prompt)?;
         Ok(Generation {
             slot,
@@ -136,6 +184,9 @@ impl Generation {
             prefilled: cached,
             generated: 0,
             pending: None,
+            last_hidden: None,
+            draft,
+            ready: VecDeque::new(),
             started: Instant::now(),
             first_token_at: None,
             stats: Stats {
@@ -145,6 +196,7 @@ impl Generation {
             },
             finished: false,
             taken: Vec::new(),
+            rounds: Vec::new(),
             params,
         })
     }
@@ -158,13 +210,21 @@ impl Generation {
         if let Some(&cp) = self.params.checkpoints.iter().find(|&&p| p > at && p < end) {
             end = cp;
         }
+        let chunk = prompt[at..end].to_vec();
         let hidden = ctx
             .model
-            .forward(&tokens_array(&prompt[at..end])?, &mut self.caches)?;
-        self.fed.extend_from_slice(&prompt[at..end]);
+            .forward(&tokens_array(&chunk)?, &mut self.caches)?;
+        self.fed.extend_from_slice(&chunk);
         self.prefilled = end;
+        if let (Some(d), Some((model, _))) = (&mut self.draft, &ctx.draft) {
+            d.prefilled(model, &chunk, &hidden, &self.fed)?;
+        }
         if self.params.checkpoints.contains(&end) {
-            self.taken.push((end, CacheCheckpoint::of(&self.caches)));
+            let mut all = self.caches.clone();
+            if let Some(d) = &self.draft {
+                all.extend(d.caches.iter().cloned());
+            }
+            self.taken.push((end, CacheCheckpoint::of(&all)));
         }
         if end < prompt.len() {
             // Materialise this chunk's cache writes before building the next chunk's graph.
@@ -192,13 +252,18 @@ impl Generation {
         }
         mlx::async_eval(&outs)?;
         self.pending = Some(s);
+        self.last_hidden = Some(last_hidden.clone());
         Ok(())
     }
 
-    /// The caches, the tokens they hold and the snapshots taken on the way (for the prefix
-    /// cache once the sequence ends).
+    /// Every cache (the target's, then the drafter's), the tokens they all hold, and the
+    /// snapshots taken on the way (for the prefix cache once the sequence ends).
     pub fn into_parts(self) -> (Vec<LayerCache>, Vec<u32>, Vec<(usize, CacheCheckpoint)>) {
-        (self.caches, self.fed, self.taken)
+        let mut caches = self.caches;
+        if let Some(d) = self.draft {
+            caches.extend(d.caches);
+        }
+        (caches, self.fed, self.taken)
     }
 
     pub fn slot(&self) -> usize {
@@ -213,19 +278,26 @@ impl Generation {
         &self.stats
     }
 
+    /// Speculative rounds finished since the last call.
+    pub fn take_rounds(&mut self) -> Vec<RoundReport> {
+        std::mem::take(&mut self.rounds)
+    }
+
     /// Whether the prompt is still being prefilled.
     pub fn prefilling(&self) -> bool {
         self.prefilled < self.params.prompt.len()
     }
 
+    /// Tokens that may still be emitted, counting the pending one.
+    pub(crate) fn remaining(&self) -> usize {
+        self.params
+            .num_predict
+            .map_or(usize::MAX, |n| n.saturating_sub(self.generated))
+    }
+
     /// Whether one more token may be fed after the one now pending.
     fn may_continue(&self) -> bool {
-        let under_limit = self
-            .params
-            .num_predict
-            .is_none_or(|n| self.generated + 1 < n);
-        // The pending token sits at position fed.len(); feeding it needs that position.
-        under_limit && self.fed.len() + 1 < self.params.num_ctx
+        self.remaining() > 1 && self.fed.len() + 1 < self.params.num_ctx
     }
 
     fn logprob(&self, s: &Sampled) -> Result<Option<RawLogprob>> {
@@ -245,34 +317,13 @@ impl Generation {
         Ok(Some(RawLogprob { logprob, top }))
     }
 
-    /// Does the next piece of work: a prefill chunk (returns `None`), or reads the pending token
-    /// after dispatching its successor (returns it, or the end). After `Done` the sampler slot
-    /// is released and further calls return `None`.
-    pub fn step(&mut self, ctx: &mut Ctx<'_>) -> Result<Option<Event>> {
-        if self.finished {
-            return Ok(None);
-        }
-        if self.prefilling() {
-            self.prefill_chunk(ctx)?;
-            return Ok(None);
-        }
-        let Some(current) = self.pending.take() else {
-            // The previous token was the last one a limit allowed.
-            return Ok(Some(self.finish(ctx, DoneReason::Length)));
-        };
-        // Dispatch the next step before reading the current token (the lazy token feeds
-        // straight back into the model), unless a limit already forbids another token.
-        let continues = self.may_continue();
-        if continues {
-            let hidden = ctx
-                .model
-                .forward(&current.tokens.reshape(&[1, 1])?, &mut self.caches)?;
-            self.dispatch(ctx, &hidden)?;
-        }
-        let id = current.tokens.to_vec::<i32>()?[0] as u32;
-        if continues {
-            self.fed.push(id);
-        }
+    /// Counts an emitted token; returns the end event when it is EOS.
+    pub(crate) fn emit(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        id: u32,
+        logprob: Option<RawLogprob>,
+    ) -> Event {
         if self.first_token_at.is_none() {
             let now = Instant::now();
             self.stats.prompt_eval_ns = (now - self.started).as_nanos() as u64;
@@ -281,13 +332,70 @@ impl Generation {
         self.generated += 1;
         self.stats.eval_count = self.generated;
         if self.params.eos.contains(&id) {
-            return Ok(Some(self.finish(ctx, DoneReason::Stop)));
+            return self.finish(ctx, DoneReason::Stop);
         }
-        let logprob = self.logprob(&current)?;
-        Ok(Some(Event::Token { id, logprob }))
+        Event::Token { id, logprob }
     }
 
-    fn finish(&mut self, ctx: &mut Ctx<'_>, reason: DoneReason) -> Event {
+    /// Does the next piece of work: a prefill chunk (returns `None`), a decode step or a
+    /// speculative round (returns the next token, or the end). After `Done` the sampler slot is
+    /// released and further calls return `None`.
+    pub fn step(&mut self, ctx: &mut Ctx<'_>) -> Result<Option<Event>> {
+        if let Some(e) = self.ready.pop_front() {
+            return Ok(Some(e));
+        }
+        if self.finished {
+            return Ok(None);
+        }
+        if self.prefilling() {
+            self.prefill_chunk(ctx)?;
+            return Ok(None);
+        }
+        if self.pending.is_none() {
+            // The previous token was the last one a limit allowed.
+            return Ok(Some(self.finish(ctx, DoneReason::Length)));
+        }
+        let depth = self.choose_depth(ctx);
+        if depth > 0 {
+            let started = Instant::now();
+            let accepted = self.round(ctx, depth)?;
+            if let Some((_, c)) = &mut ctx.draft {
+                c.record(depth, accepted, started.elapsed().as_secs_f64());
+            }
+            return Ok(self.ready.pop_front());
+        }
+        let started = Instant::now();
+        let e = self.plain_step(ctx)?;
+        if let (Some((_, c)), true) = (&mut ctx.draft, self.draft.is_some()) {
+            c.record(0, 0, started.elapsed().as_secs_f64());
+        }
+        Ok(Some(e))
+    }
+
+    /// One pipelined decode step: dispatch the successor of the pending token, then read it.
+    fn plain_step(&mut self, ctx: &mut Ctx<'_>) -> Result<Event> {
+        let Some(current) = self.pending.take() else {
+            return Ok(self.finish(ctx, DoneReason::Length));
+        };
+        let continues = self.may_continue();
+        if continues {
+            let hidden = ctx
+                .model
+                .forward(&current.tokens.reshape(&[1, 1])?, &mut self.caches)?;
+            if let (Some(d), Some((model, _))) = (&mut self.draft, &ctx.draft) {
+                d.decoded(model, &hidden)?;
+            }
+            self.dispatch(ctx, &hidden)?;
+        }
+        let id = current.tokens.to_vec::<i32>()?[0] as u32;
+        if continues {
+            self.fed.push(id);
+        }
+        let logprob = self.logprob(&current)?;
+        Ok(self.emit(ctx, id, logprob))
+    }
+
+    pub(crate) fn finish(&mut self, ctx: &mut Ctx<'_>, reason: DoneReason) -> Event {
         self.finished = true;
         self.pending = None;
         let _ = ctx.sampler.remove(self.slot);
@@ -307,19 +415,14 @@ impl Generation {
         if let Some(p) = &self.pending {
             let _ = p.tokens.eval();
         }
+        self.ready.clear();
         self.finish(ctx, DoneReason::ConnectionClosed)
     }
+}
 
-    /// Runs to the end without interruption, handing each event to `f` (the CLI's loop).
-    pub fn run(&mut self, ctx: &mut Ctx<'_>, mut f: impl FnMut(&Event) -> bool) -> Result<()> {
-        while !self.finished {
-            if let Some(e) = self.step(ctx)? {
-                if !f(&e) && !self.finished {
-                    let e = self.cancel(ctx);
-                    f(&e);
-                }
-            }
-        }
-        Ok(())
+impl Ctx<'_> {
+    /// How many of a sequence's caches belong to the target.
+    fn model_caches_len(&self) -> usize {
+        self.model.make_caches().len()
     }
 }

@@ -1,13 +1,16 @@
 //! The runner: the generation pipeline, the engine thread that owns MLX (decision D3), and the
 //! ollama-compatible HTTP server (PROTOCOL.md).
 
+pub mod depth;
 pub mod engine;
 pub mod generate;
 pub mod metrics;
 pub mod process;
 pub mod protocol;
 pub mod server;
+pub mod speculate;
 pub mod stop;
 pub mod text;
 
 pub use generate::{Ctx, Event, GenerateError, Generation, GenerationParams, RawLogprob};
+pub use speculate::DraftModel;

@@ -41,10 +41,7 @@ fn params(prompt: Vec<u32>, n: Option<usize>, eos: &[u32]) -> GenerationParams {
 /// Runs to the end through the text layer; returns the generated ids, the text and the reason.
 fn run(m: &LoadedModel, p: GenerationParams, stops: &[String]) -> (Vec<u32>, String, DoneReason) {
     let mut sampler = Sampler::new(p.num_ctx);
-    let mut ctx = Ctx {
-        model: &*m.model,
-        sampler: &mut sampler,
-    };
+    let mut ctx = Ctx::new(&*m.model, &mut sampler);
     let mut g = Generation::new(&mut ctx, 7, p).unwrap();
     let mut stream = TextStream::new(stops);
     let (mut ids, mut text) = (Vec::new(), String::new());
@@ -158,10 +155,7 @@ fn first_logprobs_match_the_reference_log_softmax() {
         ..Options::greedy()
     };
     let mut sampler = Sampler::new(512);
-    let mut ctx = Ctx {
-        model: &*m.model,
-        sampler: &mut sampler,
-    };
+    let mut ctx = Ctx::new(&*m.model, &mut sampler);
     let mut g = Generation::new(&mut ctx, 0, p).unwrap();
     let ev = loop {
         if let Some(e) = g.step(&mut ctx).unwrap() {
@@ -219,10 +213,7 @@ fn limits_and_stops() {
     let mut p = params(prompt.clone(), Some(1));
     p.num_ctx = prompt.len();
     let mut sampler = Sampler::new(512);
-    let mut ctx = Ctx {
-        model: &*m.model,
-        sampler: &mut sampler,
-    };
+    let mut ctx = Ctx::new(&*m.model, &mut sampler);
     let e = Generation::new(&mut ctx, 0, p).err().unwrap().to_string();
     assert!(e.contains("does not fit the context"), "{e}");
     assert!(!sampler.contains(0));

@@ -1,0 +1,413 @@
+//! Draft-verify speculative decoding (issue 7; MODELS.md §2, §3.5, §4).
+//!
+//! A round of depth `k`: the drafter proposes `d1..dk`, each sampled from its distribution `q`
+//! under the request's sampler options with penalties extended by the drafts before it; one
+//! target forward over `[current, d1..dk]` gives the target distributions `p`; draft `i` is
+//! accepted with probability `min(1, p(di) / q(di))`, the first rejected position is resampled
+//! from `normalise(max(p − q, 0))`, and when every draft is accepted a bonus token comes from
+//! the last row. Everything is built as one lazy graph and read back with a single host
+//! synchronisation. Greedy decoding is the special case where `p` and `q` are point masses, so
+//! acceptance is exact match. Caches are rewound to exactly the committed tokens, so rejected
+//! drafts leave no trace; penalty history is committed only after acceptance.
+//!
+//! Three drafters: the gemma4 assistant (no caches, reads the target's), GLM's MTP layer (its own
+//! latent cache, fed `(token, target hidden)` pairs for every committed position), and a
+//! separate small model (its own caches, caught up lazily with the committed tokens).
+
+use crate::generate::{tokens_array, Ctx, Event, GenerateError, Generation, Result, RoundReport};
+use cache::{LatentCache, LayerCache};
+use mlx::{Array, Dtype, Ix};
+use models::gemma4::Gemma4;
+use models::gemma4_assistant::Gemma4Assistant;
+use models::glm4_moe_lite::Glm4MoeLite;
+use models::CausalLm;
+use sample::{Distribution, Sampled};
+
+/// MTP pairs are buffered while no round drafts, and fed in one batch past this many.
+const MTP_FLUSH: usize = 256;
+
+/// A loaded drafter, shared by the engine's sequences.
+pub enum DraftModel {
+    Assistant(Box<Gemma4Assistant>),
+    /// GLM's MTP layer from the target checkpoint.
+    Mtp,
+    Model(Box<dyn CausalLm>),
+}
+
+impl DraftModel {
+    /// The drafter's own caches for one sequence.
+    pub fn make_caches(&self) -> Vec<LayerCache> {
+        match self {
+            DraftModel::Assistant(_) => Vec::new(),
+            DraftModel::Mtp => vec![LayerCache::Latent(LatentCache::new())],
+            DraftModel::Model(m) => m.make_caches(),
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            DraftModel::Assistant(_) => "gemma4 assistant",
+            DraftModel::Mtp => "GLM MTP layer",
+            DraftModel::Model(_) => "separate model",
+        }
+    }
+}
+
+fn mtp_parts(target: &dyn CausalLm) -> Result<(&models::glm4_moe_lite::GlmMtp, &models::nn::Rope)> {
+    let glm = target
+        .as_any()
+        .downcast_ref::<Glm4MoeLite>()
+        .ok_or_else(|| GenerateError::BadRequest("the MTP drafter needs a GLM target".into()))?;
+    let mtp = glm.mtp().ok_or_else(|| {
+        GenerateError::BadRequest("the target checkpoint has no MTP layer".into())
+    })?;
+    Ok((mtp, glm.rope()))
+}
+
+fn latent(caches: &mut [LayerCache]) -> Result<&mut LatentCache> {
+    match caches.first_mut() {
+        Some(LayerCache::Latent(c)) => Ok(c),
+        _ => Err(GenerateError::BadRequest(
+            "the MTP drafter lost its cache".into(),
+        )),
+    }
+}
+
+/// A sequence's drafting state.
+pub struct DraftState {
+    /// The drafter's own caches.
+    pub(crate) caches: Vec<LayerCache>,
+    /// Positions the drafter covers: tokens fed (separate model) or pairs fed (MTP).
+    fed: usize,
+    /// MTP: the target hiddens of positions `fed..` of the target, the last one being the
+    /// hidden that produced the pending token.
+    backlog: Vec<Array>,
+}
+
+impl DraftState {
+    pub(crate) fn new(_model: &DraftModel, caches: Vec<LayerCache>, cached: usize) -> DraftState {
+        DraftState {
+            caches,
+            fed: cached,
+            backlog: Vec::new(),
+        }
+    }
+
+    /// After a prefill chunk the target fed (`fed` is every token it now holds).
+    pub(crate) fn prefilled(
+        &mut self,
+        model: &DraftModel,
+        _chunk: &[u32],
+        hidden: &Array,
+        fed: &[u32],
+    ) -> Result<()> {
+        match model {
+            DraftModel::Assistant(_) => Ok(()),
+            DraftModel::Mtp => {
+                self.backlog.push(hidden.clone());
+                Ok(())
+            }
+            // In lockstep during prefill, so that prefix-cache snapshots see both at one offset.
+            DraftModel::Model(m) => self.catch_up_model(&**m, fed, None).map(|_| ()),
+        }
+    }
+
+    /// After a plain decode step fed the target one token (hidden `[1, 1, H]`).
+    pub(crate) fn decoded(&mut self, model: &DraftModel, hidden: &Array) -> Result<()> {
+        if let DraftModel::Mtp = model {
+            self.backlog.push(hidden.clone());
+        }
+        Ok(())
+    }
+
+    /// Feeds the separate drafter every target token it lacks, then `extra` if given; returns the
+    /// last position's hidden state.
+    fn catch_up_model(
+        &mut self,
+        m: &dyn CausalLm,
+        fed: &[u32],
+        extra: Option<&Array>,
+    ) -> Result<Option<Array>> {
+        let mut parts: Vec<Array> = Vec::new();
+        if self.fed < fed.len() {
+            parts.push(tokens_array(&fed[self.fed..])?);
+        }
+        if let Some(e) = extra {
+            parts.push(e.reshape(&[1, -1])?.astype(Dtype::I32)?);
+        }
+        if parts.is_empty() {
+            return Ok(None);
+        }
+        let refs: Vec<&Array> = parts.iter().collect();
+        let toks = mlx::concatenate(&refs, 1)?;
+        let n = toks.shape()[1] as usize;
+        let hidden = m.forward(&toks, &mut self.caches)?;
+        self.fed += n;
+        Ok(Some(
+            hidden.index(&[Ix::full(), Ix::slice(Some(-1), None, 1)])?,
+        ))
+    }
+
+    /// Feeds MTP pairs for every committed target position but the last: token `fed[i + 1]`
+    /// with the target's hidden at `i`.
+    fn catch_up_mtp(&mut self, target: &dyn CausalLm, fed: &[u32]) -> Result<()> {
+        let s = fed.len();
+        if self.fed + 1 >= s || self.backlog.is_empty() {
+            return Ok(());
+        }
+        let (mtp, rope) = mtp_parts(target)?;
+        let refs: Vec<&Array> = self.backlog.iter().collect();
+        let hidden = mlx::concatenate(&refs, 1)?;
+        let count = hidden.shape()[1] as usize;
+        debug_assert_eq!(count, s - self.fed);
+        let pairs = s - 1 - self.fed;
+        let h = hidden.slice_axis(1, 0, Some(pairs as i32))?;
+        let toks = tokens_array(&fed[self.fed + 1..s])?;
+        mtp.feed(&toks, &h, latent(&mut self.caches)?, rope)?;
+        self.backlog = vec![hidden.slice_axis(1, pairs as i32, None)?];
+        self.fed = s - 1;
+        Ok(())
+    }
+
+    /// Keeps the MTP backlog bounded while no round drafts.
+    pub(crate) fn maintain(
+        &mut self,
+        model: &DraftModel,
+        target: &dyn CausalLm,
+        fed: &[u32],
+    ) -> Result<()> {
+        let held: usize = self.backlog.iter().map(|b| b.shape()[1] as usize).sum();
+        if matches!(model, DraftModel::Mtp) && held > MTP_FLUSH {
+            self.catch_up_mtp(target, fed)?;
+        }
+        Ok(())
+    }
+}
+
+fn prefix(drafts: &[Array]) -> Result<Option<Array>> {
+    if drafts.is_empty() {
+        return Ok(None);
+    }
+    let refs: Vec<&Array> = drafts.iter().collect();
+    Ok(Some(mlx::concatenate(&refs, 0)?))
+}
+
+impl Generation {
+    /// The draft depth for the next decode step (0: plain decoding).
+    pub(crate) fn choose_depth(&mut self, ctx: &mut Ctx<'_>) -> usize {
+        if self.draft.is_none() {
+            return 0;
+        }
+        let Some((model, controller)) = &mut ctx.draft else {
+            return 0;
+        };
+        if let Some(d) = &mut self.draft {
+            if let Err(e) = d.maintain(model, ctx.model, &self.fed) {
+                tracing::warn!("drafter maintenance failed, drafting off for this request: {e}");
+                self.draft = None;
+                return 0;
+            }
+        }
+        // The pending token sits at position fed.len() and each draft one further; every emitted
+        // token counts against num_predict, and a round emits up to depth + 1.
+        let s = self.fed.len();
+        let by_ctx = (self.params.num_ctx.saturating_sub(1)).saturating_sub(s);
+        let by_len = self.remaining().saturating_sub(1);
+        let limit = by_ctx.min(by_len);
+        if limit == 0 {
+            return 0;
+        }
+        controller.choose(limit)
+    }
+
+    /// One speculative round of depth `k`; returns the number of accepted drafts. The emitted
+    /// tokens (and possibly the end) are queued in `ready`.
+    pub(crate) fn round(&mut self, ctx: &mut Ctx<'_>, k: usize) -> Result<usize> {
+        let (Some(current), Some(h_prev)) = (self.pending.take(), self.last_hidden.clone()) else {
+            return Err(GenerateError::BadRequest(
+                "a speculative round needs a pending token".into(),
+            ));
+        };
+        let model: &DraftModel = match &ctx.draft {
+            Some((m, _)) => m,
+            None => return Err(GenerateError::BadRequest("no drafter".into())),
+        };
+        let Some(mut state) = self.draft.take() else {
+            return Err(GenerateError::BadRequest("no drafting state".into()));
+        };
+        let slot = self.slot;
+        let s = self.fed.len();
+        let cur = current.tokens.reshape(&[1, 1])?.astype(Dtype::I32)?;
+
+        // 1. Draft.
+        let mut drafts: Vec<Array> = Vec::with_capacity(k);
+        let mut qs: Vec<Distribution> = Vec::with_capacity(k);
+        match model {
+            DraftModel::Assistant(a) => {
+                let gemma = ctx.model.as_any().downcast_ref::<Gemma4>().ok_or_else(|| {
+                    GenerateError::BadRequest("the assistant needs a gemma4 target".into())
+                })?;
+                let kv = gemma.shared_kv(&self.caches)?;
+                let (mut tok, mut h) = (cur.clone(), h_prev.clone());
+                for _ in 0..k {
+                    let out = a.step(gemma, &tok, &h, &kv)?;
+                    let q =
+                        ctx.sampler
+                            .distribution(slot, &out.logits, prefix(&drafts)?.as_ref())?;
+                    let d = ctx.sampler.sample_distribution(slot, &q)?;
+                    tok = d.reshape(&[1, 1])?;
+                    h = out.hidden;
+                    drafts.push(d);
+                    qs.push(q);
+                }
+            }
+            DraftModel::Mtp => {
+                state.catch_up_mtp(ctx.model, &self.fed)?;
+                let (mtp, rope) = mtp_parts(ctx.model)?;
+                let (mut tok, mut h) = (cur.clone(), h_prev.clone());
+                for _ in 0..k {
+                    let (u, logits) = mtp.forward(&tok, &h, latent(&mut state.caches)?, rope)?;
+                    let logits = logits.reshape(&[1, -1])?.astype(Dtype::F32)?;
+                    let q = ctx
+                        .sampler
+                        .distribution(slot, &logits, prefix(&drafts)?.as_ref())?;
+                    let d = ctx.sampler.sample_distribution(slot, &q)?;
+                    tok = d.reshape(&[1, 1])?;
+                    h = u;
+                    drafts.push(d);
+                    qs.push(q);
+                }
+            }
+            DraftModel::Model(m) => {
+                let mut hidden = state
+                    .catch_up_model(&**m, &self.fed, Some(&cur))?
+                    .ok_or_else(|| GenerateError::BadRequest("the drafter got no input".into()))?;
+                for j in 0..k {
+                    let logits = m.logits(&hidden)?.reshape(&[1, -1])?.astype(Dtype::F32)?;
+                    let q = ctx
+                        .sampler
+                        .distribution(slot, &logits, prefix(&drafts)?.as_ref())?;
+                    let d = ctx.sampler.sample_distribution(slot, &q)?;
+                    if j + 1 < k {
+                        hidden = m.forward(&d.reshape(&[1, 1])?, &mut state.caches)?;
+                        state.fed += 1;
+                    }
+                    drafts.push(d);
+                    qs.push(q);
+                }
+            }
+        }
+
+        // 2. Verify in one target forward over [current, d1..dk].
+        let refs: Vec<&Array> = drafts.iter().collect();
+        let dcat = mlx::concatenate(&refs, 0)?.astype(Dtype::I32)?;
+        let toks =
+            mlx::concatenate(&[&cur.reshape(&[1])?, &dcat], 0)?.reshape(&[1, k as i32 + 1])?;
+        let hidden = ctx.model.forward(&toks, &mut self.caches)?;
+        let logits = ctx.model.logits(&hidden)?;
+        let v = *logits.shape().last().unwrap_or(&0);
+        let logits = logits.reshape(&[k as i32 + 1, v])?.astype(Dtype::F32)?;
+        let p = ctx.sampler.distribution(slot, &logits, Some(&dcat))?;
+
+        // 3. Accept or reject, resample, bonus: one graph, one read.
+        let q = Distribution::concat(&qs.iter().collect::<Vec<_>>())?;
+        let p_rows = p.slice_rows(0, k as i32)?;
+        let pd = p_rows.prob_of(&dcat)?;
+        let qd = q.prob_of(&dcat)?;
+        let ratio = pd.divide(&qd.maximum_scalar(1e-30)?)?.minimum_scalar(1.0)?;
+        let accept = ctx.sampler.bernoulli(slot, &ratio)?;
+        let resampled = ctx
+            .sampler
+            .sample_distribution(slot, &Distribution::residual(&p_rows, &q)?)?;
+        let bonus = ctx
+            .sampler
+            .sample_distribution(slot, &p.slice_rows(k as i32, k as i32 + 1)?)?;
+        let cur_flat = current.tokens.astype(Dtype::I32)?;
+        mlx::eval(&[&accept, &resampled, &bonus, &dcat, &cur_flat])?;
+        let cur_id = cur_flat.to_vec::<i32>()?[0] as u32;
+        let d: Vec<u32> = dcat
+            .to_vec::<i32>()?
+            .into_iter()
+            .map(|t| t as u32)
+            .collect();
+        let acc = accept.to_vec::<bool>()?;
+        let n = acc.iter().take_while(|&&a| a).count();
+        let next = if n < k {
+            resampled.to_vec::<i32>()?[n] as u32
+        } else {
+            bonus.to_vec::<i32>()?[0] as u32
+        };
+
+        // 4. Keep exactly [current, d1..dn] in the target; the drafter follows.
+        for c in &mut self.caches {
+            c.rewind(k - n)?;
+        }
+        self.fed.push(cur_id);
+        self.fed.extend_from_slice(&d[..n]);
+        let h_rows = hidden.slice_axis(1, 0, Some(n as i32 + 1))?;
+        self.last_hidden = Some(hidden.slice_axis(1, n as i32, Some(n as i32 + 1))?);
+        match model {
+            DraftModel::Assistant(_) => {}
+            DraftModel::Mtp => {
+                // Step 1's pair (current, target hidden) was exact; later steps chained the
+                // drafter's own hidden, so they are replaced by the verified target hiddens.
+                latent(&mut state.caches)?.rewind(k - 1)?;
+                state.fed = s;
+                state.backlog = vec![h_rows];
+            }
+            DraftModel::Model(m) => {
+                // The drafter holds current and d1..d(k-1); keep what was committed.
+                let keep = s + k.min(n + 1);
+                let excess = state.fed.saturating_sub(keep);
+                let ok = state
+                    .caches
+                    .iter_mut()
+                    .try_for_each(|c| c.rewind(excess))
+                    .is_ok();
+                if ok {
+                    state.fed -= excess;
+                } else {
+                    // History past the window is gone: start the drafter over; it catches up
+                    // with the committed tokens in one batch next round.
+                    state.caches = m.make_caches();
+                    state.fed = 0;
+                }
+            }
+        }
+        self.draft = Some(state);
+        let mut commit: Vec<u32> = d[..n].to_vec();
+        commit.push(next);
+        ctx.sampler.commit(slot, &commit)?;
+        self.stats.draft_tokens += k;
+        self.stats.draft_accepted += n;
+        self.rounds.push(RoundReport {
+            depth: k,
+            accepted: n,
+        });
+
+        // 5. Emit current and the accepted drafts; `next` becomes the pending token.
+        for (i, &id) in std::iter::once(&cur_id).chain(&d[..n]).enumerate() {
+            let e = self.emit(ctx, id, None);
+            let done = matches!(e, Event::Done { .. });
+            self.ready.push_back(e);
+            if done {
+                // Nothing after an EOS is kept.
+                let extra = n - i;
+                for c in &mut self.caches {
+                    c.rewind(extra.min(c.offset()))?;
+                }
+                self.fed.truncate(s + i + 1);
+                return Ok(n);
+            }
+        }
+        if self.remaining() > 0 {
+            let t = Array::from_slice(&[next as i32], &[1])?;
+            self.pending = Some(Sampled {
+                tokens: t,
+                logprobs: None,
+                top: None,
+            });
+        }
+        Ok(n)
+    }
+}

@@ -1,0 +1,292 @@
+//! Speculative decoding never changes what the target produces: token for token under greedy
+//! decoding for every drafter kind and depth, and the same distribution under sampling.
+
+use mlx::Dtype;
+use models::gemma4_assistant::QueryPosition;
+use models::{load, DtypeChoice, LoadedModel};
+use runner::depth::DepthController;
+use runner::engine::{load_drafter, EngineConfig};
+use runner::protocol::DoneReason;
+use runner::{Ctx, DraftModel, Event, Generation, GenerationParams};
+use sample::{Options, Sampler};
+use std::path::PathBuf;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/models")
+        .join(name)
+}
+
+fn config(
+    target: &str,
+    draft: Option<&str>,
+    depth: Option<usize>,
+    position: QueryPosition,
+) -> EngineConfig {
+    EngineConfig {
+        model_dir: fixture(target),
+        dtype: DtypeChoice::Fixed(Dtype::F32),
+        ctx_size: None,
+        parallel: 1,
+        prefill_chunk: 512,
+        cache_budget: None,
+        cache_interval: 256,
+        draft: draft.map(fixture),
+        draft_depth: depth,
+        max_draft_depth: 4,
+        draft_position: position,
+    }
+}
+
+struct Setup {
+    target: LoadedModel,
+    draft: Option<DraftModel>,
+    controller: DepthController,
+}
+
+fn setup(
+    target: &str,
+    draft: Option<&str>,
+    depth: Option<usize>,
+    position: QueryPosition,
+) -> Setup {
+    let cfg = config(target, draft, depth, position);
+    let mut t = load(&cfg.model_dir, cfg.dtype).unwrap();
+    let d = load_drafter(&cfg, &mut t).unwrap();
+    Setup {
+        target: t,
+        draft: d,
+        controller: DepthController::new(cfg.max_draft_depth, cfg.draft_depth),
+    }
+}
+
+/// Generated ids, the end reason, and (drafted, accepted).
+fn generate(
+    s: &mut Setup,
+    prompt: &[u32],
+    options: Options,
+    n: usize,
+) -> (Vec<u32>, DoneReason, (usize, usize)) {
+    let mut sampler = Sampler::new(512);
+    let mut ctx = Ctx {
+        model: &*s.target.model,
+        sampler: &mut sampler,
+        draft: s.draft.as_ref().map(|d| (d, &mut s.controller)),
+    };
+    let params = GenerationParams {
+        prompt: prompt.to_vec(),
+        options,
+        num_predict: Some(n),
+        num_ctx: 512,
+        prefill_chunk: 512,
+        eos: s.target.tokenizer.eos_ids().to_vec(),
+        checkpoints: vec![],
+    };
+    let mut g = Generation::new(&mut ctx, 0, params).unwrap();
+    let mut ids = Vec::new();
+    loop {
+        match g.step(&mut ctx).unwrap() {
+            None => continue,
+            Some(Event::Token { id, .. }) => ids.push(id),
+            Some(Event::Done { reason, stats }) => {
+                assert!(ids.len() <= n, "overshot num_predict: {} > {n}", ids.len());
+                return (ids, reason, (stats.draft_tokens, stats.draft_accepted));
+            }
+        }
+    }
+}
+
+fn prompts(s: &Setup) -> Vec<Vec<u32>> {
+    [
+        "The quick brown fox",
+        "Hello, world! How are you today?",
+        "Numbers: 0 1 2 3 4 5",
+    ]
+    .iter()
+    .map(|p| s.target.tokenizer.encode(p).unwrap())
+    .collect()
+}
+
+/// Greedy with drafting (depths 1..4 and adaptive) equals greedy without, far past the window.
+fn greedy_unchanged(target: &str, draft: Option<&str>, position: QueryPosition) -> (usize, usize) {
+    let mut plain = setup(target, None, Some(0), position);
+    assert!(plain.draft.is_none());
+    let mut totals = (0, 0);
+    for depth in [Some(1), Some(2), Some(3), Some(4), None] {
+        let mut spec = setup(target, draft, depth, position);
+        assert!(spec.draft.is_some(), "{target}: no drafter");
+        for p in prompts(&plain) {
+            let want = generate(&mut plain, &p, Options::greedy(), 60);
+            let got = generate(&mut spec, &p, Options::greedy(), 60);
+            assert_eq!(got.0, want.0, "{target} + {draft:?} at depth {depth:?}");
+            assert_eq!(got.1, want.1);
+            totals.0 += got.2 .0;
+            totals.1 += got.2 .1;
+        }
+    }
+    assert!(totals.0 > 0, "{target}: nothing was drafted");
+    totals
+}
+
+#[test]
+fn glm_mtp_greedy_is_unchanged() {
+    greedy_unchanged("glm4_moe_lite", None, QueryPosition::LastCommitted);
+}
+
+#[test]
+fn gemma4_assistant_greedy_is_unchanged_in_both_positions() {
+    greedy_unchanged(
+        "gemma4_e2b_like",
+        Some("gemma4_assistant"),
+        QueryPosition::LastCommitted,
+    );
+    greedy_unchanged(
+        "gemma4_e2b_like",
+        Some("gemma4_assistant"),
+        QueryPosition::Bonus,
+    );
+    greedy_unchanged(
+        "gemma4_e2b_like",
+        Some("gemma4_assistant_dense"),
+        QueryPosition::LastCommitted,
+    );
+}
+
+#[test]
+fn separate_drafters_greedy_is_unchanged() {
+    // A random drafter (rejections), the target itself (every draft accepted: bonus tokens and a
+    // trailing drafter), and the target's 4-bit twin (mostly accepted, some rejected).
+    greedy_unchanged(
+        "gemma4_26b_a4b_like",
+        Some("gemma4_31b_like"),
+        QueryPosition::LastCommitted,
+    );
+    let (d, a) = greedy_unchanged(
+        "gemma4_31b_like",
+        Some("gemma4_31b_like"),
+        QueryPosition::LastCommitted,
+    );
+    assert_eq!(
+        d, a,
+        "a model drafting for itself is always right under greedy"
+    );
+    let (d, a) = greedy_unchanged(
+        "gemma4_26b_a4b_like",
+        Some("gemma4_26b_a4b_like_q4"),
+        QueryPosition::LastCommitted,
+    );
+    assert!(
+        a > 0 && a < d,
+        "the quantized twin should be partly right: {a} of {d}"
+    );
+    greedy_unchanged(
+        "glm4_moe_lite",
+        Some("glm4_moe_lite_q4"),
+        QueryPosition::LastCommitted,
+    );
+}
+
+#[test]
+fn num_predict_is_never_overshot() {
+    let mut s = setup(
+        "gemma4_31b_like",
+        Some("gemma4_31b_like"),
+        Some(4),
+        QueryPosition::LastCommitted,
+    );
+    let p = prompts(&s)[0].clone();
+    for n in 1..12 {
+        let (ids, reason, _) = generate(&mut s, &p, Options::greedy(), n);
+        assert!(
+            ids.len() == n || reason == DoneReason::Stop,
+            "n = {n}: {} tokens",
+            ids.len()
+        );
+    }
+}
+
+/// Two-sample chi-square homogeneity at p > 0.001 (Wilson–Hilferty critical value), bins with
+/// fewer than 10 observations in total pooled.
+fn same_distribution(a: &[u32], b: &[u32]) -> (bool, f64, f64) {
+    let mut counts: std::collections::BTreeMap<u32, (f64, f64)> = Default::default();
+    for &x in a {
+        counts.entry(x).or_default().0 += 1.0;
+    }
+    for &x in b {
+        counts.entry(x).or_default().1 += 1.0;
+    }
+    let (mut bins, mut pool) = (Vec::new(), (0.0, 0.0));
+    for (_, (x, y)) in counts {
+        if x + y < 10.0 {
+            pool.0 += x;
+            pool.1 += y;
+        } else {
+            bins.push((x, y));
+        }
+    }
+    if pool.0 + pool.1 > 0.0 {
+        bins.push(pool);
+    }
+    let (na, nb) = (a.len() as f64, b.len() as f64);
+    let chi: f64 = bins
+        .iter()
+        .map(|&(x, y)| {
+            let t = x + y;
+            let (ea, eb) = (t * na / (na + nb), t * nb / (na + nb));
+            (x - ea).powi(2) / ea + (y - eb).powi(2) / eb
+        })
+        .sum();
+    let df = (bins.len() - 1).max(1) as f64;
+    let z = 3.090_232;
+    let crit = df * (1.0 - 2.0 / (9.0 * df) + z * (2.0 / (9.0 * df)).sqrt()).powi(3);
+    (chi <= crit, chi, crit)
+}
+
+#[test]
+fn sampling_distribution_is_unchanged() {
+    // The 4-bit twin drafts: acceptance and residual resampling both happen often.
+    let mut plain = setup(
+        "gemma4_26b_a4b_like",
+        None,
+        Some(0),
+        QueryPosition::LastCommitted,
+    );
+    let mut spec = setup(
+        "gemma4_26b_a4b_like",
+        Some("gemma4_26b_a4b_like_q4"),
+        Some(3),
+        QueryPosition::LastCommitted,
+    );
+    let p = prompts(&plain)[1].clone();
+    let n = 500;
+    let opts = |seed: i64| Options {
+        temperature: 1.0,
+        top_k: 6,
+        top_p: 1.0,
+        repeat_penalty: 1.0,
+        seed,
+        ..Options::default()
+    };
+    let (mut a, mut b) = (vec![Vec::new(); 4], vec![Vec::new(); 4]);
+    let mut accepted = 0;
+    for seed in 0..n {
+        let x = generate(&mut plain, &p, opts(seed), 4).0;
+        // Different seeds on the two sides: the samples must be independent.
+        let (y, _, (_, acc)) = generate(&mut spec, &p, opts(seed + 1_000_000), 4);
+        accepted += acc;
+        for i in 0..4 {
+            if let (Some(&u), Some(&v)) = (x.get(i), y.get(i)) {
+                a[i].push(u);
+                b[i].push(v);
+            }
+        }
+    }
+    assert!(
+        accepted > n as usize / 4,
+        "too few drafts accepted ({accepted}) to exercise acceptance"
+    );
+    for i in 0..4 {
+        let (ok, chi, crit) = same_distribution(&a[i], &b[i]);
+        assert!(ok, "token {i}: chi² {chi:.1} > {crit:.1}");
+    }
+}
