@@ -510,3 +510,72 @@ fn runner_exits_when_its_parent_dies() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+#[test]
+fn drafting_runners_give_the_plain_output_and_report_it() {
+    for (model, extra) in [
+        ("glm4_moe_lite", vec![]),
+        (
+            "gemma4_e2b_like",
+            vec![
+                "--draft".to_string(),
+                fixture("gemma4_assistant").display().to_string(),
+            ],
+        ),
+    ] {
+        let mut args: Vec<&str> = extra.iter().map(String::as_str).collect();
+        args.extend(["--draft-depth", "3"]);
+        let spec = Runner::start(model, &args);
+        let plain = Runner::start(model, &["--draft-depth", "0"]);
+        for prompt in [TEXT_PROMPT, "Hello, world!"] {
+            let body = json!({"Prompt": prompt, "Options": greedy(30)});
+            let (a, b) = (spec.complete(&body), plain.complete(&body));
+            assert_eq!(
+                text_of(&a),
+                text_of(&b),
+                "{model}: drafting changed the output"
+            );
+            assert!(
+                done_of(&a)["DraftTokens"].as_u64().unwrap() > 0,
+                "{model}: nothing drafted"
+            );
+            assert_eq!(done_of(&b)["DraftTokens"], 0);
+            // Logprobs requests decode plainly, with the same numbers.
+            let body = json!({"Prompt": prompt, "Options": greedy(8), "TopLogprobs": 2});
+            let (a, b) = (spec.complete(&body), plain.complete(&body));
+            assert_eq!(text_of(&a), text_of(&b));
+            let lps = |lines: &[Value]| -> Vec<f64> {
+                lines
+                    .iter()
+                    .filter_map(|l| l["Logprobs"].as_array())
+                    .flatten()
+                    .flat_map(|e| {
+                        std::iter::once(e["logprob"].as_f64().unwrap()).chain(
+                            e["top_logprobs"]
+                                .as_array()
+                                .unwrap()
+                                .iter()
+                                .map(|t| t["logprob"].as_f64().unwrap()),
+                        )
+                    })
+                    .collect()
+            };
+            let (x, y) = (lps(&a), lps(&b));
+            assert_eq!(x.len(), y.len());
+            assert!(
+                x.iter().zip(&y).all(|(u, v)| (u - v).abs() < 1e-4),
+                "{x:?} vs {y:?}"
+            );
+        }
+        let m = ureq::get(&spec.url("/metrics"))
+            .call()
+            .unwrap()
+            .into_string()
+            .unwrap();
+        assert!(
+            m.contains("mlx_runner_draft_position_total{position=\"1\",outcome=\"drafted\"}"),
+            "{m}"
+        );
+        assert!(!m.contains("mlx_runner_draft_tokens_total 0\n"), "{model}");
+    }
+}

@@ -111,13 +111,19 @@ fn prompts(s: &Setup) -> Vec<Vec<u32>> {
 fn greedy_unchanged(target: &str, draft: Option<&str>, position: QueryPosition) -> (usize, usize) {
     let mut plain = setup(target, None, Some(0), position);
     assert!(plain.draft.is_none());
+    let cases: Vec<_> = prompts(&plain)
+        .into_iter()
+        .map(|p| {
+            let want = generate(&mut plain, &p, Options::greedy(), 40);
+            (p, want)
+        })
+        .collect();
     let mut totals = (0, 0);
     for depth in [Some(1), Some(2), Some(3), Some(4), None] {
         let mut spec = setup(target, draft, depth, position);
         assert!(spec.draft.is_some(), "{target}: no drafter");
-        for p in prompts(&plain) {
-            let want = generate(&mut plain, &p, Options::greedy(), 60);
-            let got = generate(&mut spec, &p, Options::greedy(), 60);
+        for (p, want) in &cases {
+            let got = generate(&mut spec, p, Options::greedy(), 40);
             assert_eq!(got.0, want.0, "{target} + {draft:?} at depth {depth:?}");
             assert_eq!(got.1, want.1);
             totals.0 += got.2 .0;
@@ -258,7 +264,7 @@ fn sampling_distribution_is_unchanged() {
         QueryPosition::LastCommitted,
     );
     let p = prompts(&plain)[1].clone();
-    let n = 500;
+    let n = 300;
     let opts = |seed: i64| Options {
         temperature: 1.0,
         top_k: 6,
