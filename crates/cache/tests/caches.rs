@@ -79,16 +79,6 @@ impl History {
     }
 }
 
-/// Attention of queries at `start..start+l` over the whole history `0..start+l`.
-fn reference(start: usize, l: usize, window: Option<usize>) -> Vec<f32> {
-    let end = start + l;
-    let (k, v, q) = (rows(0, end, 1), rows(0, end, 2), rows(start, l, 3));
-    let pos: Vec<i32> = (0..end as i32).collect();
-    let m =
-        AttnMask::from_positions(&pos, start as i32, l as i32, window.map(|w| w as i32)).unwrap();
-    f32s(&scaled_dot_product_attention(&q, &k, &v, 0.5, m.as_sdpa(), None).unwrap())
-}
-
 fn close(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-5)
 }
