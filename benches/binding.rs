@@ -10,15 +10,13 @@
 //!
 //! Medians over several runs; these machines are noisy. Nothing here asserts a time.
 
+mod common;
+use common::median;
+
 use mlx::{Array, Dtype};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 fn chain(ops: usize, runs: usize) -> mlx::Result<(f64, f64)> {
     let (mut build, mut eval) = (Vec::new(), Vec::new());

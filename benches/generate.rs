@@ -8,20 +8,14 @@
 //! when the system has it, so both sides run the same BLAS (decision D6). Needs the peer
 //! environment from benches/peer-venv.sh.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::{bench_model, median, peer_python, root};
+
+use std::path::Path;
 use std::process::Command;
 
 const ROUNDS: usize = 3;
 const TOKENS: &str = "64";
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 /// The number just before `unit` on the line that starts with `label`.
 fn rate(text: &str, label: &str, unit: &str) -> Option<f64> {
@@ -50,23 +44,12 @@ fn prompt() -> String {
 }
 
 fn main() {
-    let python = root().join(".venv-peer/bin/python");
-    if !python.exists() {
-        eprintln!("no peer environment: run benches/peer-venv.sh first");
+    let Some(python) = peer_python() else {
         return;
-    }
-    let model = root().join("target/bench-model");
-    if !model.join("model.safetensors").exists() {
-        let ok = Command::new(&python)
-            .arg(root().join("benches/make_bench_model.py"))
-            .arg(&model)
-            .status()
-            .is_ok_and(|s| s.success());
-        if !ok {
-            eprintln!("could not write the benchmark model");
-            return;
-        }
-    }
+    };
+    let Some(model) = bench_model(&python) else {
+        return;
+    };
     let openblas = [
         "/lib/x86_64-linux-gnu/libopenblas.so.0",
         "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",

@@ -7,23 +7,17 @@
 //! are timed from the client: time to the first streamed text, and tokens after the first over
 //! the time after it. Medians of several runs.
 
+mod common;
+use common::{median, root};
+
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const ROUNDS: usize = 3;
 const TOKENS: usize = 48;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

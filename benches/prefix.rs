@@ -5,15 +5,14 @@
 //! `cargo bench --bench generate`), reported from the runner's own PromptEvalDuration.
 //! (2) Memory the cache holds over 100 random multi-turn conversations, against its budget.
 
+mod common;
+use common::root;
+
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 struct Server(Child);
 

@@ -5,16 +5,14 @@
 //! serving top-k and top-p against separate transforms. Each timing includes evaluating the
 //! tokens. Medians over several runs; nothing here asserts a time.
 
+mod common;
+use common::median;
+
 use mlx::Dtype;
 use sample::{Options, Sampler, Strategy};
 use std::time::Instant;
 
 const V: i32 = 262_144;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 fn time(b: i32, opts: &Options, fused: bool, strategy: Strategy) -> mlx::Result<f64> {
     let mut s = Sampler::new(4096);

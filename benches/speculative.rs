@@ -9,22 +9,16 @@
 //! a warm-up request, then the median of three requests of 96 sampled tokens (temperature 1,
 //! top-k 40, seeded), decode tokens/s from the runner's own EvalCount and EvalDuration.
 
+mod common;
+use common::{median, root};
+
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const TOKENS: usize = 96;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 struct Server(Child, u16);
 

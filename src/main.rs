@@ -2,7 +2,7 @@
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use models::DtypeChoice;
+use models::{DtypeChoice, ModelFiles};
 use runner::engine::EngineConfig;
 use runner::process::RunnerOptions;
 use runner::protocol::CompletionChunk;
@@ -27,6 +27,44 @@ enum Command {
     Generate(GenerateArgs),
     /// Serve a model over local HTTP, as a parent model server spawns it (PROTOCOL.md).
     Runner(RunnerArgs),
+    /// Create a model in the store from a Modelfile (FROM, DRAFT, PARAMETER, ...).
+    Create(CreateArgs),
+    /// List the models in the store.
+    #[command(alias = "ls")]
+    List,
+    /// Show a stored model: architecture, parameters, quantization, draft, Modelfile.
+    Show(ShowArgs),
+    /// Remove models from the store (blobs another model uses stay).
+    Rm(RmArgs),
+}
+
+#[derive(clap::Args)]
+struct CreateArgs {
+    /// The model's name: [host/][namespace/]name[:tag].
+    name: String,
+    /// The Modelfile (paths in it are relative to it).
+    #[arg(short = 'f', long = "file", default_value = "Modelfile")]
+    file: PathBuf,
+    /// Quantize the target: q4 or q8 (int4 and int8 are aliases), MLX affine, group size 64.
+    #[arg(short = 'q', long)]
+    quantize: Option<store::QuantType>,
+    /// Quantize the draft (including its output head): q4 or q8.
+    #[arg(long, alias = "draft-quantize")]
+    quantize_draft: Option<store::QuantType>,
+}
+
+#[derive(clap::Args)]
+struct ShowArgs {
+    name: String,
+    /// Print only the Modelfile.
+    #[arg(long)]
+    modelfile: bool,
+}
+
+#[derive(clap::Args)]
+struct RmArgs {
+    #[arg(required = true)]
+    names: Vec<String>,
 }
 
 /// `auto` or a fixed depth.
@@ -47,10 +85,14 @@ impl std::str::FromStr for DraftDepth {
 
 #[derive(clap::Args, Clone)]
 struct DraftArgs {
-    /// Draft model directory: a gemma4 assistant, or a small model with the target's tokenizer.
-    /// A GLM target with its own MTP layer drafts with it by default.
+    /// Draft model: a directory or a stored model; a gemma4 assistant, or a small model with the
+    /// target's tokenizer. Overrides the draft a stored model carries. A GLM target with its own
+    /// MTP layer drafts with it by default.
+    #[arg(long, conflicts_with = "no_draft")]
+    draft: Option<String>,
+    /// Do not draft at all (no speculative decoding).
     #[arg(long)]
-    draft: Option<PathBuf>,
+    no_draft: bool,
     /// Draft depth: auto (adaptive, including no drafting when it does not pay) or a fixed
     /// number; 0 turns drafting off.
     #[arg(long, default_value = "auto")]
@@ -65,30 +107,98 @@ struct DraftArgs {
 }
 
 impl DraftArgs {
-    fn engine(&self, model: PathBuf, dtype: DtypeChoice) -> EngineConfig {
-        EngineConfig {
-            model_dir: model,
+    /// The engine configuration for the model given as `model` (a directory or a stored name),
+    /// and the stored model's parameters.
+    fn engine(
+        &self,
+        model: &str,
+        dtype: DtypeChoice,
+    ) -> Result<(EngineConfig, serde_json::Map<String, serde_json::Value>)> {
+        let m = model_files(model)?;
+        let draft = match &self.draft {
+            Some(d) => Some(draft_files(d)?),
+            None if self.no_draft => None,
+            None => m.draft,
+        };
+        let cfg = EngineConfig {
+            model: m.files,
             dtype,
             ctx_size: None,
             parallel: 1,
             prefill_chunk: 512,
             cache_budget: None,
             cache_interval: 256,
-            draft: self.draft.clone(),
-            draft_depth: self.draft_depth.0,
+            draft,
+            draft_depth: if self.no_draft {
+                Some(0)
+            } else {
+                self.draft_depth.0
+            },
             max_draft_depth: self.max_draft_depth,
             draft_position: self.draft_position,
-        }
+        };
+        Ok((cfg, m.parameters))
     }
+}
+
+fn open_store() -> Result<store::Store> {
+    Ok(store::Store::open(store::Store::default_root()?))
+}
+
+fn model_name(arg: &str) -> Result<store::ModelName> {
+    arg.parse().map_err(anyhow::Error::msg)
+}
+
+/// A model given on the command line.
+struct ModelArg {
+    files: ModelFiles,
+    /// The draft a stored model carries.
+    draft: Option<ModelFiles>,
+    /// A stored model's PARAMETERs.
+    parameters: serde_json::Map<String, serde_json::Value>,
+}
+
+/// A model on the command line: a checkpoint directory, else a model in the store (with the
+/// draft and parameters it carries).
+fn model_files(arg: &str) -> Result<ModelArg> {
+    let dir = std::path::Path::new(arg);
+    if dir.is_dir() {
+        return Ok(ModelArg {
+            files: ModelFiles::dir(dir)?,
+            draft: None,
+            parameters: Default::default(),
+        });
+    }
+    let name: store::ModelName = arg.parse().map_err(|e: String| {
+        anyhow::anyhow!("{arg:?} is not a model directory, and not a model name: {e}")
+    })?;
+    let st = open_store()?;
+    match st.resolve(&name) {
+        Ok(r) => Ok(ModelArg {
+            files: r.target,
+            draft: r.draft,
+            parameters: r.parameters,
+        }),
+        Err(store::StoreError::NotFound(_)) => anyhow::bail!(
+            "model {arg:?} not found: no such directory, and no model {name} in {}",
+            st.root().display()
+        ),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// A `--draft`: a directory, or a stored model used as a whole (its target).
+fn draft_files(arg: &str) -> Result<ModelFiles> {
+    Ok(model_files(arg)?.files)
 }
 
 #[derive(clap::Args)]
 struct RunnerArgs {
     #[command(flatten)]
     draft: DraftArgs,
-    /// Model directory.
+    /// A model directory, or the name of a model in the store.
     #[arg(long)]
-    model: PathBuf,
+    model: String,
     #[arg(long)]
     port: u16,
     #[arg(long, default_value = "127.0.0.1")]
@@ -121,9 +231,9 @@ struct RunnerArgs {
 
 #[derive(clap::Args)]
 struct GenerateArgs {
-    /// Model directory (config.json, *.safetensors, tokenizer.json, ...).
+    /// A model directory (config.json, *.safetensors, tokenizer.json, ...) or a stored model.
     #[arg(long)]
-    model: PathBuf,
+    model: String,
     /// The prompt text, tokenized as the model's tokenizer config says.
     #[arg(long)]
     prompt: String,
@@ -170,12 +280,33 @@ struct GenerateArgs {
     draft: DraftArgs,
 }
 
+/// A stored model is one file per module (hundreds), each held open by MLX's lazy reader until
+/// loaded; raise the soft open-file limit to the hard one, as Go's runtime does for ollama.
+fn raise_open_file_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: plain syscalls on a local struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
 fn main() {
+    raise_open_file_limit();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Info => info(),
         Command::Generate(args) => generate(args),
         Command::Runner(args) => runner(args),
+        Command::Create(args) => create(args),
+        Command::List => list(),
+        Command::Show(args) => show(args),
+        Command::Rm(args) => rm(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
@@ -246,17 +377,26 @@ fn runner(a: RunnerArgs) -> Result<()> {
         .with_ansi(false)
         .init();
     let _ = a.mlx_engine;
+    let (engine, mut defaults) = a.draft.engine(&a.model, a.dtype)?;
+    // A stored model's num_ctx is the runner's context length unless --ctx-size says otherwise;
+    // its other parameters are defaults for each request's options.
+    let stored_ctx = defaults
+        .remove("num_ctx")
+        .and_then(|v| v.as_u64())
+        .map(|n| n as usize);
+    defaults.remove("num_keep");
     let opts = RunnerOptions {
         engine: EngineConfig {
-            ctx_size: a.ctx_size,
+            ctx_size: a.ctx_size.or(stored_ctx),
             parallel: a.parallel,
             prefill_chunk: a.prefill_chunk,
             cache_budget: a.cache_budget,
             cache_interval: a.cache_interval,
-            ..a.draft.engine(a.model, a.dtype)
+            ..engine
         },
         host: a.host,
         port: a.port,
+        defaults,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -268,8 +408,8 @@ fn runner(a: RunnerArgs) -> Result<()> {
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
-    let mut loaded = models::load(&a.model, a.dtype)?;
-    let cfg = a.draft.engine(a.model.clone(), a.dtype);
+    let (cfg, _) = a.draft.engine(&a.model, a.dtype)?;
+    let mut loaded = models::load_files(&cfg.model, a.dtype)?;
     let draft = runner::engine::load_drafter(&cfg, &mut loaded).map_err(anyhow::Error::msg)?;
     let mut controller = runner::depth::DepthController::new(cfg.max_draft_depth, cfg.draft_depth);
     let num_ctx = a.ctx_size.unwrap_or(loaded.model.max_context());
@@ -349,6 +489,85 @@ fn generate(a: GenerateArgs) -> Result<()> {
                 finish(&mut out, &a, reason, tail, &stats)?;
             }
         }
+    }
+    Ok(())
+}
+
+fn create(a: CreateArgs) -> Result<()> {
+    let name = model_name(&a.name)?;
+    let st = open_store()?;
+    let opts = store::CreateOptions {
+        quantize: a.quantize,
+        quantize_draft: a.quantize_draft,
+    };
+    let start = std::time::Instant::now();
+    let r = store::create(&st, &name, &a.file, &opts)?;
+    let describe = |p: &store::manifest::Part| match &p.quantization {
+        Some(q) if !q.unquantized.is_empty() => format!(
+            "{} {} ({} matrices left unquantized: input dimension not a multiple of {})",
+            p.architecture,
+            p.file_type,
+            q.unquantized.len(),
+            q.group_size
+        ),
+        _ => format!("{} {}", p.architecture, p.file_type),
+    };
+    println!("model  {}", describe(&r.config.part));
+    if let Some(d) = &r.config.draft {
+        println!("draft  {}", describe(&d.part));
+    }
+    println!(
+        "created {name} (id {}, {} layers, {:.1} MB) in {:.1}s",
+        &r.digest[..12],
+        r.layers,
+        r.bytes as f64 / 1e6,
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn list() -> Result<()> {
+    let st = open_store()?;
+    let models = st.list()?;
+    println!("{:<40} {:<14} {:>10}  MODIFIED", "NAME", "ID", "SIZE");
+    for m in models {
+        let age = m.modified.elapsed().map(|d| d.as_secs()).unwrap_or(0);
+        let ago = match age {
+            s if s < 60 => format!("{s} seconds ago"),
+            s if s < 3600 => format!("{} minutes ago", s / 60),
+            s if s < 86400 => format!("{} hours ago", s / 3600),
+            s => format!("{} days ago", s / 86400),
+        };
+        println!(
+            "{:<40} {:<14} {:>7.1} MB  {ago}",
+            m.name.to_string(),
+            &m.digest[..12],
+            m.size as f64 / 1e6
+        );
+    }
+    Ok(())
+}
+
+fn show(a: ShowArgs) -> Result<()> {
+    let st = open_store()?;
+    let r = st.resolve(&model_name(&a.name)?)?;
+    if a.modelfile {
+        print!("{}", store::show::modelfile(&st, &r)?);
+    } else {
+        print!("{}", store::show::describe(&st, &r)?);
+    }
+    Ok(())
+}
+
+fn rm(a: RmArgs) -> Result<()> {
+    let st = open_store()?;
+    for n in &a.names {
+        let name = model_name(n)?;
+        let (blobs, bytes) = st.remove(&name)?;
+        println!(
+            "deleted {name} ({blobs} unused blobs, {:.1} MB, removed)",
+            bytes as f64 / 1e6
+        );
     }
     Ok(())
 }

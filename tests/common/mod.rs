@@ -39,12 +39,22 @@ pub struct Runner {
 
 impl Runner {
     pub fn start(model: &str, extra: &[&str]) -> Runner {
+        Self::start_with(fixture(model).as_os_str(), extra, &[])
+    }
+
+    /// `--model` given as is (a directory or a stored model's name), with extra environment.
+    pub fn start_with(
+        model: &std::ffi::OsStr,
+        extra: &[&str],
+        env: &[(&str, &std::ffi::OsStr)],
+    ) -> Runner {
         let port = free_port();
         let mut child = binary()
             .args(["runner", "--model"])
-            .arg(fixture(model))
+            .arg(model)
             .args(["--port", &port.to_string()])
             .args(extra)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

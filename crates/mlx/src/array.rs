@@ -142,6 +142,13 @@ impl Array {
         Ok(out)
     }
 
+    /// Evaluates and copies the raw elements out in row-major order, whatever the dtype.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; self.nbytes()];
+        ffi::copy_to(self.arr(), &mut out)?;
+        Ok(out)
+    }
+
     /// The single element of a one-element array.
     pub fn item<T: Element>(&self) -> Result<T> {
         if self.size() != 1 {

@@ -169,7 +169,8 @@ pub fn load_safetensors_mmap(path: impl AsRef<Path>) -> Result<Tensors> {
     let mut arrays = HashMap::new();
     for e in entries {
         let bytes = &map[e.range.clone()];
-        let array = if bytes.is_empty() || (bytes.as_ptr() as usize) % e.dtype.size() != 0 {
+        let array = if bytes.is_empty() || !(bytes.as_ptr() as usize).is_multiple_of(e.dtype.size())
+        {
             // Empty or misaligned for its element type: copy rather than hand MLX a pointer its
             // kernels may not expect.
             Array::from_bytes(bytes, &e.shape, e.dtype)?
@@ -197,6 +198,56 @@ pub fn load_safetensors_mlx(path: impl AsRef<Path>) -> Result<HashMap<String, Ar
     let mut names = Vec::new();
     let arrays = unpack(ffi::load_safetensors(s, &mut names)?)?;
     Ok(names.into_iter().zip(arrays).collect())
+}
+
+fn safetensors_dtype(d: Dtype) -> Option<safetensors::Dtype> {
+    use safetensors::Dtype as S;
+    Some(match d {
+        Dtype::Bool => S::BOOL,
+        Dtype::U8 => S::U8,
+        Dtype::I8 => S::I8,
+        Dtype::U16 => S::U16,
+        Dtype::I16 => S::I16,
+        Dtype::F16 => S::F16,
+        Dtype::Bf16 => S::BF16,
+        Dtype::U32 => S::U32,
+        Dtype::I32 => S::I32,
+        Dtype::F32 => S::F32,
+        Dtype::U64 => S::U64,
+        Dtype::I64 => S::I64,
+        Dtype::F64 => S::F64,
+        _ => return None,
+    })
+}
+
+/// A safetensors file's bytes for `tensors` (evaluated here). The same tensors and metadata
+/// always give the same bytes: the header is ordered by the `safetensors` crate, not by a hash
+/// map, so content-addressed stores deduplicate them.
+pub fn serialize_safetensors(
+    tensors: &[(&str, &Array)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<Vec<u8>> {
+    let mut data = Vec::with_capacity(tensors.len());
+    for (name, a) in tensors {
+        let dtype = safetensors_dtype(a.dtype()).ok_or_else(|| {
+            Error::Invalid(format!(
+                "tensor {name}: dtype {:?} cannot be written to safetensors",
+                a.dtype()
+            ))
+        })?;
+        let shape: Vec<usize> = a.shape().iter().map(|&d| d as usize).collect();
+        data.push((name.to_string(), dtype, shape, a.to_bytes()?));
+    }
+    let views = data
+        .iter()
+        .map(|(n, d, s, b)| {
+            safetensors::tensor::TensorView::new(*d, s.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| Error::Invalid(format!("tensor {n}: {e}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    safetensors::serialize(views, &metadata)
+        .map_err(|e| Error::Invalid(format!("serializing safetensors: {e}")))
 }
 
 /// Writes `tensors` to a safetensors file with MLX's writer.

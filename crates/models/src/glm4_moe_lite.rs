@@ -159,7 +159,7 @@ impl GlmConfig {
             Some(t) => t.get(i).is_none_or(|s| s == "sparse"),
             None => {
                 let first = self.first_k_dense_replace.unwrap_or(0) as usize;
-                i >= first && i % self.moe_layer_freq.max(1) as usize == 0
+                i >= first && i.is_multiple_of(self.moe_layer_freq.max(1) as usize)
             }
         }
     }

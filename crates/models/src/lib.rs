@@ -8,6 +8,7 @@
 
 mod config;
 mod error;
+mod files;
 pub mod gemma4;
 pub mod gemma4_assistant;
 pub mod glm4_moe_lite;
@@ -18,6 +19,7 @@ pub mod weights;
 pub use cache::{LayerCache, RotatingKvCache};
 pub use config::JsonFile;
 pub use error::{ModelError, Result};
+pub use files::{sha256_file, ModelFiles, CHECKPOINT_FILES};
 pub use tokenizer::{StreamDecoder, Tokenizer};
 
 use mlx::{Array, Dtype};
@@ -69,11 +71,12 @@ impl std::str::FromStr for DtypeChoice {
     }
 }
 
-/// A loaded model directory.
+/// A loaded model.
 pub struct LoadedModel {
     pub model: Box<dyn CausalLm>,
     pub tokenizer: std::sync::Arc<Tokenizer>,
-    pub dir: PathBuf,
+    /// Its directory, or its store name.
+    pub origin: PathBuf,
     pub dtype: Dtype,
     /// Checkpoint tensors the model did not use (multimodal towers, MTP layers).
     pub unused_tensors: Vec<String>,
@@ -125,7 +128,32 @@ pub enum Draft {
 
 /// Loads the drafter in `dir` for `target`, refusing one whose vocabulary or sizes do not fit.
 pub fn load_draft(dir: &Path, target: &LoadedModel, dtype: DtypeChoice) -> Result<Draft> {
-    let file = JsonFile::read(&dir.join("config.json"))?;
+    load_draft_files(&ModelFiles::dir(dir)?, target, dtype)
+}
+
+/// [`load_draft`] from a model's files wherever they are (a directory or the model store).
+pub fn load_draft_files(
+    files: &ModelFiles,
+    target: &LoadedModel,
+    dtype: DtypeChoice,
+) -> Result<Draft> {
+    files.verify()?;
+    draft_impl(files, target, dtype, true)
+}
+
+/// Checks that `files` hold a drafter for `target` (config, tensor names and shapes, tokenizer)
+/// without reading any weights.
+pub fn inspect_draft(files: &ModelFiles, target: &LoadedModel) -> Result<Draft> {
+    draft_impl(files, target, DtypeChoice::Fixed(target.dtype), false)
+}
+
+fn draft_impl(
+    files: &ModelFiles,
+    target: &LoadedModel,
+    dtype: DtypeChoice,
+    materialize: bool,
+) -> Result<Draft> {
+    let file = JsonFile::read(files.config()?)?;
     let model_type = file.model_type()?;
     if model_type == "gemma4_assistant" {
         let Some(t) = target.model.as_any().downcast_ref::<gemma4::Gemma4>() else {
@@ -134,12 +162,14 @@ pub fn load_draft(dir: &Path, target: &LoadedModel, dtype: DtypeChoice) -> Resul
                 target.model.architecture()
             )));
         };
-        let weights = Weights::load(dir, target.dtype, quant_config(&file)?)?;
+        let weights = Weights::load_files(files, target.dtype, quant_config(&file)?)?;
         let a = gemma4_assistant::Gemma4Assistant::load(&file, &weights, t)?;
-        weights.materialize()?;
+        if materialize {
+            weights.materialize()?;
+        }
         return Ok(Draft::Assistant(Box::new(a)));
     }
-    let draft = load(dir, dtype)?;
+    let draft = load_impl(files, dtype, materialize)?;
     if draft.model.vocab_size() != target.model.vocab_size() {
         return Err(file.error(format!(
             "the draft's vocabulary has {} tokens, the target's {}",
@@ -149,7 +179,7 @@ pub fn load_draft(dir: &Path, target: &LoadedModel, dtype: DtypeChoice) -> Resul
     }
     if draft.tokenizer.vocab_size() != target.tokenizer.vocab_size() {
         return Err(ModelError::Tokenizer {
-            path: dir.join("tokenizer.json"),
+            path: files.origin.join("tokenizer.json"),
             message: format!(
                 "has {} tokens, the target's tokenizer {}: not the same tokenizer",
                 draft.tokenizer.vocab_size(),
@@ -162,13 +192,28 @@ pub fn load_draft(dir: &Path, target: &LoadedModel, dtype: DtypeChoice) -> Resul
 
 /// Loads the model in `dir`: config, tokenizer, then weights (lazily read, cast once).
 pub fn load(dir: &Path, dtype: DtypeChoice) -> Result<LoadedModel> {
-    if !dir.is_dir() {
-        return Err(ModelError::Io {
-            path: dir.to_path_buf(),
-            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such model directory"),
-        });
-    }
-    let file = JsonFile::read(&dir.join("config.json"))?;
+    load_files(&ModelFiles::dir(dir)?, dtype)
+}
+
+/// [`load`] from a model's files wherever they are, verifying the digests they carry first.
+pub fn load_files(files: &ModelFiles, dtype: DtypeChoice) -> Result<LoadedModel> {
+    files.verify()?;
+    load_impl(files, dtype, true)
+}
+
+/// Builds the model in `files` without reading any weights: every tensor the architecture needs
+/// is checked by name and shape, and the tokenizer is parsed. What `create` validates with.
+pub fn inspect(files: &ModelFiles) -> Result<LoadedModel> {
+    let cfg = JsonFile::read(files.config()?)?;
+    load_impl(
+        files,
+        DtypeChoice::Fixed(checkpoint_dtype(&cfg.value)),
+        false,
+    )
+}
+
+fn load_impl(files: &ModelFiles, dtype: DtypeChoice, materialize: bool) -> Result<LoadedModel> {
+    let file = JsonFile::read(files.config()?)?;
     let model_type = file.model_type()?;
     let arch = match model_type.as_str() {
         "gemma4" | "gemma4_text" => Arch::Gemma4(gemma4::Gemma4Config::from_file(&file)?),
@@ -181,16 +226,16 @@ pub fn load(dir: &Path, dtype: DtypeChoice) -> Result<LoadedModel> {
         }
     };
     let quant = quant_config(&file)?;
-    let tokenizer = Tokenizer::load(dir)?;
+    let tokenizer = Tokenizer::load_files(files)?;
     let dtype = resolve_dtype(dtype, &file.value);
-    let weights = Weights::load(dir, dtype, quant)?;
+    let weights = Weights::load_files(files, dtype, quant)?;
     let model: Box<dyn CausalLm> = match arch {
         Arch::Gemma4(cfg) => Box::new(gemma4::Gemma4::new(cfg, &weights)?),
         Arch::Glm(cfg) => Box::new(glm4_moe_lite::Glm4MoeLite::new(cfg, &weights)?),
     };
     if tokenizer.vocab_size() > model.vocab_size() {
         return Err(ModelError::Tokenizer {
-            path: dir.join("tokenizer.json"),
+            path: files.origin.join("tokenizer.json"),
             message: format!(
                 "has {} tokens but the model's vocabulary has {}",
                 tokenizer.vocab_size(),
@@ -198,11 +243,13 @@ pub fn load(dir: &Path, dtype: DtypeChoice) -> Result<LoadedModel> {
             ),
         });
     }
-    weights.materialize()?;
+    if materialize {
+        weights.materialize()?;
+    }
     Ok(LoadedModel {
         model,
         tokenizer: std::sync::Arc::new(tokenizer),
-        dir: dir.to_path_buf(),
+        origin: files.origin.clone(),
         dtype,
         unused_tensors: weights.unused(),
     })

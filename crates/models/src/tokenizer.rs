@@ -28,7 +28,20 @@ impl Tokenizer {
     /// Loads `tokenizer.json` plus the optional `tokenizer_config.json`,
     /// `generation_config.json` and `config.json` of `dir` (the latter two for EOS ids).
     pub fn load(dir: &Path) -> Result<Tokenizer> {
-        let path = dir.join("tokenizer.json");
+        Self::load_with(|name| dir.join(name))
+    }
+
+    /// The same, from a model's files wherever they are.
+    pub fn load_files(files: &crate::ModelFiles) -> Result<Tokenizer> {
+        Self::load_with(|name| {
+            files
+                .file(name)
+                .map_or_else(|| files.origin.join(name), Path::to_path_buf)
+        })
+    }
+
+    fn load_with(file: impl Fn(&str) -> PathBuf) -> Result<Tokenizer> {
+        let path = file("tokenizer.json");
         if !path.is_file() {
             return Err(ModelError::Tokenizer {
                 path,
@@ -39,9 +52,10 @@ impl Tokenizer {
             path: path.clone(),
             message: e.to_string(),
         })?;
-        let tcfg = JsonFile::read_optional(&dir.join("tokenizer_config.json"))?;
-        let gcfg = JsonFile::read_optional(&dir.join("generation_config.json"))?;
-        let mcfg = JsonFile::read_optional(&dir.join("config.json"))?;
+        let optional = |name: &str| JsonFile::read_optional(&file(name));
+        let tcfg = optional("tokenizer_config.json")?;
+        let gcfg = optional("generation_config.json")?;
+        let mcfg = optional("config.json")?;
         let tval = tcfg.as_ref().map(|f| &f.value);
         let add_bos = tval
             .and_then(|v| v.get("add_bos_token"))

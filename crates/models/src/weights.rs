@@ -86,7 +86,8 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
     }
 }
 
-/// The safetensors files of a model directory.
+/// The safetensors files of a model directory (none is not an error here: loading says so,
+/// after the config has had its say).
 pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.is_file() {
@@ -127,29 +128,49 @@ pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
         })
         .collect();
     files.sort();
-    if files.is_empty() {
-        return Err(ModelError::Config {
-            path: dir.to_path_buf(),
-            message: "no model*.safetensors files".into(),
-        });
-    }
     Ok(files)
 }
 
+/// Every tensor of `files` under its tensor prefix (removed from the names), read lazily.
+pub fn read_tensors(files: &crate::ModelFiles) -> Result<HashMap<String, Array>> {
+    if files.tensors.is_empty() {
+        return Err(ModelError::Config {
+            path: files.origin.clone(),
+            message: "no model*.safetensors files".into(),
+        });
+    }
+    let mut tensors = HashMap::new();
+    let prefix = files.tensor_prefix.as_str();
+    for f in &files.tensors {
+        let t = mlx::io::load_safetensors(f).map_err(|e| match e {
+            mlx::Error::Io { path, source } => ModelError::Io { path, source },
+            other => ModelError::Mlx(other),
+        })?;
+        tensors.extend(
+            t.arrays
+                .into_iter()
+                .filter_map(|(k, v)| k.strip_prefix(prefix).map(|k| (k.to_string(), v))),
+        );
+    }
+    Ok(tensors)
+}
+
 impl Weights {
-    /// Reads the tensors of every shard (lazily: data is read when first evaluated).
+    /// Reads the tensors of every shard of a directory (lazily: data is read when first evaluated).
     pub fn load(dir: &Path, dtype: Dtype, quant: Option<QuantConfig>) -> Result<Weights> {
-        let mut tensors = HashMap::new();
-        for f in shard_files(dir)? {
-            let t = mlx::io::load_safetensors(&f).map_err(|e| match e {
-                mlx::Error::Io { path, source } => ModelError::Io { path, source },
-                other => ModelError::Mlx(other),
-            })?;
-            tensors.extend(t.arrays);
-        }
+        Self::load_files(&crate::ModelFiles::dir(dir)?, dtype, quant)
+    }
+
+    /// Reads the tensors of `files` (lazily), keeping those under its tensor prefix, which is
+    /// removed from their names.
+    pub fn load_files(
+        files: &crate::ModelFiles,
+        dtype: Dtype,
+        quant: Option<QuantConfig>,
+    ) -> Result<Weights> {
         Ok(Weights {
-            dir: dir.to_path_buf(),
-            tensors,
+            dir: files.origin.clone(),
+            tensors: read_tensors(files)?,
             dtype,
             quant,
             used: RefCell::new(HashSet::new()),

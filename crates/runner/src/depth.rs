@@ -146,7 +146,7 @@ impl DepthController {
             self.last_best = best;
             self.probe_every = PROBE_FIRST;
         }
-        if self.choices % self.probe_every == 0 && best < limit {
+        if self.choices.is_multiple_of(self.probe_every) && best < limit {
             self.probe_every = (self.probe_every * 2).min(PROBE_MAX);
             best + 1
         } else {

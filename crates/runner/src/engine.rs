@@ -12,10 +12,9 @@ use crate::metrics::Metrics;
 use crate::protocol::{DoneReason, Stats};
 use crate::speculate::DraftModel;
 use cache::prefix::{needs_checkpoints, PrefixCache};
-use models::{DtypeChoice, LoadedModel, Tokenizer};
+use models::{DtypeChoice, LoadedModel, ModelFiles, Tokenizer};
 use sample::Sampler;
 use std::collections::VecDeque;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::sync::{Arc, OnceLock};
@@ -24,7 +23,8 @@ use tokio::sync::{mpsc::UnboundedSender, oneshot};
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    pub model_dir: PathBuf,
+    /// The target's files: a checkpoint directory or a stored model.
+    pub model: ModelFiles,
     pub dtype: DtypeChoice,
     /// Context length; defaults to the model's maximum.
     pub ctx_size: Option<usize>,
@@ -35,8 +35,9 @@ pub struct EngineConfig {
     pub cache_budget: Option<usize>,
     /// Prompt tokens between sliding-window snapshots.
     pub cache_interval: usize,
-    /// A drafter directory (`--draft`); GLM's own MTP layer is used when there is none.
-    pub draft: Option<PathBuf>,
+    /// The drafter's files (`--draft`, or the draft a stored model carries); GLM's own MTP
+    /// layer is used when there is none.
+    pub draft: Option<ModelFiles>,
     /// `None`: adaptive; `Some(0)` turns drafting off.
     pub draft_depth: Option<usize>,
     /// The deepest round the adaptive controller considers.
@@ -54,9 +55,9 @@ pub fn load_drafter(
         return Ok(None);
     }
     let slack = cfg.draft_depth.unwrap_or(cfg.max_draft_depth).max(1);
-    if let Some(dir) = &cfg.draft {
-        let d = models::load_draft(dir, target, cfg.dtype)
-            .map_err(|e| format!("draft {}: {e}", dir.display()))?;
+    if let Some(files) = &cfg.draft {
+        let d = models::load_draft_files(files, target, cfg.dtype)
+            .map_err(|e| format!("draft {}: {e}", files.origin.display()))?;
         return Ok(Some(match d {
             models::Draft::Assistant(mut a) => {
                 a.position = cfg.draft_position;
@@ -163,7 +164,7 @@ fn engine_main(
         let _ = loaded.send(Err(e.to_string()));
         return;
     }
-    let mut model = match models::load(&cfg.model_dir, cfg.dtype) {
+    let mut model = match models::load_files(&cfg.model, cfg.dtype) {
         Ok(m) => m,
         Err(e) => {
             let _ = loaded.send(Err(e.to_string()));

@@ -11,6 +11,8 @@ pub struct RunnerOptions {
     pub engine: EngineConfig,
     pub host: String,
     pub port: u16,
+    /// Request option defaults (a stored model's PARAMETERs).
+    pub defaults: serde_json::Map<String, serde_json::Value>,
 }
 
 /// Why the runner stopped serving.
@@ -62,6 +64,7 @@ pub async fn run(opts: RunnerOptions) -> Result<(), String> {
         jobs: jobs.clone(),
         shared: shared.clone(),
         prefill_chunk: opts.engine.prefill_chunk,
+        defaults: std::sync::Arc::new(opts.defaults.clone()),
     };
     let app = router(state);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -83,7 +86,7 @@ pub async fn run(opts: RunnerOptions) -> Result<(), String> {
         return Err(e);
     }
     tracing::info!(
-        model = %opts.engine.model_dir.display(),
+        model = %opts.engine.model.origin.display(),
         architecture = shared.architecture.get().copied().unwrap_or("?"),
         context = shared.context_length.load(std::sync::atomic::Ordering::Relaxed),
         %addr,

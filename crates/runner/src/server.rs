@@ -31,6 +31,9 @@ pub struct AppState {
     pub jobs: Sender<Job>,
     pub shared: Arc<Shared>,
     pub prefill_chunk: usize,
+    /// Option defaults of a stored model (its Modelfile's PARAMETERs), for keys a request's
+    /// `Options` leaves out.
+    pub defaults: Arc<serde_json::Map<String, serde_json::Value>>,
 }
 
 /// Every failure a handler can answer with.
@@ -243,8 +246,19 @@ async fn prepare(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(CompletionRequest, Vec<u32>, usize, Arc<Tokenizer>), ApiError> {
     let body = body?;
-    let req: CompletionRequest = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::bad_request(format!("invalid request: {e}")))?;
+    let invalid = |e: serde_json::Error| ApiError::bad_request(format!("invalid request: {e}"));
+    let mut value: serde_json::Value = serde_json::from_slice(&body).map_err(invalid)?;
+    if let (Some(obj), false) = (value.as_object_mut(), app.defaults.is_empty()) {
+        let options = obj
+            .entry("Options")
+            .or_insert_with(|| serde_json::Value::Object(Default::default()));
+        if let Some(o) = options.as_object_mut() {
+            for (k, v) in app.defaults.iter() {
+                o.entry(k.clone()).or_insert_with(|| v.clone());
+            }
+        }
+    }
+    let req: CompletionRequest = serde_json::from_value(value).map_err(invalid)?;
     req.validate().map_err(ApiError::bad_request)?;
     let tok = tokenizer(app)?;
     let engine_ctx = app.shared.context_length.load(Ordering::Relaxed);

@@ -3,7 +3,7 @@
 
 use mlx::Dtype;
 use models::gemma4_assistant::QueryPosition;
-use models::{load, DtypeChoice, LoadedModel};
+use models::{load_files, DtypeChoice, LoadedModel, ModelFiles};
 use runner::depth::DepthController;
 use runner::engine::{load_drafter, EngineConfig};
 use runner::protocol::DoneReason;
@@ -24,14 +24,14 @@ fn config(
     position: QueryPosition,
 ) -> EngineConfig {
     EngineConfig {
-        model_dir: fixture(target),
+        model: ModelFiles::dir(&fixture(target)).unwrap(),
         dtype: DtypeChoice::Fixed(Dtype::F32),
         ctx_size: None,
         parallel: 1,
         prefill_chunk: 512,
         cache_budget: None,
         cache_interval: 256,
-        draft: draft.map(fixture),
+        draft: draft.map(|d| ModelFiles::dir(&fixture(d)).unwrap()),
         draft_depth: depth,
         max_draft_depth: 4,
         draft_position: position,
@@ -51,7 +51,7 @@ fn setup(
     position: QueryPosition,
 ) -> Setup {
     let cfg = config(target, draft, depth, position);
-    let mut t = load(&cfg.model_dir, cfg.dtype).unwrap();
+    let mut t = load_files(&cfg.model, cfg.dtype).unwrap();
     let d = load_drafter(&cfg, &mut t).unwrap();
     Setup {
         target: t,

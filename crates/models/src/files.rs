@@ -1,0 +1,143 @@
+//! Where a model's files are: a checkpoint directory, or blobs of the model store.
+//!
+//! Loading code asks for files by their checkpoint names (`config.json`, `tokenizer.json`) and
+//! for the list of safetensors files; a store hands out content-addressed blobs under those
+//! names, with the digests they must have.
+
+use crate::weights::shard_files;
+use crate::{ModelError, Result};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// The files one model (a target or a draft) loads from.
+#[derive(Debug, Clone)]
+pub struct ModelFiles {
+    /// What errors and logs call the model: its directory, or its store name.
+    pub origin: PathBuf,
+    /// Checkpoint file names (`config.json`, ...) and where each one is.
+    pub files: HashMap<String, PathBuf>,
+    /// The safetensors files holding the weights.
+    pub tensors: Vec<PathBuf>,
+    /// A prefix every tensor name carries in these files (the store's `draft.`), removed on load;
+    /// tensors without it are ignored.
+    pub tensor_prefix: String,
+    /// Files to check against their sha256 (lowercase hex) before anything is read from them.
+    pub digests: Vec<(PathBuf, String)>,
+}
+
+/// The JSON and tokenizer files a checkpoint directory may carry, besides its weights.
+pub const CHECKPOINT_FILES: &[&str] = &[
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.json",
+    "chat_template.jinja",
+    "preprocessor_config.json",
+    "processor_config.json",
+];
+
+impl ModelFiles {
+    /// A checkpoint directory: its known files that exist, and its shards.
+    pub fn dir(dir: &Path) -> Result<ModelFiles> {
+        if !dir.is_dir() {
+            return Err(ModelError::Io {
+                path: dir.to_path_buf(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "no such model directory",
+                ),
+            });
+        }
+        let files = CHECKPOINT_FILES
+            .iter()
+            .map(|n| (n.to_string(), dir.join(n)))
+            .filter(|(_, p)| p.is_file())
+            .collect();
+        Ok(ModelFiles {
+            origin: dir.to_path_buf(),
+            files,
+            tensors: shard_files(dir)?,
+            tensor_prefix: String::new(),
+            digests: Vec::new(),
+        })
+    }
+
+    /// The path of a checkpoint file, if the model has it.
+    pub fn file(&self, name: &str) -> Option<&Path> {
+        self.files.get(name).map(PathBuf::as_path)
+    }
+
+    /// `config.json`, which every model has.
+    pub fn config(&self) -> Result<&Path> {
+        self.file("config.json").ok_or_else(|| ModelError::Config {
+            path: self.origin.join("config.json"),
+            message: "missing".into(),
+        })
+    }
+
+    /// Checks every file with a digest, reading them on as many threads as there are cores.
+    pub fn verify(&self) -> Result<()> {
+        if self.digests.is_empty() {
+            return Ok(());
+        }
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .min(self.digests.len());
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let first_error = std::sync::Mutex::new(None);
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some((path, want)) = self.digests.get(i) else {
+                        return;
+                    };
+                    if let Err(e) = check_digest(path, want) {
+                        first_error.lock().unwrap().get_or_insert(e);
+                        return;
+                    }
+                });
+            }
+        });
+        match first_error.into_inner().unwrap() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The sha256 of a file, as lowercase hex.
+pub fn sha256_file(path: &Path) -> std::io::Result<String> {
+    let mut f = std::fs::File::open(path)?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(hex::encode(h.finalize()))
+}
+
+fn check_digest(path: &Path, want: &str) -> Result<()> {
+    let got = sha256_file(path).map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    if got != want {
+        return Err(ModelError::Config {
+            path: path.to_path_buf(),
+            message: format!(
+                "content does not match its digest (sha256 {got}, expected {want}): the model store is damaged; create the model again"
+            ),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,44 @@
+//! The model store: Modelfiles, content-addressed blobs and manifests in ollama's layout, and
+//! `create`, which imports safetensors checkpoints (a target and its draft) into it, quantizing
+//! on the way if asked.
+
+pub mod create;
+pub mod manifest;
+pub mod modelfile;
+pub mod name;
+pub mod quant;
+pub mod show;
+mod store;
+
+pub use create::{create, CreateOptions, CreateReport};
+pub use manifest::{Manifest, ModelConfig};
+pub use modelfile::{Modelfile, ParseError};
+pub use name::ModelName;
+pub use quant::QuantType;
+pub use store::{sha256_hex, Listed, Resolved, Store, WriteLock};
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Corrupt { path: PathBuf, message: String },
+    #[error("model {0} not found")]
+    NotFound(ModelName),
+    #[error("Modelfile {path}: {error}")]
+    Modelfile { path: PathBuf, error: ParseError },
+    #[error(transparent)]
+    Model(#[from] models::ModelError),
+    #[error(transparent)]
+    Mlx(#[from] mlx::Error),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T> = std::result::Result<T, StoreError>;

@@ -1,0 +1,117 @@
+//! What the store writes: manifests (ollama's schema) and the model config blob.
+
+use serde::{Deserialize, Serialize};
+
+/// Media types, as ollama names them.
+pub mod media {
+    pub const MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
+    pub const CONFIG: &str = "application/vnd.docker.container.image.v1+json";
+    /// A small safetensors file: one module's tensors (a quantized matrix with its scales and
+    /// biases stays together).
+    pub const TENSOR: &str = "application/vnd.ollama.image.tensor";
+    /// A checkpoint JSON or tokenizer file, named as in the checkpoint (`draft/...` for the
+    /// draft's).
+    pub const JSON: &str = "application/vnd.ollama.image.json";
+    pub const PARAMS: &str = "application/vnd.ollama.image.params";
+    pub const TEMPLATE: &str = "application/vnd.ollama.image.template";
+    pub const SYSTEM: &str = "application/vnd.ollama.image.system";
+    pub const MESSAGES: &str = "application/vnd.ollama.image.messages";
+    pub const LICENSE: &str = "application/vnd.ollama.image.license";
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Layer {
+    pub media_type: String,
+    /// `sha256:<hex>`.
+    pub digest: String,
+    pub size: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Manifest {
+    pub schema_version: u32,
+    pub media_type: String,
+    pub config: Layer,
+    pub layers: Vec<Layer>,
+}
+
+impl Manifest {
+    pub fn new(config: Layer, layers: Vec<Layer>) -> Manifest {
+        Manifest {
+            schema_version: 2,
+            media_type: media::MANIFEST.to_string(),
+            config,
+            layers,
+        }
+    }
+
+    /// The config blob and every layer.
+    pub fn all_layers(&self) -> impl Iterator<Item = &Layer> {
+        std::iter::once(&self.config).chain(&self.layers)
+    }
+
+    pub fn layer(&self, media_type: &str) -> Option<&Layer> {
+        self.layers.iter().find(|l| l.media_type == media_type)
+    }
+}
+
+/// How a model's matrices were quantized by `create`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Quantization {
+    /// `q4` or `q8` (MLX affine), or `mlx-lm` for a checkpoint that came quantized.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub bits: i32,
+    pub group_size: i32,
+    pub mode: String,
+    /// Matrices left unquantized because their input dimension is not a multiple of the
+    /// group size (as mlx-lm does).
+    #[serde(default)]
+    pub unquantized: Vec<String>,
+}
+
+/// What one stored model (the target or its draft) is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Part {
+    pub model_format: String,
+    /// `architectures[0]` of its config, else its `model_type`.
+    pub architecture: String,
+    pub model_type: String,
+    /// `F32`, `BF16`, `F16`, `Q4`, `Q8`.
+    pub file_type: String,
+    pub parameter_count: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization: Option<Quantization>,
+    /// The FROM or DRAFT it was created from.
+    pub source: String,
+    /// Multi-token-prediction layers the checkpoint carries (GLM's), which draft for it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub mtp_layers: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DraftInfo {
+    #[serde(flatten)]
+    pub part: Part,
+    /// Draft tensors carry this prefix in the store.
+    pub tensor_prefix: String,
+    /// The layer name of the draft's config.json.
+    pub config: String,
+}
+
+/// The model config blob (ollama's `ConfigV2`, with what `show` needs).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    #[serde(flatten)]
+    pub part: Part,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draft: Option<DraftInfo>,
+}
