@@ -170,9 +170,11 @@ pub fn create_from(
 
     // Everything is checked before the store is touched.
     let target = models::inspect(&target_in.files)?;
+    check_quantizable(&target_in, opts.quantize, "--quantize")?;
     if let Some(d) = &draft_in {
         models::inspect_draft(&d.files, &target)
             .map_err(|e| StoreError::Invalid(format!("DRAFT {}: {e}", d.source)))?;
+        check_quantizable(d, opts.quantize_draft, "--quantize-draft")?;
     }
     drop(target);
 
@@ -487,6 +489,28 @@ fn progress(total: u64, prefix: &str) -> ProgressBar {
     bar
 }
 
+/// The quantization block of a checkpoint that came quantized (mlx-lm's format).
+fn prequantized(cfg: &Value) -> Option<Value> {
+    cfg.get("quantization")
+        .or_else(|| cfg.get("quantization_config"))
+        .filter(|q| !q.is_null())
+        .cloned()
+}
+
+/// Refuses to quantize a checkpoint that already is.
+fn check_quantizable(input: &Input, quant: Option<QuantType>, flag: &str) -> Result<()> {
+    let cfg = models::JsonFile::read(input.files.config()?)?;
+    if let (Some(q), Some(want)) = (prequantized(&cfg.value), quant) {
+        let bits = q.get("bits").and_then(Value::as_i64).unwrap_or(0);
+        return Err(StoreError::Invalid(format!(
+            "{} is already quantized ({bits}-bit); create it without {flag} {}",
+            input.source,
+            want.name()
+        )));
+    }
+    Ok(())
+}
+
 /// Writes one model's blobs (tensors under `tensor_prefix`, files under `file_prefix`) and
 /// describes what was stored.
 fn import(
@@ -498,27 +522,9 @@ fn import(
     file_prefix: &str,
     layers: &mut Vec<Layer>,
 ) -> Result<Part> {
-    let cfg_path = input.files.config()?.to_path_buf();
-    let cfg_file = models::JsonFile::read(&cfg_path)?;
+    let cfg_file = models::JsonFile::read(input.files.config()?)?;
     let mut cfg = cfg_file.value.clone();
-    let prequantized = cfg
-        .get("quantization")
-        .or_else(|| cfg.get("quantization_config"))
-        .filter(|q| !q.is_null())
-        .cloned();
-    if let (Some(q), Some(want)) = (&prequantized, quant) {
-        let bits = q.get("bits").and_then(Value::as_i64).unwrap_or(0);
-        return Err(StoreError::Invalid(format!(
-            "{} is already quantized ({bits}-bit); create it without --quantize{} {}",
-            input.source,
-            if tensor_prefix.is_empty() {
-                ""
-            } else {
-                "-draft"
-            },
-            want.name()
-        )));
-    }
+    let prequantized = prequantized(&cfg);
 
     let tensors = models::weights::read_tensors(&input.files)?;
     let builds = plan(&tensors, &cfg);

@@ -233,7 +233,8 @@ impl Store {
             let Some(name) = self.name_of(&path) else {
                 continue;
             };
-            let Some((m, digest)) = self.manifest(&name)? else {
+            // One unreadable manifest does not hide the others (`check` reports it).
+            let Ok(Some((m, digest))) = self.manifest(&name) else {
                 continue;
             };
             let modified = std::fs::metadata(&path)
@@ -285,9 +286,14 @@ impl Store {
                 continue;
             };
             // A manifest we cannot read keeps every blob: never delete on a guess.
-            let (m, _) = self.require(&name)?;
+            let Ok((m, _)) = self.require(&name) else {
+                return Ok((0, 0));
+            };
             for l in m.all_layers() {
-                used.insert(self.blob_path(&l.digest)?);
+                let Ok(p) = self.blob_path(&l.digest) else {
+                    return Ok((0, 0));
+                };
+                used.insert(p);
             }
         }
         let mut removed = (0, 0);

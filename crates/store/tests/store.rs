@@ -202,6 +202,11 @@ fn create_refuses_bad_input_before_touching_the_store() {
             "is already quantized (4-bit)",
         ),
         (
+            with_draft("gemma4_26b_a4b_like", "gemma4_26b_a4b_like_q4"),
+            &draft_q8,
+            "is already quantized (4-bit); create it without --quantize-draft q8",
+        ),
+        (
             "FROM x\nPARAMETER top_k x\n".into(),
             &none,
             "line 2: parameter top_k expects an integer",
@@ -327,4 +332,31 @@ fn damaged_blobs_are_rewritten_by_the_next_create() {
     assert_eq!(s.store.check().unwrap().len(), 1);
     s.create("m", &text, &CreateOptions::default()).unwrap();
     assert!(s.store.check().unwrap().is_empty());
+}
+
+#[test]
+fn an_unreadable_manifest_is_reported_and_deletes_nothing() {
+    let s = Scratch::new();
+    s.create("good", &from("glm4_moe_lite"), &CreateOptions::default())
+        .unwrap();
+    let bad = s
+        .store
+        .root()
+        .join("manifests/registry.ollama.ai/library/bad/latest");
+    std::fs::create_dir_all(bad.parent().unwrap()).unwrap();
+    std::fs::write(&bad, b"{not json").unwrap();
+    let listed = s.store.list().unwrap();
+    assert_eq!(listed.len(), 1, "the good model is still listed");
+    let problems = s.store.check().unwrap();
+    assert!(
+        problems.iter().any(|p| p.contains("not a valid manifest")),
+        "{problems:?}"
+    );
+    let e = s.store.resolve(&name("bad")).err().unwrap();
+    assert!(e.to_string().contains("not a valid manifest"), "{e}");
+    // Removing the good model keeps every blob: the bad manifest might need them.
+    let before = s.blobs();
+    let (removed, _) = s.store.remove(&name("good")).unwrap();
+    assert_eq!(removed, 0);
+    assert_eq!(s.blobs(), before);
 }
