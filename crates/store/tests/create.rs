@@ -123,3 +123,62 @@ fn unquantized_models_match_their_references() {
         check(&s, name, name, tol);
     }
 }
+
+#[test]
+fn multimodal_gemma_keeps_its_towers_and_quantizes_the_text_model() {
+    // The 26B-style MoE fixture wrapped the way multimodal checkpoints are: text weights under
+    // model.language_model, a vision tower beside them.
+    let s = Scratch::new();
+    let src = fixture("gemma4_26b_a4b_like");
+    let dir = s.dir.path().join("multimodal");
+    std::fs::create_dir(&dir).unwrap();
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        std::fs::copy(src.join(f), dir.join(f)).unwrap();
+    }
+    let text: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let cfg = serde_json::json!({
+        "model_type": "gemma4",
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": {"hidden_size": 64},
+    });
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let t = mlx::io::load_safetensors(src.join("model.safetensors"))
+        .unwrap()
+        .arrays;
+    let mut renamed: Vec<(String, Array)> = t
+        .into_iter()
+        .map(|(k, v)| (k.replacen("model.", "model.language_model.", 1), v))
+        .collect();
+    let tower = "model.vision_tower.encoder.layers.0.mlp.fc1.weight";
+    renamed.push((
+        tower.into(),
+        Array::ones(&[64, 64], mlx::Dtype::F32).unwrap(),
+    ));
+    let refs: Vec<(&str, &Array)> = renamed.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    mlx::io::save_safetensors(dir.join("model.safetensors"), &refs).unwrap();
+
+    let r = s
+        .create(
+            "mm",
+            &format!("FROM {}\n", dir.display()),
+            &quantize(QuantType::Q8),
+        )
+        .unwrap();
+    assert_eq!(r.config.part.architecture, "Gemma4ForConditionalGeneration");
+    let d = check(&s, "mm", "gemma4_26b_a4b_like_q8_fp_router", 1e-3);
+    eprintln!("multimodal gemma4 MoE q8 vs mlx-lm: max |Δ| {d:e}");
+    // The tower is stored, in full precision.
+    let stored = s.store.resolve(&name("mm")).unwrap();
+    let tensors = models::weights::read_tensors(&stored.target).unwrap();
+    assert_eq!(tensors[tower].dtype(), mlx::Dtype::F32);
+    assert!(!tensors.contains_key(&tower.replace(".weight", ".scales")));
+    assert!(
+        tensors.contains_key("model.language_model.layers.0.experts.switch_glu.gate_proj.scales")
+    );
+}
