@@ -293,8 +293,8 @@ impl<'a> Vb<'a> {
         self.w.contains(&self.name(leaf))
     }
 
-    /// A floating-point tensor of exactly `shape`, in the compute dtype.
-    pub fn get(&self, leaf: &str, shape: &[i32]) -> Result<Array> {
+    /// The stored tensor `leaf` and its full name, which must have exactly `shape`.
+    fn shaped(&self, leaf: &str, shape: &[i32]) -> Result<(String, Array)> {
         let name = self.name(leaf);
         let a = self.w.raw(&name)?;
         if a.shape() != shape {
@@ -304,6 +304,12 @@ impl<'a> Vb<'a> {
                 got: a.shape(),
             });
         }
+        Ok((name, a))
+    }
+
+    /// A floating-point tensor of exactly `shape`, in the compute dtype.
+    pub fn get(&self, leaf: &str, shape: &[i32]) -> Result<Array> {
+        let (name, a) = self.shaped(leaf, shape)?;
         self.cast(&name, a)
     }
 
@@ -316,29 +322,12 @@ impl<'a> Vb<'a> {
 
     /// A tensor exactly as stored (integer tables such as a token ordering), shape checked.
     pub fn raw_tensor(&self, leaf: &str, shape: &[i32]) -> Result<Array> {
-        let name = self.name(leaf);
-        let a = self.w.raw(&name)?;
-        if a.shape() != shape {
-            return Err(ModelError::Shape {
-                name,
-                expected: shape.to_vec(),
-                got: a.shape(),
-            });
-        }
-        Ok(a)
+        Ok(self.shaped(leaf, shape)?.1)
     }
 
     /// A tensor kept in float32 whatever the compute dtype (router biases, MODELS.md §3.2).
     pub fn get_f32(&self, leaf: &str, shape: &[i32]) -> Result<Array> {
-        let name = self.name(leaf);
-        let a = self.w.raw(&name)?;
-        if a.shape() != shape {
-            return Err(ModelError::Shape {
-                name,
-                expected: shape.to_vec(),
-                got: a.shape(),
-            });
-        }
+        let (_, a) = self.shaped(leaf, shape)?;
         Ok(self.w.keep(a.astype(Dtype::F32)?))
     }
 
