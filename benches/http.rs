@@ -8,44 +8,16 @@
 //! the time after it. Medians of several runs.
 
 mod common;
-use common::{median, root};
+use common::{free_port, median, root, runner, wait_for, Server};
 
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Instant;
 
 const ROUNDS: usize = 3;
 const TOKENS: usize = 48;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn wait_for(url: &str) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(120) {
-        if ureq::get(url).call().is_ok() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    false
-}
 
 /// (time to first text in seconds, decode tokens/s) for one streamed request.
 fn ours(port: u16, prompt: &str) -> (f64, f64) {
@@ -129,16 +101,7 @@ fn main() {
         return;
     }
     let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(12);
-    let port = free_port();
-    let _ours = Server(
-        Command::new(env!("CARGO_BIN_EXE_mlx-runner"))
-            .args(["runner", "--model"])
-            .arg(&model)
-            .args(["--port", &port.to_string()])
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let (_ours, port) = runner(&model, &[]);
     let peer_port = free_port();
     let mut peer_cmd = Command::new(&python);
     peer_cmd
@@ -151,10 +114,6 @@ fn main() {
         peer_cmd.env("LD_PRELOAD", "/lib/x86_64-linux-gnu/libopenblas.so.0");
     }
     let _peer = Server(peer_cmd.spawn().unwrap());
-    assert!(
-        wait_for(&format!("http://127.0.0.1:{port}/v1/status")),
-        "runner did not start"
-    );
     assert!(
         wait_for(&format!("http://127.0.0.1:{peer_port}/v1/models")),
         "mlx_lm.server did not start"

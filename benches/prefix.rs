@@ -6,47 +6,10 @@
 //! (2) Memory the cache holds over 100 random multi-turn conversations, against its budget.
 
 mod common;
-use common::root;
+use common::{root, runner};
 
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start(model: &PathBuf, extra: &[&str]) -> (Server, u16) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new(env!("CARGO_BIN_EXE_mlx-runner"))
-        .args(["runner", "--model"])
-        .arg(model)
-        .args(["--port", &port.to_string()])
-        .args(extra)
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    while ureq::get(&format!("http://127.0.0.1:{port}/v1/status"))
-        .call()
-        .is_err()
-    {
-        assert!(t.elapsed() < Duration::from_secs(120));
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    (Server(child), port)
-}
 
 /// The final chunk of a greedy completion.
 fn complete(port: u16, prompt: &str, n: usize) -> Value {
@@ -83,7 +46,7 @@ fn main() {
         return;
     }
     // (1) A ~2,000-token prompt (the fixture tokenizer spends ~0.45 tokens per character).
-    let (_s, port) = start(&model, &[]);
+    let (_s, port) = runner(&model, &[]);
     let words = [
         "alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
     ];
@@ -131,7 +94,7 @@ fn main() {
 
     // (2) 100 random conversations, three turns each, under a 16 MiB budget.
     let budget = 16u64 << 20;
-    let (_s, port) = start(&model, &["--cache-budget", &budget.to_string()]);
+    let (_s, port) = runner(&model, &["--cache-budget", &budget.to_string()]);
     let mut rng = 0x2545_F491_4F6C_DD1Du64;
     let mut next = || {
         rng ^= rng << 13;

@@ -10,61 +10,31 @@
 //! top-k 40, seeded), decode tokens/s from the runner's own EvalCount and EvalDuration.
 
 mod common;
-use common::{median, root};
+use common::{median, root, runner, Server};
 
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 const TOKENS: usize = 96;
 
-struct Server(Child, u16);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn serve(dir: &Path, draft: &str, depth: &str) -> Server {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new(env!("CARGO_BIN_EXE_mlx-runner"))
-        .args(["runner", "--model"])
-        .arg(dir.join("target"))
-        .arg("--draft")
-        .arg(dir.join(draft))
-        .args([
+fn serve(dir: &Path, draft: &str, depth: &str) -> (Server, u16) {
+    let draft = dir.join(draft);
+    runner(
+        &dir.join("target"),
+        &[
+            "--draft",
+            draft.to_str().unwrap(),
             "--draft-depth",
             depth,
             "--max-draft-depth",
             "6",
-            "--port",
-            &port.to_string(),
-        ])
-        // Every request starts cold: the measurement is decoding, not the prefix cache.
-        .args(["--cache-budget", "0"])
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    while ureq::get(&format!("http://127.0.0.1:{port}/v1/status"))
-        .call()
-        .is_err()
-    {
-        assert!(
-            t.elapsed() < Duration::from_secs(120),
-            "runner did not start"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    Server(child, port)
+            // Every request starts cold: the measurement is decoding, not the prefix cache.
+            "--cache-budget",
+            "0",
+        ],
+    )
 }
 
 /// (decode tok/s, acceptance) of one request.
@@ -96,9 +66,9 @@ fn request(port: u16, seed: u64) -> (f64, f64) {
 /// Steady state of one loaded model: a warm-up request (the adaptive depth learns, as it would
 /// over a runner's life), then the median of three.
 fn measure(dir: &Path, draft: &str, depth: &str) -> (f64, f64) {
-    let s = serve(dir, draft, depth);
-    request(s.1, 1000);
-    let runs: Vec<(f64, f64)> = (0..3).map(|i| request(s.1, i)).collect();
+    let (_server, port) = serve(dir, draft, depth);
+    request(port, 1000);
+    let runs: Vec<(f64, f64)> = (0..3).map(|i| request(port, i)).collect();
     (
         median(runs.iter().map(|r| r.0).collect()),
         median(runs.iter().map(|r| r.1).collect()),
