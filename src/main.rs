@@ -5,10 +5,10 @@ use clap::{Parser, Subcommand};
 use models::{DtypeChoice, ModelFiles};
 use runner::engine::EngineConfig;
 use runner::process::RunnerOptions;
-use runner::protocol::CompletionChunk;
-use runner::text::TextStream;
+use runner::protocol::{CompletionChunk, CompletionRequest};
+use runner::text::{TextPiece, TextStream};
 use runner::{Ctx, Event, Generation, GenerationParams};
-use sample::{Options, Sampler};
+use sample::Sampler;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -237,25 +237,32 @@ struct GenerateArgs {
     /// The prompt text, tokenized as the model's tokenizer config says.
     #[arg(long)]
     prompt: String,
-    /// Tokens to generate at most.
-    #[arg(short = 'n', long = "num-predict", default_value_t = 64)]
-    num_predict: usize,
-    /// 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    #[arg(long, default_value_t = 0)]
-    top_k: i32,
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
-    #[arg(long, default_value_t = 1.0)]
-    repeat_penalty: f32,
-    #[arg(long, default_value_t = 64)]
-    repeat_last_n: i32,
-    #[arg(long, default_value_t = -1)]
-    seed: i64,
-    /// Stop strings (repeatable).
+    /// Tokens to generate at most; ≤ 0: until EOS or the context is full (default: a stored
+    /// model's num_predict, else 64).
+    #[arg(short = 'n', long = "num-predict")]
+    num_predict: Option<i32>,
+    /// 0 is greedy (the default, unless a stored model's PARAMETERs say otherwise). Every
+    /// sampling flag overrides the stored model's PARAMETER of the same name.
+    #[arg(long)]
+    temperature: Option<f32>,
+    #[arg(long)]
+    top_k: Option<i32>,
+    #[arg(long)]
+    top_p: Option<f32>,
+    #[arg(long)]
+    min_p: Option<f32>,
+    #[arg(long)]
+    repeat_penalty: Option<f32>,
+    #[arg(long)]
+    repeat_last_n: Option<i32>,
+    #[arg(long)]
+    presence_penalty: Option<f32>,
+    #[arg(long)]
+    frequency_penalty: Option<f32>,
+    /// Default: unseeded (-1).
+    #[arg(long)]
+    seed: Option<i64>,
+    /// Stop strings (repeatable; replace a stored model's).
     #[arg(long)]
     stop: Vec<String>,
     /// Also report this many most likely alternatives per token (implies --logprobs).
@@ -339,14 +346,13 @@ fn finish(
     out: &mut impl Write,
     a: &GenerateArgs,
     reason: runner::protocol::DoneReason,
-    tail: String,
     stats: &runner::protocol::Stats,
 ) -> Result<()> {
     if a.json {
-        let chunk = CompletionChunk::done(reason, tail, stats);
+        let chunk = CompletionChunk::done(reason, String::new(), stats);
         writeln!(out, "{}", serde_json::to_string(&chunk)?)?;
     } else {
-        writeln!(out, "{tail}")?;
+        writeln!(out)?;
         let rate = |n: usize, ns: u64| n as f64 / (ns.max(1) as f64 / 1e9);
         eprintln!(
             "prompt: {} tokens, {:.1} tok/s; generated: {} tokens, {:.1} tok/s",
@@ -377,14 +383,15 @@ fn runner(a: RunnerArgs) -> Result<()> {
         .with_ansi(false)
         .init();
     let _ = a.mlx_engine;
-    let (engine, mut defaults) = a.draft.engine(&a.model, a.dtype)?;
-    // A stored model's num_ctx is the runner's context length unless --ctx-size says otherwise;
-    // its other parameters are defaults for each request's options.
-    let stored_ctx = defaults
-        .remove("num_ctx")
+    let (engine, stored) = a.draft.engine(&a.model, a.dtype)?;
+    // A stored model's num_ctx is the runner's context length unless --ctx-size says otherwise.
+    // Its other PARAMETERs are not applied to requests: the parent merges them into each
+    // request's options before sending it (as ollama's does), so a key it leaves out means
+    // Go's zero value, not a stored default.
+    let stored_ctx = stored
+        .get("num_ctx")
         .and_then(|v| v.as_u64())
         .map(|n| n as usize);
-    defaults.remove("num_keep");
     let opts = RunnerOptions {
         engine: EngineConfig {
             ctx_size: a.ctx_size.or(stored_ctx),
@@ -396,7 +403,6 @@ fn runner(a: RunnerArgs) -> Result<()> {
         },
         host: a.host,
         port: a.port,
-        defaults,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -407,39 +413,93 @@ fn runner(a: RunnerArgs) -> Result<()> {
         .map_err(anyhow::Error::msg)
 }
 
+impl GenerateArgs {
+    /// The request `generate` runs: the stored model's PARAMETERs, overridden by the flags
+    /// given, read with the protocol's own rules (so a missing key means what it means on the
+    /// wire), with this command's defaults of 64 tokens and no seed.
+    fn request(
+        &self,
+        stored: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<CompletionRequest> {
+        use serde_json::json;
+        for (flag, v) in [
+            ("temperature", self.temperature),
+            ("top-p", self.top_p),
+            ("min-p", self.min_p),
+            ("repeat-penalty", self.repeat_penalty),
+            ("presence-penalty", self.presence_penalty),
+            ("frequency-penalty", self.frequency_penalty),
+        ] {
+            // JSON has no NaN or infinity (serde_json writes them as null, which reads as
+            // "absent"): refuse them here rather than silently drop the flag.
+            if v.is_some_and(|v| !v.is_finite()) {
+                anyhow::bail!("--{flag} must be a finite number");
+            }
+        }
+        let mut o = stored.clone();
+        let flags = [
+            ("num_predict", self.num_predict.map(|v| json!(v))),
+            ("temperature", self.temperature.map(|v| json!(v))),
+            ("top_k", self.top_k.map(|v| json!(v))),
+            ("top_p", self.top_p.map(|v| json!(v))),
+            ("min_p", self.min_p.map(|v| json!(v))),
+            ("repeat_penalty", self.repeat_penalty.map(|v| json!(v))),
+            ("repeat_last_n", self.repeat_last_n.map(|v| json!(v))),
+            ("presence_penalty", self.presence_penalty.map(|v| json!(v))),
+            (
+                "frequency_penalty",
+                self.frequency_penalty.map(|v| json!(v)),
+            ),
+            ("seed", self.seed.map(|v| json!(v))),
+            ("stop", (!self.stop.is_empty()).then(|| json!(self.stop))),
+        ];
+        for (k, v) in flags {
+            if let Some(v) = v {
+                o.insert(k.into(), v);
+            }
+        }
+        o.entry("num_predict").or_insert(json!(64));
+        o.entry("seed").or_insert(json!(-1));
+        // A stored `stop` may be one string.
+        if let Some(serde_json::Value::String(s)) = o.get("stop").cloned() {
+            o.insert("stop".into(), json!([s]));
+        }
+        let body = json!({
+            "Prompt": self.prompt,
+            "Options": o,
+            "Logprobs": self.logprobs || self.top_logprobs > 0,
+            "TopLogprobs": self.top_logprobs,
+        });
+        let req =
+            CompletionRequest::parse(body.to_string().as_bytes()).map_err(anyhow::Error::msg)?;
+        req.validate().map_err(anyhow::Error::msg)?;
+        Ok(req)
+    }
+}
+
 fn generate(a: GenerateArgs) -> Result<()> {
-    let (cfg, _) = a.draft.engine(&a.model, a.dtype)?;
+    let (cfg, stored) = a.draft.engine(&a.model, a.dtype)?;
+    let req = a.request(&stored)?;
     let mut loaded = models::load_files(&cfg.model, a.dtype)?;
     let draft = runner::engine::load_drafter(&cfg, &mut loaded).map_err(anyhow::Error::msg)?;
     let mut controller = runner::depth::DepthController::new(cfg.max_draft_depth, cfg.draft_depth);
-    let num_ctx = a.ctx_size.unwrap_or(loaded.model.max_context());
-    let options = Options {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        min_p: a.min_p,
-        repeat_last_n: a.repeat_last_n,
-        repeat_penalty: a.repeat_penalty,
-        presence_penalty: 0.0,
-        frequency_penalty: 0.0,
-        seed: a.seed,
-        logprobs: a.logprobs || a.top_logprobs > 0,
-        top_logprobs: a.top_logprobs,
-    };
-    options.validate()?;
+    let stored_ctx = stored
+        .get("num_ctx")
+        .and_then(|v| v.as_u64())
+        .map(|n| n as usize);
+    let max_ctx = loaded.model.max_context();
+    let num_ctx = req.num_ctx(a.ctx_size.or(stored_ctx).unwrap_or(max_ctx).min(max_ctx));
     let prompt = loaded.tokenizer.encode(&a.prompt)?;
     let params = GenerationParams {
         prompt,
-        options,
-        num_predict: Some(a.num_predict),
+        options: req.sampler_options(),
+        num_predict: req.num_predict(),
         num_ctx,
         prefill_chunk: a.prefill_chunk,
         eos: loaded.tokenizer.eos_ids().to_vec(),
         checkpoints: Vec::new(),
+        snapshot_every: None,
     };
-    if a.num_predict == 0 {
-        return Ok(());
-    }
     let tok = &loaded.tokenizer;
     let mut sampler = Sampler::new(num_ctx);
     let mut ctx = Ctx {
@@ -448,10 +508,23 @@ fn generate(a: GenerateArgs) -> Result<()> {
         draft: draft.as_ref().map(|d| (d, &mut controller)),
     };
     let mut g = Generation::new(&mut ctx, 0, params)?;
-    let mut text = TextStream::new(&a.stop);
+    let mut text = TextStream::new(&req.options.stop);
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let mut stopped = false;
+    let print = |out: &mut std::io::StdoutLock, piece: TextPiece| -> Result<()> {
+        if piece.text.is_empty() {
+            return Ok(());
+        }
+        if a.json {
+            let lp = (!piece.logprobs.is_empty()).then_some(piece.logprobs);
+            let chunk = CompletionChunk::content(piece.text, lp);
+            writeln!(out, "{}", serde_json::to_string(&chunk)?)?;
+        } else {
+            write!(out, "{}", piece.text)?;
+        }
+        out.flush().context("writing to stdout")
+    };
     while !g.is_finished() {
         let Some(ev) = g.step(&mut ctx)? else {
             continue;
@@ -459,34 +532,20 @@ fn generate(a: GenerateArgs) -> Result<()> {
         match ev {
             Event::Token { id, logprob } => {
                 let piece = text.push(tok, id, logprob.as_ref())?;
-                if a.json {
-                    let chunk =
-                        CompletionChunk::content(piece.text, piece.logprob.map(|l| vec![l]));
-                    writeln!(out, "{}", serde_json::to_string(&chunk)?)?;
-                } else {
-                    write!(out, "{}", piece.text)?;
-                }
-                out.flush().context("writing to stdout")?;
-                if piece.stopped {
+                let ended = piece.stopped;
+                print(&mut out, piece)?;
+                if ended {
                     stopped = true;
                     g.cancel(&mut ctx);
                     let stats = g.stats().clone();
-                    finish(
-                        &mut out,
-                        &a,
-                        runner::protocol::DoneReason::Stop,
-                        String::new(),
-                        &stats,
-                    )?;
+                    finish(&mut out, &a, runner::protocol::DoneReason::Stop, &stats)?;
                 }
             }
             Event::Done { reason, stats } => {
-                let tail = if stopped {
-                    String::new()
-                } else {
-                    text.finish(tok)?
-                };
-                finish(&mut out, &a, reason, tail, &stats)?;
+                if !stopped {
+                    print(&mut out, text.finish(tok)?)?;
+                }
+                finish(&mut out, &a, reason, &stats)?;
             }
         }
     }

@@ -141,10 +141,28 @@ fn generate_with_a_broken_model_fails_with_one_line() {
             &fixture("glm4_moe_lite"),
             "--prompt",
             "x",
-            "--top-k=-3",
+            "--top-logprobs=25",
         ])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("top_k must be >= 0"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("TopLogprobs must be in [0, 20]"));
+    // JSON has no NaN or infinity: a non-finite flag is refused, not read as "absent".
+    let out = mlx_runner()
+        .args([
+            "generate",
+            "--model",
+            &fixture("glm4_moe_lite"),
+            "--prompt",
+            "x",
+            "--temperature=nan",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--temperature must be a finite number"),
+        "{err}"
+    );
 }

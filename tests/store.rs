@@ -458,13 +458,16 @@ fn killed_creates_leave_a_consistent_store() {
     assert_eq!(on_disk, used, "stray blobs or temporary files");
 }
 
+/// The parent merges a model's PARAMETERs into each request before sending it (as ollama's
+/// does), so on the protocol a missing option is Go's zero value, never a stored default; the
+/// user-facing `generate` applies them under its own flags.
 #[test]
-fn stored_parameters_are_request_defaults() {
+fn stored_parameters_apply_to_generate_not_to_protocol_requests() {
     let env = Env::new();
     let mf = env.modelfile(
         "Modelfile",
         &format!(
-            "FROM {}\nPARAMETER num_ctx 64\nPARAMETER num_predict 5\nPARAMETER temperature 0\nPARAMETER repeat_penalty 1.0\n",
+            "FROM {}\nPARAMETER num_ctx 64\nPARAMETER num_predict 5\nPARAMETER temperature 0.9\nPARAMETER seed 3\n",
             fixture("gemma4_31b_like").display()
         ),
     );
@@ -479,14 +482,52 @@ fn stored_parameters_are_request_defaults() {
     )
     .unwrap();
     assert_eq!(status["ContextLength"], 64, "num_ctx sets the context");
-    // No options: the stored ones apply (5 greedy tokens, the same as asking for them).
+    // No options: greedy (temperature absent = 0) until EOS or the context, not the stored
+    // temperature and num_predict.
     let bare = r.complete(&json!({"Prompt": PROMPTS[0]}));
-    assert_eq!(done_of(&bare)["EvalCount"], 5);
-    let explicit = r.complete(&greedy(PROMPTS[0], 5));
-    assert_eq!(text_of(&bare), text_of(&explicit));
-    // A request's own options win.
-    let longer = r.complete(&json!({"Prompt": PROMPTS[0], "Options": {"num_predict": 7}}));
-    assert_eq!(done_of(&longer)["EvalCount"], 7);
+    let explicit = r.complete(&greedy(PROMPTS[0], 0));
+    assert_eq!(
+        text_of(&bare),
+        text_of(&explicit),
+        "missing temperature is greedy"
+    );
+    let d = done_of(&bare);
+    assert_ne!(d["EvalCount"], 5, "the stored num_predict was applied: {d}");
+    // `generate` applies the stored PARAMETERs: 5 tokens at temperature 0.9 with seed 3...
+    let models = env.models();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["generate", "--model", "p", "--prompt", PROMPTS[0], "--json"];
+        args.extend_from_slice(extra);
+        let out = binary()
+            .args(&args)
+            .env("MLX_RUNNER_MODELS", &models)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        lines
+    };
+    let stored = run(&[]);
+    assert_eq!(done_of(&stored)["EvalCount"], 5);
+    let same = r.complete(&json!({"Prompt": PROMPTS[0], "Options": {"num_predict": 5, "temperature": 0.9, "seed": 3}}));
+    assert_eq!(
+        text_of(&stored),
+        text_of(&same),
+        "stored parameters = the same options sent"
+    );
+    // ... and its flags win over them.
+    let flagged = run(&["-n", "7", "--temperature", "0"]);
+    assert_eq!(done_of(&flagged)["EvalCount"], 7);
+    let greedy7 = r.complete(&greedy(PROMPTS[0], 7));
+    assert_eq!(text_of(&flagged), text_of(&greedy7));
     // --ctx-size wins over the stored num_ctx.
     let r2 = env.runner("p", &["--ctx-size", "48"]);
     let status: serde_json::Value = serde_json::from_str(

@@ -99,7 +99,7 @@ impl Runner {
         let resp = ureq::post(&self.url("/v1/completions"))
             .send_string(&body.to_string())
             .unwrap_or_else(|e| panic!("completion failed: {e}"));
-        assert_eq!(resp.header("content-type"), Some("application/x-ndjson"));
+        assert_eq!(resp.header("content-type"), Some("application/jsonl"));
         BufReader::new(resp.into_reader())
             .lines()
             .map(|l| serde_json::from_str(&l.unwrap()).unwrap())

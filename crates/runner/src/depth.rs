@@ -10,6 +10,13 @@
 //! depths never tried are predicted rather than explored one by one. Exploration is one plain
 //! step and one round at the deepest depth; after that, a probe one deeper than the choice now
 //! and then, less often while probes change nothing.
+//!
+//! A seeded sampling request must give the same output on every run, but which tokens a round
+//! draws depends on its depth; timings (and other requests' history) would make the depth, and
+//! so the output, vary from run to run. Such a request gets a controller of its own
+//! ([`DepthController::for_seeded_request`]) that starts from the priors, learns acceptance from
+//! its own rounds only, and prices a round with a fixed cost model instead of the clock: its
+//! depths are a function of its own tokens, hence of its prompt, options and seed.
 
 /// Weight kept by older observations at each new one.
 const DECAY: f64 = 0.95;
@@ -18,6 +25,10 @@ const COST_ALPHA: f64 = 0.3;
 /// probes change nothing, so that a drafter that improves (a new kind of text) is noticed.
 const PROBE_FIRST: u64 = 16;
 const PROBE_MAX: u64 = 512;
+/// The fixed cost model of a seeded request's controller: a round of depth `k` costs
+/// `1 + k · STATIC_DRAFT_COST` plain decode steps (a drafted token is a small drafter step plus
+/// one more row of the verify forward).
+const STATIC_DRAFT_COST: f64 = 0.3;
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Rate {
@@ -65,6 +76,8 @@ pub struct DepthController {
     choices: u64,
     probe_every: u64,
     last_best: usize,
+    /// Whether round costs are measured (`false`: the fixed model, for reproducible depths).
+    timed: bool,
 }
 
 impl DepthController {
@@ -78,6 +91,7 @@ impl DepthController {
             choices: 0,
             probe_every: PROBE_FIRST,
             last_best: 0,
+            timed: true,
         }
     }
 
@@ -120,6 +134,24 @@ impl DepthController {
     }
 
     /// The depth for the next round, at most `limit`.
+    /// A controller for one seeded request: the same depth bounds, fresh acceptance estimates,
+    /// and no clock (see the module documentation).
+    pub fn for_seeded_request(&self) -> DepthController {
+        DepthController {
+            timed: false,
+            ..DepthController::new(self.max, self.fixed)
+        }
+    }
+
+    /// What a round of depth `k` is expected to cost (`None`: unknown).
+    fn round_cost(&self, k: usize) -> Option<f64> {
+        if self.timed {
+            self.predicted_cost(k)
+        } else {
+            Some(1.0 + STATIC_DRAFT_COST * k as f64)
+        }
+    }
+
     pub fn choose(&mut self, limit: usize) -> usize {
         self.choices += 1;
         if let Some(f) = self.fixed {
@@ -131,14 +163,14 @@ impl DepthController {
         }
         // A plain step and one round as deep as allowed give the cost model its two points and
         // measure acceptance at every position at once.
-        if self.cost[0].samples == 0 {
+        if self.timed && self.cost[0].samples == 0 {
             return 0;
         }
-        if (1..=self.max).all(|d| self.cost[d].samples == 0) {
+        if self.timed && (1..=self.max).all(|d| self.cost[d].samples == 0) {
             return limit;
         }
         let value =
-            |k: usize| self.expected(k) / self.predicted_cost(k).unwrap_or(f64::INFINITY).max(1e-9);
+            |k: usize| self.expected(k) / self.round_cost(k).unwrap_or(f64::INFINITY).max(1e-9);
         let best = (0..=limit)
             .max_by(|&a, &b| value(a).total_cmp(&value(b)))
             .unwrap_or(0);
@@ -166,7 +198,9 @@ impl DepthController {
                 break;
             }
         }
-        self.cost[k].add(seconds);
+        if self.timed {
+            self.cost[k].add(seconds);
+        }
     }
 
     /// Estimated acceptance per position, for logs.

@@ -329,6 +329,7 @@ impl Engine {
                 params.checkpoints =
                     self.prefix
                         .plan(prompt.len(), restored.cached, restored.matched);
+                params.snapshot_every = Some(self.cfg.cache_interval.max(1));
             }
             let mut ctx = Ctx {
                 model: &*self.model.model,
@@ -469,9 +470,15 @@ impl Engine {
     }
 
     /// A finished or cancelled sequence leaves what it computed to the prefix cache.
-    fn retire(&mut self, a: Active) {
+    fn retire(&mut self, mut a: Active) {
         if a.failed {
             return;
+        }
+        if let Some(d) = &self.draft {
+            if let Err(e) = a.gen.settle_draft(d, &*self.model.model) {
+                tracing::warn!("drafter catch-up failed; its cache is not kept: {e}");
+                return;
+            }
         }
         let (caches, fed, taken) = a.gen.into_parts();
         if let Err(e) = self.prefix.insert(&fed, &caches, taken) {
@@ -482,6 +489,8 @@ impl Engine {
             .store(self.prefix.bytes() as u64, Ordering::Relaxed);
     }
 
+    /// Ends every stream with an error, so that a parent reports a failure rather than a
+    /// success with a truncated answer.
     fn shutdown(&mut self) {
         for mut a in std::mem::take(&mut self.active) {
             let mut ctx = Ctx {
@@ -489,9 +498,10 @@ impl Engine {
                 sampler: &mut self.sampler,
                 draft: None,
             };
-            if let Event::Done { reason, stats } = a.gen.cancel(&mut ctx) {
-                let _ = a.job.events.send(EngineEvent::Done { reason, stats });
-            }
+            let _ = a.gen.cancel(&mut ctx);
+            let _ = a.job.events.send(EngineEvent::Error(
+                "the runner is shutting down: the completion was interrupted".into(),
+            ));
         }
         for j in self.queue.drain(..) {
             let _ = j

@@ -50,6 +50,10 @@ pub struct GenerationParams {
     /// Prompt positions at which to snapshot the rotating caches during prefill (for the prefix
     /// cache; empty when the model has none).
     pub checkpoints: Vec<usize>,
+    /// Snapshot the rotating caches every this many positions while generating too, so that a
+    /// later prompt that leaves this answer part-way (a re-rendered or edited answer) resumes
+    /// near where it leaves; `None` when the model has no rotating caches.
+    pub snapshot_every: Option<usize>,
 }
 
 /// The borrowed pieces a generation runs on.
@@ -122,6 +126,9 @@ pub struct Generation {
     taken: Vec<(usize, CacheCheckpoint)>,
     /// Rounds finished since the engine last asked.
     pub(crate) rounds: Vec<RoundReport>,
+    /// A seeded sampling request's own depth controller (reproducible depths); `None`: the
+    /// engine's shared one.
+    pub(crate) own_depth: Option<DepthController>,
 }
 
 pub(crate) fn tokens_array(ids: &[u32]) -> Result<Array> {
@@ -176,8 +183,15 @@ impl Generation {
                 None
             }
         };
+        let own_depth = match (&draft, &ctx.draft) {
+            (Some(_), Some((_, c))) if params.options.seeded_sampling() => {
+                Some(c.for_seeded_request())
+            }
+            _ => None,
+        };
         ctx.sampler.add(slot, &params.options, &params.prompt)?;
         Ok(Generation {
+            own_depth,
             slot,
             caches,
             fed: params.prompt[..cached].to_vec(),
@@ -329,11 +343,13 @@ impl Generation {
             self.stats.prompt_eval_ns = (now - self.started).as_nanos() as u64;
             self.first_token_at = Some(now);
         }
-        self.generated += 1;
-        self.stats.eval_count = self.generated;
+        // EOS ends the sequence without being counted (it is neither streamed nor part of
+        // `EvalCount`, and does not use up `num_predict`), as in ollama's runner.
         if self.params.eos.contains(&id) {
             return self.finish(ctx, DoneReason::Stop);
         }
+        self.generated += 1;
+        self.stats.eval_count = self.generated;
         Event::Token { id, logprob }
     }
 
@@ -359,17 +375,25 @@ impl Generation {
         if depth > 0 {
             let started = Instant::now();
             let accepted = self.round(ctx, depth)?;
-            if let Some((_, c)) = &mut ctx.draft {
-                c.record(depth, accepted, started.elapsed().as_secs_f64());
-            }
+            self.record_depth(ctx, depth, accepted, started);
             return Ok(self.ready.pop_front());
         }
         let started = Instant::now();
         let e = self.plain_step(ctx)?;
-        if let (Some((_, c)), true) = (&mut ctx.draft, self.draft.is_some()) {
-            c.record(0, 0, started.elapsed().as_secs_f64());
+        if self.draft.is_some() {
+            self.record_depth(ctx, 0, 0, started);
         }
         Ok(Some(e))
+    }
+
+    /// Tells the controller that chose the depth how the step went.
+    fn record_depth(&mut self, ctx: &mut Ctx<'_>, depth: usize, accepted: usize, t: Instant) {
+        let seconds = t.elapsed().as_secs_f64();
+        if let Some(c) = &mut self.own_depth {
+            c.record(depth, accepted, seconds);
+        } else if let Some((_, c)) = &mut ctx.draft {
+            c.record(depth, accepted, seconds);
+        }
     }
 
     /// One pipelined decode step: dispatch the successor of the pending token, then read it.
@@ -390,9 +414,34 @@ impl Generation {
         let id = current.tokens.to_vec::<i32>()?[0] as u32;
         if continues {
             self.fed.push(id);
+            self.snapshot_generated();
         }
         let logprob = self.logprob(&current)?;
         Ok(self.emit(ctx, id, logprob))
+    }
+
+    /// Snapshots the rotating caches once the tokens fed reach the next multiple of
+    /// `snapshot_every` (after a speculative round, at the first position past it), when every
+    /// rotating cache holds exactly those tokens (a separate drafter may trail the target).
+    pub(crate) fn snapshot_generated(&mut self) {
+        let Some(every) = self.params.snapshot_every else {
+            return;
+        };
+        let pos = self.fed.len();
+        let last = self.taken.last().map_or(0, |(p, _)| *p);
+        if pos / every <= last / every {
+            return;
+        }
+        let mut all = self.caches.clone();
+        if let Some(d) = &self.draft {
+            all.extend(d.caches.iter().cloned());
+        }
+        let aligned = all
+            .iter()
+            .all(|c| !matches!(c, LayerCache::Rotating(_)) || c.offset() == pos);
+        if aligned {
+            self.taken.push((pos, CacheCheckpoint::of(&all)));
+        }
     }
 
     pub(crate) fn finish(&mut self, ctx: &mut Ctx<'_>, reason: DoneReason) -> Event {

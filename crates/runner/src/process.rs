@@ -11,8 +11,6 @@ pub struct RunnerOptions {
     pub engine: EngineConfig,
     pub host: String,
     pub port: u16,
-    /// Request option defaults (a stored model's PARAMETERs).
-    pub defaults: serde_json::Map<String, serde_json::Value>,
 }
 
 /// Why the runner stopped serving.
@@ -36,10 +34,15 @@ async fn signals() -> Exit {
     }
 }
 
-/// Resolves when the process that started us is gone (we were re-parented).
-async fn parent_gone() -> Exit {
+/// The process that started us, read once at start: a parent that dies while the model loads
+/// has already re-parented us by the time loading ends.
+fn parent_pid() -> libc::pid_t {
     // SAFETY: getppid has no preconditions and cannot fail.
-    let parent = unsafe { libc::getppid() };
+    unsafe { libc::getppid() }
+}
+
+/// Resolves when `parent` is no longer our parent (it exited and we were re-parented).
+async fn parent_gone(parent: libc::pid_t) -> Exit {
     loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
         // SAFETY: as above.
@@ -51,12 +54,15 @@ async fn parent_gone() -> Exit {
 
 /// Runs the runner to completion. An `Err` is the one line to print before exiting non-zero.
 pub async fn run(opts: RunnerOptions) -> Result<(), String> {
+    let parent = parent_pid();
     let addr: SocketAddr = format!("{}:{}", opts.host, opts.port)
         .parse()
         .map_err(|e| format!("invalid listen address {}:{}: {e}", opts.host, opts.port))?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    // With --port 0 the system chose the port: report the one bound.
+    let addr = listener.local_addr().unwrap_or(addr);
     let handle = engine::spawn(opts.engine.clone())
         .map_err(|e| format!("cannot start the engine thread: {e}"))?;
     let (loaded, join, jobs, shared) = (handle.loaded, handle.thread, handle.jobs, handle.shared);
@@ -64,7 +70,6 @@ pub async fn run(opts: RunnerOptions) -> Result<(), String> {
         jobs: jobs.clone(),
         shared: shared.clone(),
         prefill_chunk: opts.engine.prefill_chunk,
-        defaults: std::sync::Arc::new(opts.defaults.clone()),
     };
     let app = router(state);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -80,6 +85,7 @@ pub async fn run(opts: RunnerOptions) -> Result<(), String> {
     let load = tokio::select! {
         r = loaded => r.unwrap_or_else(|_| Err("the engine thread died while loading".into())),
         e = signals() => { let _ = stop_tx.send(()); return Err(format!("interrupted by {} while loading", match e { Exit::Signal(s) => s, Exit::ParentGone => "the parent's exit" })); }
+        _ = parent_gone(parent) => { let _ = stop_tx.send(()); return Err("the parent process exited while the model was loading".into()); }
     };
     if let Err(e) = load {
         let _ = stop_tx.send(());
@@ -94,7 +100,7 @@ pub async fn run(opts: RunnerOptions) -> Result<(), String> {
     );
     let why = tokio::select! {
         e = signals() => e,
-        e = parent_gone() => e,
+        e = parent_gone(parent) => e,
     };
     match why {
         Exit::Signal(s) => tracing::info!("{s}: finishing in-flight streams and exiting"),

@@ -4,21 +4,29 @@
 use sample::Options;
 use serde::{Deserialize, Serialize};
 
-/// `POST /v1/completions` body.
-#[derive(Debug, Clone, Deserialize)]
+/// `POST /v1/completions` body, as ollama's parent sends it: Go's `json.Marshal` of its
+/// `CompletionRequest`, whose `Options` is an `api.Options` with `omitempty` on every field. A
+/// missing key is therefore Go's zero value (0, false, empty), never a default of ours.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
 pub struct CompletionRequest {
     #[serde(rename = "Prompt")]
     pub prompt: String,
-    #[serde(rename = "Options", default)]
+    /// Images and audio (`llm.MediaData`); no model served here takes media, so a request that
+    /// carries any is refused rather than answered without it.
+    #[serde(rename = "Media")]
+    pub media: Vec<serde_json::Value>,
+    #[serde(rename = "Options")]
     pub options: RequestOptions,
-    #[serde(rename = "Logprobs", default)]
+    #[serde(rename = "Logprobs")]
     pub logprobs: bool,
-    #[serde(rename = "TopLogprobs", default)]
+    #[serde(rename = "TopLogprobs")]
     pub top_logprobs: i32,
 }
 
 /// The `Options` object. Unknown keys are ignored; a known key of the wrong type fails to parse.
-#[derive(Debug, Clone, Deserialize)]
+/// Every default is Go's zero value (see [`CompletionRequest`]).
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(default)]
 pub struct RequestOptions {
     /// Tokens to generate; ≤ 0 means until EOS or the context is full (as the ollama runner).
@@ -33,33 +41,95 @@ pub struct RequestOptions {
     pub frequency_penalty: f32,
     pub seed: i64,
     pub stop: Vec<String>,
-    /// Context length for this request; at most the runner's.
-    pub num_ctx: Option<i32>,
+    /// Context length for this request, at most the runner's; ≤ 0 means the runner's.
+    pub num_ctx: i32,
 }
 
-impl Default for RequestOptions {
-    fn default() -> Self {
-        let o = Options::default();
-        RequestOptions {
-            num_predict: -1,
-            temperature: o.temperature,
-            top_k: o.top_k,
-            top_p: o.top_p,
-            min_p: o.min_p,
-            repeat_last_n: o.repeat_last_n,
-            repeat_penalty: o.repeat_penalty,
-            presence_penalty: o.presence_penalty,
-            frequency_penalty: o.frequency_penalty,
-            seed: o.seed,
-            stop: Vec::new(),
-            num_ctx: None,
+/// The top-level keys of a completion request and the option keys we read, spelled as the
+/// parent spells them.
+const REQUEST_KEYS: [&str; 5] = ["Prompt", "Media", "Options", "Logprobs", "TopLogprobs"];
+const OPTION_KEYS: [&str; 12] = [
+    "num_predict",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repeat_last_n",
+    "repeat_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "num_ctx",
+];
+
+/// Makes a JSON object read as Go's `encoding/json` reads it into a struct: keys match field
+/// names case-insensitively (an exact match wins), and a `null` leaves the field at its zero
+/// value. Anything but an object is refused, naming `what` (serde would otherwise read a JSON
+/// array into a struct field by field).
+fn go_object(
+    value: serde_json::Value,
+    keys: &[&str],
+    what: &str,
+) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    let serde_json::Value::Object(map) = value else {
+        return Err(format!(
+            "{what} must be a JSON object, got {}",
+            kind(&value)
+        ));
+    };
+    let mut out = serde_json::Map::new();
+    let mut exact = std::collections::HashSet::new();
+    for (k, v) in map {
+        let canonical = keys
+            .iter()
+            .find(|c| **c == k)
+            .or_else(|| keys.iter().find(|c| c.eq_ignore_ascii_case(&k)));
+        let Some(&name) = canonical else {
+            continue;
+        };
+        if v.is_null() {
+            continue;
         }
+        // An exact spelling beats a case-insensitive one, whatever their order.
+        if name == k {
+            exact.insert(name);
+        } else if exact.contains(name) {
+            continue;
+        }
+        out.insert(name.to_string(), v);
+    }
+    Ok(out)
+}
+
+fn kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
     }
 }
 
 impl CompletionRequest {
-    /// The sampler options this request asks for (validated by the sampler when registered;
-    /// [`CompletionRequest::validate`] checks them up front to answer 400).
+    /// Parses a request body with Go's decoding rules (see [`go_object`]); the error says what
+    /// is wrong, for a 400.
+    pub fn parse(body: &[u8]) -> Result<CompletionRequest, String> {
+        let value: serde_json::Value =
+            serde_json::from_slice(body).map_err(|e| format!("invalid request: {e}"))?;
+        let mut top = go_object(value, &REQUEST_KEYS, "the request")?;
+        if let Some(options) = top.remove("Options") {
+            let options = go_object(options, &OPTION_KEYS, "Options")?;
+            top.insert("Options".into(), serde_json::Value::Object(options));
+        }
+        serde_json::from_value(serde_json::Value::Object(top))
+            .map_err(|e| format!("invalid request: {e}"))
+    }
+
+    /// The sampler options this request asks for. Logprobs are returned only when `Logprobs` is
+    /// set, as ollama's runner does (`TopLogprobs` alone asks for nothing).
     pub fn sampler_options(&self) -> Options {
         let o = &self.options;
         Options {
@@ -72,8 +142,8 @@ impl CompletionRequest {
             presence_penalty: o.presence_penalty,
             frequency_penalty: o.frequency_penalty,
             seed: o.seed,
-            logprobs: self.logprobs || self.top_logprobs > 0,
-            top_logprobs: self.top_logprobs,
+            logprobs: self.logprobs,
+            top_logprobs: if self.logprobs { self.top_logprobs } else { 0 },
         }
     }
 
@@ -82,15 +152,36 @@ impl CompletionRequest {
         if self.prompt.is_empty() {
             return Err("prompt is empty".into());
         }
-        self.sampler_options()
-            .validate()
-            .map_err(|e| e.to_string())?;
-        if let Some(n) = self.options.num_ctx {
-            if n <= 0 {
-                return Err(format!("num_ctx must be positive, got {n}"));
-            }
+        if !self.media.is_empty() {
+            return Err(format!(
+                "this model does not support images or audio, but the request carries {} media item(s)",
+                self.media.len()
+            ));
         }
-        Ok(())
+        if !(0..=sample::MAX_TOP_LOGPROBS).contains(&self.top_logprobs) {
+            return Err(format!(
+                "TopLogprobs must be in [0, {}], got {}",
+                sample::MAX_TOP_LOGPROBS,
+                self.top_logprobs
+            ));
+        }
+        self.sampler_options().validate().map_err(|e| e.to_string())
+    }
+
+    /// The context this request may use: its `num_ctx` when positive and smaller than the
+    /// runner's, else the runner's.
+    pub fn num_ctx(&self, runner_ctx: usize) -> usize {
+        match usize::try_from(self.options.num_ctx) {
+            Ok(n) if n > 0 => n.min(runner_ctx),
+            _ => runner_ctx,
+        }
+    }
+
+    /// Tokens to generate at most; `None`: until EOS or the context is full.
+    pub fn num_predict(&self) -> Option<usize> {
+        usize::try_from(self.options.num_predict)
+            .ok()
+            .filter(|&n| n > 0)
     }
 }
 

@@ -7,7 +7,7 @@ use crate::generate::GenerationParams;
 use crate::protocol::{
     CompletionChunk, CompletionRequest, DoneReason, StreamError, StreamErrorBody,
 };
-use crate::text::TextStream;
+use crate::text::{TextPiece, TextStream};
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
@@ -31,16 +31,17 @@ pub struct AppState {
     pub jobs: Sender<Job>,
     pub shared: Arc<Shared>,
     pub prefill_chunk: usize,
-    /// Option defaults of a stored model (its Modelfile's PARAMETERs), for keys a request's
-    /// `Options` leaves out.
-    pub defaults: Arc<serde_json::Map<String, serde_json::Value>>,
 }
 
-/// Every failure a handler can answer with.
+/// Every failure a handler can answer with. On the routes of ollama's protocol the body is the
+/// message as plain text, as its runner answers (Go's `http.Error`): the parent shows a non-200
+/// body to the user verbatim, so JSON there would reach them as JSON. Routes that are ours
+/// alone answer `{"error": "..."}`.
 #[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
     message: String,
+    json: bool,
 }
 
 impl ApiError {
@@ -48,17 +49,35 @@ impl ApiError {
         ApiError {
             status,
             message: message.into(),
+            json: false,
         }
     }
 
     fn bad_request(message: impl Into<String>) -> ApiError {
         Self::new(StatusCode::BAD_REQUEST, message)
     }
+
+    /// The same error with a JSON body (for our own routes).
+    fn json(mut self) -> ApiError {
+        self.json = true;
+        self
+    }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(json!({ "error": self.message }))).into_response()
+        if self.json {
+            return (self.status, Json(json!({ "error": self.message }))).into_response();
+        }
+        (
+            self.status,
+            [
+                (header::CONTENT_TYPE, "text/plain; charset=utf-8"),
+                (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            ],
+            format!("{}\n", self.message),
+        )
+            .into_response()
     }
 }
 
@@ -82,8 +101,10 @@ pub fn router(state: AppState) -> Router {
         .route("/completion", post(completions))
         .route("/v1/tokenize", post(tokenize))
         .route("/v1/detokenize", post(detokenize))
+        .route("/v1/models", get(models_route).post(models_route))
+        .route("/load", post(models_route))
         .route("/metrics", get(metrics))
-        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "404 page not found") })
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(state)
 }
@@ -102,6 +123,12 @@ async fn status(State(app): State<AppState>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (code, Json(body)).into_response()
+}
+
+/// The model is loaded when the process starts, so loading is a no-op that succeeds (as
+/// ollama's runner answers `/v1/models` and `/load`).
+async fn models_route() -> Response {
+    Json(json!({ "Success": true })).into_response()
 }
 
 async fn metrics(State(app): State<AppState>) -> Response {
@@ -172,7 +199,7 @@ async fn detokenize(
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
         Ok(Json(json!({ "Content": text })).into_response())
     };
-    run.await.map_err(|e| bad(&app, e))
+    run.await.map_err(|e| bad(&app, e).json())
 }
 
 /// Sets the engine's cancel flag when the response stream is dropped (the client went away).
@@ -194,11 +221,12 @@ async fn completions(
     let params = GenerationParams {
         prompt,
         options: req.sampler_options(),
-        num_predict: (req.options.num_predict > 0).then_some(req.options.num_predict as usize),
+        num_predict: req.num_predict(),
         num_ctx,
         prefill_chunk: app.prefill_chunk,
         eos: tok.eos_ids().to_vec(),
         checkpoints: Vec::new(),
+        snapshot_every: None,
     };
     let (tx, mut rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
@@ -222,10 +250,12 @@ async fn completions(
         rx,
         first,
         text: TextStream::new(&req.options.stop),
+        logprobs: req.logprobs,
         tok,
         guard: CancelOnDrop(cancel),
         stopped: false,
         ended: false,
+        queued: None,
     };
     let body = Body::from_stream(futures::stream::unfold(stream, |mut s| async move {
         s.next_line()
@@ -233,12 +263,15 @@ async fn completions(
             .map(|line| (Ok::<_, std::convert::Infallible>(line), s))
     }));
     Ok(Response::builder()
-        .header(header::CONTENT_TYPE, "application/x-ndjson")
+        .header(header::CONTENT_TYPE, STREAM_CONTENT_TYPE)
         .body(body)
         .unwrap_or_else(|_| {
             ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "response").into_response()
         }))
 }
+
+/// The completion stream's content type, as ollama's runner sends it.
+pub const STREAM_CONTENT_TYPE: &str = "application/jsonl";
 
 /// Parses, validates and tokenizes a completion request.
 async fn prepare(
@@ -246,26 +279,10 @@ async fn prepare(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(CompletionRequest, Vec<u32>, usize, Arc<Tokenizer>), ApiError> {
     let body = body?;
-    let invalid = |e: serde_json::Error| ApiError::bad_request(format!("invalid request: {e}"));
-    let mut value: serde_json::Value = serde_json::from_slice(&body).map_err(invalid)?;
-    if let (Some(obj), false) = (value.as_object_mut(), app.defaults.is_empty()) {
-        let options = obj
-            .entry("Options")
-            .or_insert_with(|| serde_json::Value::Object(Default::default()));
-        if let Some(o) = options.as_object_mut() {
-            for (k, v) in app.defaults.iter() {
-                o.entry(k.clone()).or_insert_with(|| v.clone());
-            }
-        }
-    }
-    let req: CompletionRequest = serde_json::from_value(value).map_err(invalid)?;
+    let req = CompletionRequest::parse(&body).map_err(ApiError::bad_request)?;
     req.validate().map_err(ApiError::bad_request)?;
     let tok = tokenizer(app)?;
-    let engine_ctx = app.shared.context_length.load(Ordering::Relaxed);
-    let num_ctx = req
-        .options
-        .num_ctx
-        .map_or(engine_ctx, |n| (n as usize).min(engine_ctx));
+    let num_ctx = req.num_ctx(app.shared.context_length.load(Ordering::Relaxed));
     let text = req.prompt.clone();
     let t = Arc::clone(&tok);
     let prompt = tokio::task::spawn_blocking(move || t.encode(&text))
@@ -288,11 +305,16 @@ struct NdjsonStream {
     rx: UnboundedReceiver<EngineEvent>,
     first: Option<EngineEvent>,
     text: TextStream,
+    /// The request asked for logprobs (`Logprobs: true`).
+    logprobs: bool,
     tok: Arc<Tokenizer>,
     guard: CancelOnDrop,
     /// A stop string ended the text; waiting for the engine to confirm.
     stopped: bool,
     ended: bool,
+    /// A line to send before reading the next event (the final chunk, after the text that
+    /// was still held back).
+    queued: Option<Bytes>,
 }
 
 fn line<T: serde::Serialize>(v: &T) -> Bytes {
@@ -311,8 +333,21 @@ fn error_line(message: String) -> Bytes {
 }
 
 impl NdjsonStream {
+    /// A content chunk for `piece`, or nothing when it carries no text (logprob entries only
+    /// ever travel with text).
+    fn content_line(&self, piece: TextPiece) -> Option<Bytes> {
+        if piece.text.is_empty() {
+            return None;
+        }
+        let logprobs = (self.logprobs && !piece.logprobs.is_empty()).then_some(piece.logprobs);
+        Some(line(&CompletionChunk::content(piece.text, logprobs)))
+    }
+
     async fn next_line(&mut self) -> Option<Bytes> {
         loop {
+            if let Some(l) = self.queued.take() {
+                return Some(l);
+            }
             if self.ended {
                 return None;
             }
@@ -329,6 +364,7 @@ impl NdjsonStream {
             match ev {
                 EngineEvent::Token { .. } if self.stopped => continue,
                 EngineEvent::Token { id, logprob } => {
+                    let logprob = logprob.filter(|_| self.logprobs);
                     let piece = match self.text.push(&self.tok, id, logprob.as_ref()) {
                         Ok(p) => p,
                         Err(e) => {
@@ -342,22 +378,33 @@ impl NdjsonStream {
                         self.stopped = true;
                         self.guard.0.store(true, Ordering::Relaxed);
                     }
-                    if piece.text.is_empty() && piece.logprob.is_none() {
-                        continue;
+                    if let Some(l) = self.content_line(piece) {
+                        return Some(l);
                     }
-                    return Some(line(&CompletionChunk::content(
-                        piece.text,
-                        piece.logprob.map(|l| vec![l]),
-                    )));
                 }
                 EngineEvent::Done { reason, stats } => {
                     self.ended = true;
-                    let (reason, tail) = if self.stopped {
-                        (DoneReason::Stop, String::new())
+                    let reason = if self.stopped {
+                        DoneReason::Stop
                     } else {
-                        (reason, self.text.finish(&self.tok).unwrap_or_default())
+                        reason
                     };
-                    return Some(line(&CompletionChunk::done(reason, tail, &stats)));
+                    let done = line(&CompletionChunk::done(reason, String::new(), &stats));
+                    let tail = if self.stopped {
+                        None
+                    } else {
+                        match self.text.finish(&self.tok) {
+                            Ok(piece) => self.content_line(piece),
+                            Err(e) => return Some(error_line(e.to_string())),
+                        }
+                    };
+                    return match tail {
+                        Some(t) => {
+                            self.queued = Some(done);
+                            Some(t)
+                        }
+                        None => Some(done),
+                    };
                 }
                 EngineEvent::Rejected(m) | EngineEvent::Error(m) => {
                     self.ended = true;

@@ -157,9 +157,13 @@ impl DraftState {
         }
         let (mtp, rope) = mtp_parts(target)?;
         let refs: Vec<&Array> = self.backlog.iter().collect();
-        let hidden = mlx::concatenate(&refs, 1)?;
+        let mut hidden = mlx::concatenate(&refs, 1)?;
         let count = hidden.shape()[1] as usize;
-        debug_assert_eq!(count, s - self.fed);
+        debug_assert!(count >= s - self.fed);
+        if count > s - self.fed {
+            // A round that ended at EOS committed fewer tokens than it verified.
+            hidden = hidden.slice_axis(1, 0, Some((s - self.fed) as i32))?;
+        }
         let pairs = s - 1 - self.fed;
         let h = hidden.slice_axis(1, 0, Some(pairs as i32))?;
         let toks = tokens_array(&fed[self.fed + 1..s])?;
@@ -193,6 +197,17 @@ fn prefix(drafts: &[Array]) -> Result<Option<Array>> {
 }
 
 impl Generation {
+    /// Before the caches go to the prefix cache: the MTP drafter takes in every pair the
+    /// committed tokens allow (it trails the target by the pairs it buffered while plain steps
+    /// or the last round ran), so that how much of a sequence later requests can reuse does not
+    /// depend on whether its last steps drafted.
+    pub(crate) fn settle_draft(&mut self, model: &DraftModel, target: &dyn CausalLm) -> Result<()> {
+        match (model, &mut self.draft) {
+            (DraftModel::Mtp, Some(d)) => d.catch_up_mtp(target, &self.fed),
+            _ => Ok(()),
+        }
+    }
+
     /// The draft depth for the next decode step (0: plain decoding).
     pub(crate) fn choose_depth(&mut self, ctx: &mut Ctx<'_>) -> usize {
         if self.draft.is_none() {
@@ -208,16 +223,21 @@ impl Generation {
                 return 0;
             }
         }
-        // The pending token sits at position fed.len() and each draft one further; every emitted
+        // The pending token sits at position fed.len() and each draft one further; a round of
+        // depth k feeds up to k + 1 tokens and leaves a new pending token after them, which is
+        // emitted too: s + k + 2 tokens in all, never more than the context. Every emitted
         // token counts against num_predict, and a round emits up to depth + 1.
         let s = self.fed.len();
-        let by_ctx = (self.params.num_ctx.saturating_sub(1)).saturating_sub(s);
+        let by_ctx = (self.params.num_ctx.saturating_sub(2)).saturating_sub(s);
         let by_len = self.remaining().saturating_sub(1);
         let limit = by_ctx.min(by_len);
         if limit == 0 {
             return 0;
         }
-        controller.choose(limit)
+        match &mut self.own_depth {
+            Some(own) => own.choose(limit),
+            None => controller.choose(limit),
+        }
     }
 
     /// One speculative round of depth `k`; returns the number of accepted drafts. The emitted
@@ -375,6 +395,7 @@ impl Generation {
             }
         }
         self.draft = Some(state);
+        self.snapshot_generated();
         let mut commit: Vec<u32> = d[..n].to_vec();
         commit.push(next);
         ctx.sampler.commit(slot, &commit)?;

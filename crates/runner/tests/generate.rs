@@ -35,6 +35,7 @@ fn params(prompt: Vec<u32>, n: Option<usize>, eos: &[u32]) -> GenerationParams {
         prefill_chunk: 512,
         eos: eos.to_vec(),
         checkpoints: Vec::new(),
+        snapshot_every: None,
     }
 }
 
@@ -59,7 +60,7 @@ fn run(m: &LoadedModel, p: GenerationParams, stops: &[String]) -> (Vec<u32>, Str
                 }
             }
             Some(Event::Done { reason, stats }) => {
-                text.push_str(&stream.finish(&m.tokenizer).unwrap());
+                text.push_str(&stream.finish(&m.tokenizer).unwrap().text);
                 // EOS counts as an evaluated token but is not emitted.
                 assert!(stats.eval_count == ids.len() || stats.eval_count == ids.len() + 1);
                 assert!(!ctx.sampler.contains(7), "the slot is released at the end");
@@ -169,11 +170,13 @@ fn first_logprobs_match_the_reference_log_softmax() {
     else {
         panic!("no token")
     };
-    let lp = TextStream::new(&[])
-        .push(&m.tokenizer, id, Some(&raw))
-        .unwrap()
-        .logprob
-        .unwrap();
+    // The entry travels with the token's text: from the push, or from the end of the stream
+    // when the text was still an incomplete character.
+    let mut stream = TextStream::new(&[]);
+    let mut entries = stream.push(&m.tokenizer, id, Some(&raw)).unwrap().logprobs;
+    entries.extend(stream.finish(&m.tokenizer).unwrap().logprobs);
+    assert_eq!(entries.len(), 1, "one entry for one token with text");
+    let lp = entries.pop().unwrap();
     assert!((f64::from(lp.logprob) - (f64::from(last[id as usize]) - lse)).abs() < 1e-4);
     assert_eq!(lp.top_logprobs.len(), 3);
     assert_eq!(

@@ -81,6 +81,7 @@ fn generate(
         prefill_chunk: 512,
         eos: s.target.tokenizer.eos_ids().to_vec(),
         checkpoints: vec![],
+        snapshot_every: None,
     };
     let mut g = Generation::new(&mut ctx, 0, params).unwrap();
     let mut ids = Vec::new();

@@ -90,7 +90,9 @@ impl Options {
         }
     }
 
-    /// Rejects options that are out of range, naming the option.
+    /// Rejects what no normalisation can make sense of, naming the option: a value that is not
+    /// a finite number, or more alternatives than a request may ask for. Everything else that is
+    /// out of range is normalised as ollama's sampler does (see [`Options::normalized`]).
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(SampleError::Invalid(m));
         for (name, v) in [
@@ -105,21 +107,6 @@ impl Options {
                 return bad(format!("{name} must be a finite number, got {v}"));
             }
         }
-        if self.top_k < 0 {
-            return bad(format!("top_k must be >= 0, got {}", self.top_k));
-        }
-        if !(0.0..=1.0).contains(&self.top_p) {
-            return bad(format!("top_p must be in [0, 1], got {}", self.top_p));
-        }
-        if !(0.0..=1.0).contains(&self.min_p) {
-            return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
-        }
-        if self.repeat_last_n < -1 {
-            return bad(format!(
-                "repeat_last_n must be >= -1, got {}",
-                self.repeat_last_n
-            ));
-        }
         if !(0..=MAX_TOP_LOGPROBS).contains(&self.top_logprobs) {
             return bad(format!(
                 "top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {}",
@@ -129,16 +116,21 @@ impl Options {
         Ok(())
     }
 
-    /// The options as the pipeline applies them: a non-positive repeat penalty is neutral,
-    /// `repeat_last_n = -1` becomes `num_ctx`, and the history window is zero whenever no
-    /// penalty would change anything (so such slots batch with each other).
-    pub(crate) fn normalized(&self, num_ctx: usize) -> Options {
+    /// The options as the pipeline applies them, following ollama's `Options.normalize` and
+    /// its filters: a non-positive repeat penalty is neutral; a negative `repeat_last_n` means
+    /// the whole context and no window is wider than the context (a window is memory: it is
+    /// never allowed to exceed what a sequence can hold); the window is zero whenever no penalty
+    /// would change anything (so such slots batch with each other); a negative temperature is
+    /// greedy; `top_k` ≤ 0, `top_p` outside (0, 1) and `min_p` outside (0, 1] turn that filter
+    /// off.
+    pub fn normalized(&self, num_ctx: usize) -> Options {
         let mut o = self.clone();
+        let ctx = num_ctx.min(i32::MAX as usize) as i32;
         if o.repeat_penalty <= 0.0 {
             o.repeat_penalty = 1.0;
         }
-        if o.repeat_last_n == -1 {
-            o.repeat_last_n = num_ctx.min(i32::MAX as usize) as i32;
+        if o.repeat_last_n < 0 || o.repeat_last_n > ctx {
+            o.repeat_last_n = ctx;
         }
         let neutral =
             o.repeat_penalty == 1.0 && o.presence_penalty == 0.0 && o.frequency_penalty == 0.0;
@@ -148,6 +140,15 @@ impl Options {
             o.presence_penalty = 0.0;
             o.frequency_penalty = 0.0;
         }
+        if o.top_k < 0 {
+            o.top_k = 0;
+        }
+        if o.top_p <= 0.0 || o.top_p >= 1.0 {
+            o.top_p = 1.0;
+        }
+        if o.min_p <= 0.0 || o.min_p > 1.0 {
+            o.min_p = 0.0;
+        }
         if o.temperature <= 0.0 {
             // Greedy ignores the truncations; keep them out of the batching key.
             o.temperature = 0.0;
@@ -155,10 +156,13 @@ impl Options {
             o.top_p = 1.0;
             o.min_p = 0.0;
         }
-        if o.top_p <= 0.0 {
-            o.top_p = 1.0;
-        }
         o
+    }
+
+    /// Whether draws from these options are reproducible: a seed was given and the slot
+    /// samples (greedy decoding never draws).
+    pub fn seeded_sampling(&self) -> bool {
+        self.seed >= 0 && self.temperature > 0.0
     }
 
     pub(crate) fn window(&self) -> usize {

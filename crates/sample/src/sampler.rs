@@ -180,6 +180,28 @@ impl Sampler {
             .remove(&slot)
             .ok_or(SampleError::UnknownSlot(slot))?;
         self.free_rows.push(s.row);
+        self.shrink_pool()
+    }
+
+    /// Gives back history memory when wide slots leave: the pool is dropped when no slot is
+    /// left, and narrowed to the widest window still in use otherwise (each slot's ring lives
+    /// in the first `window` columns of its row, so narrowing never moves an entry).
+    fn shrink_pool(&mut self) -> Result<()> {
+        if self.slots.is_empty() {
+            self.hist = None;
+            self.width = 0;
+            self.rows = 0;
+            self.free_rows.clear();
+            return Ok(());
+        }
+        let widest = self.slots.values().map(|s| s.window).max().unwrap_or(0);
+        if widest < self.width {
+            self.hist = match (&self.hist, widest) {
+                (_, 0) | (None, _) => None,
+                (Some(h), w) => Some(h.slice_axis(1, 0, Some(w as i32))?),
+            };
+            self.width = widest;
+        }
         Ok(())
     }
 

@@ -488,45 +488,10 @@ fn bad_options_and_calls_are_rejected() {
     let bad = [
         (
             Options {
-                top_k: -1,
-                ..Options::default()
-            },
-            "top_k",
-        ),
-        (
-            Options {
-                top_p: 1.5,
-                ..Options::default()
-            },
-            "top_p",
-        ),
-        (
-            Options {
-                top_p: -0.1,
-                ..Options::default()
-            },
-            "top_p",
-        ),
-        (
-            Options {
                 temperature: f32::NAN,
                 ..Options::default()
             },
             "temperature",
-        ),
-        (
-            Options {
-                min_p: 2.0,
-                ..Options::default()
-            },
-            "min_p",
-        ),
-        (
-            Options {
-                repeat_last_n: -2,
-                ..Options::default()
-            },
-            "repeat_last_n",
         ),
         (
             Options {
@@ -563,6 +528,118 @@ fn bad_options_and_calls_are_rejected() {
         .is_err());
     s.remove(0).unwrap();
     assert!(s.remove(0).is_err());
+}
+
+#[test]
+fn out_of_range_options_are_normalised_as_ollama_does() {
+    let n = |o: Options| o.normalized(512);
+    let base = Options {
+        temperature: 0.7,
+        ..Options::default()
+    };
+    // Filters outside their range are off.
+    assert_eq!(
+        n(Options {
+            top_k: -1,
+            ..base.clone()
+        })
+        .top_k,
+        0
+    );
+    assert_eq!(
+        n(Options {
+            top_p: 1.5,
+            ..base.clone()
+        })
+        .top_p,
+        1.0
+    );
+    assert_eq!(
+        n(Options {
+            top_p: -0.1,
+            ..base.clone()
+        })
+        .top_p,
+        1.0
+    );
+    assert_eq!(
+        n(Options {
+            top_p: 0.0,
+            ..base.clone()
+        })
+        .top_p,
+        1.0
+    );
+    assert_eq!(
+        n(Options {
+            min_p: 2.0,
+            ..base.clone()
+        })
+        .min_p,
+        0.0
+    );
+    assert_eq!(
+        n(Options {
+            min_p: -0.5,
+            ..base.clone()
+        })
+        .min_p,
+        0.0
+    );
+    // A negative repeat_last_n is the whole context, and no window is wider than it.
+    for w in [-1, -2, 513, i32::MAX] {
+        let o = n(Options {
+            repeat_last_n: w,
+            repeat_penalty: 1.5,
+            ..base.clone()
+        });
+        assert_eq!(o.repeat_last_n, 512, "repeat_last_n {w}");
+    }
+    // A non-positive repeat penalty is neutral; neutral penalties need no history.
+    let o = n(Options {
+        repeat_penalty: 0.0,
+        repeat_last_n: 64,
+        ..base.clone()
+    });
+    assert_eq!((o.repeat_penalty, o.repeat_last_n), (1.0, 0));
+    // A negative temperature is greedy.
+    assert_eq!(
+        n(Options {
+            temperature: -1.0,
+            ..base.clone()
+        })
+        .temperature,
+        0.0
+    );
+}
+
+#[test]
+fn a_huge_penalty_window_costs_at_most_the_context_and_is_given_back() {
+    let mut s = Sampler::new(512);
+    let wide = Options {
+        repeat_last_n: i32::MAX,
+        repeat_penalty: 1.5,
+        ..Options::greedy()
+    };
+    let narrow = Options {
+        repeat_last_n: 8,
+        repeat_penalty: 3.0,
+        ..Options::greedy()
+    };
+    s.add(0, &wide, &[1, 2, 3]).unwrap();
+    s.add(1, &narrow, &[1, 2, 3]).unwrap();
+    assert_eq!(s.pool_shape().1, 512, "clamped to the context");
+    let t = s
+        .sample(&[0, 1], &Array::zeros(&[2, 16], Dtype::F32).unwrap())
+        .unwrap();
+    assert_eq!(t.tokens.to_vec::<i32>().unwrap().len(), 2);
+    s.remove(0).unwrap();
+    assert_eq!(s.pool_shape().1, 8, "narrowed to the widest slot left");
+    // The narrow slot's history survived the narrowing: its penalties still apply.
+    let penalised = s.sample(&[1], &row(&[0.0, 1.0, 1.0, 1.0, 0.5])).unwrap();
+    assert_eq!(penalised.tokens.to_vec::<i32>().unwrap(), vec![4]);
+    s.remove(1).unwrap();
+    assert_eq!(s.pool_shape(), (0, 0), "nothing held once every slot left");
 }
 
 // ---------------------------------------------------------------------------------------------
