@@ -244,6 +244,8 @@ impl Generation {
             // Materialise this chunk's cache writes before building the next chunk's graph.
             hidden.eval()?;
         } else {
+            // The end of the prompt is where generation's snapshots start counting from.
+            self.snapshot_generated();
             let last = hidden.index(&[Ix::full(), Ix::slice(Some(-1), None, 1)])?;
             self.dispatch(ctx, &last)?;
         }

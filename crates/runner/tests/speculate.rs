@@ -67,7 +67,19 @@ fn generate(
     options: Options,
     n: usize,
 ) -> (Vec<u32>, DoneReason, (usize, usize)) {
-    let mut sampler = Sampler::new(512);
+    generate_in(s, prompt, options, Some(n), 512)
+}
+
+/// As [`generate`], in a context of `num_ctx` positions; `n: None` runs until EOS or the
+/// context is full.
+fn generate_in(
+    s: &mut Setup,
+    prompt: &[u32],
+    options: Options,
+    n: Option<usize>,
+    num_ctx: usize,
+) -> (Vec<u32>, DoneReason, (usize, usize)) {
+    let mut sampler = Sampler::new(num_ctx);
     let mut ctx = Ctx {
         model: &*s.target.model,
         sampler: &mut sampler,
@@ -76,8 +88,8 @@ fn generate(
     let params = GenerationParams {
         prompt: prompt.to_vec(),
         options,
-        num_predict: Some(n),
-        num_ctx: 512,
+        num_predict: n,
+        num_ctx,
         prefill_chunk: 512,
         eos: s.target.tokenizer.eos_ids().to_vec(),
         checkpoints: vec![],
@@ -90,7 +102,14 @@ fn generate(
             None => continue,
             Some(Event::Token { id, .. }) => ids.push(id),
             Some(Event::Done { reason, stats }) => {
+                let n = n.unwrap_or(usize::MAX);
                 assert!(ids.len() <= n, "overshot num_predict: {} > {n}", ids.len());
+                assert!(
+                    prompt.len() + ids.len() <= num_ctx,
+                    "overran the context: {} + {} > {num_ctx}",
+                    prompt.len(),
+                    ids.len()
+                );
                 return (ids, reason, (stats.draft_tokens, stats.draft_accepted));
             }
         }
@@ -209,6 +228,29 @@ fn num_predict_is_never_overshot() {
             "n = {n}: {} tokens",
             ids.len()
         );
+    }
+}
+
+/// Drafting never emits a token past the context, whatever room is left for a round (a round
+/// feeds its drafts and leaves one more token pending, which is emitted too).
+#[test]
+fn the_context_is_never_overrun() {
+    let mut s = setup(
+        "gemma4_31b_like",
+        Some("gemma4_31b_like"),
+        Some(4),
+        QueryPosition::LastCommitted,
+    );
+    let p = prompts(&s)[0].clone();
+    for room in 1..16 {
+        let (ids, reason, (drafted, _)) =
+            generate_in(&mut s, &p, Options::greedy(), None, p.len() + room);
+        if reason != DoneReason::Stop {
+            assert_eq!(ids.len(), room, "room {room}: the context is filled");
+        }
+        if room > 6 {
+            assert!(drafted > 0, "room {room}: no round ran");
+        }
     }
 }
 
