@@ -141,8 +141,23 @@ impl DraftArgs {
     }
 }
 
+/// The store, with what killed writers left behind cleaned away (when no writer is at work);
+/// returns what a user should hear about that.
+fn open_store_swept() -> Result<(store::Store, Option<String>)> {
+    let st = store::Store::open(store::Store::default_root()?);
+    let note = match st.sweep_partials()? {
+        Some((0, _)) => None,
+        Some((n, bytes)) => Some(format!(
+            "removed {n} partial file(s) ({:.1} MB) left by an interrupted create",
+            bytes as f64 / 1e6
+        )),
+        None => Some("a create is in progress: its partial files are kept".into()),
+    };
+    Ok((st, note))
+}
+
 fn open_store() -> Result<store::Store> {
-    Ok(store::Store::open(store::Store::default_root()?))
+    Ok(open_store_swept()?.0)
 }
 
 fn model_name(arg: &str) -> Result<store::ModelName> {
@@ -586,7 +601,10 @@ fn create(a: CreateArgs) -> Result<()> {
 }
 
 fn list() -> Result<()> {
-    let st = open_store()?;
+    let (st, note) = open_store_swept()?;
+    if let Some(n) = note {
+        eprintln!("{n}");
+    }
     let models = st.list()?;
     println!("{:<40} {:<14} {:>10}  MODIFIED", "NAME", "ID", "SIZE");
     for m in models {

@@ -540,3 +540,70 @@ fn stored_parameters_apply_to_generate_not_to_protocol_requests() {
     .unwrap();
     assert_eq!(status["ContextLength"], 48);
 }
+
+/// What a killed `create` leaves behind is cleaned when any store command starts (unless a
+/// writer is at work), and `list` says so.
+#[test]
+fn partial_files_of_a_killed_create_are_swept_by_the_next_command() {
+    let env = Env::new();
+    let mf = env.modelfile(
+        "Modelfile",
+        &format!("FROM {}\n", fixture("glm4_moe_lite").display()),
+    );
+    env.ok(&["create", "m", "-f", mf.to_str().unwrap()]);
+    let partial = env.models().join("blobs/.partial-4242-0");
+    std::fs::write(&partial, vec![0u8; 1 << 20]).unwrap();
+    // A writer at work: its files are kept.
+    let lock = std::fs::File::options()
+        .write(true)
+        .open(env.models().join(".lock"))
+        .unwrap();
+    lock.lock().unwrap();
+    let out = env.run(&["list"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("a create is in progress"));
+    assert!(partial.exists());
+    lock.unlock().unwrap();
+    // No writer: swept, and said.
+    let out = env.run(&["list"]);
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("removed 1 partial file(s) (1.0 MB)"), "{err}");
+    assert!(!partial.exists());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("m:latest"));
+    // Any other store command sweeps too.
+    std::fs::write(&partial, b"x").unwrap();
+    env.ok(&["show", "m"]);
+    assert!(!partial.exists(), "show swept");
+}
+
+/// Every blob is checked against its digest, the parameters included.
+#[test]
+fn an_altered_params_blob_is_refused() {
+    let env = Env::new();
+    let mf = env.modelfile(
+        "Modelfile",
+        &format!(
+            "FROM {}\nPARAMETER temperature 0.5\n",
+            fixture("glm4_moe_lite").display()
+        ),
+    );
+    env.ok(&["create", "p", "-f", mf.to_str().unwrap()]);
+    let st = env.store();
+    let r = st.resolve(&"p".parse().unwrap()).unwrap();
+    let params = r
+        .manifest
+        .layers
+        .iter()
+        .find(|l| l.media_type.ends_with(".params"))
+        .expect("a params layer");
+    std::fs::write(
+        st.blob_path(&params.digest).unwrap(),
+        r#"{"temperature":1.5}"#,
+    )
+    .unwrap();
+    let e = env.fails(&["show", "p"]);
+    assert!(e.contains("does not match its digest"), "{e}");
+    let e = env.fails(&["generate", "--model", "p", "--prompt", "x", "-n", "1"]);
+    assert!(e.contains("does not match its digest"), "{e}");
+}

@@ -177,14 +177,10 @@ fn draft_impl(
             target.model.vocab_size()
         )));
     }
-    if draft.tokenizer.vocab_size() != target.tokenizer.vocab_size() {
+    if let Some(d) = target.tokenizer.first_difference(&draft.tokenizer) {
         return Err(ModelError::Tokenizer {
             path: files.origin.join("tokenizer.json"),
-            message: format!(
-                "has {} tokens, the target's tokenizer {}: not the same tokenizer",
-                draft.tokenizer.vocab_size(),
-                target.tokenizer.vocab_size()
-            ),
+            message: format!("{d}: not the same tokenizer"),
         });
     }
     Ok(Draft::Model(draft.model))

@@ -147,6 +147,58 @@ impl Tokenizer {
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
+
+    /// The first way `other` differs from this tokenizer (the size of the vocabulary, a token's
+    /// string at some id, which ids are special tokens), described from `other`'s side; `None`
+    /// when they map every id to the same token. A drafter proposes token ids that the target
+    /// verifies, so a vocabulary that matches in size only (two ids swapped, say) would make
+    /// every draft silently wrong.
+    pub fn first_difference(&self, other: &Tokenizer) -> Option<String> {
+        let (n, m) = (self.vocab_size(), other.vocab_size());
+        if n != m {
+            return Some(format!("has {m} tokens, the target's tokenizer {n}"));
+        }
+        for id in 0..n as u32 {
+            let (a, b) = (self.inner.id_to_token(id), other.inner.id_to_token(id));
+            if a != b {
+                return Some(format!(
+                    "maps id {id} to {}, the target's tokenizer to {}",
+                    b.map_or("nothing".into(), |t| format!("{t:?}")),
+                    a.map_or("nothing".into(), |t| format!("{t:?}")),
+                ));
+            }
+        }
+        let special = |t: &Tokenizer| {
+            let mut v: Vec<u32> = t
+                .inner
+                .get_added_tokens_decoder()
+                .into_iter()
+                .filter(|(_, tok)| tok.special)
+                .map(|(id, _)| id)
+                .collect();
+            v.sort_unstable();
+            v
+        };
+        let (a, b) = (special(self), special(other));
+        if a != b {
+            let id = a
+                .iter()
+                .find(|i| !b.contains(i))
+                .or_else(|| b.iter().find(|i| !a.contains(i)))
+                .copied()
+                .unwrap_or_default();
+            let (draft, target) = if b.contains(&id) {
+                ("treats", "does not")
+            } else {
+                ("does not treat", "does")
+            };
+            return Some(format!(
+                "{draft} token {id} ({:?}) as special, the target's tokenizer {target}",
+                self.inner.id_to_token(id).unwrap_or_default(),
+            ));
+        }
+        None
+    }
 }
 
 /// Incremental detokenisation: decodes a short window of recent tokens and emits only the new

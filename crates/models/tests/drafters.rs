@@ -247,3 +247,43 @@ fn mismatched_drafts_are_refused() {
         .to_string();
     assert!(e.contains("vocabulary") || e.contains("shape"), "{e}");
 }
+
+/// A draft whose tokenizer has the target's size but not its tokens (two ids swapped, a special
+/// token that is not special) is refused, naming the first difference.
+#[test]
+fn a_draft_with_another_tokenizer_of_the_same_size_is_refused() {
+    let target = load(&fixture("gemma4_31b_like"), DtypeChoice::Fixed(Dtype::F32)).unwrap();
+    let with_tokenizer = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let dir = tempfile::tempdir().unwrap();
+        for f in std::fs::read_dir(fixture("gemma4_31b_like")).unwrap() {
+            let p = f.unwrap().path();
+            std::fs::copy(&p, dir.path().join(p.file_name().unwrap())).unwrap();
+        }
+        let path = dir.path().join("tokenizer.json");
+        let mut t: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        edit(&mut t);
+        std::fs::write(&path, t.to_string()).unwrap();
+        let r = load_draft(dir.path(), &target, DtypeChoice::Auto);
+        r.err().map(|e| e.to_string())
+    };
+    // The fixture itself is accepted as its own draft.
+    assert_eq!(with_tokenizer(&|_| {}), None);
+    let e = with_tokenizer(&|t| {
+        let vocab = t["model"]["vocab"].as_object_mut().unwrap();
+        let (a, b) = ("<0x61>".to_string(), "<0x62>".to_string());
+        let (ia, ib) = (vocab[&a].clone(), vocab[&b].clone());
+        vocab.insert(a, ib);
+        vocab.insert(b, ia);
+    })
+    .expect("swapped ids are refused");
+    assert!(
+        e.contains("maps id") && e.contains("not the same tokenizer"),
+        "{e}"
+    );
+    let e = with_tokenizer(&|t| {
+        t["added_tokens"][1]["special"] = serde_json::json!(false);
+    })
+    .expect("a special token that is not special is refused");
+    assert!(e.contains("as special"), "{e}");
+}

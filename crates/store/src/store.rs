@@ -437,26 +437,71 @@ impl Store {
         Ok((target, has_draft.then_some(draft)))
     }
 
-    /// The text of a stored text layer (template, system, license, ...).
+    /// The text of a stored text layer (template, system, license, parameters), checked
+    /// against its digest like every other blob.
     pub fn read_text(&self, layer: &Layer) -> Result<String> {
         let p = self.blob_path(&layer.digest)?;
-        std::fs::read_to_string(&p).map_err(io(&p))
+        let bytes = std::fs::read(&p).map_err(io(&p))?;
+        if format!("sha256:{}", sha256_hex(&bytes)) != layer.digest {
+            return Err(StoreError::Corrupt {
+                path: p,
+                message: "the blob does not match its digest".into(),
+            });
+        }
+        String::from_utf8(bytes).map_err(|_| StoreError::Corrupt {
+            path: p,
+            message: "a text blob that is not UTF-8".into(),
+        })
+    }
+
+    /// Removes the temporary files that a killed writer left behind, when no writer is at
+    /// work (a live one holds the lock: its files are left alone). Returns the files and bytes
+    /// removed, or `None` when a writer holds the lock. Any store command may call it.
+    pub fn sweep_partials(&self) -> Result<Option<(usize, u64)>> {
+        if !self.root.is_dir() {
+            return Ok(Some((0, 0)));
+        }
+        let path = self.root.join(".lock");
+        let file = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(io(&path))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => return Ok(None),
+            Err(std::fs::TryLockError::Error(e)) => return Err(io(&path)(e)),
+        }
+        let mut swept = (0, 0);
+        for dir in [self.blobs(), self.manifests()] {
+            let (n, b) = remove_partials(&dir);
+            swept = (swept.0 + n, swept.1 + b);
+        }
+        Ok(Some(swept))
     }
 }
 
-fn remove_partials(dir: &Path) {
+/// Removes the partial files below `dir`; returns how many and their bytes.
+fn remove_partials(dir: &Path) -> (usize, u64) {
     let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
+        return (0, 0);
     };
+    let mut removed = (0, 0);
     for e in entries.flatten() {
         let p = e.path();
         let name = e.file_name();
         if name.to_string_lossy().starts_with(PARTIAL) {
-            let _ = std::fs::remove_file(&p);
+            let size = e.metadata().map_or(0, |m| m.len());
+            if std::fs::remove_file(&p).is_ok() {
+                removed = (removed.0 + 1, removed.1 + size);
+            }
         } else if e.file_type().is_ok_and(|t| t.is_dir()) {
-            remove_partials(&p);
+            let (n, b) = remove_partials(&p);
+            removed = (removed.0 + n, removed.1 + b);
         }
     }
+    removed
 }
 
 /// Manifest files below `dir` (four levels: host/namespace/model/tag), skipping partials.
