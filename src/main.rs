@@ -132,9 +132,9 @@ impl DraftArgs {
             draft_depth: if self.no_draft {
                 Some(0)
             } else {
-                self.draft_depth.0
+                self.draft_depth.0.map(|n| capped_depth(n, "--draft-depth"))
             },
-            max_draft_depth: self.max_draft_depth,
+            max_draft_depth: capped_depth(self.max_draft_depth, "--max-draft-depth"),
             draft_position: self.draft_position,
         };
         Ok((cfg, m.parameters))
@@ -143,6 +143,35 @@ impl DraftArgs {
 
 /// The store, with what killed writers left behind cleaned away (when no writer is at work);
 /// returns what a user should hear about that.
+/// The deepest draft round allowed: a round's verify forward grows with its depth while the
+/// chance that every draft is accepted shrinks geometrically, so deeper rounds only cost time
+/// (a depth of 1000 took minutes per request).
+const MAX_DRAFT_DEPTH: usize = 16;
+
+fn capped_depth(n: usize, flag: &str) -> usize {
+    if n > MAX_DRAFT_DEPTH {
+        eprintln!("warning: {flag} {n} is deeper than {MAX_DRAFT_DEPTH}: using {MAX_DRAFT_DEPTH}");
+        MAX_DRAFT_DEPTH
+    } else {
+        n
+    }
+}
+
+fn seconds(v: f64, flag: &str) -> Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(v)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| anyhow::anyhow!("{flag} must be a positive number of seconds, got {v}"))
+}
+
+/// `--ctx-size 0` would make every request fail: refuse it at start.
+fn check_ctx_size(n: Option<usize>) -> Result<()> {
+    if n == Some(0) {
+        anyhow::bail!("--ctx-size must be at least 1");
+    }
+    Ok(())
+}
+
 fn open_store_swept() -> Result<(store::Store, Option<String>)> {
     let st = store::Store::open(store::Store::default_root()?);
     let note = match st.sweep_partials()? {
@@ -242,6 +271,16 @@ struct RunnerArgs {
     /// Accepted for compatibility with the ollama parent; ignored.
     #[arg(long)]
     mlx_engine: bool,
+    /// Seconds a client has to send a request's headers (and, on a kept-alive connection, the
+    /// next request's); then the connection is closed.
+    #[arg(long, default_value_t = 10.0)]
+    http_header_timeout: f64,
+    /// Seconds a client has to send a request's whole body; then it gets a 408.
+    #[arg(long, default_value_t = 60.0)]
+    http_body_timeout: f64,
+    /// Connections served at once; more get an immediate 503.
+    #[arg(long, default_value_t = 512)]
+    max_connections: usize,
 }
 
 #[derive(clap::Args)]
@@ -398,6 +437,7 @@ fn runner(a: RunnerArgs) -> Result<()> {
         .with_ansi(false)
         .init();
     let _ = a.mlx_engine;
+    check_ctx_size(a.ctx_size)?;
     let (engine, stored) = a.draft.engine(&a.model, a.dtype)?;
     // A stored model's num_ctx is the runner's context length unless --ctx-size says otherwise.
     // Its other PARAMETERs are not applied to requests: the parent merges them into each
@@ -418,6 +458,12 @@ fn runner(a: RunnerArgs) -> Result<()> {
         },
         host: a.host,
         port: a.port,
+        http: runner::listen::HttpLimits {
+            header_timeout: seconds(a.http_header_timeout, "--http-header-timeout")?,
+            body_timeout: seconds(a.http_body_timeout, "--http-body-timeout")?,
+            max_connections: a.max_connections.max(1),
+            ..Default::default()
+        },
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -493,6 +539,7 @@ impl GenerateArgs {
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
+    check_ctx_size(a.ctx_size)?;
     let (cfg, stored) = a.draft.engine(&a.model, a.dtype)?;
     let req = a.request(&stored)?;
     let mut loaded = models::load_files(&cfg.model, a.dtype)?;

@@ -166,3 +166,109 @@ fn generate_with_a_broken_model_fails_with_one_line() {
         "{err}"
     );
 }
+
+/// Settings that cannot work are refused at start, and settings past what is sensible are
+/// capped with a warning, rather than each request failing or crawling.
+#[test]
+fn unusable_settings_are_refused_or_capped_at_start() {
+    for cmd in ["runner", "generate"] {
+        let mut c = mlx_runner();
+        c.args([
+            cmd,
+            "--model",
+            &fixture("gemma4_31b_like"),
+            "--ctx-size",
+            "0",
+        ]);
+        if cmd == "runner" {
+            c.args(["--port", "1"]);
+        } else {
+            c.args(["--prompt", "x"]);
+        }
+        let out = c.output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{cmd}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.trim(), "error: --ctx-size must be at least 1", "{cmd}");
+    }
+    let t = std::time::Instant::now();
+    let out = mlx_runner()
+        .args([
+            "generate",
+            "--model",
+            &fixture("gemma4_31b_like"),
+            "--draft",
+            &fixture("gemma4_31b_like"),
+            "--draft-depth",
+            "1000",
+            "--prompt",
+            "Hello",
+            "-n",
+            "24",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("warning: --draft-depth 1000 is deeper than 16: using 16"),
+        "{err}"
+    );
+    // Generous: a depth of 1000 took minutes; a capped one takes well under a second here.
+    assert!(t.elapsed() < std::time::Duration::from_secs(60));
+}
+
+/// With `--port 0` the system chooses the port; the runner logs the one it bound.
+#[test]
+fn port_zero_reports_the_bound_port() {
+    use std::io::{BufRead, BufReader};
+    let mut child = mlx_runner()
+        .args([
+            "runner",
+            "--model",
+            &fixture("gemma4_31b_like"),
+            "--port",
+            "0",
+        ])
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let err = BufReader::new(child.stderr.take().unwrap());
+    let mut port = None;
+    for line in err.lines() {
+        let line = line.unwrap();
+        if line.contains("runner ready") {
+            let addr = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("addr="))
+                .expect("the ready line names the address");
+            port = addr.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
+            break;
+        }
+    }
+    let port = port.expect("a port");
+    assert_ne!(port, 0);
+    let s = ureq::get(&format!("http://127.0.0.1:{port}/v1/status"))
+        .call()
+        .unwrap();
+    assert_eq!(s.status(), 200);
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// An error's cause is printed once.
+#[test]
+fn an_error_names_its_cause_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = mlx_runner()
+        .args(["create", "x", "-f", "/no/such/Modelfile"])
+        .env("MLX_RUNNER_MODELS", dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        err.trim(),
+        "error: /no/such/Modelfile: No such file or directory (os error 2)"
+    );
+}

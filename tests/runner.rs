@@ -339,10 +339,17 @@ fn malformed_requests_get_clear_400s_and_the_runner_stays_healthy() {
         &json!({"Prompt": "Hi", "Options": {"num_predict": 2, "mirostat": 2, "temperature": 0}}),
     );
     assert_eq!(done_of(&lines)["Done"], true);
-    // Oversized bodies: 413.
-    let huge = format!("{{\"Prompt\": \"{}\"}}", "a".repeat(33 << 20));
-    let (code, e) = r.post_raw("/v1/completions", &huge);
-    assert_eq!(code, 413, "{e}");
+    // Oversized bodies: 413 as soon as the headers announce one, without reading it.
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{{\"Prompt\": \"",
+        33 << 20
+    );
+    let answer = raw_http(r.port, head.as_bytes(), Duration::from_secs(5)).expect("answered");
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(
+        answer.contains("request body is larger than 33554432 bytes"),
+        "{answer}"
+    );
     // Unknown endpoint.
     let (code, _) = r.post_raw("/v1/nope", "{}");
     assert_eq!(code, 404);

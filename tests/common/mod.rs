@@ -161,6 +161,31 @@ pub fn wait_timeout(child: &mut Child, t: Duration) -> Option<std::process::Exit
     None
 }
 
+/// Sends `request` as is on a new connection and returns what comes back before the server
+/// closes it or `wait` passes (then `None`: the server kept the connection open).
+pub fn raw_http(port: u16, request: &[u8], wait: Duration) -> Option<String> {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(request).unwrap();
+    s.set_read_timeout(Some(wait)).unwrap();
+    let mut out = Vec::new();
+    let start = Instant::now();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return Some(String::from_utf8_lossy(&out).into_owned()),
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                return Some(String::from_utf8_lossy(&out).into_owned())
+            }
+            Err(_) => return None,
+        }
+        if start.elapsed() > wait {
+            return None;
+        }
+    }
+}
+
 /// The text of a stream: every Content, in order.
 pub fn text_of(lines: &[Value]) -> String {
     lines.iter().filter_map(|l| l["Content"].as_str()).collect()

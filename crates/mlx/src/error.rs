@@ -15,11 +15,12 @@ pub enum Error {
     /// An argument checked on the Rust side (index out of range, bad slice step, ...).
     #[error("{0}")]
     Invalid(String),
-    #[error("{path}: {source}")]
+    /// The cause is part of the message and deliberately not a `source()`: a CLI that prints
+    /// the chain would print it twice.
+    #[error("{path}: {cause}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// A file that is not what it claims to be (a truncated or malformed safetensors file).
     #[error("{path}: {message}")]

@@ -75,7 +75,7 @@ struct Entry {
 fn validate(path: &Path) -> Result<(MmapMut, Vec<Entry>, HashMap<String, String>)> {
     let io_err = |source| Error::Io {
         path: path.to_path_buf(),
-        source,
+        cause: source,
     };
     let file = File::open(path).map_err(io_err)?;
     let len = file.metadata().map_err(io_err)?.len() as usize;

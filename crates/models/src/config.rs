@@ -15,7 +15,7 @@ impl JsonFile {
     pub fn read(path: &Path) -> Result<JsonFile> {
         let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
             path: path.to_path_buf(),
-            source,
+            cause: source,
         })?;
         let value = serde_json::from_str(&text).map_err(|e| ModelError::Config {
             path: path.to_path_buf(),

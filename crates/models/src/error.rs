@@ -4,11 +4,12 @@ use std::path::PathBuf;
 /// field, the tensor), so the CLI can print it as one line.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    #[error("{path}: {source}")]
+    /// The cause is part of the message and deliberately not a `source()`: a CLI that prints
+    /// the chain would print it twice.
+    #[error("{path}: {cause}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("{path}: {message}")]
     Config { path: PathBuf, message: String },

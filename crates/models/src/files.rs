@@ -46,10 +46,7 @@ impl ModelFiles {
         if !dir.is_dir() {
             return Err(ModelError::Io {
                 path: dir.to_path_buf(),
-                source: std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
-                    "no such model directory",
-                ),
+                cause: std::io::Error::new(std::io::ErrorKind::NotFound, "no such model directory"),
             });
         }
         let files = CHECKPOINT_FILES
@@ -129,7 +126,7 @@ pub fn sha256_file(path: &Path) -> std::io::Result<String> {
 fn check_digest(path: &Path, want: &str) -> Result<()> {
     let got = sha256_file(path).map_err(|source| ModelError::Io {
         path: path.to_path_buf(),
-        source,
+        cause: source,
     })?;
     if got != want {
         return Err(ModelError::Config {

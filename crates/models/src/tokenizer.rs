@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     path: PathBuf,
+    /// Bytes of the longest token string in the vocabulary.
+    longest: usize,
     add_bos: Option<bool>,
     bos: Option<u32>,
     eos: Vec<u32>,
@@ -86,9 +88,16 @@ impl Tokenizer {
                 tval.and_then(|v| v.get("eos_token")),
             ));
         }
+        let longest = inner
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1);
         Ok(Tokenizer {
             inner,
             path,
+            longest,
             add_bos,
             bos,
             eos,
@@ -146,6 +155,18 @@ impl Tokenizer {
 
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+
+    /// An upper bound on the bytes of text that `tokens` tokens can cover, so that a text longer
+    /// than that is known not to fit without tokenizing it (tokenizing megabytes costs seconds
+    /// and gigabytes). A token's string in the vocabulary is at least as long as the text it
+    /// stands for (byte-level and SentencePiece vocabularies spell a byte with one or more
+    /// bytes); normalisation can shrink text up to about threefold (NFKC), hence the margin.
+    pub fn max_text_bytes(&self, tokens: usize) -> usize {
+        tokens
+            .saturating_add(8)
+            .saturating_mul(self.longest.max(1))
+            .saturating_mul(4)
     }
 
     /// The first way `other` differs from this tokenizer (the size of the vocabulary, a token's

@@ -82,7 +82,7 @@ pub struct Weights {
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
     move |source| ModelError::Io {
         path: path.to_path_buf(),
-        source,
+        cause: source,
     }
 }
 
@@ -143,7 +143,7 @@ pub fn read_tensors(files: &crate::ModelFiles) -> Result<HashMap<String, Array>>
     let prefix = files.tensor_prefix.as_str();
     for f in &files.tensors {
         let t = mlx::io::load_safetensors(f).map_err(|e| match e {
-            mlx::Error::Io { path, source } => ModelError::Io { path, source },
+            mlx::Error::Io { path, cause } => ModelError::Io { path, cause },
             other => ModelError::Mlx(other),
         })?;
         tensors.extend(

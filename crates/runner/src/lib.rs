@@ -4,6 +4,7 @@
 pub mod depth;
 pub mod engine;
 pub mod generate;
+pub mod listen;
 pub mod metrics;
 pub mod process;
 pub mod protocol;

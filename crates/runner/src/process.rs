@@ -2,6 +2,7 @@
 //! parent's death or a load failure, then end streams and exit.
 
 use crate::engine::{self, EngineConfig, Job};
+use crate::listen::{serve, HttpLimits};
 use crate::server::{router, AppState};
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -11,6 +12,7 @@ pub struct RunnerOptions {
     pub engine: EngineConfig,
     pub host: String,
     pub port: u16,
+    pub http: HttpLimits,
 }
 
 /// Why the runner stopped serving.
@@ -67,18 +69,22 @@ pub async fn run(opts: RunnerOptions) -> Result<(), String> {
         .map_err(|e| format!("cannot start the engine thread: {e}"))?;
     let (loaded, join, jobs, shared) = (handle.loaded, handle.thread, handle.jobs, handle.shared);
     let state = AppState {
+        limits: opts.http,
+        tokenize_slots: std::sync::Arc::new(tokio::sync::Semaphore::new(
+            crate::server::TOKENIZE_UNITS as usize,
+        )),
         jobs: jobs.clone(),
         shared: shared.clone(),
         prefill_chunk: opts.engine.prefill_chunk,
     };
     let app = router(state);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let limits = opts.http;
     let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async {
-                let _ = stop_rx.await;
-            })
-            .await
+        serve(listener, app, limits, async {
+            let _ = stop_rx.await;
+        })
+        .await
     });
 
     // Serve 503 while loading; a model that cannot load ends the process with its reason.

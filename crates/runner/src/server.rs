@@ -4,13 +4,13 @@
 
 use crate::engine::{CompletionJob, EngineEvent, Job, Shared};
 use crate::generate::GenerationParams;
+use crate::listen::{read_body, refuse_oversized, HttpLimits};
 use crate::protocol::{
     CompletionChunk, CompletionRequest, DoneReason, StreamError, StreamErrorBody,
 };
 use crate::text::{TextPiece, TextStream};
 use axum::body::{Body, Bytes};
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -28,6 +28,9 @@ pub const MAX_BODY: usize = 32 << 20;
 
 #[derive(Clone)]
 pub struct AppState {
+    pub limits: HttpLimits,
+    /// The tokenization budget ([`TOKENIZE_UNITS`]).
+    pub tokenize_slots: Arc<tokio::sync::Semaphore>,
     pub jobs: Sender<Job>,
     pub shared: Arc<Shared>,
     pub prefill_chunk: usize,
@@ -81,14 +84,8 @@ impl IntoResponse for ApiError {
     }
 }
 
-impl From<BytesRejection> for ApiError {
-    fn from(r: BytesRejection) -> ApiError {
-        let status = r.status();
-        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
-            format!("request body is larger than {MAX_BODY} bytes")
-        } else {
-            r.body_text()
-        };
+impl From<(StatusCode, String)> for ApiError {
+    fn from((status, message): (StatusCode, String)) -> ApiError {
         ApiError::new(status, message)
     }
 }
@@ -105,7 +102,10 @@ pub fn router(state: AppState) -> Router {
         .route("/load", post(models_route))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "404 page not found") })
-        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::middleware::from_fn_with_state(
+            state.limits,
+            refuse_oversized,
+        ))
         .with_state(state)
 }
 
@@ -159,31 +159,21 @@ fn bad(app: &AppState, e: ApiError) -> ApiError {
     e
 }
 
-async fn tokenize(
-    State(app): State<AppState>,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
+async fn tokenize(State(app): State<AppState>, body: Body) -> Result<Response, ApiError> {
     let run = async {
-        let body = body?;
+        let body = read_body(body, &app.limits).await?;
         let text = std::str::from_utf8(&body)
             .map_err(|_| ApiError::bad_request("body is not UTF-8 text"))?;
         let tok = tokenizer(&app)?;
-        let text = text.to_string();
-        let ids = tokio::task::spawn_blocking(move || tok.encode(&text))
-            .await
-            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
-            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let ids = encode(&app, tok, text.to_string()).await?;
         Ok(Json(ids).into_response())
     };
     run.await.map_err(|e| bad(&app, e))
 }
 
-async fn detokenize(
-    State(app): State<AppState>,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
+async fn detokenize(State(app): State<AppState>, body: Body) -> Result<Response, ApiError> {
     let run = async {
-        let body = body?;
+        let body = read_body(body, &app.limits).await?;
         let ids: Vec<u32> = serde_json::from_slice(&body).map_err(|e| {
             ApiError::bad_request(format!("body must be a JSON array of token ids: {e}"))
         })?;
@@ -202,6 +192,44 @@ async fn detokenize(
     run.await.map_err(|e| bad(&app, e).json())
 }
 
+/// Tokenizations at once, in units: a small text takes one, a large one all of them, so that
+/// large texts (gigabytes of tokenizer state for tens of megabytes of text) run one at a time.
+pub const TOKENIZE_UNITS: u32 = 4;
+/// Texts past this size are large.
+const LARGE_TEXT: usize = 1 << 20;
+
+/// Tokenizes off the async threads, within the tokenization budget; a large text's memory is
+/// handed back to the system afterwards instead of staying in the allocator's free lists.
+async fn encode(app: &AppState, tok: Arc<Tokenizer>, text: String) -> Result<Vec<u32>, ApiError> {
+    let large = text.len() > LARGE_TEXT;
+    let units = if large { TOKENIZE_UNITS } else { 1 };
+    let _permit = app
+        .tokenize_slots
+        .acquire_many(units)
+        .await
+        .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting down"))?;
+    tokio::task::spawn_blocking(move || {
+        let ids = tok.encode(&text);
+        drop(text);
+        if large {
+            release_free_memory();
+        }
+        ids
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+    .map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+/// Returns the allocator's free memory to the system (glibc keeps freed arenas otherwise).
+fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free memory; it has no preconditions.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Sets the engine's cancel flag when the response stream is dropped (the client went away).
 struct CancelOnDrop(Arc<AtomicBool>);
 
@@ -211,10 +239,7 @@ impl Drop for CancelOnDrop {
     }
 }
 
-async fn completions(
-    State(app): State<AppState>,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
+async fn completions(State(app): State<AppState>, body: Body) -> Result<Response, ApiError> {
     let received = Instant::now();
     let prepared = prepare(&app, body).await.map_err(|e| bad(&app, e))?;
     let (req, prompt, num_ctx, tok) = prepared;
@@ -276,19 +301,21 @@ pub const STREAM_CONTENT_TYPE: &str = "application/jsonl";
 /// Parses, validates and tokenizes a completion request.
 async fn prepare(
     app: &AppState,
-    body: Result<Bytes, BytesRejection>,
+    body: Body,
 ) -> Result<(CompletionRequest, Vec<u32>, usize, Arc<Tokenizer>), ApiError> {
-    let body = body?;
+    let body = read_body(body, &app.limits).await?;
     let req = CompletionRequest::parse(&body).map_err(ApiError::bad_request)?;
     req.validate().map_err(ApiError::bad_request)?;
     let tok = tokenizer(app)?;
     let num_ctx = req.num_ctx(app.shared.context_length.load(Ordering::Relaxed));
-    let text = req.prompt.clone();
-    let t = Arc::clone(&tok);
-    let prompt = tokio::task::spawn_blocking(move || t.encode(&text))
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
-        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    // A text that cannot fit is refused before it costs anything to tokenize.
+    if req.prompt.len() > tok.max_text_bytes(num_ctx) {
+        return Err(ApiError::bad_request(format!(
+            "prompt is too long: {} bytes of text cannot fit the context of {num_ctx} tokens",
+            req.prompt.len()
+        )));
+    }
+    let prompt = encode(app, Arc::clone(&tok), req.prompt.clone()).await?;
     if prompt.is_empty() {
         return Err(ApiError::bad_request("prompt tokenizes to nothing"));
     }

@@ -47,7 +47,7 @@ pub fn create(
 ) -> Result<CreateReport> {
     let text = std::fs::read_to_string(modelfile).map_err(|source| StoreError::Io {
         path: modelfile.to_path_buf(),
-        source,
+        cause: source,
     })?;
     let mf: Modelfile = text.parse().map_err(|error| StoreError::Modelfile {
         path: modelfile.to_path_buf(),
@@ -635,7 +635,7 @@ fn import(
         } else {
             std::fs::read(path).map_err(|source| StoreError::Io {
                 path: path.to_path_buf(),
-                source,
+                cause: source,
             })?
         };
         let mut layer = store.write_blob(lock, media::JSON, &bytes)?;

@@ -21,11 +21,12 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("{path}: {source}")]
+    /// The cause is part of the message and deliberately not a `source()`: a CLI that prints
+    /// the chain would print it twice.
+    #[error("{path}: {cause}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("{path}: {message}")]
     Corrupt { path: PathBuf, message: String },

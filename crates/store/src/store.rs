@@ -61,7 +61,7 @@ pub struct Listed {
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
     move |source| StoreError::Io {
         path: path.to_path_buf(),
-        source,
+        cause: source,
     }
 }
 
