@@ -26,9 +26,11 @@ fn dim() -> impl Strategy<Value = i64> {
     prop_oneof![8 => 0i64..6, 1 => Just(-1i64), 1 => Just(1i64 << 40)]
 }
 
-/// A header entry: consistent with its data most of the time, off in one way or another
-/// otherwise.
-fn entry() -> impl Strategy<Value = (String, Vec<i64>, (i64, i64), bool)> {
+/// A header entry: dtype, shape, data offsets, and whether the offsets are made consistent with
+/// the data (most of the time) or left as drawn.
+type Entry = (String, Vec<i64>, (i64, i64), bool);
+
+fn entry() -> impl Strategy<Value = Entry> {
     (
         dtype(),
         prop::collection::vec(dim(), 0..4),
@@ -38,7 +40,7 @@ fn entry() -> impl Strategy<Value = (String, Vec<i64>, (i64, i64), bool)> {
 }
 
 fn file(
-    entries: Vec<(String, Vec<i64>, (i64, i64), bool)>,
+    entries: Vec<Entry>,
     metadata: Option<Value>,
     slack: usize,
     header_len_delta: i64,
