@@ -164,6 +164,20 @@ fn seconds(v: f64, flag: &str) -> Result<std::time::Duration> {
         .ok_or_else(|| anyhow::anyhow!("{flag} must be a positive number of seconds, got {v}"))
 }
 
+/// What to say when MLX's float32 matmuls run on the reference BLAS bundled with its wheel
+/// (12-16x slower than OpenBLAS), if they do.
+fn reference_blas_warning() -> Option<String> {
+    let lib = mlx::blas_library();
+    let fast = lib.contains("openblas") || lib.contains("mlxr_blas");
+    (!fast).then(|| {
+        format!(
+            "float32 matmuls run on the reference BLAS ({lib}), 12-16x slower than OpenBLAS: \
+             install libopenblas0-pthread, or rebuild with python3/pip available so the build can \
+             fetch the pinned scipy-openblas wheel (see README)"
+        )
+    })
+}
+
 /// `--ctx-size 0` would make every request fail: refuse it at start.
 fn check_ctx_size(n: Option<usize>) -> Result<()> {
     if n == Some(0) {
@@ -438,6 +452,9 @@ fn runner(a: RunnerArgs) -> Result<()> {
         .init();
     let _ = a.mlx_engine;
     check_ctx_size(a.ctx_size)?;
+    if let Some(w) = reference_blas_warning() {
+        tracing::warn!("{w}");
+    }
     let (engine, stored) = a.draft.engine(&a.model, a.dtype)?;
     // A stored model's num_ctx is the runner's context length unless --ctx-size says otherwise.
     // Its other PARAMETERs are not applied to requests: the parent merges them into each
@@ -540,6 +557,9 @@ impl GenerateArgs {
 
 fn generate(a: GenerateArgs) -> Result<()> {
     check_ctx_size(a.ctx_size)?;
+    if let Some(w) = reference_blas_warning() {
+        eprintln!("warning: {w}");
+    }
     let (cfg, stored) = a.draft.engine(&a.model, a.dtype)?;
     let req = a.request(&stored)?;
     let mut loaded = models::load_files(&cfg.model, a.dtype)?;

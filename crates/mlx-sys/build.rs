@@ -38,11 +38,15 @@ fn run() -> Result<(), String> {
     for f in ["src/shim.h", "src/shim.cc", "src/lib.rs"] {
         println!("cargo:rerun-if-changed={f}");
     }
+    let blas_pin_path = manifest.join("../../vendor/openblas.pin");
+    println!("cargo:rerun-if-changed={}", blas_pin_path.display());
+    println!("cargo:rerun-if-changed=src/blas_forward.c");
     for v in [
         "MLX_DIR",
         "MLX_RUNNER_CACHE",
         "XDG_CACHE_HOME",
         "MLX_RUNNER_NO_OPENBLAS",
+        "MLX_RUNNER_OPENBLAS",
     ] {
         println!("cargo:rerun-if-env-changed={v}");
     }
@@ -51,11 +55,7 @@ fn run() -> Result<(), String> {
     let include = prefix.join("include");
     let lib = prefix.join("lib");
 
-    let openblas = if env::var_os("MLX_RUNNER_NO_OPENBLAS").is_some() {
-        None
-    } else {
-        find_openblas()
-    };
+    let blas = choose_blas(&manifest.join("src/blas_forward.c"), &blas_pin_path)?;
 
     let mut build = cxx_build::bridge("src/lib.rs");
     build
@@ -66,30 +66,134 @@ fn run() -> Result<(), String> {
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-deprecated-declarations")
         .opt_level(2);
-    if openblas.is_some() {
-        build.define("MLXR_OPENBLAS", None);
+    match &blas {
+        Blas::System(_) => {
+            build.define("MLXR_OPENBLAS", None);
+        }
+        Blas::Wheel(_) => {
+            build.define("MLXR_OPENBLAS_WHEEL", None);
+        }
+        Blas::Reference => {}
     }
     build.compile("mlxr_shim");
 
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-lib=dylib=mlx");
-    if let Some(dir) = &openblas {
-        // Only the runtime package (libopenblas0-pthread) may be installed, which ships no
-        // unversioned .so, hence the verbatim file name. A static initializer in the shim calls
-        // openblas_get_config, so --as-needed keeps the library in every binary that links the
-        // shim, among its direct NEEDED entries, ahead of the reference BLAS one level down.
-        println!("cargo:rustc-link-search=native={}", dir.display());
-        println!("cargo:rustc-link-lib=dylib:+verbatim=libopenblas.so.0");
+    match &blas {
+        Blas::System(dir) => {
+            // Only the runtime package (libopenblas0-pthread) may be installed, which ships no
+            // unversioned .so, hence the verbatim file name. A static initializer in the shim
+            // calls openblas_get_config, so --as-needed keeps the library in every binary that
+            // links the shim, among its direct NEEDED entries, ahead of the reference BLAS one
+            // level down.
+            println!("cargo:rustc-link-search=native={}", dir.display());
+            println!("cargo:rustc-link-lib=dylib:+verbatim=libopenblas.so.0");
+        }
+        Blas::Wheel(dir) => {
+            // The forwarder, kept the same way (the shim's initializer calls mlxr_blas_config);
+            // it finds libscipy_openblas.so next to itself.
+            println!("cargo:rustc-link-search=native={}", dir.display());
+            println!("cargo:rustc-link-lib=dylib:+verbatim={FORWARDER}");
+            println!("cargo:rustc-link-arg=-Wl,-rpath,{}", dir.display());
+        }
+        Blas::Reference => {}
     }
     // dladdr/dlsym for `blas_library()`.
     println!("cargo:rustc-link-lib=dylib=dl");
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
 
-    println!("cargo:rpath={}", lib.display());
+    // Dependents put this on their binaries' rpath (a list: the forwarder's folder too).
+    let rpath = match &blas {
+        Blas::Wheel(dir) => format!("{}:{}", lib.display(), dir.display()),
+        _ => lib.display().to_string(),
+    };
+    println!("cargo:rpath={rpath}");
     println!("cargo:include={}", include.display());
     println!("cargo:prefix={}", prefix.display());
-    println!("cargo:openblas={}", u8::from(openblas.is_some()));
+    println!(
+        "cargo:openblas={}",
+        u8::from(!matches!(blas, Blas::Reference))
+    );
     Ok(())
+}
+
+/// Who serves MLX's `cblas_sgemm` (decision D6).
+enum Blas {
+    /// The system's `libopenblas.so.0`, in this folder.
+    System(PathBuf),
+    /// The pinned scipy-openblas wheel, through [`FORWARDER`] in this folder.
+    Wheel(PathBuf),
+    /// The reference BLAS bundled with MLX (12-16x slower at float32 matmuls).
+    Reference,
+}
+
+const FORWARDER: &str = "libmlxr_blas.so";
+
+/// `MLX_RUNNER_OPENBLAS=system|wheel|none` chooses; by default the system's OpenBLAS when there
+/// is one, else the pinned wheel's (fetched like MLX, without root), else the reference BLAS
+/// with a warning (`MLX_RUNNER_NO_OPENBLAS=1` is `none`).
+fn choose_blas(forwarder_src: &Path, pin_path: &Path) -> Result<Blas, String> {
+    let choice = env::var("MLX_RUNNER_OPENBLAS").unwrap_or_default();
+    let choice = if env::var_os("MLX_RUNNER_NO_OPENBLAS").is_some() {
+        "none"
+    } else {
+        choice.as_str()
+    };
+    let wheel = || -> Result<Blas, String> {
+        let pin = read_pin(pin_path)?;
+        let prefix = pinned_wheel(&pin, "vendor/openblas.pin", "scipy_openblas32", |p| {
+            p.join("lib/libscipy_openblas.so").is_file()
+        })?;
+        let lib = prefix.join("lib");
+        build_forwarder(forwarder_src, &lib)?;
+        Ok(Blas::Wheel(lib))
+    };
+    match choice {
+        "none" => Ok(Blas::Reference),
+        "system" => find_openblas()
+            .map(Blas::System)
+            .ok_or_else(|| "MLX_RUNNER_OPENBLAS=system, but no libopenblas.so.0 was found".into()),
+        "wheel" => wheel(),
+        "" => match find_openblas() {
+            Some(dir) => Ok(Blas::System(dir)),
+            None => wheel().or_else(|e| {
+                println!(
+                    "cargo:warning=no OpenBLAS: float32 matmuls will use the reference BLAS (12-16x slower): {e}"
+                );
+                Ok(Blas::Reference)
+            }),
+        },
+        other => Err(format!(
+            "MLX_RUNNER_OPENBLAS must be system, wheel or none, got {other:?}"
+        )),
+    }
+}
+
+/// Builds [`FORWARDER`] into `lib` (next to libscipy_openblas.so) unless an up-to-date one is
+/// there; written to a temporary name and renamed, so a half-written library is never used.
+fn build_forwarder(src: &Path, lib: &Path) -> Result<(), String> {
+    let out = lib.join(FORWARDER);
+    let stamp = lib.join(format!("{FORWARDER}.sha256"));
+    let want = sha256_file(src)?;
+    if out.is_file() && fs::read_to_string(&stamp).is_ok_and(|s| s == want) {
+        return Ok(());
+    }
+    let tmp = lib.join(format!("{FORWARDER}.tmp-{}", std::process::id()));
+    let cc = env::var("CC").unwrap_or_else(|_| "cc".into());
+    let status = Command::new(&cc)
+        .args(["-shared", "-fPIC", "-O2", "-o"])
+        .arg(&tmp)
+        .arg(src)
+        .arg(format!("-L{}", lib.display()))
+        .arg("-lscipy_openblas")
+        .arg("-Wl,-rpath,$ORIGIN")
+        .status()
+        .map_err(|e| format!("cannot run the C compiler {cc}: {e}"))?;
+    if !status.success() {
+        return Err(format!("{cc} could not build {FORWARDER}"));
+    }
+    fs::rename(&tmp, &out).map_err(|e| format!("cannot write {}: {e}", out.display()))?;
+    fs::write(&stamp, want).map_err(|e| format!("cannot write {}: {e}", stamp.display()))
 }
 
 fn read_pin(path: &Path) -> Result<Pin, String> {
@@ -152,7 +256,7 @@ fn locate_mlx(pin: &Pin) -> Result<PathBuf, String> {
         ),
         None => {}
     }
-    pinned_wheel(pin)
+    pinned_wheel(pin, "vendor/mlx.pin", "mlx", is_mlx_prefix)
 }
 
 /// The version and package folder of an `mlx` that `python3` can import, if any.
@@ -203,12 +307,18 @@ fn sha256_file(path: &Path) -> Result<String, String> {
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// The unpacked pinned wheel's `mlx/` folder, downloading and unpacking it on first use.
-fn pinned_wheel(pin: &Pin) -> Result<PathBuf, String> {
+/// The folder `subdir` of a pinned wheel, unpacked (downloading and unpacking it on first use);
+/// `complete` says whether the folder holds what it should.
+fn pinned_wheel(
+    pin: &Pin,
+    pin_file: &str,
+    subdir: &str,
+    complete: fn(&Path) -> bool,
+) -> Result<PathBuf, String> {
     let root = cache_root()?;
     let unpacked = root.join(format!("{}-{}", pin.package, pin.version));
-    let prefix = unpacked.join("mlx");
-    if unpacked.join(".complete").is_file() && is_mlx_prefix(&prefix) {
+    let prefix = unpacked.join(subdir);
+    if unpacked.join(".complete").is_file() && complete(&prefix) {
         return Ok(prefix);
     }
     let wheels = root.join("wheels");
@@ -223,7 +333,7 @@ fn pinned_wheel(pin: &Pin) -> Result<PathBuf, String> {
                     return Ok(Some(p));
                 }
                 return Err(format!(
-                    "{} has sha256 {got}, but vendor/mlx.pin expects {sha}; delete it to download again",
+                    "{} has sha256 {got}, but {pin_file} expects {sha}; delete it to download again",
                     p.display()
                 ));
             }
@@ -237,16 +347,16 @@ fn pinned_wheel(pin: &Pin) -> Result<PathBuf, String> {
             download_wheel(pin, &wheels)?;
             find_verified()?.ok_or_else(|| {
                 format!(
-                    "pip downloaded no wheel listed in vendor/mlx.pin into {} (this platform may need another build: set MLX_DIR)",
+                    "pip downloaded no wheel listed in {pin_file} into {} (this platform may need another build)",
                     wheels.display()
                 )
             })?
         }
     };
     unpack(&wheel, &unpacked)?;
-    if !is_mlx_prefix(&prefix) {
+    if !complete(&prefix) {
         return Err(format!(
-            "{} holds no mlx/include/mlx/mlx.h or mlx/lib/libmlx.so",
+            "{} does not hold what {pin_file} says it should",
             wheel.display()
         ));
     }

@@ -9,6 +9,15 @@
 #include <stdexcept>
 #include <string>
 
+#ifdef MLXR_OPENBLAS_WHEEL
+extern "C" const char* mlxr_blas_config(void);
+
+namespace {
+// As below, for the forwarder to the wheel's OpenBLAS (crates/mlx-sys/src/blas_forward.c).
+[[maybe_unused]] const char* const openblas_anchor = mlxr_blas_config();
+}  // namespace
+#endif
+
 #ifdef MLXR_OPENBLAS
 extern "C" char* openblas_get_config(void);
 
@@ -96,13 +105,21 @@ rust::String blas_library() {
   if (dladdr(sym, &info) == 0 || info.dli_fname == nullptr) {
     return rust::String("unknown");
   }
-  return rust::String(info.dli_fname);
+  std::string name(info.dli_fname);
+  if (name.size() >= 15 && name.compare(name.size() - 15, 15, "libmlxr_blas.so") == 0) {
+    // Our forwarder: say what it forwards to.
+    name += " -> libscipy_openblas.so";
+  }
+  return rust::String(name);
 }
 
 rust::String openblas_config() {
-#ifdef MLXR_OPENBLAS
+#if defined(MLXR_OPENBLAS)
   const char* c = openblas_get_config();
   return rust::String(c ? c : "");
+#elif defined(MLXR_OPENBLAS_WHEEL)
+  const char* c = mlxr_blas_config();
+  return rust::String(std::string(c ? c : "") + " (scipy-openblas wheel)");
 #else
   return rust::String("");
 #endif

@@ -1,0 +1,316 @@
+//! Soak: many clients against one runner for a while, with random options, random prompt
+//! lengths up to past the context, and random cancels; it reports requests served, errors by
+//! class and the runner's resident memory over time, and checks that greedy outputs are the same
+//! after as before.
+//!
+//! ```sh
+//! SOAK_SECONDS=600 SOAK_CLIENTS=16 cargo bench --bench soak
+//! ```
+//!
+//! `SOAK_MODEL` (default: the gemma4 E2B-like fixture, drafting with its assistant),
+//! `SOAK_CTX` (256) and `SOAK_BUDGET` (prefix cache bytes, 64 MiB) shape the run. It exits
+//! non-zero when the runner dies, a greedy output changes, a request fails in a way that is
+//! not the client's doing, or memory grows past the budget plus the model and a fixed margin.
+
+mod common;
+
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A small deterministic generator per client (reproducible runs for a given seed).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+const WORDS: &[&str] = &[
+    "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "and", "then", "runs", "far",
+    "away", "into", "deep", "dark", "forest", "where", "no", "one", "can", "find", "it", "again",
+];
+
+fn rss_kib(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+}
+
+#[derive(Default)]
+struct Tally {
+    served: u64,
+    cancelled: u64,
+    tokens: u64,
+    errors: BTreeMap<String, u64>,
+}
+
+impl Tally {
+    fn error(&mut self, class: &str) {
+        *self.errors.entry(class.to_string()).or_default() += 1;
+    }
+}
+
+fn greedy(port: u16, prompt: &str) -> String {
+    let body = json!({"Prompt": prompt, "Options": {"num_predict": 16}});
+    let text = ureq::post(&format!("http://127.0.0.1:{port}/v1/completions"))
+        .send_string(&body.to_string())
+        .expect("a greedy check request")
+        .into_string()
+        .unwrap();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| v["Content"].as_str().map(String::from))
+        .collect()
+}
+
+/// One request with random everything; records how it went.
+fn one_request(port: u16, rng: &mut Rng, ctx: u64, tally: &Mutex<Tally>) {
+    // Prompts from a few words to near the context, and one in ten past it.
+    let words = if rng.below(10) == 0 {
+        ctx + rng.below(ctx)
+    } else {
+        2 + rng.below(ctx / 3)
+    };
+    let prompt: Vec<&str> = (0..words)
+        .map(|_| WORDS[rng.below(WORDS.len() as u64) as usize])
+        .collect();
+    let mut options = serde_json::Map::new();
+    options.insert("num_predict".into(), json!(rng.below(48) as i64 - 4));
+    if rng.below(2) == 0 {
+        options.insert("temperature".into(), json!(0.2 + rng.unit()));
+        options.insert("top_k".into(), json!(rng.below(60) as i64 - 5));
+        options.insert("top_p".into(), json!(rng.unit() * 1.2));
+        if rng.below(2) == 0 {
+            options.insert("seed".into(), json!(rng.below(1000)));
+        }
+    }
+    if rng.below(3) == 0 {
+        options.insert("repeat_penalty".into(), json!(0.8 + rng.unit()));
+        options.insert("repeat_last_n".into(), json!(rng.below(600) as i64 - 1));
+    }
+    if rng.below(4) == 0 {
+        options.insert(
+            "stop".into(),
+            json!([WORDS[rng.below(WORDS.len() as u64) as usize]]),
+        );
+    }
+    let body = json!({
+        "Prompt": prompt.join(" "),
+        "Options": options,
+        "Logprobs": rng.below(5) == 0,
+        "TopLogprobs": rng.below(4),
+    });
+    // A quarter of the requests are abandoned after a few chunks.
+    let cancel_after = (rng.below(4) == 0).then(|| rng.below(6) as usize);
+    let resp = ureq::post(&format!("http://127.0.0.1:{port}/v1/completions"))
+        .timeout(Duration::from_secs(300))
+        .send_string(&body.to_string());
+    let resp = match resp {
+        Ok(r) => r,
+        Err(ureq::Error::Status(400, r)) => {
+            let msg = r.into_string().unwrap_or_default();
+            let class = if msg.contains("too long") {
+                "400 prompt too long (expected)"
+            } else {
+                "400 other"
+            };
+            tally.lock().unwrap().error(class);
+            return;
+        }
+        Err(ureq::Error::Status(code, _)) => {
+            tally.lock().unwrap().error(&format!("HTTP {code}"));
+            return;
+        }
+        Err(e) => {
+            tally.lock().unwrap().error(&format!("transport: {e}"));
+            return;
+        }
+    };
+    let mut lines = 0;
+    for line in BufReader::new(resp.into_reader()).lines() {
+        let Ok(line) = line else {
+            tally.lock().unwrap().error("stream read");
+            return;
+        };
+        lines += 1;
+        if cancel_after.is_some_and(|n| lines > n) {
+            tally.lock().unwrap().cancelled += 1;
+            return; // dropping the reader closes the connection
+        }
+        let Ok(v) = serde_json::from_str::<Value>(&line) else {
+            tally.lock().unwrap().error("unparseable line");
+            return;
+        };
+        if v.get("Error").is_some() {
+            tally.lock().unwrap().error("in-stream error");
+            return;
+        }
+        if v["Done"] == true {
+            let mut t = tally.lock().unwrap();
+            t.served += 1;
+            t.tokens += v["EvalCount"].as_u64().unwrap_or(0);
+            return;
+        }
+    }
+    tally.lock().unwrap().error("stream ended without Done");
+}
+
+fn main() {
+    let env = |k: &str, d: u64| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let seconds = env("SOAK_SECONDS", 60);
+    let clients = env("SOAK_CLIENTS", 16);
+    let ctx = env("SOAK_CTX", 256);
+    let budget = env("SOAK_BUDGET", 64 << 20);
+    let root = common::root();
+    let fixture = |n: &str| root.join("tests/fixtures/models").join(n);
+    let model = std::env::var("SOAK_MODEL")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| fixture("gemma4_e2b_like"));
+    let draft = fixture("gemma4_assistant");
+    let mut extra = vec![
+        "--ctx-size".to_string(),
+        ctx.to_string(),
+        "--cache-budget".to_string(),
+        budget.to_string(),
+        "--parallel".to_string(),
+        "4".to_string(),
+    ];
+    if std::env::var("SOAK_MODEL").is_err() {
+        extra.extend(["--draft".to_string(), draft.display().to_string()]);
+    }
+    let extra_refs: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let (mut server, port) = common::runner(&model, &extra_refs);
+    let pid = server.0.id();
+    let checks = ["The quick brown fox", "Hello, world!", "Once upon a time"];
+    let before: Vec<String> = checks.iter().map(|p| greedy(port, p)).collect();
+    let loaded_rss = rss_kib(pid).unwrap_or(0);
+    println!(
+        "soak: {clients} clients for {seconds} s, context {ctx}, cache budget {} MiB, {} (RSS after load {} MiB)",
+        budget >> 20,
+        model.display(),
+        loaded_rss / 1024
+    );
+
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let samples = Arc::new(Mutex::new(Vec::<(f64, u64)>::new()));
+    let start = Instant::now();
+    let sampler = {
+        let (stop, samples) = (Arc::clone(&stop), Arc::clone(&samples));
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                if let Some(r) = rss_kib(pid) {
+                    samples
+                        .lock()
+                        .unwrap()
+                        .push((start.elapsed().as_secs_f64(), r));
+                }
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        })
+    };
+    let workers: Vec<_> = (0..clients)
+        .map(|i| {
+            let (stop, tally) = (Arc::clone(&stop), Arc::clone(&tally));
+            std::thread::spawn(move || {
+                let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (i + 1).wrapping_mul(0x1234_5678_9ABC));
+                while !stop.load(Ordering::Relaxed) {
+                    one_request(port, &mut rng, ctx, &tally);
+                }
+            })
+        })
+        .collect();
+    while start.elapsed() < Duration::from_secs(seconds) {
+        std::thread::sleep(Duration::from_secs(1));
+        if let Ok(Some(status)) = server.0.try_wait() {
+            eprintln!("the runner died: {status}");
+            std::process::exit(1);
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        let _ = w.join();
+    }
+    let _ = sampler.join();
+    let elapsed = start.elapsed().as_secs_f64();
+    let after: Vec<String> = checks.iter().map(|p| greedy(port, p)).collect();
+
+    let t = tally.lock().unwrap();
+    let samples = samples.lock().unwrap();
+    println!(
+        "served {} requests ({:.1}/s), {} tokens ({:.1} tok/s), {} cancelled by their client",
+        t.served,
+        t.served as f64 / elapsed,
+        t.tokens,
+        t.tokens as f64 / elapsed,
+        t.cancelled
+    );
+    for (class, n) in &t.errors {
+        println!("  {n:>6}  {class}");
+    }
+    let mib = |k: u64| k as f64 / 1024.0;
+    let peak = samples.iter().map(|s| s.1).max().unwrap_or(0);
+    println!("RSS over time (MiB):");
+    let step = (samples.len() / 10).max(1);
+    for s in samples.iter().step_by(step) {
+        println!("  {:>7.0} s  {:>8.1}", s.0, mib(s.1));
+    }
+    let last = samples.last().map_or(0, |s| s.1);
+    println!(
+        "  loaded {:.1}, peak {:.1}, last {:.1}",
+        mib(loaded_rss),
+        mib(peak),
+        mib(last)
+    );
+    let mut failed = false;
+    if before != after {
+        println!("GREEDY OUTPUT CHANGED:\n  before {before:?}\n  after  {after:?}");
+        failed = true;
+    } else {
+        println!("greedy outputs before and after: identical");
+    }
+    let bad: u64 = t
+        .errors
+        .iter()
+        .filter(|(c, _)| !c.contains("(expected)"))
+        .map(|(_, n)| n)
+        .sum();
+    if bad > 0 {
+        println!("{bad} requests failed in ways that are not the client's doing");
+        failed = true;
+    }
+    // The cache's budget, the model and a fixed margin for MLX's buffers and the tokenizer.
+    let margin_kib = 512 * 1024;
+    let bound = loaded_rss + budget / 1024 + margin_kib;
+    if peak > bound {
+        println!(
+            "RSS peaked at {:.1} MiB, past the bound of {:.1}",
+            mib(peak),
+            mib(bound)
+        );
+        failed = true;
+    }
+    if failed {
+        std::process::exit(1);
+    }
+}
