@@ -141,14 +141,12 @@ fn one_request(port: u16, rng: &mut Rng, ctx: u64, tally: &Mutex<Tally>) {
             return;
         }
     };
-    let mut lines = 0;
-    for line in BufReader::new(resp.into_reader()).lines() {
+    for (read, line) in BufReader::new(resp.into_reader()).lines().enumerate() {
         let Ok(line) = line else {
             tally.lock().unwrap().error("stream read");
             return;
         };
-        lines += 1;
-        if cancel_after.is_some_and(|n| lines > n) {
+        if cancel_after.is_some_and(|n| read >= n) {
             tally.lock().unwrap().cancelled += 1;
             return; // dropping the reader closes the connection
         }
