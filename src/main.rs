@@ -231,18 +231,33 @@ fn model_files(arg: &str) -> Result<ModelArg> {
         anyhow::anyhow!("{arg:?} is not a model directory, and not a model name: {e}")
     })?;
     let st = open_store()?;
+    let found = |r: store::Resolved| ModelArg {
+        files: r.target,
+        draft: r.draft,
+        parameters: r.parameters,
+    };
     match st.resolve(&name) {
-        Ok(r) => Ok(ModelArg {
-            files: r.target,
-            draft: r.draft,
-            parameters: r.parameters,
-        }),
-        Err(store::StoreError::NotFound(_)) => anyhow::bail!(
-            "model {arg:?} not found: no such directory, and no model {name} in {}",
-            st.root().display()
-        ),
-        Err(e) => Err(e.into()),
+        Ok(r) => return Ok(found(r)),
+        Err(store::StoreError::NotFound(_)) => {}
+        Err(e) => return Err(e.into()),
     }
+    // Then ollama's own store, as a parent that passes `--model gemma4:e4b` expects.
+    let ollama = store::Store::ollama_root()
+        .filter(|r| r != st.root() && r.is_dir())
+        .map(store::Store::open);
+    if let Some(o) = &ollama {
+        match o.resolve(&name) {
+            Ok(r) => return Ok(found(r)),
+            Err(store::StoreError::NotFound(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let searched = std::iter::once(st.root())
+        .chain(ollama.as_ref().map(store::Store::root))
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(" or ");
+    anyhow::bail!("model {arg:?} not found: no such directory, and no model {name} in {searched}")
 }
 
 /// A `--draft`: a directory, or a stored model used as a whole (its target).

@@ -373,7 +373,8 @@ struct Moe {
 }
 
 /// Expert matrices under `mlp`: mlx-lm's stacked `switch_mlp.*`, a fused `experts.gate_up_proj`,
-/// or one tensor per expert as in the GLM-4.7-Flash checkpoints (stacked here once).
+/// ollama's stacked `experts.<proj>.weight`, or one tensor per expert as in the GLM-4.7-Flash
+/// checkpoints (stacked here once).
 fn experts(vb: &Vb, which: &str, e: i32, out: i32, inp: i32) -> Result<Experts> {
     let sw = vb.pp("switch_mlp").pp(which);
     if sw.has("weight") {
@@ -393,6 +394,10 @@ fn experts(vb: &Vb, which: &str, e: i32, out: i32, inp: i32) -> Result<Experts> 
     }
     if ex.has(which) {
         return Experts::dense(vb.weights(), ex.get(which, &[e, out, inp])?);
+    }
+    // ollama's importer stacks the per-expert tensors into `experts.<proj>.weight`.
+    if ex.pp(which).has("weight") {
+        return ex.pp(which).experts(e, out, inp);
     }
     let per: Vec<Array> = (0..e)
         .map(|i| ex.pp(i).pp(which).get("weight", &[out, inp]))

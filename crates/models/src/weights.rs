@@ -60,6 +60,29 @@ impl QuantConfig {
         Ok(q)
     }
 
+    /// `config` (config.json's block, if any) with `modules` (what each module's stored blob
+    /// says, as ollama's importer records it) taking precedence; `None` when neither says
+    /// anything.
+    pub fn with_modules(
+        config: Option<QuantConfig>,
+        modules: HashMap<String, (i32, i32)>,
+    ) -> Option<QuantConfig> {
+        if modules.is_empty() {
+            return config;
+        }
+        let mut q = config.unwrap_or_else(|| {
+            let (group_size, bits) = modules.values().next().copied().unwrap_or((64, 4));
+            QuantConfig {
+                group_size,
+                bits,
+                overrides: HashMap::new(),
+            }
+        });
+        q.overrides
+            .extend(modules.into_iter().map(|(k, v)| (k, Some(v))));
+        Some(q)
+    }
+
     /// (group_size, bits) for the module at `path`.
     fn params(&self, path: &str) -> Option<(i32, i32)> {
         match self.overrides.get(path) {
@@ -133,6 +156,39 @@ pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// Every tensor of `files` under its tensor prefix (removed from the names), read lazily.
 pub fn read_tensors(files: &crate::ModelFiles) -> Result<HashMap<String, Array>> {
+    Ok(read_tensors_quantized(files)?.0)
+}
+
+/// Tensors by name.
+pub type Tensors = HashMap<String, Array>;
+/// Module path → `(group_size, bits)`.
+pub type ModuleQuant = HashMap<String, (i32, i32)>;
+
+/// `(group_size, bits)` of an ollama quantization type.
+fn ollama_quant(kind: &str, group: Option<&str>) -> std::result::Result<(i32, i32), String> {
+    let bits = match kind {
+        "int4" | "q4" => 4,
+        "int8" | "q8" => 8,
+        other => return Err(format!(
+            "is quantized as {other:?}, which mlx-runner does not read (affine int4 and int8 only)"
+        )),
+    };
+    let group = match group {
+        None => 64,
+        Some(g) => g
+            .parse()
+            .map_err(|_| format!("has a group_size of {g:?}, not a number"))?,
+    };
+    Ok((group, bits))
+}
+
+/// Tensors as [`read_tensors`] gives them, with ollama's quantized layout turned into mlx-lm's.
+/// ollama's importer stores a quantized `<m>.weight` beside `<m>.weight.scale` and
+/// `<m>.weight.bias`, its type and group in the blob's `__metadata__` (`quant_type`,
+/// `group_size`, or per tensor `<t>.quant_type`, `<t>.group_size`), and mixes precisions within
+/// one model; they become `<m>.scales` / `<m>.biases` and a per-module entry in the returned
+/// map (module path → `(group_size, bits)`).
+pub fn read_tensors_quantized(files: &crate::ModelFiles) -> Result<(Tensors, ModuleQuant)> {
     if files.tensors.is_empty() {
         return Err(ModelError::Config {
             path: files.origin.clone(),
@@ -140,19 +196,57 @@ pub fn read_tensors(files: &crate::ModelFiles) -> Result<HashMap<String, Array>>
         });
     }
     let mut tensors = HashMap::new();
+    let mut quant = HashMap::new();
     let prefix = files.tensor_prefix.as_str();
     for f in &files.tensors {
         let t = mlx::io::load_safetensors(f).map_err(|e| match e {
             mlx::Error::Io { path, cause } => ModelError::Io { path, cause },
             other => ModelError::Mlx(other),
         })?;
+        let mut arrays = t.arrays;
+        let quantized: Vec<String> = arrays
+            .keys()
+            .filter(|k| k.ends_with(".weight") && arrays.contains_key(&format!("{k}.scale")))
+            .cloned()
+            .collect();
+        for w in quantized {
+            let meta = |key: &str| {
+                t.metadata
+                    .get(&format!("{w}.{key}"))
+                    .or_else(|| t.metadata.get(key))
+                    .map(String::as_str)
+            };
+            let Some(kind) = meta("quant_type") else {
+                return Err(ModelError::Tensor {
+                    name: w,
+                    message: format!(
+                        "{} stores it quantized without a quant_type in its metadata",
+                        f.display()
+                    ),
+                });
+            };
+            let params =
+                ollama_quant(kind, meta("group_size")).map_err(|message| ModelError::Tensor {
+                    name: w.clone(),
+                    message,
+                })?;
+            let module = w.strip_suffix(".weight").unwrap_or(&w).to_string();
+            for (from, to) in [("scale", "scales"), ("bias", "biases")] {
+                if let Some(a) = arrays.remove(&format!("{w}.{from}")) {
+                    arrays.insert(format!("{module}.{to}"), a);
+                }
+            }
+            if let Some(m) = module.strip_prefix(prefix) {
+                quant.insert(m.to_string(), params);
+            }
+        }
         tensors.extend(
-            t.arrays
+            arrays
                 .into_iter()
                 .filter_map(|(k, v)| k.strip_prefix(prefix).map(|k| (k.to_string(), v))),
         );
     }
-    Ok(tensors)
+    Ok((tensors, quant))
 }
 
 impl Weights {
@@ -168,9 +262,11 @@ impl Weights {
         dtype: Dtype,
         quant: Option<QuantConfig>,
     ) -> Result<Weights> {
+        let (tensors, per_module) = read_tensors_quantized(files)?;
+        let quant = QuantConfig::with_modules(quant, per_module);
         Ok(Weights {
             dir: files.origin.clone(),
-            tensors: read_tensors(files)?,
+            tensors,
             dtype,
             quant,
             used: RefCell::new(HashSet::new()),

@@ -201,6 +201,10 @@ pub fn create_from(
     let config = ModelConfig {
         part: target_part,
         draft,
+        // ollama serves a safetensors model only for what it lists.
+        capabilities: vec!["completion".into()],
+        renderer: String::new(),
+        parser: String::new(),
     };
     let config_layer = store.write_blob(
         &lock,

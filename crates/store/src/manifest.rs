@@ -74,19 +74,27 @@ pub struct Quantization {
     pub unquantized: Vec<String>,
 }
 
-/// What one stored model (the target or its draft) is.
+/// What one stored model (the target or its draft) is. Every field but `model_format` may be
+/// missing: ollama's writer (`ConfigV2`) leaves `architecture` and `model_type` empty (the
+/// architecture is read from the stored `config.json`), writes no `parameter_count` or `source`,
+/// and spells `file_type` as `""`, `int4`, `int8`, ...
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Part {
     pub model_format: String,
     /// `architectures[0]` of its config, else its `model_type`.
+    #[serde(default)]
     pub architecture: String,
+    #[serde(default)]
     pub model_type: String,
-    /// `F32`, `BF16`, `F16`, `Q4`, `Q8`.
+    /// Ours: `F32`, `BF16`, `F16`, `Q4`, `Q8`; ollama's: `""` (float), `int4`, `int8`, ...
+    #[serde(default)]
     pub file_type: String,
+    #[serde(default)]
     pub parameter_count: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quantization: Option<Quantization>,
-    /// The FROM or DRAFT it was created from.
+    /// The FROM or DRAFT it was created from (empty in a model ollama wrote).
+    #[serde(default)]
     pub source: String,
     /// Multi-token-prediction layers the checkpoint carries (GLM's), which draft for it.
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -114,4 +122,12 @@ pub struct ModelConfig {
     pub part: Part,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub draft: Option<DraftInfo>,
+    /// What ollama serves the model for (`completion`, `tools`, `thinking`, `vision`, ...).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub capabilities: Vec<String>,
+    /// ollama's prompt renderer and output parser for the model's family.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub renderer: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub parser: String,
 }

@@ -119,6 +119,16 @@ impl Store {
         Ok(PathBuf::from(home).join(".mlx-runner/models"))
     }
 
+    /// ollama's own store: `$OLLAMA_MODELS`, else `~/.ollama/models`. Models ollama created
+    /// (`ollama create --experimental`) are read from there when ours has no such name.
+    pub fn ollama_root() -> Option<PathBuf> {
+        if let Some(p) = std::env::var_os("OLLAMA_MODELS").filter(|p| !p.is_empty()) {
+            return Some(PathBuf::from(p));
+        }
+        let home = std::env::var_os("HOME").filter(|h| !h.is_empty())?;
+        Some(PathBuf::from(home).join(".ollama/models"))
+    }
+
     pub fn root(&self) -> &Path {
         &self.root
     }

@@ -1,0 +1,537 @@
+//! Models in ollama's own store. The stores here are written by a writer that follows
+//! `ollama create --experimental` step by step (each step names the file of ollama's source it
+//! follows; summarised in ../shared/design/OLLAMA_STORE_FORMAT.md), from the float fixtures,
+//! and the runner loads them by name from `$OLLAMA_MODELS`, as a parent that passes
+//! `--model gemma4:e4b` expects.
+
+mod common;
+use common::*;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use std::ffi::OsStr;
+use std::path::Path;
+
+/// One tensor of a checkpoint, as its bytes.
+#[derive(Clone)]
+struct Tensor {
+    name: String,
+    dtype: String,
+    shape: Vec<u64>,
+    data: Vec<u8>,
+}
+
+fn read_safetensors(path: &Path) -> Vec<Tensor> {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let data = &bytes[8 + n..];
+    header
+        .into_iter()
+        .filter(|(k, _)| k != "__metadata__")
+        .map(|(name, v)| {
+            let (a, b) = (
+                v["data_offsets"][0].as_u64().unwrap() as usize,
+                v["data_offsets"][1].as_u64().unwrap() as usize,
+            );
+            Tensor {
+                name,
+                dtype: v["dtype"].as_str().unwrap().to_string(),
+                shape: v["shape"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|d| d.as_u64().unwrap())
+                    .collect(),
+                data: data[a..b].to_vec(),
+            }
+        })
+        .collect()
+}
+
+/// `x/create/inventory.go`: the shards `model.safetensors.index.json` lists, else every
+/// `model*.safetensors` of the folder (a `golden.safetensors` beside them is not the model's).
+fn inventory(dir: &Path) -> Vec<Tensor> {
+    let index = dir.join("model.safetensors.index.json");
+    let mut shards: Vec<String> = if index.is_file() {
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(&index).unwrap()).unwrap();
+        let mut s: Vec<String> = v["weight_map"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|f| f.as_str().unwrap().to_string())
+            .collect();
+        s.sort();
+        s.dedup();
+        s
+    } else {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|f| f.starts_with("model") && f.ends_with(".safetensors"))
+            .collect()
+    };
+    shards.sort();
+    shards
+        .iter()
+        .flat_map(|s| read_safetensors(&dir.join(s)))
+        .collect()
+}
+
+/// `x/create/create.go` (expert stacking) and `x/create/plan.go`: one blob per tensor, named by
+/// the tensor; per-expert weights `<group>.<i>.<proj>.weight` are stacked into
+/// `<group>.<proj>.weight` (`[E, out, in]`, experts in index order), and a group's projections
+/// share one blob named `<group>` when they share a quantization (always, unquantized).
+/// Already-stacked tensors (`experts.gate_up_proj`) stay as they are. Blobs in sorted order,
+/// then the expert groups, sorted.
+fn plan(tensors: Vec<Tensor>) -> Vec<(String, Vec<Tensor>)> {
+    use std::collections::BTreeMap;
+    let mut single: BTreeMap<String, Tensor> = BTreeMap::new();
+    // group -> proj -> expert index -> tensor
+    let mut groups: BTreeMap<String, BTreeMap<String, BTreeMap<u64, Tensor>>> = BTreeMap::new();
+    for t in tensors {
+        let per_expert = t.name.split_once(".experts.").and_then(|(head, rest)| {
+            let (i, tail) = rest.split_once('.')?;
+            let i: u64 = i.parse().ok()?;
+            let proj = tail.strip_suffix(".weight")?;
+            (!proj.contains('.')).then(|| (format!("{head}.experts"), proj.to_string(), i))
+        });
+        match per_expert {
+            Some((group, proj, i)) => {
+                groups
+                    .entry(group)
+                    .or_default()
+                    .entry(proj)
+                    .or_default()
+                    .insert(i, t);
+            }
+            None => {
+                single.insert(t.name.clone(), t);
+            }
+        }
+    }
+    let mut out: Vec<(String, Vec<Tensor>)> = single
+        .into_iter()
+        .map(|(name, t)| (name, vec![t]))
+        .collect();
+    for (group, projs) in groups {
+        let stacked = projs
+            .into_iter()
+            .map(|(proj, experts)| {
+                let first = experts.values().next().unwrap().clone();
+                let mut shape = vec![experts.len() as u64];
+                shape.extend(&first.shape);
+                Tensor {
+                    name: format!("{group}.{proj}.weight"),
+                    dtype: first.dtype,
+                    shape,
+                    data: experts.into_values().flat_map(|t| t.data).collect(),
+                }
+            })
+            .collect();
+        out.push((group, stacked));
+    }
+    out
+}
+
+/// `x/safetensors/extractor.go`: an 8-byte little-endian header length, then Go's
+/// `json.Marshal` of a map (keys sorted) of `{"dtype","shape","data_offsets"}` in that order,
+/// padded with spaces to a multiple of 8; no `__metadata__`; data in key order, unconverted.
+fn encode_blob(tensors: &[Tensor]) -> Vec<u8> {
+    let mut sorted: Vec<&Tensor> = tensors.iter().collect();
+    sorted.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut header = String::from("{");
+    let mut offset = 0usize;
+    for (i, t) in sorted.iter().enumerate() {
+        if i > 0 {
+            header.push(',');
+        }
+        let end = offset + t.data.len();
+        header.push_str(&format!(
+            "{}:{{\"dtype\":{},\"shape\":{},\"data_offsets\":[{offset},{end}]}}",
+            serde_json::to_string(&t.name).unwrap(),
+            serde_json::to_string(&t.dtype).unwrap(),
+            serde_json::to_string(&t.shape).unwrap(),
+        ));
+        offset = end;
+    }
+    header.push('}');
+    while header.len() % 8 != 0 {
+        header.push(' ');
+    }
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(header.as_bytes());
+    for t in sorted {
+        out.extend_from_slice(&t.data);
+    }
+    out
+}
+
+/// `manifest/layer.go`: a blob is stored once, as `blobs/sha256-<hex>`.
+fn write_blob(root: &Path, media_type: &str, bytes: &[u8], name: Option<&str>) -> Value {
+    let hex: String = Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    std::fs::create_dir_all(root.join("blobs")).unwrap();
+    std::fs::write(root.join(format!("blobs/sha256-{hex}")), bytes).unwrap();
+    let mut l =
+        json!({"mediaType": media_type, "digest": format!("sha256:{hex}"), "size": bytes.len()});
+    if let Some(n) = name {
+        l["name"] = json!(n);
+    }
+    l
+}
+
+const TENSOR: &str = "application/vnd.ollama.image.tensor";
+const JSON: &str = "application/vnd.ollama.image.json";
+
+/// `x/create/pipeline.go` and `x/create/draft.go`: the tensor blobs of a checkpoint, then
+/// every `*.json` of it sorted by name, byte for byte; a draft's blob and tensor names carry
+/// `draft.` and its JSON layers `draft/`.
+fn checkpoint_layers(root: &Path, dir: &Path, draft: bool, quantize: Option<&str>) -> Vec<Value> {
+    let prefix = if draft { "draft." } else { "" };
+    let arch = architecture(dir);
+    let mut layers = Vec::new();
+    for (blob, mut tensors) in plan(inventory(dir)) {
+        for t in &mut tensors {
+            t.name = format!("{prefix}{}", t.name);
+        }
+        let kinds: Vec<Option<&str>> = tensors
+            .iter()
+            .map(|t| quantize.and_then(|q| quant_type(&arch, &t.name, &t.shape, q)))
+            .collect();
+        if kinds.iter().all(Option::is_none) {
+            let name = format!("{prefix}{blob}");
+            layers.push(write_blob(
+                root,
+                TENSOR,
+                &encode_blob(&tensors),
+                Some(&name),
+            ));
+        } else if kinds.iter().all(|k| *k == kinds[0]) {
+            // One quantization for the whole group: one blob named by it.
+            let name = format!("{prefix}{blob}");
+            let bytes = quantized_blob(&tensors, kinds[0].unwrap_or_default());
+            layers.push(write_blob(root, TENSOR, &bytes, Some(&name)));
+        } else {
+            // Otherwise one blob per tensor, named by the tensor.
+            for (t, k) in tensors.iter().zip(&kinds) {
+                let bytes = match k {
+                    Some(k) => quantized_blob(std::slice::from_ref(t), k),
+                    None => encode_blob(std::slice::from_ref(t)),
+                };
+                layers.push(write_blob(root, TENSOR, &bytes, Some(&t.name)));
+            }
+        }
+    }
+    let mut jsons: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|f| f.ends_with(".json") && f != "model.safetensors.index.json")
+        .collect();
+    jsons.sort();
+    for f in jsons {
+        let bytes = std::fs::read(dir.join(&f)).unwrap();
+        let name = if draft { format!("draft/{f}") } else { f };
+        layers.push(write_blob(root, JSON, &bytes, Some(&name)));
+    }
+    layers
+}
+
+/// `x/create/create.go` and `x/create/quantpolicy.go` (the generic policy; gemma4's file only
+/// adds `embed_tokens` at int8, done here too, and promotes v/down on fewer layers, which is not
+/// followed): only `.weight` matrices (2-D, or 3-D stacked experts) with at least 1024 elements
+/// and a last dimension divisible by the group (64); never norms, `*embed*`, routers; a
+/// requested int4 promotes `lm_head`, `k_proj`, `v_proj` and `down_proj` to int8.
+fn quant_type(arch: &str, name: &str, shape: &[u64], requested: &str) -> Option<&'static str> {
+    let requested: &'static str = if requested == "int4" { "int4" } else { "int8" };
+    let elements: u64 = shape.iter().product();
+    let eligible = name.ends_with(".weight")
+        && (2..=3).contains(&shape.len())
+        && elements >= 1024
+        && shape.last().is_some_and(|d| d % 64 == 0)
+        && !name.contains("norm")
+        && !name.contains("router")
+        && !name.ends_with("mlp.gate.weight");
+    if !eligible {
+        return None;
+    }
+    if name.contains("embed") {
+        return (arch.starts_with("Gemma4") && name.ends_with("embed_tokens.weight"))
+            .then_some("int8");
+    }
+    let promoted = ["lm_head", "k_proj", "v_proj", "down_proj"]
+        .iter()
+        .any(|p| name.contains(p));
+    Some(if requested == "int4" && promoted {
+        "int8"
+    } else {
+        requested
+    })
+}
+
+fn array(t: &Tensor) -> mlx::Array {
+    assert_eq!(t.dtype, "F32", "the float fixtures are float32");
+    let shape: Vec<i32> = t.shape.iter().map(|&d| d as i32).collect();
+    mlx::Array::from_bytes(&t.data, &shape, mlx::Dtype::F32).unwrap()
+}
+
+/// `x/create/quantize.go`: MLX's affine quantization (group 64), each weight `<t>` stored as
+/// packed `<t>` with `<t>.scale` and `<t>.bias`, `{"quant_type","group_size"}` in the blob's
+/// metadata. (ollama saves it with `mlx_save_safetensors`; the safetensors crate writes the
+/// same tensors and metadata, with another header order, which readers do not see.)
+fn quantized_blob(tensors: &[Tensor], kind: &str) -> Vec<u8> {
+    let bits = if kind == "int4" { 4 } else { 8 };
+    let mut parts: Vec<(String, mlx::Array)> = Vec::new();
+    for t in tensors {
+        let q = array(t).quantize(64, bits).unwrap();
+        parts.push((t.name.clone(), q.weight));
+        parts.push((format!("{}.scale", t.name), q.scales));
+        parts.push((format!("{}.bias", t.name), q.biases));
+    }
+    let refs: Vec<(&str, &mlx::Array)> = parts.iter().map(|(n, a)| (n.as_str(), a)).collect();
+    let meta = [("quant_type", kind), ("group_size", "64")]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    mlx::io::serialize_safetensors(&refs, Some(meta)).unwrap()
+}
+
+/// The same quantization as an mlx-lm checkpoint folder (packed `<m>.weight`, `<m>.scales`,
+/// `<m>.biases`, and config.json's `quantization` block with the int8 modules listed), the
+/// layout whose loading is checked against mlx-lm itself (`crates/models/tests/golden.rs`).
+fn mlx_lm_twin(dir: &Path, out: &Path, requested: &str) {
+    let arch = architecture(dir);
+    let mut parts: Vec<(String, mlx::Array)> = Vec::new();
+    let mut overrides = serde_json::Map::new();
+    for (_, tensors) in plan(inventory(dir)) {
+        for t in tensors {
+            match quant_type(&arch, &t.name, &t.shape, requested) {
+                Some(k) => {
+                    let bits = if k == "int4" { 4 } else { 8 };
+                    let q = array(&t).quantize(64, bits).unwrap();
+                    let m = t.name.trim_end_matches(".weight").to_string();
+                    overrides.insert(m.clone(), json!({"group_size": 64, "bits": bits}));
+                    parts.push((format!("{m}.weight"), q.weight));
+                    parts.push((format!("{m}.scales"), q.scales));
+                    parts.push((format!("{m}.biases"), q.biases));
+                }
+                None => parts.push((t.name.clone(), array(&t))),
+            }
+        }
+    }
+    std::fs::create_dir_all(out).unwrap();
+    for f in std::fs::read_dir(dir).unwrap() {
+        let p = f.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        if name.ends_with(".json") && name != "config.json" {
+            std::fs::copy(&p, out.join(&name)).unwrap();
+        }
+    }
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let mut q = json!({"group_size": 64, "bits": if requested == "int4" { 4 } else { 8 }});
+    q.as_object_mut().unwrap().extend(overrides);
+    cfg["quantization"] = q;
+    std::fs::write(out.join("config.json"), cfg.to_string()).unwrap();
+    let refs: Vec<(&str, &mlx::Array)> = parts.iter().map(|(n, a)| (n.as_str(), a)).collect();
+    mlx::io::save_safetensors(out.join("model.safetensors"), &refs).unwrap();
+}
+
+fn architecture(dir: &Path) -> String {
+    let v: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    v["architectures"][0]
+        .as_str()
+        .or(v["model_type"].as_str())
+        .unwrap()
+        .to_string()
+}
+
+/// `x/create/client/create.go` and `manifest/manifest.go`: the layers in order (target tensors,
+/// target JSON, draft tensors, draft JSON, then the Modelfile's params), the config blob
+/// (`json.Marshal` of `model.ConfigV2`: `architecture` left empty, `file_type` "" for float,
+/// `capabilities` with `completion`, the `draft` section), and the manifest, encoded by
+/// `json.NewEncoder` (a trailing newline) at `manifests/registry.ollama.ai/library/<m>/<tag>`.
+fn ollama_create(
+    root: &Path,
+    model: &str,
+    target: &Path,
+    draft: Option<&Path>,
+    quantize: Option<&str>,
+) {
+    let mut layers = checkpoint_layers(root, target, false, quantize);
+    if let Some(d) = draft {
+        // `--quantize` never touches the draft.
+        layers.extend(checkpoint_layers(root, d, true, None));
+    }
+    let params = b"{\"temperature\":0.5}\n";
+    layers.push(write_blob(
+        root,
+        "application/vnd.ollama.image.params",
+        params,
+        None,
+    ));
+    let draft_section = draft.map(|d| {
+        format!(
+            ",\"draft\":{{\"model_format\":\"safetensors\",\"architecture\":{},\"tensor_prefix\":\"draft.\",\"config\":\"draft/config.json\"}}",
+            serde_json::to_string(&architecture(d)).unwrap()
+        )
+    });
+    let config = format!(
+        "{{\"model_format\":\"safetensors\",\"model_family\":\"\",\"model_families\":null,\"model_type\":\"\",\"file_type\":{},\"renderer\":\"gemma4\",\"parser\":\"gemma4\",\"requires\":\"0.19.0\",\"capabilities\":[\"completion\"]{},\"architecture\":\"\",\"os\":\"\"}}",
+        serde_json::to_string(quantize.unwrap_or_default()).unwrap(),
+        draft_section.unwrap_or_default()
+    );
+    let mut config_layer = write_blob(
+        root,
+        "application/vnd.docker.container.image.v1+json",
+        config.as_bytes(),
+        None,
+    );
+    config_layer.as_object_mut().unwrap().remove("name");
+    let manifest = json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+        "config": config_layer,
+        "layers": layers,
+    });
+    let (name, tag) = model.split_once(':').unwrap_or((model, "latest"));
+    let dir = root.join("manifests/registry.ollama.ai/library").join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join(tag), format!("{manifest}\n")).unwrap();
+}
+
+fn greedy(r: &Runner) -> String {
+    let lines = r.complete(&json!({
+        "Prompt": "The quick brown fox jumps over the lazy dog.",
+        "Options": {"num_predict": 24}
+    }));
+    text_of(&lines)
+}
+
+/// The runner finds each model by name in ollama's store (ours empty) and serves exactly what
+/// the checkpoint folder serves: gemma4 with the assistant drafting, gemma4's MoE form (fused
+/// experts kept fused), GLM (per-expert weights stacked by the importer).
+#[test]
+fn models_ollama_created_load_by_name_and_serve_what_their_checkpoints_serve() {
+    let ollama = tempfile::tempdir().unwrap();
+    let ours = tempfile::tempdir().unwrap();
+    let cases = [
+        (
+            "gemma4-e2b:latest",
+            "gemma4_e2b_like",
+            Some("gemma4_assistant"),
+        ),
+        ("gemma4-moe:test", "gemma4_26b_a4b_like", None),
+        ("glm-flash", "glm4_moe_lite", None),
+    ];
+    for (name, target, draft) in cases {
+        ollama_create(
+            ollama.path(),
+            name,
+            &fixture(target),
+            draft.map(fixture).as_deref(),
+            None,
+        );
+    }
+    for (name, target, draft) in cases {
+        let env = [
+            ("OLLAMA_MODELS", ollama.path().as_os_str()),
+            ("MLX_RUNNER_MODELS", ours.path().as_os_str()),
+        ];
+        let stored = Runner::start_with(OsStr::new(name), &[], &env);
+        let mut extra = Vec::new();
+        let draft_dir = draft.map(fixture);
+        if let Some(d) = &draft_dir {
+            extra = vec!["--draft", d.to_str().unwrap()];
+        }
+        let direct = Runner::start(target, &extra);
+        assert_eq!(greedy(&stored), greedy(&direct), "{name}");
+        // The stored draft is the one that drafts.
+        if draft.is_some() {
+            let lines =
+                stored.complete(&json!({"Prompt": "Hello", "Options": {"num_predict": 16}}));
+            assert!(
+                done_of(&lines)["DraftTokens"].as_u64().unwrap() > 0,
+                "{name}"
+            );
+        }
+    }
+}
+
+/// A name in neither store is an error naming both.
+#[test]
+fn a_missing_model_names_both_stores() {
+    let ollama = tempfile::tempdir().unwrap();
+    let ours = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(ollama.path().join("manifests")).unwrap();
+    let out = binary()
+        .args(["generate", "--model", "nothing:here", "--prompt", "x"])
+        .env("OLLAMA_MODELS", ollama.path())
+        .env("MLX_RUNNER_MODELS", ours.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&ours.path().display().to_string())
+            && err.contains(&ollama.path().display().to_string()),
+        "{err}"
+    );
+}
+
+fn greedy_with_logprobs(r: &Runner) -> (String, Vec<f64>) {
+    let lines = r.complete(&json!({
+        "Prompt": "The quick brown fox jumps over the lazy dog.",
+        "Options": {"num_predict": 16},
+        "Logprobs": true,
+    }));
+    let lps = lines
+        .iter()
+        .filter_map(|l| l["Logprobs"].as_array())
+        .flatten()
+        .map(|e| e["logprob"].as_f64().unwrap())
+        .collect();
+    (text_of(&lines), lps)
+}
+
+/// int4 and int8 models as ollama's importer writes them (mixed precision: an int4 model holds
+/// int8 tensors and float ones, the quantization in each blob's metadata, per-expert weights
+/// stacked and quantized as groups) serve what the same quantization does in mlx-lm's layout.
+#[test]
+fn quantized_models_ollama_created_serve_what_mlx_lm_layout_serves() {
+    let ollama = tempfile::tempdir().unwrap();
+    let ours = tempfile::tempdir().unwrap();
+    let twins = tempfile::tempdir().unwrap();
+    for (target, q) in [
+        ("gemma4_e2b_like", "int4"),
+        ("gemma4_e2b_like", "int8"),
+        ("glm4_moe_lite", "int4"),
+    ] {
+        let name = format!("{}-{q}", target.replace('_', "-"));
+        ollama_create(ollama.path(), &name, &fixture(target), None, Some(q));
+        let twin = twins.path().join(&name);
+        mlx_lm_twin(&fixture(target), &twin, q);
+        let env = [
+            ("OLLAMA_MODELS", ollama.path().as_os_str()),
+            ("MLX_RUNNER_MODELS", ours.path().as_os_str()),
+        ];
+        let stored = Runner::start_with(OsStr::new(&name), &["--no-draft"], &env);
+        let direct = Runner::start_with(twin.as_os_str(), &["--no-draft"], &[]);
+        let (a, la) = greedy_with_logprobs(&stored);
+        let (b, lb) = greedy_with_logprobs(&direct);
+        assert_eq!(a, b, "{name}");
+        assert_eq!(la.len(), lb.len());
+        for (x, y) in la.iter().zip(&lb) {
+            assert!((x - y).abs() < 1e-4, "{name}: {x} vs {y}");
+        }
+        // And it is really quantized: not what the float checkpoint gives.
+        let float = Runner::start(target, &["--no-draft"]);
+        let (_, lf) = greedy_with_logprobs(&float);
+        assert!(
+            la.iter().zip(&lf).any(|(x, y)| (x - y).abs() > 1e-4),
+            "{name}: the logprobs are the float model's"
+        );
+    }
+}
