@@ -59,6 +59,9 @@ struct ShowArgs {
     /// Print only the Modelfile.
     #[arg(long)]
     modelfile: bool,
+    /// Also list every tensor with its precision.
+    #[arg(short, long)]
+    verbose: bool,
 }
 
 #[derive(clap::Args)]
@@ -230,34 +233,44 @@ fn model_files(arg: &str) -> Result<ModelArg> {
     let name: store::ModelName = arg.parse().map_err(|e: String| {
         anyhow::anyhow!("{arg:?} is not a model directory, and not a model name: {e}")
     })?;
-    let st = open_store()?;
-    let found = |r: store::Resolved| ModelArg {
+    let (_, r) = resolve_stored(&name)?.map_err(|searched| {
+        anyhow::anyhow!(
+            "model {arg:?} not found: no such directory, and no model {name} in {searched}"
+        )
+    })?;
+    Ok(ModelArg {
         files: r.target,
         draft: r.draft,
         parameters: r.parameters,
-    };
-    match st.resolve(&name) {
-        Ok(r) => return Ok(found(r)),
+    })
+}
+
+/// A model name, resolved in our store and then in ollama's own (as a parent that passes
+/// `--model gemma4:e4b` expects): the store it was found in and what it holds, or the stores
+/// searched.
+fn resolve_stored(
+    name: &store::ModelName,
+) -> Result<std::result::Result<(store::Store, store::Resolved), String>> {
+    let st = open_store()?;
+    match st.resolve(name) {
+        Ok(r) => return Ok(Ok((st, r))),
         Err(store::StoreError::NotFound(_)) => {}
         Err(e) => return Err(e.into()),
     }
-    // Then ollama's own store, as a parent that passes `--model gemma4:e4b` expects.
+    let mut searched = st.root().display().to_string();
     let ollama = store::Store::ollama_root()
         .filter(|r| r != st.root() && r.is_dir())
         .map(store::Store::open);
-    if let Some(o) = &ollama {
-        match o.resolve(&name) {
-            Ok(r) => return Ok(found(r)),
-            Err(store::StoreError::NotFound(_)) => {}
+    if let Some(o) = ollama {
+        match o.resolve(name) {
+            Ok(r) => return Ok(Ok((o, r))),
+            Err(store::StoreError::NotFound(_)) => {
+                searched = format!("{searched} or {}", o.root().display());
+            }
             Err(e) => return Err(e.into()),
         }
     }
-    let searched = std::iter::once(st.root())
-        .chain(ollama.as_ref().map(store::Store::root))
-        .map(|p| p.display().to_string())
-        .collect::<Vec<_>>()
-        .join(" or ");
-    anyhow::bail!("model {arg:?} not found: no such directory, and no model {name} in {searched}")
+    Ok(Err(searched))
 }
 
 /// A `--draft`: a directory, or a stored model used as a whole (its target).
@@ -708,12 +721,13 @@ fn list() -> Result<()> {
 }
 
 fn show(a: ShowArgs) -> Result<()> {
-    let st = open_store()?;
-    let r = st.resolve(&model_name(&a.name)?)?;
+    let name = model_name(&a.name)?;
+    let (st, r) = resolve_stored(&name)?
+        .map_err(|searched| anyhow::anyhow!("model {name} not found in {searched}"))?;
     if a.modelfile {
         print!("{}", store::show::modelfile(&st, &r)?);
     } else {
-        print!("{}", store::show::describe(&st, &r)?);
+        print!("{}", store::show::describe_with(&st, &r, a.verbose)?);
     }
     Ok(())
 }

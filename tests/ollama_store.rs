@@ -240,13 +240,15 @@ fn checkpoint_layers(root: &Path, dir: &Path, draft: bool, quantize: Option<&str
 
 /// `x/create/create.go` and `x/create/quantpolicy.go` (the generic policy; gemma4's file only
 /// adds `embed_tokens` at int8, done here too, and promotes v/down on fewer layers, which is not
-/// followed): only `.weight` matrices (2-D, or 3-D stacked experts) with at least 1024 elements
+/// followed): only `.weight` matrices and 3-D stacked experts (fused `experts.gate_up_proj`
+/// included) with at least 1024 elements
 /// and a last dimension divisible by the group (64); never norms, `*embed*`, routers; a
 /// requested int4 promotes `lm_head`, `k_proj`, `v_proj` and `down_proj` to int8.
 fn quant_type(arch: &str, name: &str, shape: &[u64], requested: &str) -> Option<&'static str> {
     let requested: &'static str = if requested == "int4" { "int4" } else { "int8" };
     let elements: u64 = shape.iter().product();
-    let eligible = name.ends_with(".weight")
+    let stacked = shape.len() == 3 && name.contains(".experts.");
+    let eligible = (name.ends_with(".weight") || stacked)
         && (2..=3).contains(&shape.len())
         && elements >= 1024
         && shape.last().is_some_and(|d| d % 64 == 0)
@@ -334,6 +336,37 @@ fn mlx_lm_twin(dir: &Path, out: &Path, requested: &str) {
     q.as_object_mut().unwrap().extend(overrides);
     cfg["quantization"] = q;
     std::fs::write(out.join("config.json"), cfg.to_string()).unwrap();
+    let refs: Vec<(&str, &mlx::Array)> = parts.iter().map(|(n, a)| (n.as_str(), a)).collect();
+    mlx::io::save_safetensors(out.join("model.safetensors"), &refs).unwrap();
+}
+
+/// The checkpoint itself with every tensor the policy quantizes replaced by what its
+/// quantization stands for (`dequantize(quantize(w))`), read by the float path that is checked
+/// against transformers: a reference for the quantized model that shares none of the quantized
+/// loading code.
+fn dequantized_twin(dir: &Path, out: &Path, requested: &str) {
+    let arch = architecture(dir);
+    let mut parts: Vec<(String, mlx::Array)> = Vec::new();
+    for t in inventory(dir) {
+        let a = array(&t);
+        let a = match quant_type(&arch, &t.name, &t.shape, requested) {
+            Some(k) => a
+                .quantize(64, if k == "int4" { 4 } else { 8 })
+                .unwrap()
+                .dequantize()
+                .unwrap(),
+            None => a,
+        };
+        parts.push((t.name.clone(), a));
+    }
+    std::fs::create_dir_all(out).unwrap();
+    for f in std::fs::read_dir(dir).unwrap() {
+        let p = f.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        if name.ends_with(".json") {
+            std::fs::copy(&p, out.join(&name)).unwrap();
+        }
+    }
     let refs: Vec<(&str, &mlx::Array)> = parts.iter().map(|(n, a)| (n.as_str(), a)).collect();
     mlx::io::save_safetensors(out.join("model.safetensors"), &refs).unwrap();
 }
@@ -507,6 +540,7 @@ fn quantized_models_ollama_created_serve_what_mlx_lm_layout_serves() {
     for (target, q) in [
         ("gemma4_e2b_like", "int4"),
         ("gemma4_e2b_like", "int8"),
+        ("gemma4_26b_a4b_like", "int4"),
         ("glm4_moe_lite", "int4"),
     ] {
         let name = format!("{}-{q}", target.replace('_', "-"));
@@ -526,6 +560,15 @@ fn quantized_models_ollama_created_serve_what_mlx_lm_layout_serves() {
         for (x, y) in la.iter().zip(&lb) {
             assert!((x - y).abs() < 1e-4, "{name}: {x} vs {y}");
         }
+        // Within float error of the float model holding the dequantized weights.
+        let deq = twins.path().join(format!("{name}-dequantized"));
+        dequantized_twin(&fixture(target), &deq, q);
+        let reference = Runner::start_with(deq.as_os_str(), &["--no-draft"], &[]);
+        let (c, lc) = greedy_with_logprobs(&reference);
+        assert_eq!(a, c, "{name}: vs the dequantized float model");
+        for (x, y) in la.iter().zip(&lc) {
+            assert!((x - y).abs() < 1e-3, "{name}: {x} vs dequantized {y}");
+        }
         // And it is really quantized: not what the float checkpoint gives.
         let float = Runner::start(target, &["--no-draft"]);
         let (_, lf) = greedy_with_logprobs(&float);
@@ -534,4 +577,87 @@ fn quantized_models_ollama_created_serve_what_mlx_lm_layout_serves() {
             "{name}: the logprobs are the float model's"
         );
     }
+}
+
+/// `show` reports the precision of each tensor of a mixed model, for ollama's layout and ours.
+#[test]
+fn show_reports_per_tensor_precision() {
+    let ollama = tempfile::tempdir().unwrap();
+    let ours = tempfile::tempdir().unwrap();
+    ollama_create(
+        ollama.path(),
+        "mixed",
+        &fixture("gemma4_e2b_like"),
+        None,
+        Some("int4"),
+    );
+    let show = |args: &[&str]| {
+        let out = binary()
+            .arg("show")
+            .args(args)
+            .env("OLLAMA_MODELS", ollama.path())
+            .env("MLX_RUNNER_MODELS", ours.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let text = show(&["mixed"]);
+    assert!(text.contains("Precision (mixed)"), "{text}");
+    for p in ["int4", "int8", "F32"] {
+        assert!(
+            text.lines().any(|l| l.trim_start().starts_with(p)),
+            "{p}: {text}"
+        );
+    }
+    let verbose = show(&["mixed", "--verbose"]);
+    let line = |name: &str| {
+        verbose
+            .lines()
+            .find(|l| l.trim_end().ends_with(name))
+            .unwrap_or_else(|| panic!("{name} not listed: {verbose}"))
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(line("model.embed_tokens.weight"), "int8");
+    assert_eq!(line("model.layers.0.self_attn.q_proj.weight"), "int4");
+    assert_eq!(line("model.layers.0.self_attn.k_proj.weight"), "int8");
+    assert_eq!(line("model.norm.weight"), "F32");
+    // A model of ours, quantized by `create --quantize q4`: mlx-lm's layout, bits from shapes.
+    let mf = ours.path().join("Modelfile");
+    std::fs::write(
+        &mf,
+        format!("FROM {}\n", fixture("gemma4_e2b_like").display()),
+    )
+    .unwrap();
+    let out = binary()
+        .args([
+            "create",
+            "q",
+            "-f",
+            mf.to_str().unwrap(),
+            "--quantize",
+            "q4",
+        ])
+        .env("MLX_RUNNER_MODELS", ours.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = show(&["q", "-v"]);
+    assert!(text.contains("int4"), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.trim_end().ends_with("self_attn.q_proj.weight") && l.contains("int4")),
+        "{text}"
+    );
 }

@@ -465,7 +465,11 @@ impl Moe {
             .weights()
             .keep(scale.multiply_scalar(f64::from(h).powf(-0.5))?);
         let ex = vb.pp("experts");
-        let (gate, up) = if ex.has("gate_up_proj") {
+        let (gate, up) = if ex.pp("gate_up_proj").is_quantized() {
+            // ollama's import of that layout: the fused stack, quantized.
+            let q = ex.pp("gate_up_proj").quantized(&[e], 2 * i, h)?;
+            Experts::quantized_halves(vb.weights(), q)?
+        } else if ex.has("gate_up_proj") {
             // transformers' fused layout: rows 0..I are the gate, I..2I the up projection.
             let gu = ex.get("gate_up_proj", &[e, 2 * i, h])?;
             let parts = gu.split(2, 1)?;
@@ -480,7 +484,9 @@ impl Moe {
                 sg.pp("up_proj").experts(e, i, h)?,
             )
         };
-        let down = if ex.has("down_proj") {
+        let down = if ex.pp("down_proj").is_quantized() {
+            ex.pp("down_proj").experts(e, h, i)?
+        } else if ex.has("down_proj") {
             Experts::dense(vb.weights(), ex.get("down_proj", &[e, h, i])?)?
         } else {
             ex.pp("switch_glu").pp("down_proj").experts(e, h, i)?

@@ -61,6 +61,25 @@ impl Experts {
         Ok(Experts::Dense { wt })
     }
 
+    /// The two halves (along the output rows) of a fused, quantized `[E, 2·out, in]` stack, as
+    /// ollama stores transformers' `experts.gate_up_proj`: quantization groups run along the
+    /// input dimension, so splitting rows splits the packed words, scales and biases alike.
+    pub fn quantized_halves(weights: &Weights, q: Quantized) -> Result<(Experts, Experts)> {
+        let w = q.weight.split(2, 1)?;
+        let s = q.scales.split(2, 1)?;
+        let b = q.biases.split(2, 1)?;
+        let half = |i: usize| -> Result<Experts> {
+            Ok(Experts::Quantized(Quantized {
+                weight: weights.keep(w[i].contiguous()?),
+                scales: weights.keep(s[i].contiguous()?),
+                biases: weights.keep(b[i].contiguous()?),
+                group_size: q.group_size,
+                bits: q.bits,
+            }))
+        };
+        Ok((half(0)?, half(1)?))
+    }
+
     /// `x: [..., 1, in]` (one row per token and selected expert), `idx: [..., k]` expert ids;
     /// returns `[..., k, 1, out]`.
     pub fn forward(&self, x: &Array, idx: &Array, sorted: bool) -> Result<Array> {

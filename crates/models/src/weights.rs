@@ -169,9 +169,11 @@ fn ollama_quant(kind: &str, group: Option<&str>) -> std::result::Result<(i32, i3
     let bits = match kind {
         "int4" | "q4" => 4,
         "int8" | "q8" => 8,
-        other => return Err(format!(
+        other => {
+            return Err(format!(
             "is quantized as {other:?}, which mlx-runner does not read (affine int4 and int8 only)"
-        )),
+        ))
+        }
     };
     let group = match group {
         None => 64,
@@ -204,10 +206,12 @@ pub fn read_tensors_quantized(files: &crate::ModelFiles) -> Result<(Tensors, Mod
             other => ModelError::Mlx(other),
         })?;
         let mut arrays = t.arrays;
+        // A packed (u32) tensor with a `.scale` beside it; a fused stacked tensor such as
+        // `experts.gate_up_proj` has no `.weight` suffix, and gets one.
         let quantized: Vec<String> = arrays
-            .keys()
-            .filter(|k| k.ends_with(".weight") && arrays.contains_key(&format!("{k}.scale")))
-            .cloned()
+            .iter()
+            .filter(|(k, a)| a.dtype() == Dtype::U32 && arrays.contains_key(&format!("{k}.scale")))
+            .map(|(k, _)| k.clone())
             .collect();
         for w in quantized {
             let meta = |key: &str| {
@@ -231,6 +235,11 @@ pub fn read_tensors_quantized(files: &crate::ModelFiles) -> Result<(Tensors, Mod
                     message,
                 })?;
             let module = w.strip_suffix(".weight").unwrap_or(&w).to_string();
+            if !w.ends_with(".weight") {
+                if let Some(a) = arrays.remove(&w) {
+                    arrays.insert(format!("{module}.weight"), a);
+                }
+            }
             for (from, to) in [("scale", "scales"), ("bias", "biases")] {
                 if let Some(a) = arrays.remove(&format!("{w}.{from}")) {
                     arrays.insert(format!("{module}.{to}"), a);

@@ -78,8 +78,133 @@ pub fn modelfile(store: &Store, r: &Resolved) -> Result<Modelfile> {
     Ok(mf)
 }
 
+/// One stored tensor of the target: its name, its precision (`F32`, `BF16`, ..., `int4`,
+/// `int8`) and its bytes (a quantized weight's scales and biases included).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorPrecision {
+    pub name: String,
+    pub precision: String,
+    pub bytes: u64,
+}
+
+/// The header of a safetensors blob: tensors by name (dtype, shape, bytes) and its metadata.
+type Header = (
+    std::collections::BTreeMap<String, (String, Vec<u64>, u64)>,
+    std::collections::HashMap<String, String>,
+);
+
+fn read_header(path: &std::path::Path) -> Result<Header> {
+    use std::io::Read;
+    let corrupt = |message: String| crate::StoreError::Corrupt {
+        path: path.to_path_buf(),
+        message,
+    };
+    let mut f = std::fs::File::open(path).map_err(|e| crate::StoreError::Io {
+        path: path.to_path_buf(),
+        cause: e,
+    })?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len)
+        .map_err(|e| corrupt(format!("no safetensors header: {e}")))?;
+    let n = u64::from_le_bytes(len);
+    if n > 100 << 20 {
+        return Err(corrupt(format!("a safetensors header of {n} bytes")));
+    }
+    let mut text = vec![0u8; n as usize];
+    f.read_exact(&mut text)
+        .map_err(|e| corrupt(format!("truncated safetensors header: {e}")))?;
+    let v: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&text).map_err(|e| corrupt(format!("bad header: {e}")))?;
+    let mut tensors = std::collections::BTreeMap::new();
+    let mut meta = std::collections::HashMap::new();
+    for (k, e) in v {
+        if k == "__metadata__" {
+            if let Some(m) = e.as_object() {
+                for (mk, mv) in m {
+                    meta.insert(mk.clone(), mv.as_str().unwrap_or_default().to_string());
+                }
+            }
+            continue;
+        }
+        let dtype = e["dtype"].as_str().unwrap_or("?").to_string();
+        let shape = e["shape"]
+            .as_array()
+            .map(|s| s.iter().filter_map(|d| d.as_u64()).collect())
+            .unwrap_or_default();
+        let off = |i: usize| e["data_offsets"][i].as_u64().unwrap_or(0);
+        tensors.insert(k, (dtype, shape, off(1).saturating_sub(off(0))));
+    }
+    Ok((tensors, meta))
+}
+
+/// The precision of every stored tensor of the target, from its blobs' headers: ollama's
+/// quantized layout (a packed `<t>` with `<t>.scale`, `<t>.bias` and the type in the metadata)
+/// and mlx-lm's (`<m>.weight` with `<m>.scales`, `<m>.biases`, bits from the shapes).
+pub fn precisions(r: &Resolved) -> Result<Vec<TensorPrecision>> {
+    let group = r
+        .config
+        .part
+        .quantization
+        .as_ref()
+        .map_or(64, |q| q.group_size.max(1) as u64);
+    let mut out = Vec::new();
+    for path in &r.target.tensors {
+        let (tensors, meta) = read_header(path)?;
+        for (name, (dtype, shape, bytes)) in &tensors {
+            let module = name.strip_suffix(".weight").unwrap_or(name);
+            let companion = |suffix: &str| {
+                tensors
+                    .get(&format!("{name}.{suffix}"))
+                    .or_else(|| tensors.get(&format!("{module}.{suffix}s")))
+            };
+            let is_part = [".scale", ".bias", ".scales", ".biases"]
+                .iter()
+                .any(|s| name.ends_with(s))
+                && dtype != "U32";
+            if is_part {
+                continue;
+            }
+            let (precision, bytes) = match (dtype.as_str(), companion("scale")) {
+                ("U32", Some(scales)) => {
+                    let kind = meta
+                        .get(&format!("{name}.quant_type"))
+                        .or_else(|| meta.get("quant_type"))
+                        .cloned()
+                        .unwrap_or_else(|| {
+                            let packed = shape.last().copied().unwrap_or(0);
+                            let inputs = scales.1.last().copied().unwrap_or(0) * group;
+                            format!("int{}", packed * 32 / inputs.max(1))
+                        });
+                    let extra: u64 = ["scale", "bias"]
+                        .iter()
+                        .filter_map(|s| companion(s))
+                        .map(|t| t.2)
+                        .sum();
+                    (kind, bytes + extra)
+                }
+                _ => (dtype.clone(), *bytes),
+            };
+            out.push(TensorPrecision {
+                name: name
+                    .strip_prefix(&r.target.tensor_prefix)
+                    .unwrap_or(name)
+                    .to_string(),
+                precision,
+                bytes,
+            });
+        }
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
 /// The text `show NAME` prints.
 pub fn describe(store: &Store, r: &Resolved) -> Result<String> {
+    describe_with(store, r, false)
+}
+
+/// As [`describe`]; `verbose` lists every tensor with its precision.
+pub fn describe_with(store: &Store, r: &Resolved, verbose: bool) -> Result<String> {
     let mut out = String::new();
     let _ = writeln!(out, "  Model");
     part(&mut out, &r.config.part);
@@ -99,6 +224,37 @@ pub fn describe(store: &Store, r: &Resolved) -> Result<String> {
         }
         None => {
             let _ = writeln!(out, "    none");
+        }
+    }
+    let tensors = precisions(r)?;
+    let mut by_precision: std::collections::BTreeMap<&str, (usize, u64)> = Default::default();
+    for t in &tensors {
+        let e = by_precision.entry(t.precision.as_str()).or_default();
+        e.0 += 1;
+        e.1 += t.bytes;
+    }
+    let _ = writeln!(out);
+    let _ = writeln!(
+        out,
+        "  Precision{}",
+        if by_precision.len() > 1 {
+            " (mixed)"
+        } else {
+            ""
+        }
+    );
+    for (p, (n, bytes)) in &by_precision {
+        let _ = writeln!(
+            out,
+            "    {p:<8}{n:>6} tensors  {:>9.1} MB",
+            *bytes as f64 / 1e6
+        );
+    }
+    if verbose {
+        let _ = writeln!(out);
+        let _ = writeln!(out, "  Tensors");
+        for t in &tensors {
+            let _ = writeln!(out, "    {:<8}{}", t.precision, t.name);
         }
     }
     let mf = modelfile(store, r)?;
