@@ -700,9 +700,23 @@ fn list() -> Result<()> {
     if let Some(n) = note {
         eprintln!("{n}");
     }
-    let models = st.list()?;
+    // Ours, then the safetensors models of ollama's store (which the runner loads by name when
+    // ours has none of that name), marked as such.
+    let mut rows: Vec<(store::Listed, &str)> = st.list()?.into_iter().map(|m| (m, "")).collect();
+    let ollama = store::Store::ollama_root()
+        .filter(|r| r != st.root() && r.is_dir())
+        .map(store::Store::open);
+    if let Some(o) = &ollama {
+        let ours: std::collections::HashSet<String> =
+            rows.iter().map(|(m, _)| m.name.to_string()).collect();
+        for m in o.list().unwrap_or_default() {
+            if !ours.contains(&m.name.to_string()) && o.is_safetensors(&m.name) {
+                rows.push((m, "  (ollama)"));
+            }
+        }
+    }
     println!("{:<40} {:<14} {:>10}  MODIFIED", "NAME", "ID", "SIZE");
-    for m in models {
+    for (m, whose) in rows {
         let age = m.modified.elapsed().map(|d| d.as_secs()).unwrap_or(0);
         let ago = match age {
             s if s < 60 => format!("{s} seconds ago"),
@@ -711,7 +725,7 @@ fn list() -> Result<()> {
             s => format!("{} days ago", s / 86400),
         };
         println!(
-            "{:<40} {:<14} {:>7.1} MB  {ago}",
+            "{:<40} {:<14} {:>7.1} MB  {ago}{whose}",
             m.name.to_string(),
             &m.digest[..12],
             m.size as f64 / 1e6

@@ -606,6 +606,39 @@ fn show_reports_per_tensor_precision() {
         );
         String::from_utf8(out.stdout).unwrap()
     };
+    // `list` shows ollama's safetensors models beside ours, marked; a GGUF model it holds is
+    // not one the runner loads, and is not listed.
+    let gguf_config = write_blob(
+        ollama.path(),
+        "application/vnd.docker.container.image.v1+json",
+        br#"{"model_format":"gguf","model_family":"llama"}"#,
+        None,
+    );
+    let dir = ollama
+        .path()
+        .join("manifests/registry.ollama.ai/library/llama3");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("latest"),
+        json!({"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+               "config": gguf_config, "layers": []})
+        .to_string(),
+    )
+    .unwrap();
+    let out = binary()
+        .arg("list")
+        .env("OLLAMA_MODELS", ollama.path())
+        .env("MLX_RUNNER_MODELS", ours.path())
+        .output()
+        .unwrap();
+    let listed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.starts_with("mixed:latest") && l.ends_with("(ollama)")),
+        "{listed}"
+    );
+    assert!(!listed.contains("llama3"), "{listed}");
     let text = show(&["mixed"]);
     assert!(text.contains("Precision (mixed)"), "{text}");
     for p in ["int4", "int8", "F32"] {

@@ -28,6 +28,9 @@ pub fn free_port() -> u16 {
 pub fn binary() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_mlx-runner"));
     c.env_remove("LD_LIBRARY_PATH");
+    // A developer's own ollama models must not leak into the tests (a test that wants ollama's
+    // store sets its own).
+    c.env("OLLAMA_MODELS", "/nonexistent/ollama-models");
     c
 }
 

@@ -261,6 +261,21 @@ impl Store {
         Ok(out)
     }
 
+    /// Whether the model `name` is one mlx-runner can load: its config blob says
+    /// `model_format: safetensors` (ollama's store also holds GGUF models, which it cannot).
+    pub fn is_safetensors(&self, name: &ModelName) -> bool {
+        let Ok(Some((m, _))) = self.manifest(name) else {
+            return false;
+        };
+        let Ok(path) = self.blob_path(&m.config.digest) else {
+            return false;
+        };
+        std::fs::read(path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .is_some_and(|v| v["model_format"] == "safetensors")
+    }
+
     fn name_of(&self, manifest_file: &Path) -> Option<ModelName> {
         let rel = manifest_file.strip_prefix(self.manifests()).ok()?;
         let parts: Vec<&str> = rel.iter().filter_map(|p| p.to_str()).collect();
