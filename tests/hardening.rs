@@ -183,15 +183,7 @@ fn a_huge_prompt_is_refused_without_tokenizing_it() {
 /// weights file is a FIFO that nobody writes, so loading blocks for as long as the test wants.
 #[test]
 fn a_runner_orphaned_while_loading_exits() {
-    let dir = tempfile::tempdir().unwrap();
-    for f in [
-        "config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "generation_config.json",
-    ] {
-        std::fs::copy(fixture("gemma4_31b_like").join(f), dir.path().join(f)).unwrap();
-    }
+    let dir = fixture_without_weights("gemma4_31b_like");
     let fifo = std::ffi::CString::new(
         dir.path()
             .join("model.safetensors")

@@ -591,9 +591,9 @@ fn show_reports_per_tensor_precision() {
         None,
         Some("int4"),
     );
-    let show = |args: &[&str]| {
+    // A command against both stores; its standard output.
+    let run = |args: &[&str]| {
         let out = binary()
-            .arg("show")
             .args(args)
             .env("OLLAMA_MODELS", ollama.path())
             .env("MLX_RUNNER_MODELS", ours.path())
@@ -606,6 +606,7 @@ fn show_reports_per_tensor_precision() {
         );
         String::from_utf8(out.stdout).unwrap()
     };
+    let show = |args: &[&str]| run(&[&["show"], args].concat());
     // `list` shows ollama's safetensors models beside ours, marked; a GGUF model it holds is
     // not one the runner loads, and is not listed.
     let gguf_config = write_blob(
@@ -625,13 +626,7 @@ fn show_reports_per_tensor_precision() {
         .to_string(),
     )
     .unwrap();
-    let out = binary()
-        .arg("list")
-        .env("OLLAMA_MODELS", ollama.path())
-        .env("MLX_RUNNER_MODELS", ours.path())
-        .output()
-        .unwrap();
-    let listed = String::from_utf8_lossy(&out.stdout);
+    let listed = run(&["list"]);
     assert!(
         listed
             .lines()
@@ -669,23 +664,14 @@ fn show_reports_per_tensor_precision() {
         format!("FROM {}\n", fixture("gemma4_e2b_like").display()),
     )
     .unwrap();
-    let out = binary()
-        .args([
-            "create",
-            "q",
-            "-f",
-            mf.to_str().unwrap(),
-            "--quantize",
-            "q4",
-        ])
-        .env("MLX_RUNNER_MODELS", ours.path())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run(&[
+        "create",
+        "q",
+        "-f",
+        mf.to_str().unwrap(),
+        "--quantize",
+        "q4",
+    ]);
     let text = show(&["q", "-v"]);
     assert!(text.contains("int4"), "{text}");
     assert!(

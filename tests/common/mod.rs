@@ -20,6 +20,21 @@ pub fn golden(name: &str) -> std::collections::HashMap<String, mlx::Array> {
         .arrays
 }
 
+/// A folder holding a fixture's config and tokenizer files but not its weights (for tests that
+/// put something else where the weights go).
+pub fn fixture_without_weights(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for f in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        std::fs::copy(fixture(name).join(f), dir.path().join(f)).unwrap();
+    }
+    dir
+}
+
 pub fn free_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     l.local_addr().unwrap().port()

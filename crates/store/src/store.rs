@@ -154,10 +154,8 @@ impl Store {
         self.manifests().join(name.manifest_path())
     }
 
-    /// Takes the store's write lock (waiting for another writer), then removes temporary files
-    /// that killed writers left behind.
-    pub fn lock(&self) -> Result<WriteLock> {
-        std::fs::create_dir_all(&self.root).map_err(io(&self.root))?;
+    /// The file writers lock, opened (created when missing), and its path.
+    fn lock_file(&self) -> Result<(File, PathBuf)> {
         let path = self.root.join(".lock");
         let file = File::options()
             .create(true)
@@ -165,6 +163,14 @@ impl Store {
             .write(true)
             .open(&path)
             .map_err(io(&path))?;
+        Ok((file, path))
+    }
+
+    /// Takes the store's write lock (waiting for another writer), then removes temporary files
+    /// that killed writers left behind.
+    pub fn lock(&self) -> Result<WriteLock> {
+        std::fs::create_dir_all(&self.root).map_err(io(&self.root))?;
+        let (file, path) = self.lock_file()?;
         file.lock().map_err(io(&path))?;
         for dir in [self.blobs(), self.manifests()] {
             remove_partials(&dir);
@@ -486,13 +492,7 @@ impl Store {
         if !self.root.is_dir() {
             return Ok(Some((0, 0)));
         }
-        let path = self.root.join(".lock");
-        let file = File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(io(&path))?;
+        let (file, path) = self.lock_file()?;
         match file.try_lock() {
             Ok(()) => {}
             Err(std::fs::TryLockError::WouldBlock) => return Ok(None),
