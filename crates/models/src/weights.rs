@@ -523,3 +523,22 @@ impl<'a> Vb<'a> {
         Ok(Embedding::Dense(self.get("weight", &[vocab, dim])?))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::ollama_quant;
+
+    #[test]
+    fn ollama_quantization_types() {
+        assert_eq!(ollama_quant("int4", None), Ok((64, 4)));
+        assert_eq!(ollama_quant("int8", Some("32")), Ok((32, 8)));
+        let e = ollama_quant("nvfp4", Some("16")).unwrap_err();
+        assert!(
+            e.contains("\"nvfp4\"") && e.contains("int4 and int8 only"),
+            "{e}"
+        );
+        assert!(ollama_quant("int4", Some("x"))
+            .unwrap_err()
+            .contains("\"x\""));
+    }
+}
