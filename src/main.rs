@@ -181,6 +181,15 @@ fn reference_blas_warning() -> Option<String> {
     })
 }
 
+/// A stored model's `num_ctx` PARAMETER: the context length it runs with unless `--ctx-size`
+/// says otherwise.
+fn stored_ctx(stored: &serde_json::Map<String, serde_json::Value>) -> Option<usize> {
+    stored
+        .get("num_ctx")
+        .and_then(|v| v.as_u64())
+        .map(|n| n as usize)
+}
+
 /// `--ctx-size 0` would make every request fail: refuse it at start.
 fn check_ctx_size(n: Option<usize>) -> Result<()> {
     if n == Some(0) {
@@ -488,13 +497,9 @@ fn runner(a: RunnerArgs) -> Result<()> {
     // Its other PARAMETERs are not applied to requests: the parent merges them into each
     // request's options before sending it (as ollama's does), so a key it leaves out means
     // Go's zero value, not a stored default.
-    let stored_ctx = stored
-        .get("num_ctx")
-        .and_then(|v| v.as_u64())
-        .map(|n| n as usize);
     let opts = RunnerOptions {
         engine: EngineConfig {
-            ctx_size: a.ctx_size.or(stored_ctx),
+            ctx_size: a.ctx_size.or(stored_ctx(&stored)),
             parallel: a.parallel,
             prefill_chunk: a.prefill_chunk,
             cache_budget: a.cache_budget,
@@ -593,12 +598,13 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let mut loaded = models::load_files(&cfg.model, a.dtype)?;
     let draft = runner::engine::load_drafter(&cfg, &mut loaded).map_err(anyhow::Error::msg)?;
     let mut controller = runner::depth::DepthController::new(cfg.max_draft_depth, cfg.draft_depth);
-    let stored_ctx = stored
-        .get("num_ctx")
-        .and_then(|v| v.as_u64())
-        .map(|n| n as usize);
     let max_ctx = loaded.model.max_context();
-    let num_ctx = req.num_ctx(a.ctx_size.or(stored_ctx).unwrap_or(max_ctx).min(max_ctx));
+    let num_ctx = req.num_ctx(
+        a.ctx_size
+            .or(stored_ctx(&stored))
+            .unwrap_or(max_ctx)
+            .min(max_ctx),
+    );
     let prompt = loaded.tokenizer.encode(&a.prompt)?;
     let params = GenerationParams {
         prompt,

@@ -137,6 +137,32 @@ fn validate(path: &Path) -> Result<(MmapMut, Vec<Entry>, HashMap<String, String>
     Ok((map, entries, metadata))
 }
 
+/// One tensor of a safetensors header.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorInfo {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<i32>,
+    pub nbytes: usize,
+}
+
+/// The validated header of a safetensors file, without reading any tensor data: its tensors
+/// (sorted by name) and its `__metadata__` strings.
+pub fn read_header(path: impl AsRef<Path>) -> Result<(Vec<TensorInfo>, HashMap<String, String>)> {
+    let (_, entries, metadata) = validate(path.as_ref())?;
+    let mut tensors: Vec<TensorInfo> = entries
+        .into_iter()
+        .map(|e| TensorInfo {
+            nbytes: e.range.len(),
+            name: e.name,
+            dtype: e.dtype,
+            shape: e.shape,
+        })
+        .collect();
+    tensors.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok((tensors, metadata))
+}
+
 /// Loads every tensor of a safetensors file, validated first, read lazily by MLX.
 ///
 /// A truncated file, a header that does not parse, offsets past the end of the file or a dtype

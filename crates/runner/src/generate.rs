@@ -434,14 +434,14 @@ impl Generation {
         if pos / every <= last / every {
             return;
         }
-        let mut all = self.caches.clone();
-        if let Some(d) = &self.draft {
-            all.extend(d.caches.iter().cloned());
-        }
-        let aligned = all
+        let draft = self.draft.as_ref().map_or(&[][..], |d| &d.caches[..]);
+        let aligned = self
+            .caches
             .iter()
+            .chain(draft)
             .all(|c| !matches!(c, LayerCache::Rotating(_)) || c.offset() == pos);
         if aligned {
+            let all: Vec<LayerCache> = self.caches.iter().chain(draft).cloned().collect();
             self.taken.push((pos, CacheCheckpoint::of(&all)));
         }
     }

@@ -471,7 +471,7 @@ fn file_type(counts: &BTreeMap<String, u64>) -> String {
         .unwrap_or_else(|| "F32".into())
 }
 
-fn dtype_label(d: Dtype) -> String {
+pub(crate) fn dtype_label(d: Dtype) -> String {
     match d {
         Dtype::F32 => "F32".into(),
         Dtype::F16 => "F16".into(),

@@ -87,56 +87,6 @@ pub struct TensorPrecision {
     pub bytes: u64,
 }
 
-/// The header of a safetensors blob: tensors by name (dtype, shape, bytes) and its metadata.
-type Header = (
-    std::collections::BTreeMap<String, (String, Vec<u64>, u64)>,
-    std::collections::HashMap<String, String>,
-);
-
-fn read_header(path: &std::path::Path) -> Result<Header> {
-    use std::io::Read;
-    let corrupt = |message: String| crate::StoreError::Corrupt {
-        path: path.to_path_buf(),
-        message,
-    };
-    let mut f = std::fs::File::open(path).map_err(|e| crate::StoreError::Io {
-        path: path.to_path_buf(),
-        cause: e,
-    })?;
-    let mut len = [0u8; 8];
-    f.read_exact(&mut len)
-        .map_err(|e| corrupt(format!("no safetensors header: {e}")))?;
-    let n = u64::from_le_bytes(len);
-    if n > 100 << 20 {
-        return Err(corrupt(format!("a safetensors header of {n} bytes")));
-    }
-    let mut text = vec![0u8; n as usize];
-    f.read_exact(&mut text)
-        .map_err(|e| corrupt(format!("truncated safetensors header: {e}")))?;
-    let v: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&text).map_err(|e| corrupt(format!("bad header: {e}")))?;
-    let mut tensors = std::collections::BTreeMap::new();
-    let mut meta = std::collections::HashMap::new();
-    for (k, e) in v {
-        if k == "__metadata__" {
-            if let Some(m) = e.as_object() {
-                for (mk, mv) in m {
-                    meta.insert(mk.clone(), mv.as_str().unwrap_or_default().to_string());
-                }
-            }
-            continue;
-        }
-        let dtype = e["dtype"].as_str().unwrap_or("?").to_string();
-        let shape = e["shape"]
-            .as_array()
-            .map(|s| s.iter().filter_map(|d| d.as_u64()).collect())
-            .unwrap_or_default();
-        let off = |i: usize| e["data_offsets"][i].as_u64().unwrap_or(0);
-        tensors.insert(k, (dtype, shape, off(1).saturating_sub(off(0))));
-    }
-    Ok((tensors, meta))
-}
-
 /// The precision of every stored tensor of the target, from its blobs' headers: ollama's
 /// quantized layout (a packed `<t>` with `<t>.scale`, `<t>.bias` and the type in the metadata)
 /// and mlx-lm's (`<m>.weight` with `<m>.scales`, `<m>.biases`, bits from the shapes).
@@ -149,7 +99,17 @@ pub fn precisions(r: &Resolved) -> Result<Vec<TensorPrecision>> {
         .map_or(64, |q| q.group_size.max(1) as u64);
     let mut out = Vec::new();
     for path in &r.target.tensors {
-        let (tensors, meta) = read_header(path)?;
+        let (infos, meta) = mlx::io::read_header(path).map_err(|e| crate::StoreError::Corrupt {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        let tensors: std::collections::BTreeMap<String, (String, Vec<i32>, u64)> = infos
+            .into_iter()
+            .map(|t| {
+                let label = crate::create::dtype_label(t.dtype);
+                (t.name, (label, t.shape, t.nbytes as u64))
+            })
+            .collect();
         for (name, (dtype, shape, bytes)) in &tensors {
             let module = name.strip_suffix(".weight").unwrap_or(name);
             let companion = |suffix: &str| {
@@ -171,8 +131,8 @@ pub fn precisions(r: &Resolved) -> Result<Vec<TensorPrecision>> {
                         .or_else(|| meta.get("quant_type"))
                         .cloned()
                         .unwrap_or_else(|| {
-                            let packed = shape.last().copied().unwrap_or(0);
-                            let inputs = scales.1.last().copied().unwrap_or(0) * group;
+                            let packed = shape.last().copied().unwrap_or(0) as u64;
+                            let inputs = scales.1.last().copied().unwrap_or(0) as u64 * group;
                             format!("int{}", packed * 32 / inputs.max(1))
                         });
                     let extra: u64 = ["scale", "bias"]
