@@ -677,19 +677,26 @@ fn create(a: CreateArgs) -> Result<()> {
     };
     let start = std::time::Instant::now();
     let r = store::create(&st, &name, &a.file, &opts)?;
-    let describe = |p: &store::manifest::Part| match &p.quantization {
-        Some(q) if !q.unquantized.is_empty() => format!(
-            "{} {} ({} matrices left unquantized: input dimension not a multiple of {})",
+    let describe = |p: &store::PartSummary| {
+        let precisions: Vec<String> = p
+            .precisions
+            .iter()
+            .map(|(k, n)| format!("{n} {k}"))
+            .collect();
+        let kind = if p.file_type.is_empty() {
+            "unquantized"
+        } else {
+            &p.file_type
+        };
+        format!(
+            "{} {kind} ({} tensors)",
             p.architecture,
-            p.file_type,
-            q.unquantized.len(),
-            q.group_size
-        ),
-        _ => format!("{} {}", p.architecture, p.file_type),
+            precisions.join(", ")
+        )
     };
-    println!("model  {}", describe(&r.config.part));
-    if let Some(d) = &r.config.draft {
-        println!("draft  {}", describe(&d.part));
+    println!("model  {}", describe(&r.target));
+    if let Some(d) = &r.draft {
+        println!("draft  {}", describe(d));
     }
     println!(
         "created {name} (id {}, {} layers, {:.1} MB) in {:.1}s",

@@ -190,16 +190,17 @@ const JSON: &str = "application/vnd.ollama.image.json";
 /// `draft.` and its JSON layers `draft/`.
 fn checkpoint_layers(root: &Path, dir: &Path, draft: bool, quantize: Option<&str>) -> Vec<Value> {
     let prefix = if draft { "draft." } else { "" };
-    let arch = architecture(dir);
+    let policy = Policy::of(dir, draft);
     let mut layers = Vec::new();
     for (blob, mut tensors) in plan(inventory(dir)) {
+        // The policy sees the checkpoint's names; the draft's prefix comes after planning.
+        let kinds: Vec<Option<&str>> = tensors
+            .iter()
+            .map(|t| quantize.and_then(|q| policy.quant(&t.name, &t.shape, q)))
+            .collect();
         for t in &mut tensors {
             t.name = format!("{prefix}{}", t.name);
         }
-        let kinds: Vec<Option<&str>> = tensors
-            .iter()
-            .map(|t| quantize.and_then(|q| quant_type(&arch, &t.name, &t.shape, q)))
-            .collect();
         if kinds.iter().all(Option::is_none) {
             let name = format!("{prefix}{blob}");
             layers.push(write_blob(
@@ -238,38 +239,113 @@ fn checkpoint_layers(root: &Path, dir: &Path, draft: bool, quantize: Option<&str
     layers
 }
 
-/// `x/create/create.go` and `x/create/quantpolicy.go` (the generic policy; gemma4's file only
-/// adds `embed_tokens` at int8, done here too, and promotes v/down on fewer layers, which is not
-/// followed): only `.weight` matrices and 3-D stacked experts (fused `experts.gate_up_proj`
-/// included) with at least 1024 elements
-/// and a last dimension divisible by the group (64); never norms, `*embed*`, routers; a
-/// requested int4 promotes `lm_head`, `k_proj`, `v_proj` and `down_proj` to int8.
-fn quant_type(arch: &str, name: &str, shape: &[u64], requested: &str) -> Option<&'static str> {
-    let requested: &'static str = if requested == "int4" { "int4" } else { "int8" };
-    let elements: u64 = shape.iter().product();
-    let stacked = shape.len() == 3 && name.contains(".experts.");
-    let eligible = (name.ends_with(".weight") || stacked)
-        && (2..=3).contains(&shape.len())
-        && elements >= 1024
-        && shape.last().is_some_and(|d| d % 64 == 0)
-        && !name.contains("norm")
-        && !name.contains("router")
-        && !name.ends_with("mlp.gate.weight");
-    if !eligible {
-        return None;
+/// The quantization policy of one checkpoint: `GetTensorQuantization` (`x/create/create.go`,
+/// `x/create/quantpolicy.go`), gemma4's (`x/create/gemma4.go`, registered for the gemma4
+/// architectures in `tensorImportTransformRegistry`) and the draft's (`x/create/draft.go`).
+struct Policy {
+    gemma4: Option<(u64, u64)>,
+    draft: bool,
+}
+
+impl Policy {
+    fn of(dir: &Path, draft: bool) -> Policy {
+        let cfg: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        let field = |k: &str| {
+            cfg[k]
+                .as_u64()
+                .filter(|n| *n > 0)
+                .or(cfg["text_config"][k].as_u64())
+                .unwrap_or(0)
+        };
+        let gemma4 = architecture(dir)
+            .starts_with("Gemma4")
+            .then(|| (field("num_hidden_layers"), field("num_experts")));
+        Policy { gemma4, draft }
     }
-    if name.contains("embed") {
-        return (arch.starts_with("Gemma4") && name.ends_with("embed_tokens.weight"))
-            .then_some("int8");
-    }
-    let promoted = ["lm_head", "k_proj", "v_proj", "down_proj"]
+
+    fn quant(&self, name: &str, shape: &[u64], requested: &str) -> Option<&'static str> {
+        let requested: &'static str = if requested == "int4" { "int4" } else { "int8" };
+        let aligned = shape.last().is_some_and(|d| d % 64 == 0);
+        let embed_tokens = name.ends_with("embed_tokens.weight") && !name.contains("per_layer");
+        // draftPolicy: the draft's head takes the requested type.
+        if self.draft && (embed_tokens || name.ends_with("lm_head.weight")) {
+            return aligned.then_some(requested);
+        }
+        let sensitive =
+            name.contains(".v_proj") || name.contains(".k_proj") || name.contains("down_proj");
+        if let Some((layers, experts)) = self.gemma4 {
+            if embed_tokens {
+                return aligned.then_some("int8");
+            }
+            let tower = name.contains("vision")
+                || name.contains("visual")
+                || name.contains("audio_tower")
+                || name.contains("embed_audio");
+            if sensitive && !tower && requested == "int4" {
+                let promote = layers > 0
+                    && if experts == 8 && (name.contains(".v_proj") || name.contains(".k_proj")) {
+                        true
+                    } else if name.contains(".k_proj") {
+                        false
+                    } else {
+                        layer_of(name).is_some_and(|l| {
+                            let (first, last) = (layers / 8, 7 * layers / 8);
+                            l < first || l >= last || (l - first) % 3 == 2
+                        })
+                    };
+                return aligned.then_some(if promote { "int8" } else { "int4" });
+            }
+        }
+        // GetTensorQuantization.
+        let stacked = [
+            ".experts.",
+            ".mlp.switch_mlp.",
+            ".mlp.shared_experts.",
+            ".mixer.shared_experts.",
+        ]
         .iter()
-        .any(|p| name.contains(p));
-    Some(if requested == "int4" && promoted {
-        "int8"
-    } else {
-        requested
-    })
+        .any(|m| name.contains(m));
+        let should = name.ends_with(".weight")
+            && !["audio_tower", "embed_audio", "embed", "norm", "ln_"]
+                .iter()
+                .any(|m| name.contains(m));
+        if !stacked && !should {
+            return None;
+        }
+        if shape.len() != 2 && !(shape.len() == 3 && stacked) {
+            return None;
+        }
+        let gate = [
+            ".mlp.gate.weight",
+            ".mixer.gate.weight",
+            ".shared_expert_gate.weight",
+            ".router.proj.weight",
+        ]
+        .iter()
+        .any(|g| name.ends_with(g));
+        if shape.iter().product::<u64>() < 1024 || gate {
+            return None;
+        }
+        if name.ends_with("lm_head.weight") {
+            return aligned.then_some("int8");
+        }
+        if name.contains("vision") || name.contains("visual") || !aligned {
+            return None;
+        }
+        Some(if requested == "int4" && sensitive {
+            "int8"
+        } else {
+            requested
+        })
+    }
+}
+
+/// `layerIndex`: the N of `.layers.N.`.
+fn layer_of(name: &str) -> Option<u64> {
+    let rest = name.split_once(".layers.")?.1;
+    rest.split_once('.')?.0.parse().ok()
 }
 
 fn array(t: &Tensor) -> mlx::Array {
@@ -303,12 +379,12 @@ fn quantized_blob(tensors: &[Tensor], kind: &str) -> Vec<u8> {
 /// `<m>.biases`, and config.json's `quantization` block with the int8 modules listed), the
 /// layout whose loading is checked against mlx-lm itself (`crates/models/tests/golden.rs`).
 fn mlx_lm_twin(dir: &Path, out: &Path, requested: &str) {
-    let arch = architecture(dir);
+    let policy = Policy::of(dir, false);
     let mut parts: Vec<(String, mlx::Array)> = Vec::new();
     let mut overrides = serde_json::Map::new();
     for (_, tensors) in plan(inventory(dir)) {
         for t in tensors {
-            match quant_type(&arch, &t.name, &t.shape, requested) {
+            match policy.quant(&t.name, &t.shape, requested) {
                 Some(k) => {
                     let bits = if k == "int4" { 4 } else { 8 };
                     let q = array(&t).quantize(64, bits).unwrap();
@@ -345,11 +421,11 @@ fn mlx_lm_twin(dir: &Path, out: &Path, requested: &str) {
 /// against transformers: a reference for the quantized model that shares none of the quantized
 /// loading code.
 fn dequantized_twin(dir: &Path, out: &Path, requested: &str) {
-    let arch = architecture(dir);
+    let policy = Policy::of(dir, false);
     let mut parts: Vec<(String, mlx::Array)> = Vec::new();
     for t in inventory(dir) {
         let a = array(&t);
-        let a = match quant_type(&arch, &t.name, &t.shape, requested) {
+        let a = match policy.quant(&t.name, &t.shape, requested) {
             Some(k) => a
                 .quantize(64, if k == "int4" { 4 } else { 8 })
                 .unwrap()
@@ -384,19 +460,22 @@ fn architecture(dir: &Path) -> String {
 /// `x/create/client/create.go` and `manifest/manifest.go`: the layers in order (target tensors,
 /// target JSON, draft tensors, draft JSON, then the Modelfile's params), the config blob
 /// (`json.Marshal` of `model.ConfigV2`: `architecture` left empty, `file_type` "" for float,
-/// `capabilities` with `completion`, the `draft` section), and the manifest, encoded by
-/// `json.NewEncoder` (a trailing newline) at `manifests/registry.ollama.ai/library/<m>/<tag>`.
+/// renderer and parser by family (`getParserName`), `capabilities` from
+/// `inferSafetensorsCapabilities`, the `draft` section), and the manifest, encoded by
+/// `json.NewEncoder` (Go's field order, a trailing newline) at
+/// `manifests/registry.ollama.ai/library/<m>/<tag>`.
 fn ollama_create(
     root: &Path,
     model: &str,
     target: &Path,
     draft: Option<&Path>,
     quantize: Option<&str>,
+    draft_quantize: Option<&str>,
 ) {
     let mut layers = checkpoint_layers(root, target, false, quantize);
     if let Some(d) = draft {
-        // `--quantize` never touches the draft.
-        layers.extend(checkpoint_layers(root, d, true, None));
+        // `--quantize` never touches the draft; `--draft-quantize` does.
+        layers.extend(checkpoint_layers(root, d, true, draft_quantize));
     }
     let params = b"{\"temperature\":0.5}\n";
     layers.push(write_blob(
@@ -411,28 +490,44 @@ fn ollama_create(
             serde_json::to_string(&architecture(d)).unwrap()
         )
     });
+    let arch = architecture(target).to_lowercase();
+    let family = if arch.contains("gemma4") {
+        "gemma4"
+    } else if arch.contains("glm4") {
+        "glm-4.7"
+    } else {
+        panic!("no family for {arch}")
+    };
     let config = format!(
-        "{{\"model_format\":\"safetensors\",\"model_family\":\"\",\"model_families\":null,\"model_type\":\"\",\"file_type\":{},\"renderer\":\"gemma4\",\"parser\":\"gemma4\",\"requires\":\"0.19.0\",\"capabilities\":[\"completion\"]{},\"architecture\":\"\",\"os\":\"\"}}",
+        "{{\"model_format\":\"safetensors\",\"model_family\":\"\",\"model_families\":null,\"model_type\":\"\",\"file_type\":{},\"renderer\":\"{family}\",\"parser\":\"{family}\",\"requires\":\"0.19.0\",\"capabilities\":[\"completion\",\"tools\",\"thinking\"]{},\"architecture\":\"\",\"os\":\"\"}}",
         serde_json::to_string(quantize.unwrap_or_default()).unwrap(),
         draft_section.unwrap_or_default()
     );
-    let mut config_layer = write_blob(
+    let config_layer = write_blob(
         root,
         "application/vnd.docker.container.image.v1+json",
         config.as_bytes(),
         None,
     );
-    config_layer.as_object_mut().unwrap().remove("name");
-    let manifest = json!({
-        "schemaVersion": 2,
-        "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
-        "config": config_layer,
-        "layers": layers,
-    });
+    let layer = |l: &Value| {
+        let name = l
+            .get("name")
+            .map(|n| format!(",\"name\":{n}"))
+            .unwrap_or_default();
+        format!(
+            "{{\"mediaType\":{},\"digest\":{},\"size\":{}{name}}}",
+            l["mediaType"], l["digest"], l["size"]
+        )
+    };
+    let manifest = format!(
+        "{{\"schemaVersion\":2,\"mediaType\":\"application/vnd.docker.distribution.manifest.v2+json\",\"config\":{},\"layers\":[{}]}}\n",
+        layer(&config_layer),
+        layers.iter().map(layer).collect::<Vec<_>>().join(",")
+    );
     let (name, tag) = model.split_once(':').unwrap_or((model, "latest"));
     let dir = root.join("manifests/registry.ollama.ai/library").join(name);
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join(tag), format!("{manifest}\n")).unwrap();
+    std::fs::write(dir.join(tag), manifest).unwrap();
 }
 
 fn greedy(r: &Runner) -> String {
@@ -465,6 +560,7 @@ fn models_ollama_created_load_by_name_and_serve_what_their_checkpoints_serve() {
             name,
             &fixture(target),
             draft.map(fixture).as_deref(),
+            None,
             None,
         );
     }
@@ -544,7 +640,7 @@ fn quantized_models_ollama_created_serve_what_mlx_lm_layout_serves() {
         ("glm4_moe_lite", "int4"),
     ] {
         let name = format!("{}-{q}", target.replace('_', "-"));
-        ollama_create(ollama.path(), &name, &fixture(target), None, Some(q));
+        ollama_create(ollama.path(), &name, &fixture(target), None, Some(q), None);
         let twin = twins.path().join(&name);
         mlx_lm_twin(&fixture(target), &twin, q);
         let env = [
@@ -590,6 +686,7 @@ fn show_reports_per_tensor_precision() {
         &fixture("gemma4_e2b_like"),
         None,
         Some("int4"),
+        None,
     );
     // A command against both stores; its standard output.
     let run = |args: &[&str]| {
@@ -653,11 +750,16 @@ fn show_reports_per_tensor_precision() {
             .unwrap()
             .to_string()
     };
+    // gemma4's policy over 6 layers: the embedding at int8; values and downs at int8 on every
+    // third layer and the last eighth (2 and 5), keys at int4.
     assert_eq!(line("model.embed_tokens.weight"), "int8");
     assert_eq!(line("model.layers.0.self_attn.q_proj.weight"), "int4");
-    assert_eq!(line("model.layers.0.self_attn.k_proj.weight"), "int8");
+    assert_eq!(line("model.layers.0.self_attn.k_proj.weight"), "int4");
+    assert_eq!(line("model.layers.0.self_attn.v_proj.weight"), "int4");
+    assert_eq!(line("model.layers.2.self_attn.v_proj.weight"), "int8");
+    assert_eq!(line("model.layers.5.mlp.down_proj.weight"), "int8");
     assert_eq!(line("model.norm.weight"), "F32");
-    // A model of ours, quantized by `create --quantize q4`: mlx-lm's layout, bits from shapes.
+    // A model of ours, quantized by `create --quantize q4`: the same layout.
     let mf = ours.path().join("Modelfile");
     std::fs::write(
         &mf,
@@ -679,4 +781,380 @@ fn show_reports_per_tensor_precision() {
             .any(|l| l.trim_end().ends_with("self_attn.q_proj.weight") && l.contains("int4")),
         "{text}"
     );
+}
+
+/// `mlx-runner create` into the store at `root`, from a Modelfile with FROM, DRAFT and the
+/// parameter `ollama_create` writes.
+fn our_create(
+    root: &Path,
+    model: &str,
+    target: &str,
+    draft: Option<&str>,
+    quantize: Option<&str>,
+    draft_quantize: Option<&str>,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let mf = dir.path().join("Modelfile");
+    let mut text = format!("FROM {}\n", fixture(target).display());
+    if let Some(d) = draft {
+        text += &format!("DRAFT {}\n", fixture(d).display());
+    }
+    text += "PARAMETER temperature 0.5\n";
+    std::fs::write(&mf, text).unwrap();
+    let mut cmd = binary();
+    cmd.args(["create", model, "-f", mf.to_str().unwrap()])
+        .env("MLX_RUNNER_MODELS", root);
+    if let Some(q) = quantize {
+        cmd.args(["--quantize", q]);
+    }
+    if let Some(q) = draft_quantize {
+        cmd.args(["--quantize-draft", q]);
+    }
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn manifest_bytes(root: &Path, model: &str) -> Vec<u8> {
+    std::fs::read(
+        root.join("manifests/registry.ollama.ai/library")
+            .join(model)
+            .join("latest"),
+    )
+    .unwrap()
+}
+
+fn blob(root: &Path, digest: &Value) -> std::path::PathBuf {
+    root.join("blobs")
+        .join(digest.as_str().unwrap().replace(':', "-"))
+}
+
+/// A safetensors blob's `__metadata__` (empty when it has none).
+fn blob_metadata(path: &Path) -> serde_json::Map<String, Value> {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    header["__metadata__"]
+        .as_object()
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// `create` writes what `ollama create --experimental` writes, layer for layer: the same
+/// manifest byte for byte for float models (so the same model id), and for quantized ones the
+/// same layers in the same order with the same tensors, values and quantization metadata in
+/// each blob (ollama serializes quantized blobs with MLX's writer, whose header order follows a
+/// hash map; the tensors are what a reader sees).
+#[test]
+fn create_writes_what_ollama_create_writes() {
+    let ours = tempfile::tempdir().unwrap();
+    let theirs = tempfile::tempdir().unwrap();
+    type Case<'a> = (
+        &'a str,
+        &'a str,
+        Option<&'a str>,
+        Option<&'a str>,
+        Option<&'a str>,
+    );
+    let cases: [Case; 6] = [
+        (
+            "e2b",
+            "gemma4_e2b_like",
+            Some("gemma4_assistant"),
+            None,
+            None,
+        ),
+        ("glm", "glm4_moe_lite", None, None, None),
+        ("moe-int4", "gemma4_26b_a4b_like", None, Some("int4"), None),
+        ("glm-int4", "glm4_moe_lite", None, Some("int4"), None),
+        ("glm-int8", "glm4_moe_lite", None, Some("int8"), None),
+        (
+            "e2b-int4",
+            "gemma4_e2b_like",
+            Some("gemma4_assistant"),
+            Some("int4"),
+            Some("int8"),
+        ),
+    ];
+    for (model, target, draft, q, dq) in cases {
+        our_create(ours.path(), model, target, draft, q, dq);
+        ollama_create(
+            theirs.path(),
+            model,
+            &fixture(target),
+            draft.map(fixture).as_deref(),
+            q,
+            dq,
+        );
+        let (a, b) = (
+            manifest_bytes(ours.path(), model),
+            manifest_bytes(theirs.path(), model),
+        );
+        if q.is_none() && dq.is_none() {
+            assert_eq!(
+                String::from_utf8_lossy(&a),
+                String::from_utf8_lossy(&b),
+                "{model}: the manifests differ"
+            );
+            continue;
+        }
+        let (ma, mb): (Value, Value) = (
+            serde_json::from_slice(&a).unwrap(),
+            serde_json::from_slice(&b).unwrap(),
+        );
+        assert_eq!(ma["config"], mb["config"], "{model}: config blobs");
+        let (la, lb) = (
+            ma["layers"].as_array().unwrap(),
+            mb["layers"].as_array().unwrap(),
+        );
+        let names = |l: &[Value]| -> Vec<String> {
+            l.iter()
+                .map(|x| format!("{} {}", x["mediaType"], x["name"]))
+                .collect()
+        };
+        assert_eq!(names(la), names(lb), "{model}: layers");
+        for (x, y) in la.iter().zip(lb) {
+            if x["mediaType"] != TENSOR {
+                assert_eq!(x["digest"], y["digest"], "{model}: {}", x["name"]);
+                continue;
+            }
+            let (px, py) = (
+                blob(ours.path(), &x["digest"]),
+                blob(theirs.path(), &y["digest"]),
+            );
+            assert_eq!(
+                blob_metadata(&px),
+                blob_metadata(&py),
+                "{model}: {}",
+                x["name"]
+            );
+            let tensors = |p: &Path| -> Vec<(String, String, Vec<u64>, Vec<u8>)> {
+                let mut v: Vec<_> = read_safetensors(p)
+                    .into_iter()
+                    .map(|t| (t.name, t.dtype, t.shape, t.data))
+                    .collect();
+                v.sort();
+                v
+            };
+            let (tx, ty) = (tensors(&px), tensors(&py));
+            let heads = |t: &[(String, String, Vec<u64>, Vec<u8>)]| -> Vec<String> {
+                t.iter()
+                    .map(|(n, d, s, _)| format!("{n} {d} {s:?}"))
+                    .collect()
+            };
+            assert_eq!(heads(&tx), heads(&ty), "{model}: {}", x["name"]);
+            for (u, v) in tx.iter().zip(&ty) {
+                assert!(u.3 == v.3, "{model}: the values of {} differ", u.0);
+            }
+        }
+    }
+}
+
+/// What ollama's runner makes of a blob (`x/mlxrunner/model/root.go`
+/// `readBlobTensorQuantInfo`): each tensor with a `.scale` beside it and the quantization its
+/// metadata says (per tensor, then for the blob), checked against what its shapes imply
+/// (`inferQuantTypeFromShapes`); and the tensor names after `loadTensorsFromManifest`
+/// (`.scale` → `_scale`, `.bias` → `_qbias` where a `.scale` exists).
+fn ollama_reads(path: &Path) -> (Vec<String>, Vec<(String, String, u64)>) {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let meta = header
+        .get("__metadata__")
+        .and_then(Value::as_object)
+        .cloned()
+        .unwrap_or_default();
+    let text = |k: &str| meta.get(k).and_then(Value::as_str).map(str::to_uppercase);
+    let mut quant = Vec::new();
+    for name in header.keys() {
+        if name == "__metadata__" || name.ends_with(".scale") || name.ends_with(".bias") {
+            continue;
+        }
+        let Some(scale) = header.get(&format!("{name}.scale")) else {
+            continue;
+        };
+        let kind = text(&format!("{name}.quant_type"))
+            .or_else(|| text("quant_type"))
+            .expect("a quantized tensor's type is in the metadata");
+        let group: u64 = text(&format!("{name}.group_size"))
+            .or_else(|| text("group_size"))
+            .map_or(0, |g| g.parse().unwrap());
+        let cols = header[name]["shape"]
+            .as_array()
+            .unwrap()
+            .last()
+            .unwrap()
+            .as_u64()
+            .unwrap();
+        let groups = scale["shape"]
+            .as_array()
+            .unwrap()
+            .last()
+            .unwrap()
+            .as_u64()
+            .unwrap();
+        let (inferred, inferred_group) = match (cols * 8 / groups, cols * 4 / groups) {
+            (32, _) => ("INT4", 32),
+            (_, 64) => ("INT8", 64),
+            (64, 32) => (
+                if kind.contains('8') { "INT8" } else { "INT4" },
+                if kind.contains('8') { 32 } else { 64 },
+            ),
+            (g4, _) => ("INT4", g4),
+        };
+        assert_eq!((kind.as_str(), group), (inferred, inferred_group), "{name}");
+        assert!(
+            header.contains_key(&format!("{name}.bias")),
+            "{name}: no bias"
+        );
+        quant.push((name.clone(), kind, group));
+    }
+    let names = header
+        .keys()
+        .filter(|k| *k != "__metadata__")
+        .map(|k| {
+            for (suffix, to) in [(".scale", "_scale"), (".bias", "_qbias")] {
+                if let Some(base) = k.strip_suffix(suffix) {
+                    if header.contains_key(&format!("{base}.scale")) {
+                        return format!("{base}{to}");
+                    }
+                }
+            }
+            k.clone()
+        })
+        .collect();
+    (names, quant)
+}
+
+/// A model `create` wrote, read the way ollama's runner reads it (`x/mlxrunner/model/root.go`,
+/// `x/mlxrunner/runner.go`) rather than with our loader: every name ollama's GLM4-MoE-Lite
+/// (`x/models/glm4_moe_lite/glm4_moe_lite.go` `LoadWeights`) and gemma4 models look up is
+/// there, each quantized one with `_scale`, `_qbias` and its type; the config blob is the
+/// `ConfigV2` ollama's server reads, with the draft where `readDraftConfig` finds it.
+#[test]
+fn an_ollama_reader_reads_what_create_writes() {
+    let ours = tempfile::tempdir().unwrap();
+    our_create(
+        ours.path(),
+        "glm",
+        "glm4_moe_lite",
+        None,
+        Some("int4"),
+        None,
+    );
+    our_create(
+        ours.path(),
+        "e2b",
+        "gemma4_e2b_like",
+        Some("gemma4_assistant"),
+        Some("int4"),
+        None,
+    );
+    let read = |model: &str| {
+        let m: Value = serde_json::from_slice(&manifest_bytes(ours.path(), model)).unwrap();
+        let config: Value = serde_json::from_slice(
+            &std::fs::read(blob(ours.path(), &m["config"]["digest"])).unwrap(),
+        )
+        .unwrap();
+        let mut names = std::collections::BTreeSet::new();
+        let mut quant = Vec::new();
+        for l in m["layers"].as_array().unwrap() {
+            if l["mediaType"] == TENSOR {
+                let (n, q) = ollama_reads(&blob(ours.path(), &l["digest"]));
+                names.extend(n);
+                quant.extend(q);
+            }
+        }
+        (m, config, names, quant)
+    };
+
+    let (_, config, names, quant) = read("glm");
+    assert_eq!(config["model_format"], "safetensors");
+    assert_eq!(config["file_type"], "int4");
+    assert_eq!(
+        config["architecture"], "",
+        "ollama takes it from config.json"
+    );
+    assert_eq!(config["parser"], "glm-4.7");
+    assert!(config.get("draft").is_none());
+    let mut want = vec![
+        "model.embed_tokens.weight".to_string(),
+        "model.norm.weight".into(),
+        "lm_head.weight".into(),
+    ];
+    for i in 0..3 {
+        let p = format!("model.layers.{i}");
+        for n in [
+            "self_attn.q_a_proj",
+            "self_attn.q_a_layernorm",
+            "self_attn.q_b_proj",
+            "self_attn.kv_a_proj_with_mqa",
+            "self_attn.kv_a_layernorm",
+            "self_attn.kv_b_proj",
+            "self_attn.o_proj",
+            "input_layernorm",
+            "post_attention_layernorm",
+        ] {
+            want.push(format!("{p}.{n}.weight"));
+        }
+        // first_k_dense_replace = 1: layer 0 is dense, the others are MoE.
+        let mlp: &[&str] = if i == 0 {
+            &["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+        } else {
+            &[
+                "mlp.experts.gate_proj",
+                "mlp.experts.up_proj",
+                "mlp.experts.down_proj",
+                "mlp.gate",
+                "mlp.shared_experts.gate_proj",
+                "mlp.shared_experts.up_proj",
+                "mlp.shared_experts.down_proj",
+            ]
+        };
+        want.extend(mlp.iter().map(|n| format!("{p}.{n}.weight")));
+        if i > 0 {
+            want.push(format!("{p}.mlp.gate.e_score_correction_bias"));
+        }
+    }
+    for n in &want {
+        assert!(names.contains(n), "ollama's GLM model looks up {n}");
+    }
+    assert!(quant.iter().any(|q| q.1 == "INT4") && quant.iter().any(|q| q.1 == "INT8"));
+    for (n, _, _) in &quant {
+        assert!(names.contains(&format!("{n}_scale")) && names.contains(&format!("{n}_qbias")));
+    }
+    assert_eq!(
+        quant
+            .iter()
+            .find(|q| q.0 == "lm_head.weight")
+            .map(|q| q.1.as_str()),
+        Some("INT8")
+    );
+
+    let (m, config, names, quant) = read("e2b");
+    assert_eq!(config["parser"], "gemma4");
+    assert_eq!(
+        config["draft"],
+        json!({"model_format": "safetensors", "architecture": "Gemma4AssistantForCausalLM",
+               "tensor_prefix": "draft.", "config": "draft/config.json"})
+    );
+    assert!(m["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|l| l["mediaType"] == JSON && l["name"] == "draft/config.json"));
+    assert!(names.iter().any(|n| n.starts_with("draft.")));
+    // gemma4's policy: the token embedding (also the output head) at int8.
+    assert_eq!(
+        quant
+            .iter()
+            .find(|q| q.0 == "model.embed_tokens.weight")
+            .map(|q| q.1.as_str()),
+        Some("INT8")
+    );
+    // `--quantize` never touches the draft.
+    assert!(quant.iter().all(|q| !q.0.starts_with("draft.")));
 }

@@ -142,7 +142,7 @@ fn quantized_drafts_keep_greedy_output_exact() {
         "--draft-quantize",
         "int8",
     ]);
-    assert!(out.contains("draft  Gemma4ForCausalLM Q8"), "{out}");
+    assert!(out.contains("draft  Gemma4ForCausalLM int8"), "{out}");
     let mf2 = env.modelfile(
         "Modelfile2",
         &format!(
@@ -165,7 +165,7 @@ fn quantized_drafts_keep_greedy_output_exact() {
         "{show}"
     );
     assert!(
-        show.contains("quantization    Q8 (8-bit affine, group size 64)"),
+        show.contains("quantization    int8 (affine; 47 of 126 tensors)"),
         "{show}"
     );
 
@@ -606,4 +606,84 @@ fn an_altered_params_blob_is_refused() {
     assert!(e.contains("does not match its digest"), "{e}");
     let e = env.fails(&["generate", "--model", "p", "--prompt", "x", "-n", "1"]);
     assert!(e.contains("does not match its digest"), "{e}");
+}
+
+/// A store written by the version before `create` wrote ollama's format (committed, see
+/// tests/fixtures/stores/README.md) keeps working: listed, shown, served as mlx-lm's own
+/// conversion of the same model serves, with its parameters, and usable as a FROM (its blobs
+/// reused) and as a DRAFT (rewritten in ollama's layout under `draft.`).
+#[test]
+fn a_store_written_by_the_earlier_version_still_works() {
+    let env = Env::new();
+    let models = env.models();
+    for sub in ["blobs", "manifests/registry.ollama.ai/library/glm-q4"] {
+        copy_dir(&fixture("../stores/v1").join(sub), &models.join(sub));
+    }
+    let list = env.ok(&["list"]);
+    assert!(list.contains("glm-q4:latest"), "{list}");
+    let show = env.ok(&["show", "glm-q4"]);
+    assert!(show.contains("Glm4MoeLiteForCausalLM"), "{show}");
+    assert!(show.contains("the model's own MTP layer"), "{show}");
+    assert!(show.contains("PARAMETER temperature 0.5"), "{show}");
+
+    let stored = env.runner("glm-q4", &["--no-draft"]);
+    let mlx_lm = Runner::start("glm4_moe_lite_q4", &["--no-draft"]);
+    for p in PROMPTS {
+        let (a, b) = (
+            stored.complete(&greedy(p, 16)),
+            mlx_lm.complete(&greedy(p, 16)),
+        );
+        assert_eq!(text_of(&a), text_of(&b), "{p}");
+    }
+    drop(stored);
+
+    // FROM it: the target's blobs are its own.
+    let before = env.store().resolve(&"glm-q4".parse().unwrap()).unwrap();
+    let mf = env.modelfile("Modelfile", "FROM glm-q4\nPARAMETER top_k 7\n");
+    env.ok(&["create", "glm-q4b", "-f", mf.to_str().unwrap()]);
+    let after = env.store().resolve(&"glm-q4b".parse().unwrap()).unwrap();
+    let tensors = |r: &store::Resolved| -> Vec<String> {
+        r.manifest
+            .layers
+            .iter()
+            .filter(|l| l.media_type == "application/vnd.ollama.image.tensor")
+            .map(|l| l.digest.clone())
+            .collect()
+    };
+    assert_eq!(tensors(&before), tensors(&after));
+    assert_eq!(after.parameters["temperature"], json!(0.5));
+    assert_eq!(after.parameters["top_k"], json!(7));
+    let derived = env.runner("glm-q4b", &["--no-draft"]);
+    let a = derived.complete(&greedy(PROMPTS[0], 16));
+    assert_eq!(
+        text_of(&a),
+        text_of(&mlx_lm.complete(&greedy(PROMPTS[0], 16)))
+    );
+    drop(derived);
+
+    // As the DRAFT of the float model: its tensors rewritten under `draft.`, it drafts, and
+    // greedy output is the target's.
+    let mf = env.modelfile(
+        "Modelfile2",
+        &format!(
+            "FROM {}\nDRAFT glm-q4\n",
+            fixture("glm4_moe_lite").display()
+        ),
+    );
+    env.ok(&["create", "glm-spec", "-f", mf.to_str().unwrap()]);
+    let spec = env.store().resolve(&"glm-spec".parse().unwrap()).unwrap();
+    assert!(spec
+        .manifest
+        .layers
+        .iter()
+        .any(|l| l.name.as_deref() == Some("draft.model.layers.1.mlp.switch_mlp.up_proj.weight")));
+    let drafting = env.runner("glm-spec", &["--draft-depth", "3"]);
+    let plain = Runner::start("glm4_moe_lite", &["--no-draft"]);
+    for p in PROMPTS {
+        let (a, b) = (
+            drafting.complete(&greedy(p, 16)),
+            plain.complete(&greedy(p, 16)),
+        );
+        assert_eq!(text_of(&a), text_of(&b), "{p}");
+    }
 }

@@ -83,8 +83,8 @@ impl QuantConfig {
         Some(q)
     }
 
-    /// (group_size, bits) for the module at `path`.
-    fn params(&self, path: &str) -> Option<(i32, i32)> {
+    /// (group_size, bits) for the module at `path`; `None` for a module left unquantized.
+    pub fn module_params(&self, path: &str) -> Option<(i32, i32)> {
         match self.overrides.get(path) {
             Some(p) => *p,
             None => Some((self.group_size, self.bits)),
@@ -459,10 +459,13 @@ impl<'a> Vb<'a> {
             name: wname.clone(),
             message: "stored quantized, but config.json has no quantization block".into(),
         })?;
-        let (group_size, bits) = q.params(&self.prefix).ok_or_else(|| ModelError::Tensor {
-            name: wname.clone(),
-            message: "stored quantized, but the quantization block excludes this module".into(),
-        })?;
+        let (group_size, bits) =
+            q.module_params(&self.prefix)
+                .ok_or_else(|| ModelError::Tensor {
+                    name: wname.clone(),
+                    message: "stored quantized, but the quantization block excludes this module"
+                        .into(),
+                })?;
         let weight = self.w.raw(&wname)?;
         let scales = self.get_unchecked("scales")?;
         let biases = self.get_unchecked("biases")?;

@@ -1,30 +1,48 @@
-//! `create`: a Modelfile's FROM (and DRAFT) checkpoints into the store as one named model.
+//! `create`: a Modelfile's FROM (and DRAFT) checkpoints into the store as one named model, in
+//! the layout `ollama create --experimental` writes (../../docs/STORE.md), so that ollama's
+//! runner loads what we write and we load what it writes.
 //!
 //! The pipeline: parse the Modelfile; resolve FROM and DRAFT (a checkpoint directory or a
 //! stored model); build both models without reading weights (every tensor checked by name and
-//! shape, the draft against the target); then, holding the store's write lock, write one blob
-//! per module (read, rearrange to the stacked layouts the quantized kernels need, quantize,
-//! serialize), the JSON files, the Modelfile's parts and the model config; load the result back
-//! the same way as a check; and only then point the name at it. Draft tensors and files are
-//! stored under `draft.` and `draft/`, as ollama stores them.
+//! shape, the draft against the target); then, holding the store's write lock, write the
+//! tensor blobs ([`crate::import`]: one per tensor, quantized by ollama's mixed-precision
+//! policy when asked), the checkpoint's JSON files byte for byte, the Modelfile's parts and
+//! ollama's config blob; load the result back the same way as a check; and only then point the
+//! name at it. Draft tensors and files are stored under `draft.` and `draft/`. A part taken
+//! from a stored model unchanged reuses its blobs.
 
-use crate::manifest::{media, DraftInfo, Layer, Manifest, ModelConfig, Part, Quantization};
+use crate::import::{self, Inventory};
+use crate::manifest::{media, ConfigV2, DraftV2, Layer, Manifest, ModelConfig};
 use crate::modelfile::{resolve, Located, Modelfile, Source};
 use crate::name::ModelName;
-use crate::quant::{decide, Decision, QuantType, GROUP_SIZE};
+use crate::quant::{architecture, Policy, QuantType};
 use crate::store::{Store, WriteLock};
 use crate::{Result, StoreError};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use mlx::{Array, Dtype};
-use models::{ModelFiles, CHECKPOINT_FILES};
+use mlx::Dtype;
+use models::ModelFiles;
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// The version of ollama that reads safetensors models (`MinOllamaVersion`).
+const REQUIRES: &str = "0.19.0";
 
 #[derive(Debug, Clone, Default)]
 pub struct CreateOptions {
     pub quantize: Option<QuantType>,
     pub quantize_draft: Option<QuantType>,
+}
+
+/// One stored part (the target or its draft), as `create` reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PartSummary {
+    /// `architectures[0]` of its config.json, else its `model_type`.
+    pub architecture: String,
+    /// ollama's `file_type`: `""` for a float model, else `int4`, `int8`.
+    pub file_type: String,
+    /// How many tensors are stored at each precision (`F32`, `BF16`, `int4`, `int8`, ...).
+    pub precisions: BTreeMap<String, usize>,
 }
 
 /// What `create` did.
@@ -34,6 +52,8 @@ pub struct CreateReport {
     pub layers: usize,
     pub bytes: u64,
     pub config: ModelConfig,
+    pub target: PartSummary,
+    pub draft: Option<PartSummary>,
     /// Blobs no model used any more (a replaced model's, a killed run's), removed.
     pub removed_blobs: usize,
 }
@@ -67,8 +87,52 @@ struct Input {
     source: String,
     /// A canonical identity, to refuse DRAFT = FROM.
     identity: String,
+    /// The checkpoint's JSON files (and chat template), by name, sorted.
+    json: Vec<(String, PathBuf)>,
+    /// A stored model's own layers for this part (reused when nothing changes) and its
+    /// `file_type`.
+    stored_layers: Option<(Vec<Layer>, String)>,
     /// A stored model's draft and Modelfile, which a model made FROM it inherits.
-    stored: Option<(Option<Box<Input>>, Modelfile)>,
+    inherits: Option<(Option<Box<Input>>, Modelfile)>,
+}
+
+/// The files of a checkpoint directory that go into the store besides its weights: every
+/// `*.json` but the shard index (as ollama stores them), and `chat_template.jinja`, which
+/// ollama leaves out (it renders prompts with built-in renderers) but a server rendering the
+/// model's own template needs.
+fn checkpoint_files(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
+    let entries = std::fs::read_dir(dir).map_err(|cause| StoreError::Io {
+        path: dir.to_path_buf(),
+        cause,
+    })?;
+    let mut out: Vec<(String, PathBuf)> = entries
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .filter_map(|e| Some((e.file_name().into_string().ok()?, e.path())))
+        .filter(|(n, _)| {
+            (n.ends_with(".json") && n != "model.safetensors.index.json")
+                || n == "chat_template.jinja"
+        })
+        .collect();
+    out.sort();
+    Ok(out)
+}
+
+/// The layers of a stored model's part: its tensor blobs and files, in manifest order.
+fn part_layers(manifest: &Manifest, draft: bool, tensor_prefix: &str) -> Vec<Layer> {
+    manifest
+        .layers
+        .iter()
+        .filter(|l| {
+            let n = l.name.as_deref().unwrap_or_default();
+            match l.media_type.as_str() {
+                media::TENSOR => n.starts_with(tensor_prefix) == draft,
+                media::JSON => n.starts_with("draft/") == draft,
+                _ => false,
+            }
+        })
+        .cloned()
+        .collect()
 }
 
 fn input(store: &Store, base: &Path, at: &Located, what: &str) -> Result<Input> {
@@ -86,7 +150,9 @@ fn input(store: &Store, base: &Path, at: &Located, what: &str) -> Result<Input> 
                 files: ModelFiles::dir(&dir)?,
                 source: at.value.clone(),
                 identity: canonical.display().to_string(),
-                stored: None,
+                json: checkpoint_files(&dir)?,
+                stored_layers: None,
+                inherits: None,
             })
         }
         Source::Name(n) => {
@@ -104,23 +170,51 @@ fn input(store: &Store, base: &Path, at: &Located, what: &str) -> Result<Input> 
             // Its blobs are read again below: they must be what the manifest says.
             resolved.target.verify()?;
             let modelfile = crate::show::modelfile(store, &resolved)?;
+            let sorted = |files: &ModelFiles| {
+                let mut v: Vec<(String, PathBuf)> = files
+                    .files
+                    .iter()
+                    .map(|(k, p)| (k.clone(), p.clone()))
+                    .collect();
+                v.sort();
+                v
+            };
             let draft = match (resolved.draft, &resolved.config.draft) {
                 (Some(files), Some(info)) => {
                     files.verify()?;
+                    let source = match info.part.source.as_str() {
+                        "" => format!("the draft of {parsed}"),
+                        s => s.to_string(),
+                    };
                     Some(Box::new(Input {
+                        json: sorted(&files),
+                        stored_layers: Some((
+                            part_layers(&resolved.manifest, true, &info.tensor_prefix),
+                            info.part.file_type.clone(),
+                        )),
                         files,
-                        source: info.part.source.clone(),
+                        source,
                         identity: format!("model:{parsed}/draft"),
-                        stored: None,
+                        inherits: None,
                     }))
                 }
                 _ => None,
             };
+            let prefix = resolved
+                .config
+                .draft
+                .as_ref()
+                .map_or("draft.", |d| d.tensor_prefix.as_str());
             Ok(Input {
+                json: sorted(&resolved.target),
+                stored_layers: Some((
+                    part_layers(&resolved.manifest, false, prefix),
+                    resolved.config.part.file_type.clone(),
+                )),
                 files: resolved.target,
                 source: at.value.clone(),
                 identity: format!("model:{parsed}"),
-                stored: Some((draft, modelfile)),
+                inherits: Some((draft, modelfile)),
             })
         }
     }
@@ -142,20 +236,22 @@ pub fn create_from(
     let mut mf = mf.clone();
     let mut draft_in = match &mf.draft {
         Some(d) => {
-            let i = input(store, base, d, "DRAFT")?;
+            let mut i = input(store, base, d, "DRAFT")?;
             if i.identity == target_in.identity {
                 return Err(StoreError::Invalid(format!(
                     "line {}: DRAFT is the same model as FROM; a draft must be a smaller model",
                     d.line
                 )));
             }
+            // A stored model's tensors become a draft's under a new prefix: rewritten.
+            i.stored_layers = None;
             Some(i)
         }
         None => None,
     };
     // FROM a stored model brings what it carries (its draft, parameters, template, ...) where
     // this Modelfile does not say otherwise.
-    if let Some((inherited_draft, base_mf)) = target_in.stored.take() {
+    if let Some((inherited_draft, base_mf)) = target_in.inherits.take() {
         inherit(&mut mf, base_mf);
         if draft_in.is_none() {
             draft_in = inherited_draft.map(|d| *d);
@@ -180,37 +276,41 @@ pub fn create_from(
 
     let lock = store.lock()?;
     let mut layers = Vec::new();
-    let target_part = import(store, &lock, &target_in, opts.quantize, "", "", &mut layers)?;
+    let file_type = import_part(store, &lock, &target_in, opts.quantize, false, &mut layers)?;
+    let target_cfg = models::JsonFile::read(target_in.files.config()?)?.value;
+    let mut draft_file_type = String::new();
     let draft = match &draft_in {
-        Some(d) => Some(DraftInfo {
-            part: import(
-                store,
-                &lock,
-                d,
-                opts.quantize_draft,
-                "draft.",
-                "draft/",
-                &mut layers,
-            )?,
-            tensor_prefix: "draft.".into(),
-            config: "draft/config.json".into(),
-        }),
+        Some(d) => {
+            draft_file_type = import_part(store, &lock, d, opts.quantize_draft, true, &mut layers)?;
+            let cfg = models::JsonFile::read(d.files.config()?)?.value;
+            Some(DraftV2 {
+                model_format: "safetensors".into(),
+                architecture: architecture(&cfg),
+                tensor_prefix: "draft.".into(),
+                config: "draft/config.json".into(),
+            })
+        }
         None => None,
     };
     modelfile_layers(store, &lock, mf, &mut layers)?;
-    let config = ModelConfig {
-        part: target_part,
+    let family = family(&target_cfg);
+    let config = ConfigV2 {
+        model_format: "safetensors".into(),
+        model_family: String::new(),
+        model_families: None,
+        model_type: String::new(),
+        file_type,
+        renderer: family.clone(),
+        parser: family.clone(),
+        requires: REQUIRES.into(),
+        capabilities: capabilities(&target_cfg, &target_in, !family.is_empty()),
         draft,
-        // ollama serves a safetensors model only for what it lists.
-        capabilities: vec!["completion".into()],
-        renderer: String::new(),
-        parser: String::new(),
+        architecture: String::new(),
+        os: String::new(),
     };
-    let config_layer = store.write_blob(
-        &lock,
-        media::CONFIG,
-        &serde_json::to_vec(&config).expect("configs serialize"),
-    )?;
+    let config_bytes = serde_json::to_vec(&config).expect("configs serialize");
+    let config_layer = store.write_blob(&lock, media::CONFIG, &config_bytes)?;
+    let config: ModelConfig = serde_json::from_slice(&config_bytes).expect("our config parses");
     let manifest = Manifest::new(config_layer, layers);
 
     // Load what was written the way the runner will, before the name points at it.
@@ -220,6 +320,11 @@ pub fn create_from(
         models::inspect_draft(d, &written)?;
     }
     drop(written);
+    let target = summary(&t, &config.part.file_type)?;
+    let draft = match &d {
+        Some(files) => Some(summary(files, &draft_file_type)?),
+        None => None,
+    };
 
     let digest = store.write_manifest(&lock, name, &manifest)?;
     let (removed_blobs, _) = store.collect_garbage(&lock)?;
@@ -228,8 +333,91 @@ pub fn create_from(
         layers: manifest.layers.len(),
         bytes: manifest.all_layers().map(|l| l.size).sum(),
         config,
+        target,
+        draft,
         removed_blobs,
     })
+}
+
+fn summary(files: &ModelFiles, file_type: &str) -> Result<PartSummary> {
+    let cfg = models::JsonFile::read(files.config()?)?.value;
+    let mut precisions = BTreeMap::new();
+    for t in crate::show::precisions(files)? {
+        *precisions.entry(t.precision).or_default() += 1;
+    }
+    Ok(PartSummary {
+        architecture: architecture(&cfg),
+        file_type: file_type.to_string(),
+        precisions,
+    })
+}
+
+/// ollama's renderer and parser for the model's family (`x/create/client/create.go`); the
+/// families mlx-runner loads have one name for both.
+fn family(cfg: &Value) -> String {
+    let mut ids: Vec<String> = cfg
+        .get("architectures")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .map(str::to_lowercase)
+        .collect();
+    for v in [cfg.get("model_type"), cfg.pointer("/llm_config/model_type")] {
+        ids.extend(v.and_then(Value::as_str).map(str::to_lowercase));
+    }
+    ids.iter()
+        .find_map(|s| {
+            if s.contains("gemma4") {
+                Some("gemma4")
+            } else if s.contains("glm4") || s.contains("glm-4") {
+                Some("glm-4.7")
+            } else {
+                None
+            }
+        })
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// What ollama serves the model for (`inferSafetensorsCapabilities`): completion; vision and
+/// audio when the config has those towers; tools and thinking from the family's parser (both
+/// of ours have them) or a template that thinks.
+fn capabilities(cfg: &Value, input: &Input, parser: bool) -> Vec<String> {
+    let present = |k: &str| cfg.get(k).is_some_and(|v| !v.is_null());
+    let mut caps = vec!["completion".to_string()];
+    if present("vision_config") || cfg.get("has_vision") == Some(&Value::Bool(true)) {
+        caps.push("vision".into());
+    }
+    if present("audio_config") || present("sound_config") {
+        caps.push("audio".into());
+    }
+    if parser {
+        caps.push("tools".into());
+    }
+    let template = chat_template(input);
+    let thinks = template.contains("<think>") && template.contains("</think>");
+    if parser || thinks {
+        caps.push("thinking".into());
+    }
+    caps
+}
+
+/// The chat template: tokenizer_config.json's, else chat_template.jinja.
+fn chat_template(input: &Input) -> String {
+    let file = |n: &str| {
+        input
+            .json
+            .iter()
+            .find(|(name, _)| name == n)
+            .and_then(|(_, p)| std::fs::read_to_string(p).ok())
+    };
+    file("tokenizer_config.json")
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        .and_then(|v| v.get("chat_template")?.as_str().map(String::from))
+        .filter(|t| !t.is_empty())
+        .or_else(|| file("chat_template.jinja"))
+        .unwrap_or_default()
 }
 
 fn inherit(mf: &mut Modelfile, base: Modelfile) {
@@ -250,6 +438,9 @@ fn inherit(mf: &mut Modelfile, base: Modelfile) {
     }
 }
 
+/// The Modelfile's layers, in ollama's order (`createModelfileLayers`): template, system,
+/// licenses, then (ours) messages, then the parameters, JSON-encoded with a newline as Go's
+/// encoder ends it.
 fn modelfile_layers(
     store: &Store,
     lock: &WriteLock,
@@ -260,215 +451,24 @@ fn modelfile_layers(
         layers.push(store.write_blob(lock, media_type, &bytes)?);
         Ok(())
     };
-    if !mf.parameters.is_empty() {
-        push(media::PARAMS, serde_json::to_vec(&mf.parameters).unwrap())?;
-    }
     if let Some(t) = &mf.template {
         push(media::TEMPLATE, t.clone().into_bytes())?;
     }
     if let Some(s) = &mf.system {
         push(media::SYSTEM, s.clone().into_bytes())?;
     }
-    if !mf.messages.is_empty() {
-        push(media::MESSAGES, serde_json::to_vec(&mf.messages).unwrap())?;
-    }
     for l in &mf.license {
         push(media::LICENSE, l.clone().into_bytes())?;
     }
+    if !mf.messages.is_empty() {
+        push(media::MESSAGES, serde_json::to_vec(&mf.messages).unwrap())?;
+    }
+    if !mf.parameters.is_empty() {
+        let mut bytes = serde_json::to_vec(&mf.parameters).unwrap();
+        bytes.push(b'\n');
+        push(media::PARAMS, bytes)?;
+    }
     Ok(())
-}
-
-/// How one stored module is made from checkpoint tensors.
-enum Build {
-    /// Tensors stored as they are (a module's weight, or an already quantized triple).
-    Copy(Vec<String>),
-    Rename {
-        src: String,
-        out: String,
-    },
-    /// A fused `[E, 2I, H]` gate/up tensor split into its halves along axis 1.
-    SplitHalves {
-        src: String,
-        outs: [String; 2],
-    },
-    /// One matrix per expert stacked into `[E, out, in]`.
-    Stack {
-        srcs: Vec<String>,
-        out: String,
-    },
-    /// MLA's `kv_b_proj` split into mlx-lm's per-head `embed_q` (`W_UKᵀ`) and `unembed_out`.
-    KvbSplit {
-        src: String,
-        embed_q: String,
-        unembed_out: String,
-        heads: i32,
-        nope: i32,
-    },
-}
-
-impl Build {
-    fn sources(&self) -> Vec<&str> {
-        match self {
-            Build::Copy(v) => v.iter().map(String::as_str).collect(),
-            Build::Rename { src, .. }
-            | Build::SplitHalves { src, .. }
-            | Build::KvbSplit { src, .. } => vec![src.as_str()],
-            Build::Stack { srcs, .. } => srcs.iter().map(String::as_str).collect(),
-        }
-    }
-
-    /// The output tensors, by name.
-    fn run(&self, t: &HashMap<String, Array>) -> Result<Vec<(String, Array)>> {
-        let get = |n: &str| t[n].clone();
-        Ok(match self {
-            Build::Copy(names) => names.iter().map(|n| (n.clone(), get(n))).collect(),
-            Build::Rename { src, out } => vec![(out.clone(), get(src))],
-            Build::SplitHalves { src, outs } => {
-                let parts = get(src).split(2, 1)?;
-                vec![
-                    (outs[0].clone(), parts[0].clone()),
-                    (outs[1].clone(), parts[1].clone()),
-                ]
-            }
-            Build::Stack { srcs, out } => {
-                let arrays: Vec<Array> = srcs.iter().map(|s| get(s)).collect();
-                let refs: Vec<&Array> = arrays.iter().collect();
-                vec![(out.clone(), mlx::stack(&refs, 0)?)]
-            }
-            Build::KvbSplit {
-                src,
-                embed_q,
-                unembed_out,
-                heads,
-                nope,
-            } => {
-                let w = get(src);
-                let r = w.dim(-1)?;
-                let parts = w.reshape(&[*heads, -1, r])?.split_at(&[*nope], 1)?;
-                vec![
-                    (embed_q.clone(), parts[0].swapaxes(-1, -2)?.contiguous()?),
-                    (unembed_out.clone(), parts[1].contiguous()?),
-                ]
-            }
-        })
-    }
-}
-
-/// `model.layers.3.mlp.experts.7.up_proj.weight` → (`model.layers.3.mlp`, 7, `up_proj`).
-fn per_expert(name: &str) -> Option<(&str, usize, &str)> {
-    let rest = name.strip_suffix(".weight")?;
-    let (head, proj) = rest.rsplit_once('.')?;
-    let (head, idx) = head.rsplit_once('.')?;
-    let mlp = head.strip_suffix(".experts")?;
-    Some((mlp, idx.parse().ok()?, proj))
-}
-
-fn int_field(cfg: &Value, key: &str) -> Option<i32> {
-    cfg.get(key)
-        .or_else(|| cfg.get("text_config").and_then(|t| t.get(key)))
-        .and_then(Value::as_i64)
-        .map(|v| v as i32)
-}
-
-/// The modules of a checkpoint, rearranged where the quantized kernels need stacked layouts
-/// (the same rearrangements mlx-lm's conversion makes), everything else as it is.
-fn plan(tensors: &HashMap<String, Array>, cfg: &Value) -> Vec<Build> {
-    let mut names: Vec<&String> = tensors.keys().collect();
-    names.sort();
-    let mut builds = Vec::new();
-    let mut stacks: BTreeMap<(String, String), BTreeMap<usize, String>> = BTreeMap::new();
-    let mut modules: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    let mla = (
-        int_field(cfg, "num_attention_heads"),
-        int_field(cfg, "qk_nope_head_dim"),
-    );
-    for name in names {
-        if let Some((mlp, i, proj)) = per_expert(name) {
-            stacks
-                .entry((mlp.to_string(), proj.to_string()))
-                .or_default()
-                .insert(i, name.clone());
-            continue;
-        }
-        if let Some(p) = name.strip_suffix(".experts.gate_up_proj") {
-            let dir = if p.ends_with(".mlp") {
-                format!("{p}.switch_mlp")
-            } else {
-                format!("{p}.experts.switch_glu")
-            };
-            builds.push(Build::SplitHalves {
-                src: name.clone(),
-                outs: [
-                    format!("{dir}.gate_proj.weight"),
-                    format!("{dir}.up_proj.weight"),
-                ],
-            });
-            continue;
-        }
-        if let Some(p) = name.strip_suffix(".experts.down_proj") {
-            let out = if p.ends_with(".mlp") {
-                format!("{p}.switch_mlp.down_proj.weight")
-            } else {
-                format!("{p}.experts.switch_glu.down_proj.weight")
-            };
-            builds.push(Build::Rename {
-                src: name.clone(),
-                out,
-            });
-            continue;
-        }
-        if let (Some(p), (Some(heads), Some(nope))) = (name.strip_suffix(".kv_b_proj.weight"), mla)
-        {
-            if tensors[name].dtype().is_float() && tensors[name].ndim() == 2 {
-                builds.push(Build::KvbSplit {
-                    src: name.clone(),
-                    embed_q: format!("{p}.embed_q.weight"),
-                    unembed_out: format!("{p}.unembed_out.weight"),
-                    heads,
-                    nope,
-                });
-                continue;
-            }
-        }
-        let module = ["weight", "scales", "biases"]
-            .iter()
-            .find_map(|leaf| name.strip_suffix(&format!(".{leaf}")))
-            .unwrap_or(name);
-        modules
-            .entry(module.to_string())
-            .or_default()
-            .push(name.clone());
-    }
-    for ((mlp, proj), experts) in stacks {
-        // Only a complete 0..E run is stacked; anything else is stored as found.
-        let complete = experts.keys().copied().eq(0..experts.len());
-        if complete {
-            builds.push(Build::Stack {
-                srcs: experts.into_values().collect(),
-                out: format!("{mlp}.switch_mlp.{proj}.weight"),
-            });
-        } else {
-            builds.extend(experts.into_values().map(|n| Build::Copy(vec![n])));
-        }
-    }
-    // A module whose parts are not an mlx-lm quantized triple is stored tensor by tensor.
-    for (_, parts) in modules {
-        let quantized = parts.iter().any(|p| p.ends_with(".scales"));
-        if quantized {
-            builds.push(Build::Copy(parts));
-        } else {
-            builds.extend(parts.into_iter().map(|p| Build::Copy(vec![p])));
-        }
-    }
-    builds
-}
-
-fn file_type(counts: &BTreeMap<String, u64>) -> String {
-    counts
-        .iter()
-        .max_by_key(|(_, n)| **n)
-        .map(|(t, _)| t.clone())
-        .unwrap_or_else(|| "F32".into())
 }
 
 pub(crate) fn dtype_label(d: Dtype) -> String {
@@ -495,185 +495,137 @@ fn progress(total: u64, prefix: &str) -> ProgressBar {
 
 /// The quantization block of a checkpoint that came quantized (mlx-lm's format).
 fn prequantized(cfg: &Value) -> Option<Value> {
-    cfg.get("quantization")
-        .or_else(|| cfg.get("quantization_config"))
-        .filter(|q| !q.is_null())
+    ["quantization", "quantization_config"]
+        .iter()
+        .find_map(|k| cfg.get(*k).or_else(|| cfg.get("text_config")?.get(*k)))
+        .filter(|q| q.is_object())
         .cloned()
+}
+
+/// The tensors of a part and, for those already quantized, each module's `(group, bits)`:
+/// from the blob metadata (ollama's layout) or config.json's block (mlx-lm's).
+fn read_part(input: &Input) -> Result<(models::weights::Tensors, models::weights::ModuleQuant)> {
+    let (tensors, from_blobs) = models::weights::read_tensors_quantized(&input.files)?;
+    let cfg = models::JsonFile::read(input.files.config()?)?.value;
+    let block = match prequantized(&cfg) {
+        Some(b) => Some(models::weights::QuantConfig::parse(&b).map_err(|message| {
+            StoreError::Invalid(format!("{}: config.json: {message}", input.source))
+        })?),
+        None => None,
+    };
+    let mut quantized = HashMap::new();
+    for name in tensors.keys() {
+        let Some(module) = name.strip_suffix(".scales") else {
+            continue;
+        };
+        let params = from_blobs
+            .get(module)
+            .copied()
+            .or_else(|| block.as_ref().and_then(|b| b.module_params(module)));
+        match params {
+            Some(p) => {
+                quantized.insert(module.to_string(), p);
+            }
+            None => {
+                return Err(StoreError::Invalid(format!(
+                    "{}: {name} has scales but nothing says how {module} is quantized",
+                    input.source
+                )))
+            }
+        }
+    }
+    Ok((tensors, quantized))
+}
+
+/// The most common type among already quantized modules (`""` for none).
+fn common_type(quantized: &HashMap<String, (i32, i32)>) -> String {
+    let mut counts: BTreeMap<i32, usize> = BTreeMap::new();
+    for (_, bits) in quantized.values() {
+        *counts.entry(*bits).or_default() += 1;
+    }
+    counts
+        .into_iter()
+        .max_by_key(|(_, n)| *n)
+        .map(|(bits, _)| {
+            QuantType::from_bits(bits).map_or(format!("int{bits}"), |q| q.name().into())
+        })
+        .unwrap_or_default()
 }
 
 /// Refuses to quantize a checkpoint that already is.
 fn check_quantizable(input: &Input, quant: Option<QuantType>, flag: &str) -> Result<()> {
-    let cfg = models::JsonFile::read(input.files.config()?)?;
-    if let (Some(q), Some(want)) = (prequantized(&cfg.value), quant) {
-        let bits = q.get("bits").and_then(Value::as_i64).unwrap_or(0);
+    let Some(want) = quant else {
+        return Ok(());
+    };
+    let (_, quantized) = read_part(input)?;
+    if !quantized.is_empty() {
         return Err(StoreError::Invalid(format!(
-            "{} is already quantized ({bits}-bit); create it without {flag} {}",
+            "{} is already quantized ({}); create it without {flag} {}",
             input.source,
+            common_type(&quantized),
             want.name()
         )));
     }
     Ok(())
 }
 
-/// Writes one model's blobs (tensors under `tensor_prefix`, files under `file_prefix`) and
-/// describes what was stored.
-fn import(
+/// Stores one part (the target, or the draft under `draft.` and `draft/`): its own blobs again
+/// when it comes unchanged from a stored model, else its tensors planned and written as ollama
+/// writes them, then its files. Returns its `file_type`.
+fn import_part(
     store: &Store,
     lock: &WriteLock,
     input: &Input,
     quant: Option<QuantType>,
-    tensor_prefix: &str,
-    file_prefix: &str,
+    draft: bool,
     layers: &mut Vec<Layer>,
-) -> Result<Part> {
-    let cfg_file = models::JsonFile::read(input.files.config()?)?;
-    let mut cfg = cfg_file.value.clone();
-    let prequantized = prequantized(&cfg);
-
-    let tensors = models::weights::read_tensors(&input.files)?;
-    let builds = plan(&tensors, &cfg);
+) -> Result<String> {
+    if let (Some((stored, file_type)), None) = (&input.stored_layers, quant) {
+        layers.extend(stored.iter().cloned());
+        // A model of the earlier format says Q4, Q8, or its float dtype.
+        return Ok(match file_type.as_str() {
+            "Q4" => "int4".into(),
+            "Q8" => "int8".into(),
+            "F32" | "F16" | "BF16" => String::new(),
+            other => other.to_string(),
+        });
+    }
+    let (tensor_prefix, file_prefix) = if draft {
+        ("draft.", "draft/")
+    } else {
+        ("", "")
+    };
+    let cfg = models::JsonFile::read(input.files.config()?)?.value;
+    let (tensors, quantized) = read_part(input)?;
+    let file_type = match quant {
+        Some(q) => q.name().to_string(),
+        // The source's own quantization.
+        None => common_type(&quantized),
+    };
+    let inv = Inventory {
+        tensors: &tensors,
+        quantized,
+    };
+    let blobs = import::plan(&inv, quant, Policy::for_config(&cfg, draft))?;
     let total: u64 = tensors.values().map(|a| a.nbytes() as u64).sum();
-    let bar = progress(
-        total,
-        if tensor_prefix.is_empty() {
-            "model"
-        } else {
-            "draft"
-        },
-    );
-    let mut unquantized = Vec::new();
-    let mut dtype_bytes: BTreeMap<String, u64> = BTreeMap::new();
-    let mut params: u64 = 0;
-    let prequant_bits = prequantized
-        .as_ref()
-        .and_then(|q| q.get("bits"))
-        .and_then(Value::as_i64)
-        .unwrap_or(32) as u64;
-    for b in &builds {
-        let outputs = b.run(&tensors)?;
-        let label = outputs.first().map(|(n, _)| n.clone()).unwrap_or_default();
-        bar.set_message(label);
-        for (name, a) in outputs {
-            let mut parts: Vec<(String, Array)> = Vec::new();
-            let decision = match quant {
-                Some(_) => decide(&name, &a),
-                None => Decision::Keep,
-            };
-            if a.dtype().is_float() && !name.ends_with(".scales") && !name.ends_with(".biases") {
-                params += a.size() as u64;
-                *dtype_bytes.entry(dtype_label(a.dtype())).or_default() += a.nbytes() as u64;
-            } else if a.dtype() == Dtype::U32 && name.ends_with(".weight") {
-                params += a.size() as u64 * 32 / prequant_bits;
-            }
-            match (decision, quant) {
-                (Decision::Quantize, Some(q)) => {
-                    let module = name.strip_suffix(".weight").expect("decide checks");
-                    let qa = a.quantize(GROUP_SIZE, q.bits())?;
-                    parts.push((format!("{module}.weight"), qa.weight));
-                    parts.push((format!("{module}.scales"), qa.scales));
-                    parts.push((format!("{module}.biases"), qa.biases));
-                }
-                (Decision::KeepShape, _) => {
-                    unquantized.push(name.clone());
-                    parts.push((name, a));
-                }
-                _ => parts.push((name, a)),
-            }
-            let layer_name = format!("{tensor_prefix}{}", parts[0].0);
-            let named: Vec<(String, &Array)> = parts
-                .iter()
-                .map(|(n, a)| (format!("{tensor_prefix}{n}"), a))
-                .collect();
-            let refs: Vec<(&str, &Array)> = named.iter().map(|(n, a)| (n.as_str(), *a)).collect();
-            let bytes = mlx::io::serialize_safetensors(&refs, None)?;
-            let mut layer = store.write_blob(lock, media::TENSOR, &bytes)?;
-            layer.name = Some(layer_name);
-            layers.push(layer);
-        }
-        let read: u64 = b
-            .sources()
-            .iter()
-            .map(|s| tensors[*s].nbytes() as u64)
-            .sum();
-        bar.inc(read);
+    let bar = progress(total, if draft { "draft" } else { "model" });
+    for spec in &blobs {
+        bar.set_message(spec.name.clone());
+        let bytes = import::write(spec, &tensors, tensor_prefix)?;
+        let mut layer = store.write_blob(lock, media::TENSOR, &bytes)?;
+        layer.name = Some(format!("{tensor_prefix}{}", spec.name));
+        layers.push(layer);
+        bar.inc(import::source_bytes(spec, &tensors));
     }
     bar.finish_and_clear();
-
-    // config.json says how the stored matrices are quantized; other files go as they are.
-    let quantization = match (quant, &prequantized) {
-        (Some(q), _) => {
-            let block = serde_json::json!({
-                "group_size": GROUP_SIZE, "bits": q.bits(), "mode": "affine"
-            });
-            if let Some(o) = cfg.as_object_mut() {
-                o.insert("quantization".into(), block.clone());
-                o.insert("quantization_config".into(), block);
-            }
-            Some(Quantization {
-                kind: q.name().into(),
-                bits: q.bits(),
-                group_size: GROUP_SIZE,
-                mode: "affine".into(),
-                unquantized,
-            })
-        }
-        (None, Some(q)) => Some(Quantization {
-            kind: "mlx-lm".into(),
-            bits: q.get("bits").and_then(Value::as_i64).unwrap_or(0) as i32,
-            group_size: q.get("group_size").and_then(Value::as_i64).unwrap_or(0) as i32,
-            mode: q
-                .get("mode")
-                .and_then(Value::as_str)
-                .unwrap_or("affine")
-                .into(),
-            unquantized: Vec::new(),
-        }),
-        (None, None) => None,
-    };
-    for name in CHECKPOINT_FILES {
-        let Some(path) = input.files.file(name) else {
-            continue;
-        };
-        let bytes = if *name == "config.json" {
-            serde_json::to_vec_pretty(&cfg).expect("JSON serializes")
-        } else {
-            std::fs::read(path).map_err(|source| StoreError::Io {
-                path: path.to_path_buf(),
-                cause: source,
-            })?
-        };
+    for (name, path) in &input.json {
+        let bytes = std::fs::read(path).map_err(|cause| StoreError::Io {
+            path: path.clone(),
+            cause,
+        })?;
         let mut layer = store.write_blob(lock, media::JSON, &bytes)?;
         layer.name = Some(format!("{file_prefix}{name}"));
         layers.push(layer);
     }
-
-    let model_type = cfg_file.model_type()?;
-    let architecture = cfg
-        .get("architectures")
-        .and_then(|a| a.get(0))
-        .and_then(Value::as_str)
-        .unwrap_or(&model_type)
-        .to_string();
-    let file_type = match &quantization {
-        Some(q) => format!("Q{}", q.bits),
-        None => file_type(&dtype_bytes),
-    };
-    let layers = int_field(&cfg, "num_hidden_layers").unwrap_or(0);
-    let mtp = int_field(&cfg, "num_nextn_predict_layers").unwrap_or(0);
-    let mtp_layers = (0..mtp)
-        .filter(|i| {
-            let prefix = format!("model.layers.{}.", layers + i);
-            tensors.keys().any(|k| k.starts_with(&prefix))
-        })
-        .count() as u32;
-    Ok(Part {
-        mtp_layers,
-        model_format: "safetensors".into(),
-        architecture,
-        model_type,
-        file_type,
-        parameter_count: params,
-        quantization,
-        source: input.source.clone(),
-    })
+    Ok(file_type)
 }

@@ -3,6 +3,7 @@
 //! on the way if asked.
 
 pub mod create;
+mod import;
 pub mod manifest;
 pub mod modelfile;
 pub mod name;
@@ -10,7 +11,7 @@ pub mod quant;
 pub mod show;
 mod store;
 
-pub use create::{create, CreateOptions, CreateReport};
+pub use create::{create, CreateOptions, CreateReport, PartSummary};
 pub use manifest::{Manifest, ModelConfig};
 pub use modelfile::{Modelfile, ParseError};
 pub use name::ModelName;

@@ -49,6 +49,13 @@ impl Manifest {
         }
     }
 
+    /// The manifest's bytes as ollama's `json.NewEncoder` writes them: compact, with a newline.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut bytes = serde_json::to_vec(self).expect("manifests serialize");
+        bytes.push(b'\n');
+        bytes
+    }
+
     /// The config blob and every layer.
     pub fn all_layers(&self) -> impl Iterator<Item = &Layer> {
         std::iter::once(&self.config).chain(&self.layers)
@@ -115,7 +122,41 @@ pub struct DraftInfo {
     pub config: String,
 }
 
-/// The model config blob (ollama's `ConfigV2`, with what `show` needs).
+/// The config blob `create` writes: ollama's `model.ConfigV2` (`types/model/config.go`), its
+/// fields in Go's order, so `json.Marshal` and serde give the same bytes. The architecture is
+/// left empty, as ollama leaves it (readers take it from the stored config.json).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ConfigV2 {
+    pub model_format: String,
+    pub model_family: String,
+    pub model_families: Option<Vec<String>>,
+    pub model_type: String,
+    pub file_type: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub renderer: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub parser: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub requires: String,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub capabilities: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub draft: Option<DraftV2>,
+    pub architecture: String,
+    pub os: String,
+}
+
+/// ollama's `model.Draft`: where a draft stored beside its target is.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DraftV2 {
+    pub model_format: String,
+    pub architecture: String,
+    pub tensor_prefix: String,
+    pub config: String,
+}
+
+/// The model config blob as read: ollama's `ConfigV2`, or the earlier format of this store
+/// (which added `parameter_count`, `source` and a `quantization` summary).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
     #[serde(flatten)]

@@ -1,11 +1,16 @@
-//! Which matrices `create` quantizes, and how (MLX affine quantization, as mlx-lm does it).
+//! Which tensors `create` quantizes, and to what: ollama's mixed-precision policy
+//! (`x/create/create.go` `GetTensorQuantization`, `x/create/quantpolicy.go`, the per-architecture
+//! `x/create/gemma4.go`, and the draft's `x/create/draft.go`), so that a model we import holds
+//! the same precisions, tensor for tensor, as `ollama create --experimental --quantize` gives.
+//!
+//! Quantization itself is MLX's affine quantization (group 64), as ollama's importer runs it.
 
-use mlx::Array;
+use serde_json::Value;
 
-/// The group size of every quantized matrix (mlx-lm's default).
+/// The group size of every affine-quantized matrix (ollama's for int4 and int8).
 pub const GROUP_SIZE: i32 = 64;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum QuantType {
     Q4,
     Q8,
@@ -19,10 +24,19 @@ impl QuantType {
         }
     }
 
+    /// ollama's name: what `file_type` and each blob's `quant_type` say.
     pub fn name(self) -> &'static str {
         match self {
-            QuantType::Q4 => "q4",
-            QuantType::Q8 => "q8",
+            QuantType::Q4 => "int4",
+            QuantType::Q8 => "int8",
+        }
+    }
+
+    pub fn from_bits(bits: i32) -> Option<QuantType> {
+        match bits {
+            4 => Some(QuantType::Q4),
+            8 => Some(QuantType::Q8),
+            _ => None,
         }
     }
 }
@@ -30,45 +44,347 @@ impl QuantType {
 impl std::str::FromStr for QuantType {
     type Err = String;
     fn from_str(s: &str) -> Result<QuantType, String> {
+        // ollama's aliases (`normalizeQuantType`): fp4/fp8 name the affine types too.
         match s.to_ascii_lowercase().as_str() {
-            "q4" | "int4" => Ok(QuantType::Q4),
-            "q8" | "int8" => Ok(QuantType::Q8),
+            "q4" | "int4" | "fp4" => Ok(QuantType::Q4),
+            "q8" | "int8" | "fp8" => Ok(QuantType::Q8),
+            "nvfp4" | "mxfp4" | "mxfp8" => Err(format!(
+                "{s} is not supported: mlx-runner quantizes to affine int4 or int8 (q4, q8)"
+            )),
             _ => Err(format!(
-                "unknown quantization {s:?} (expected q4 or q8; int4 and int8 are aliases)"
+                "unknown quantization {s:?} (expected int4 or int8; q4 and q8 are aliases)"
             )),
         }
     }
 }
 
-/// What happens to one tensor of a model being quantized.
+/// The quantization policy of one model (its architecture), as ollama picks it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Decision {
-    Quantize,
-    /// A matrix the model would quantize, but whose input dimension is not a multiple of the
-    /// group size: it stays as it is (mlx-lm's rule), and `show` lists it.
-    KeepShape,
-    /// Not a matrix the model quantizes: norms, routers, biases, scalars, integer tables, the
-    /// towers of other modalities.
-    Keep,
+pub struct Policy {
+    kind: Kind,
+    /// A draft's output head (tied embedding or `lm_head`) takes the requested type directly:
+    /// draft quality only moves acceptance, so the target's 8-bit promotion buys nothing.
+    draft: bool,
 }
 
-/// Whether the tensor `name` (a `.weight` of a linear, embedding or stacked-expert module)
-/// is quantized. Routers stay in full precision: their top-k choice is where 4-bit error hurts
-/// most, and they are tiny.
-pub fn decide(name: &str, a: &Array) -> Decision {
-    let Some(module) = name.strip_suffix(".weight") else {
-        return Decision::Keep;
-    };
-    let last = module.rsplit('.').next().unwrap_or(module);
-    let router = module.contains(".router.") || module.ends_with(".router") || last == "gate";
-    let other_modality = ["vision", "audio", "multi_modal_projector", "embed_vision"]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Generic,
+    Gemma4 { layers: usize, experts: usize },
+}
+
+/// `architectures[0]`, else `model_type`, else `text_config.model_type` (ollama's
+/// `sourceModelConfig.Architecture`).
+pub fn architecture(cfg: &Value) -> String {
+    fn text(v: Option<&Value>) -> Option<&str> {
+        v.and_then(Value::as_str).filter(|s| !s.is_empty())
+    }
+    text(cfg.get("architectures").and_then(|a| a.get(0)))
+        .or_else(|| text(cfg.get("model_type")))
+        .or_else(|| text(cfg.get("text_config").and_then(|t| t.get("model_type"))))
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// The architectures ollama registers gemma4's policy for (`tensorImportTransformRegistry`).
+const GEMMA4: &[&str] = &[
+    "Gemma4ForCausalLM",
+    "Gemma4ForConditionalGeneration",
+    "Gemma4UnifiedForCausalLM",
+    "Gemma4UnifiedForConditionalGeneration",
+    "gemma4_unified",
+    "gemma4_unified_text",
+    "Gemma4AssistantForCausalLM",
+    "Gemma4UnifiedAssistantForCausalLM",
+    "gemma4_unified_assistant",
+];
+
+impl Policy {
+    /// The policy for a checkpoint with this `config.json`.
+    pub fn for_config(cfg: &Value, draft: bool) -> Policy {
+        let field = |key: &str| {
+            cfg.get(key)
+                .and_then(Value::as_u64)
+                .filter(|n| *n > 0)
+                .or_else(|| cfg.get("text_config")?.get(key)?.as_u64())
+                .unwrap_or(0) as usize
+        };
+        let kind = if GEMMA4.contains(&architecture(cfg).as_str()) {
+            Kind::Gemma4 {
+                layers: field("num_hidden_layers"),
+                experts: field("num_experts"),
+            }
+        } else {
+            Kind::Generic
+        };
+        Policy { kind, draft }
+    }
+
+    /// The type `name` (as the checkpoint names it, unprefixed) is stored as, or `None` to keep
+    /// its source precision.
+    pub fn quant_type(&self, name: &str, shape: &[i32], requested: QuantType) -> Option<QuantType> {
+        if self.draft && (is_embed_tokens(name) || name.ends_with("lm_head.weight")) {
+            return aligned(shape).then_some(requested);
+        }
+        match self.kind {
+            Kind::Generic => generic(name, shape, requested),
+            Kind::Gemma4 { layers, experts } => gemma4(name, shape, requested, layers, experts),
+        }
+    }
+}
+
+/// Quantized matrices need a last dimension that is a multiple of the group.
+fn aligned(shape: &[i32]) -> bool {
+    shape.last().is_some_and(|d| d % GROUP_SIZE == 0)
+}
+
+fn is_embed_tokens(name: &str) -> bool {
+    name.ends_with("embed_tokens.weight") && !name.contains("per_layer")
+}
+
+fn is_vision(name: &str) -> bool {
+    name.contains("vision") || name.contains("visual")
+}
+
+fn is_audio(name: &str) -> bool {
+    name.contains("audio_tower") || name.contains("embed_audio")
+}
+
+fn is_stacked_expert(name: &str) -> bool {
+    if [".bias", ".scale", ".qbias"]
         .iter()
-        .any(|m| module.contains(m));
-    if router || other_modality || last.contains("norm") || a.ndim() < 2 || !a.dtype().is_float() {
-        return Decision::Keep;
+        .any(|s| name.ends_with(s))
+    {
+        return false;
     }
-    if a.shape().last().copied().unwrap_or(0) % GROUP_SIZE != 0 {
-        return Decision::KeepShape;
+    [
+        ".experts.",
+        ".mlp.switch_mlp.",
+        ".mlp.shared_experts.",
+        ".mixer.shared_experts.",
+    ]
+    .iter()
+    .any(|m| name.contains(m))
+}
+
+/// Tiny, selection-sensitive MoE routers stay at source precision.
+fn is_routing_gate(name: &str) -> bool {
+    [
+        ".mlp.gate.weight",
+        ".mixer.gate.weight",
+        ".shared_expert_gate.weight",
+        ".router.proj.weight",
+    ]
+    .iter()
+    .any(|s| name.ends_with(s))
+}
+
+/// `ShouldQuantize`: weights only; never embeddings, norms, biases, audio towers.
+fn should_quantize(name: &str) -> bool {
+    !(is_audio(name)
+        || name.contains("embed")
+        || name.contains("norm")
+        || name.contains("ln_")
+        || name.ends_with(".bias"))
+        && name.ends_with(".weight")
+}
+
+fn is_sensitive(name: &str) -> bool {
+    name.contains(".v_proj") || name.contains(".k_proj") || name.contains("down_proj")
+}
+
+/// `GetTensorQuantization`: 2-D weights (3-D stacked experts) of at least 1024 elements whose
+/// last dimension fits the group; `lm_head` at 8 bits; at 4 bits, the value, key and down
+/// projections promoted to 8.
+fn generic(name: &str, shape: &[i32], requested: QuantType) -> Option<QuantType> {
+    let stacked = is_stacked_expert(name);
+    if !stacked && !should_quantize(name) {
+        return None;
     }
-    Decision::Quantize
+    if shape.len() != 2 && !(shape.len() == 3 && stacked) {
+        return None;
+    }
+    let elements: i64 = shape.iter().map(|&d| d as i64).product();
+    if elements < 1024 || is_routing_gate(name) {
+        return None;
+    }
+    if name.ends_with("lm_head.weight") {
+        return aligned(shape).then_some(QuantType::Q8);
+    }
+    if is_vision(name) || !aligned(shape) {
+        return None;
+    }
+    if requested == QuantType::Q4 && is_sensitive(name) {
+        return Some(QuantType::Q8);
+    }
+    Some(requested)
+}
+
+/// `x/create/gemma4.go`: the token embedding (which is also the output head) at 8 bits; value
+/// and down projections at 8 bits only on the first and last eighth of the layers and every
+/// third between; key projections at the requested type (unless the model has 8 experts).
+fn gemma4(
+    name: &str,
+    shape: &[i32],
+    requested: QuantType,
+    layers: usize,
+    experts: usize,
+) -> Option<QuantType> {
+    if is_embed_tokens(name) {
+        // The 8-bit and 4-bit affine types share one group size, so they fit alike.
+        return aligned(shape).then_some(QuantType::Q8);
+    }
+    if is_sensitive(name) && !is_vision(name) && !is_audio(name) && requested != QuantType::Q8 {
+        let promote = layers > 0
+            && if experts == 8 && (name.contains(".v_proj") || name.contains(".k_proj")) {
+                true
+            } else if name.contains(".k_proj") {
+                false
+            } else {
+                layer_index(name).is_some_and(|l| more_bits(l, layers))
+            };
+        if !aligned(shape) {
+            return None;
+        }
+        return Some(if promote { QuantType::Q8 } else { requested });
+    }
+    generic(name, shape, requested)
+}
+
+/// The `N` of the first `.layers.N.` in a name.
+fn layer_index(name: &str) -> Option<usize> {
+    let rest = &name[name.find(".layers.")? + ".layers.".len()..];
+    let digits = &rest[..rest.find('.')?];
+    digits.parse().ok()
+}
+
+/// `useMoreBits`: the first and last eighth of the layers, and every third layer between.
+fn more_bits(layer: usize, layers: usize) -> bool {
+    let first = layers / 8;
+    let last = 7 * layers / 8;
+    layer < first || layer >= last || (layer - first) % 3 == 2
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn gemma(layers: usize, experts: usize) -> Policy {
+        Policy::for_config(
+            &json!({"architectures": ["Gemma4ForConditionalGeneration"],
+                    "text_config": {"num_hidden_layers": layers, "num_experts": experts}}),
+            false,
+        )
+    }
+
+    #[test]
+    fn generic_policy_follows_ollama() {
+        let p = Policy::for_config(&json!({"architectures": ["Glm4MoeLiteForCausalLM"]}), false);
+        let q4 = |n: &str, s: &[i32]| p.quant_type(n, s, QuantType::Q4);
+        assert_eq!(
+            q4("model.layers.1.self_attn.q_a_proj.weight", &[64, 64]),
+            Some(QuantType::Q4)
+        );
+        assert_eq!(
+            q4("model.layers.1.mlp.down_proj.weight", &[64, 128]),
+            Some(QuantType::Q8)
+        );
+        assert_eq!(
+            q4("model.layers.1.self_attn.kv_b_proj.weight", &[64, 32]),
+            None,
+            "misaligned"
+        );
+        assert_eq!(q4("model.embed_tokens.weight", &[256, 64]), None);
+        assert_eq!(q4("lm_head.weight", &[256, 64]), Some(QuantType::Q8));
+        assert_eq!(
+            q4("model.layers.1.mlp.gate.weight", &[64, 64]),
+            None,
+            "router"
+        );
+        assert_eq!(q4("model.norm.weight", &[64]), None);
+        assert_eq!(
+            q4("model.layers.1.mlp.experts.up_proj.weight", &[8, 32, 64]),
+            Some(QuantType::Q4)
+        );
+        assert_eq!(
+            q4("model.layers.1.mlp.experts.down_proj.weight", &[8, 64, 32]),
+            None
+        );
+        assert_eq!(
+            q4("model.layers.1.self_attn.o_proj.weight", &[8, 64]),
+            None,
+            "< 1024"
+        );
+        assert_eq!(
+            p.quant_type("lm_head.weight", &[256, 64], QuantType::Q8),
+            Some(QuantType::Q8)
+        );
+    }
+
+    #[test]
+    fn gemma4_promotes_on_early_late_and_every_third_layer() {
+        let p = gemma(16, 0);
+        let v = |l: usize| {
+            p.quant_type(
+                &format!("model.language_model.layers.{l}.self_attn.v_proj.weight"),
+                &[64, 64],
+                QuantType::Q4,
+            )
+        };
+        // first = 2, last = 14: layers 0, 1, 4, 7, 10, 13, 14, 15 at 8 bits.
+        let promoted: Vec<usize> = (0..16).filter(|&l| v(l) == Some(QuantType::Q8)).collect();
+        assert_eq!(promoted, vec![0, 1, 4, 7, 10, 13, 14, 15]);
+        let k = p.quant_type(
+            "model.language_model.layers.0.self_attn.k_proj.weight",
+            &[64, 64],
+            QuantType::Q4,
+        );
+        assert_eq!(k, Some(QuantType::Q4));
+        let e = p.quant_type(
+            "model.language_model.embed_tokens.weight",
+            &[256, 64],
+            QuantType::Q4,
+        );
+        assert_eq!(e, Some(QuantType::Q8));
+        let ple = p.quant_type(
+            "model.language_model.embed_tokens_per_layer.weight",
+            &[256, 64],
+            QuantType::Q4,
+        );
+        assert_eq!(ple, None);
+        // Eight experts: keys and values always at 8 bits.
+        let k8 = gemma(16, 8).quant_type(
+            "model.layers.5.self_attn.k_proj.weight",
+            &[64, 64],
+            QuantType::Q4,
+        );
+        assert_eq!(k8, Some(QuantType::Q8));
+    }
+
+    #[test]
+    fn a_draft_head_takes_the_requested_type() {
+        let cfg = json!({"architectures": ["Gemma4AssistantForCausalLM"], "num_hidden_layers": 4});
+        let d = Policy::for_config(&cfg, true);
+        assert_eq!(
+            d.quant_type("model.embed_tokens.weight", &[256, 64], QuantType::Q4),
+            Some(QuantType::Q4)
+        );
+        let t = Policy::for_config(&cfg, false);
+        assert_eq!(
+            t.quant_type("model.embed_tokens.weight", &[256, 64], QuantType::Q4),
+            Some(QuantType::Q8)
+        );
+    }
+
+    #[test]
+    fn quant_names() {
+        assert_eq!("q4".parse::<QuantType>(), Ok(QuantType::Q4));
+        assert_eq!("INT8".parse::<QuantType>(), Ok(QuantType::Q8));
+        assert!("nvfp4"
+            .parse::<QuantType>()
+            .unwrap_err()
+            .contains("not supported"));
+        assert_eq!(QuantType::Q4.name(), "int4");
+    }
 }

@@ -4,6 +4,7 @@ use crate::manifest::{media, Part};
 use crate::modelfile::{Located, Message, Modelfile};
 use crate::store::{Resolved, Store};
 use crate::Result;
+use models::ModelFiles;
 use std::fmt::Write;
 
 fn count(n: u64) -> String {
@@ -15,12 +16,30 @@ fn count(n: u64) -> String {
     }
 }
 
-fn part(out: &mut String, p: &Part) {
-    let _ = writeln!(out, "    architecture    {}", p.architecture);
-    let _ = writeln!(out, "    model type      {}", p.model_type);
-    let _ = writeln!(out, "    parameters      {}", count(p.parameter_count));
-    match &p.quantization {
-        Some(q) => {
+/// One part (target or draft) in words: what its config blob says, completed from its files
+/// (ollama's config blob leaves the architecture out and counts no parameters).
+fn part(out: &mut String, p: &Part, files: &ModelFiles, tensors: &[TensorPrecision]) {
+    let cfg = files
+        .config()
+        .ok()
+        .and_then(|c| models::JsonFile::read(c).ok())
+        .map(|f| f.value)
+        .unwrap_or_default();
+    let architecture = match p.architecture.as_str() {
+        "" => crate::quant::architecture(&cfg),
+        a => a.to_string(),
+    };
+    let model_type = cfg
+        .get("model_type")
+        .and_then(|v| v.as_str())
+        .unwrap_or(&p.model_type)
+        .to_string();
+    let parameters: u64 = tensors.iter().map(|t| t.parameters).sum();
+    let _ = writeln!(out, "    architecture    {architecture}");
+    let _ = writeln!(out, "    model type      {model_type}");
+    let _ = writeln!(out, "    parameters      {}", count(parameters));
+    match (&p.quantization, p.file_type.as_str()) {
+        (Some(q), _) => {
             let _ = writeln!(
                 out,
                 "    quantization    {} ({}-bit {}, group size {})",
@@ -41,11 +60,31 @@ fn part(out: &mut String, p: &Part) {
                 }
             }
         }
-        None => {
-            let _ = writeln!(out, "    quantization    none ({})", p.file_type);
+        (None, _) => {
+            // ollama's config blob has a file_type for the target only: the tensors say.
+            let mut kinds: std::collections::BTreeMap<&str, usize> = Default::default();
+            for t in tensors.iter().filter(|t| t.precision.starts_with("int")) {
+                *kinds.entry(t.precision.as_str()).or_default() += 1;
+            }
+            let quantized: usize = kinds.values().sum();
+            match kinds.iter().max_by_key(|(_, n)| **n) {
+                None => {
+                    let _ = writeln!(out, "    quantization    none");
+                }
+                Some((kind, _)) => {
+                    let mixed = if kinds.len() > 1 { ", mixed" } else { "" };
+                    let _ = writeln!(
+                        out,
+                        "    quantization    {kind} (affine{mixed}; {quantized} of {} tensors)",
+                        tensors.len()
+                    );
+                }
+            }
         }
     }
-    let _ = writeln!(out, "    source          {}", p.source);
+    if !p.source.is_empty() {
+        let _ = writeln!(out, "    source          {}", p.source);
+    }
 }
 
 /// The Modelfile a stored model was created from, rebuilt from its layers.
@@ -54,9 +93,19 @@ pub fn modelfile(store: &Store, r: &Resolved) -> Result<Modelfile> {
         value: value.to_string(),
         line: 0,
     };
+    // ollama's config blob does not say where a model came from: FROM names the model itself.
+    let from = match r.config.part.source.as_str() {
+        "" => r.name.to_string(),
+        s => s.to_string(),
+    };
     let mut mf = Modelfile {
-        from: Some(located(&r.config.part.source)),
-        draft: r.config.draft.as_ref().map(|d| located(&d.part.source)),
+        from: Some(located(&from)),
+        draft: r
+            .config
+            .draft
+            .as_ref()
+            .filter(|d| !d.part.source.is_empty())
+            .map(|d| located(&d.part.source)),
         ..Modelfile::default()
     };
     for l in &r.manifest.layers {
@@ -78,27 +127,30 @@ pub fn modelfile(store: &Store, r: &Resolved) -> Result<Modelfile> {
     Ok(mf)
 }
 
-/// One stored tensor of the target: its name, its precision (`F32`, `BF16`, ..., `int4`,
-/// `int8`) and its bytes (a quantized weight's scales and biases included).
+/// One stored tensor: its name, its precision (`F32`, `BF16`, ..., `int4`, `int8`), its bytes
+/// (a quantized weight's scales and biases included) and the parameters it holds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TensorPrecision {
     pub name: String,
     pub precision: String,
     pub bytes: u64,
+    pub parameters: u64,
 }
 
-/// The precision of every stored tensor of the target, from its blobs' headers: ollama's
+/// The precision of every stored tensor of a part, from its blobs' headers: ollama's
 /// quantized layout (a packed `<t>` with `<t>.scale`, `<t>.bias` and the type in the metadata)
-/// and mlx-lm's (`<m>.weight` with `<m>.scales`, `<m>.biases`, bits from the shapes).
-pub fn precisions(r: &Resolved) -> Result<Vec<TensorPrecision>> {
-    let group = r
-        .config
-        .part
-        .quantization
-        .as_ref()
-        .map_or(64, |q| q.group_size.max(1) as u64);
+/// and mlx-lm's (`<m>.weight` with `<m>.scales`, `<m>.biases`, bits from the shapes and the
+/// group size of config.json's `quantization` block).
+pub fn precisions(files: &ModelFiles) -> Result<Vec<TensorPrecision>> {
+    let group = files
+        .config()
+        .ok()
+        .and_then(|c| models::JsonFile::read(c).ok())
+        .and_then(|f| f.value.get("quantization")?.get("group_size")?.as_u64())
+        .unwrap_or(64)
+        .max(1);
     let mut out = Vec::new();
-    for path in &r.target.tensors {
+    for path in &files.tensors {
         let (infos, meta) = mlx::io::read_header(path).map_err(|e| crate::StoreError::Corrupt {
             path: path.clone(),
             message: e.to_string(),
@@ -111,6 +163,9 @@ pub fn precisions(r: &Resolved) -> Result<Vec<TensorPrecision>> {
             })
             .collect();
         for (name, (dtype, shape, bytes)) in &tensors {
+            let Some(short) = name.strip_prefix(&files.tensor_prefix) else {
+                continue;
+            };
             let module = name.strip_suffix(".weight").unwrap_or(name);
             let companion = |suffix: &str| {
                 tensors
@@ -124,38 +179,62 @@ pub fn precisions(r: &Resolved) -> Result<Vec<TensorPrecision>> {
             if is_part {
                 continue;
             }
-            let (precision, bytes) = match (dtype.as_str(), companion("scale")) {
+            let elements: u64 = shape.iter().map(|&d| d as u64).product();
+            let (precision, bytes, parameters) = match (dtype.as_str(), companion("scale")) {
                 ("U32", Some(scales)) => {
+                    let packed = shape.last().copied().unwrap_or(0) as u64;
                     let kind = meta
                         .get(&format!("{name}.quant_type"))
                         .or_else(|| meta.get("quant_type"))
                         .cloned()
                         .unwrap_or_else(|| {
-                            let packed = shape.last().copied().unwrap_or(0) as u64;
                             let inputs = scales.1.last().copied().unwrap_or(0) as u64 * group;
                             format!("int{}", packed * 32 / inputs.max(1))
                         });
+                    let bits: u64 = kind
+                        .trim_start_matches(|c: char| !c.is_ascii_digit())
+                        .parse()
+                        .unwrap_or(32);
                     let extra: u64 = ["scale", "bias"]
                         .iter()
                         .filter_map(|s| companion(s))
                         .map(|t| t.2)
                         .sum();
-                    (kind, bytes + extra)
+                    (kind, bytes + extra, elements * 32 / bits.max(1))
                 }
-                _ => (dtype.clone(), *bytes),
+                _ => (dtype.clone(), *bytes, elements),
             };
             out.push(TensorPrecision {
-                name: name
-                    .strip_prefix(&r.target.tensor_prefix)
-                    .unwrap_or(name)
-                    .to_string(),
+                name: short.to_string(),
                 precision,
                 bytes,
+                parameters,
             });
         }
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)
+}
+
+/// The multi-token-prediction layers (GLM's) a model carries: the layers past
+/// `num_hidden_layers` that config.json's `num_nextn_predict_layers` announces and the
+/// weights hold.
+pub fn mtp_layers(files: &ModelFiles, tensors: &[TensorPrecision]) -> usize {
+    let Some(cfg) = files
+        .config()
+        .ok()
+        .and_then(|c| models::JsonFile::read(c).ok())
+    else {
+        return 0;
+    };
+    let field = |k: &str| cfg.value.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
+    let layers = field("num_hidden_layers");
+    (0..field("num_nextn_predict_layers"))
+        .filter(|i| {
+            let prefix = format!("model.layers.{}.", layers + i);
+            tensors.iter().any(|t| t.name.starts_with(&prefix))
+        })
+        .count()
 }
 
 /// The text `show NAME` prints.
@@ -166,27 +245,27 @@ pub fn describe(store: &Store, r: &Resolved) -> Result<String> {
 /// As [`describe`]; `verbose` lists every tensor with its precision.
 pub fn describe_with(store: &Store, r: &Resolved, verbose: bool) -> Result<String> {
     let mut out = String::new();
+    let tensors = precisions(&r.target)?;
     let _ = writeln!(out, "  Model");
-    part(&mut out, &r.config.part);
+    part(&mut out, &r.config.part, &r.target, &tensors);
     let size: u64 = r.manifest.all_layers().map(|l| l.size).sum();
     let _ = writeln!(out, "    size            {:.1} MB", size as f64 / 1e6);
     let _ = writeln!(out, "    id              {}", &r.digest[..12]);
     let _ = writeln!(out);
     let _ = writeln!(out, "  Draft");
-    match &r.config.draft {
-        Some(d) => part(&mut out, &d.part),
-        None if r.config.part.mtp_layers > 0 => {
+    match (&r.config.draft, &r.draft) {
+        (Some(d), Some(files)) => part(&mut out, &d.part, files, &precisions(files)?),
+        _ if mtp_layers(&r.target, &tensors) > 0 => {
             let _ = writeln!(
                 out,
                 "    the model's own MTP layer ({} in the checkpoint)",
-                r.config.part.mtp_layers
+                mtp_layers(&r.target, &tensors)
             );
         }
-        None => {
+        _ => {
             let _ = writeln!(out, "    none");
         }
     }
-    let tensors = precisions(r)?;
     let mut by_precision: std::collections::BTreeMap<&str, (usize, u64)> = Default::default();
     for t in &tensors {
         let e = by_precision.entry(t.precision.as_str()).or_default();

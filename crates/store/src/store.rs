@@ -215,7 +215,7 @@ impl Store {
             }
         }
         sync_dir(&self.blobs());
-        let bytes = serde_json::to_vec(manifest).expect("manifests serialize");
+        let bytes = manifest.to_bytes();
         let path = self.manifest_path(name);
         write_atomic(&path, &bytes)?;
         sync_dir(path.parent().expect("manifest has a parent"));

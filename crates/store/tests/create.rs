@@ -1,5 +1,7 @@
-//! `create` against references: a quantized target against mlx-lm's own quantized forward, and
-//! stored models against the checkpoints they came from.
+//! `create` against references: stored models against the checkpoints they came from
+//! (transformers' logits), int8 models against mlx-lm's own quantized forward, and int4 models
+//! (mixed precision, which no mlx-lm fixture has) against the float forward of what their
+//! quantization stands for.
 
 mod common;
 use common::*;
@@ -76,15 +78,130 @@ fn quantize(target: QuantType) -> CreateOptions {
     }
 }
 
+/// The stored model with every quantized tensor replaced by what it stands for
+/// (`dequantize(w, scale, bias)`, MLX's), in float: read by the float path, which is checked
+/// against transformers, it is a reference for the quantized forward that shares none of its
+/// loading code. Also checks each quantized tensor against the checkpoint's own: within one
+/// quantization step everywhere.
+fn dequantized_twin(s: &Scratch, model: &str, checkpoint: &str) -> std::path::PathBuf {
+    let r = s.store.resolve(&name(model)).unwrap();
+    let (stored, quant) = models::weights::read_tensors_quantized(&r.target).unwrap();
+    let source =
+        models::weights::read_tensors(&models::ModelFiles::dir(&fixture(checkpoint)).unwrap())
+            .unwrap();
+    let mut out: Vec<(String, Array)> = Vec::new();
+    for (k, a) in &stored {
+        if k.ends_with(".scales") || k.ends_with(".biases") {
+            continue;
+        }
+        let module = k.strip_suffix(".weight").unwrap_or(k);
+        let Some(&(group_size, bits)) = quant.get(module) else {
+            out.push((k.clone(), a.clone()));
+            continue;
+        };
+        let scales = stored[&format!("{module}.scales")].clone();
+        let q = mlx::Quantized {
+            weight: a.clone(),
+            biases: stored[&format!("{module}.biases")].clone(),
+            scales: scales.clone(),
+            group_size,
+            bits,
+        };
+        let w = q.dequantize().unwrap();
+        // Stacked per-expert weights have no single source tensor; the others do.
+        if let Some(src) = source.get(k).or_else(|| source.get(module)) {
+            let src = src
+                .astype(mlx::Dtype::F32)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap();
+            let err = max_diff(&w.to_vec::<f32>().unwrap(), &src);
+            let step = scales
+                .to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .fold(0f32, |m, x| m.max(x.abs()));
+            // MLX snaps each group's zero point to the grid, so an element may be off by up to
+            // one step (not half).
+            assert!(
+                err <= step * 1.001,
+                "{k}: |dequantized - source| {err} > a step {step}"
+            );
+        }
+        out.push((k.clone(), w));
+    }
+    let dir = s.dir.path().join(format!("{model}-dequantized"));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture(checkpoint).join(f), dir.join(f)).unwrap();
+    }
+    let refs: Vec<(&str, &Array)> = out.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    mlx::io::save_safetensors(dir.join("model.safetensors"), &refs).unwrap();
+    dir
+}
+
+/// Logits of the stored `model` against those of the float model at `reference`.
+fn check_against(s: &Scratch, model: &str, reference: &std::path::Path, tol: f32) -> f32 {
+    let m = s.load(model);
+    let twin = models::load(reference, models::DtypeChoice::Fixed(mlx::Dtype::F32)).unwrap();
+    let ids = golden("glm4_moe_lite")["input_ids"]
+        .to_vec::<i32>()
+        .unwrap();
+    let got = logits(&*m.model, &ids);
+    let want = logits(&*twin.model, &ids);
+    let d = max_diff(&got, &want);
+    assert!(
+        d <= tol,
+        "{model} vs its dequantized twin: max |Δ| {d} > {tol}"
+    );
+    assert_eq!(
+        argmaxes(&got, m.model.vocab_size()),
+        argmaxes(&want, m.model.vocab_size())
+    );
+    d
+}
+
 #[test]
-fn quantized_glm_matches_mlx_lm() {
+fn quantized_glm_serves_what_its_quantization_stands_for() {
+    // ollama's policy at int4: down projections, lm_head at int8, the embedding, norms, the
+    // router and matrices that do not fit a group in float.
     let s = Scratch::new();
     let r = s
         .create("glm-q4", &from("glm4_moe_lite"), &quantize(QuantType::Q4))
         .unwrap();
-    assert_eq!(r.config.part.mtp_layers, 1, "the MTP layer is kept");
-    let d = check(&s, "glm-q4", "glm4_moe_lite_q4", 1e-3);
-    eprintln!("glm4_moe_lite q4 vs mlx-lm: max |Δ| {d:e}");
+    assert_eq!(r.config.part.file_type, "int4");
+    let p = &r.target.precisions;
+    assert!(
+        p["int4"] > 0 && p["int8"] > 0 && p["F32"] > 0,
+        "mixed: {p:?}"
+    );
+    let stored = s.store.resolve(&name("glm-q4")).unwrap();
+    let tensors = store::show::precisions(&stored.target).unwrap();
+    assert_eq!(
+        store::show::mtp_layers(&stored.target, &tensors),
+        1,
+        "the MTP layer is kept"
+    );
+    let of = |n: &str| {
+        tensors
+            .iter()
+            .find(|t| t.name == n)
+            .unwrap()
+            .precision
+            .clone()
+    };
+    assert_eq!(of("lm_head.weight"), "int8");
+    assert_eq!(
+        of("model.layers.1.mlp.experts.down_proj.weight"),
+        "F32",
+        "input 32 fits no group"
+    );
+    assert_eq!(of("model.layers.1.mlp.experts.up_proj.weight"), "int4");
+    assert_eq!(of("model.layers.0.mlp.down_proj.weight"), "int8");
+    assert_eq!(of("model.embed_tokens.weight"), "F32");
+    let twin = dequantized_twin(&s, "glm-q4", "glm4_moe_lite");
+    let d = check_against(&s, "glm-q4", &twin, 1e-3);
+    eprintln!("glm4_moe_lite int4 vs its dequantized twin: max |Δ| {d:e}");
 }
 
 #[test]
@@ -99,9 +216,9 @@ fn quantized_gemma_moe_matches_mlx_lm() {
             &quantize(QuantType::Q8),
         )
         .unwrap();
-    let q = r.config.part.quantization.as_ref().unwrap();
-    assert_eq!((q.bits, q.group_size, q.kind.as_str()), (8, 64, "q8"));
-    assert_eq!(r.config.part.file_type, "Q8");
+    assert_eq!(r.config.part.file_type, "int8");
+    assert!(r.config.part.quantization.is_none(), "ollama's config blob");
+    // At int8 ollama's policy and mlx-lm's (router in full precision) agree tensor for tensor.
     let d = check(&s, "moe-q8", "gemma4_26b_a4b_like_q8_fp_router", 1e-3);
     eprintln!("gemma4_26b_a4b_like q8 vs mlx-lm: max |Δ| {d:e}");
 }
@@ -170,7 +287,7 @@ fn multimodal_gemma_keeps_its_towers_and_quantizes_the_text_model() {
             &quantize(QuantType::Q8),
         )
         .unwrap();
-    assert_eq!(r.config.part.architecture, "Gemma4ForConditionalGeneration");
+    assert_eq!(r.target.architecture, "Gemma4ForConditionalGeneration");
     let d = check(&s, "mm", "gemma4_26b_a4b_like_q8_fp_router", 1e-3);
     eprintln!("multimodal gemma4 MoE q8 vs mlx-lm: max |Δ| {d:e}");
     // The tower is stored, in full precision.
@@ -178,7 +295,6 @@ fn multimodal_gemma_keeps_its_towers_and_quantizes_the_text_model() {
     let tensors = models::weights::read_tensors(&stored.target).unwrap();
     assert_eq!(tensors[tower].dtype(), mlx::Dtype::F32);
     assert!(!tensors.contains_key(&tower.replace(".weight", ".scales")));
-    assert!(
-        tensors.contains_key("model.language_model.layers.0.experts.switch_glu.gate_proj.scales")
-    );
+    // The fused experts stay fused, quantized as one tensor, as ollama stores them.
+    assert!(tensors.contains_key("model.language_model.layers.0.experts.gate_up_proj.scales"));
 }

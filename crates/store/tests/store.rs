@@ -196,15 +196,11 @@ fn create_refuses_bad_input_before_touching_the_store() {
             &none,
             "a gemma4_assistant drafts for gemma4 targets",
         ),
-        (
-            from("glm4_moe_lite_q4"),
-            &q4,
-            "is already quantized (4-bit)",
-        ),
+        (from("glm4_moe_lite_q4"), &q4, "is already quantized (int4)"),
         (
             with_draft("gemma4_26b_a4b_like", "gemma4_26b_a4b_like_q4"),
             &draft_q8,
-            "is already quantized (4-bit); create it without --quantize-draft q8",
+            "is already quantized (int4); create it without --quantize-draft int8",
         ),
         (
             "FROM x\nPARAMETER top_k x\n".into(),
@@ -239,7 +235,6 @@ fn from_a_stored_model_reuses_its_blobs() {
             &CreateOptions::default(),
         )
         .unwrap();
-    assert_eq!(r.config.part.source, "base");
     let added = s.blobs().len() - before.len();
     let draft_layers = r
         .config
@@ -285,13 +280,10 @@ fn from_a_stored_model_inherits_its_draft_and_settings() {
     let r = s
         .create("child", "FROM base\nPARAMETER temperature 0.9\n", &q)
         .unwrap();
-    let d = r
-        .config
-        .draft
-        .as_ref()
-        .expect("the draft was not inherited");
-    assert_eq!(d.part.model_type, "gemma4_assistant");
-    assert_eq!(d.part.file_type, "Q8");
+    let d = r.draft.as_ref().expect("the draft was not inherited");
+    assert_eq!(d.architecture, "Gemma4AssistantForCausalLM");
+    assert!(d.precisions.contains_key("int8"), "{d:?}");
+    assert!(!d.precisions.contains_key("int4"), "{d:?}");
     let child = s.store.resolve(&name("child")).unwrap();
     assert_eq!(child.parameters["temperature"], serde_json::json!(0.9));
     assert_eq!(child.parameters["top_k"], serde_json::json!(20));
@@ -310,13 +302,14 @@ fn from_a_stored_model_inherits_its_draft_and_settings() {
             &CreateOptions::default(),
         )
         .unwrap();
-    assert!(r
-        .config
-        .draft
-        .unwrap()
-        .part
-        .source
-        .ends_with("gemma4_assistant_dense"));
+    assert!(r.config.draft.is_some());
+    let other = s.store.resolve(&name("other")).unwrap();
+    let stored = std::fs::read(other.draft.unwrap().config().unwrap()).unwrap();
+    let want = std::fs::read(fixture("gemma4_assistant_dense").join("config.json")).unwrap();
+    assert_eq!(
+        stored, want,
+        "the explicit DRAFT's config.json, byte for byte"
+    );
 }
 
 #[test]
