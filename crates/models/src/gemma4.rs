@@ -6,8 +6,9 @@
 
 use crate::config::JsonFile;
 use crate::nn::{gelu_tanh, norm, Embedding, Experts, Linear, Rope};
+use crate::packed::{check_rows, join_rows, single_row, spans, time_slice};
 use crate::weights::{Vb, Weights};
-use crate::{CausalLm, ModelError, Result};
+use crate::{CausalLm, ModelError, PackedRow, Result};
 use cache::{AttnMask, KvCache, LayerCache, RotatingKvCache};
 use mlx::fast::scaled_dot_product_attention;
 use mlx::{Array, Ix};
@@ -368,14 +369,9 @@ impl Attention {
         })
     }
 
-    /// Normalised, rotated `[B, H, L, d]` keys and values of this layer's own projections.
-    fn project_kv(
-        &self,
-        x: &Array,
-        rope: &Rope,
-        offset: usize,
-        eps: f32,
-    ) -> Result<(Array, Array)> {
+    /// Normalised `[B, H, L, d]` keys and values of this layer's own projections, not yet
+    /// rotated (each row of a packed batch rotates at its own offset).
+    fn project_kv(&self, x: &Array, eps: f32) -> Result<(Array, Array)> {
         let (k_proj, k_norm) = match (&self.k_proj, &self.k_norm) {
             (Some(p), Some(n)) => (p, n),
             _ => {
@@ -393,29 +389,36 @@ impl Attention {
             None => k_raw.clone(),
         };
         let k = norm(&k_raw, Some(k_norm), eps)?.transpose(&[0, 2, 1, 3])?;
-        let k = rope.apply(&k, offset)?;
         let v = norm(&v_raw, None, eps)?.transpose(&[0, 2, 1, 3])?;
         Ok((k, v))
     }
 
-    pub(crate) fn queries(&self, x: &Array, rope: &Rope, offset: usize, eps: f32) -> Result<Array> {
+    /// Normalised `[B, H, L, d]` queries, not yet rotated.
+    fn project_q(&self, x: &Array, eps: f32) -> Result<Array> {
         let s = x.shape();
         let q = self
             .q_proj
             .forward(x)?
             .reshape(&[s[0], s[1], self.heads, self.head_dim])?;
-        let q = norm(&q, Some(&self.q_norm), eps)?.transpose(&[0, 2, 1, 3])?;
-        rope.apply(&q, offset)
+        Ok(norm(&q, Some(&self.q_norm), eps)?.transpose(&[0, 2, 1, 3])?)
     }
 
-    pub(crate) fn output(&self, q: &Array, k: &Array, v: &Array, mask: &AttnMask) -> Result<Array> {
+    pub(crate) fn queries(&self, x: &Array, rope: &Rope, offset: usize, eps: f32) -> Result<Array> {
+        rope.apply(&self.project_q(x, eps)?, offset)
+    }
+
+    /// Attention of `[B, H, L, d]` queries over keys and values, before the output projection:
+    /// `[B, L, H·d]`.
+    fn attend(&self, q: &Array, k: &Array, v: &Array, mask: &AttnMask) -> Result<Array> {
         // q and k are RMS-normalised, so the attention scale is 1 (MODELS.md §1.3).
         let o = scaled_dot_product_attention(q, k, v, 1.0, mask.as_sdpa(), None)?;
         let s = q.shape();
-        let o = o
-            .transpose(&[0, 2, 1, 3])?
-            .reshape(&[s[0], s[2], self.heads * self.head_dim])?;
-        self.o_proj.forward(&o)
+        Ok(o.transpose(&[0, 2, 1, 3])?
+            .reshape(&[s[0], s[2], self.heads * self.head_dim])?)
+    }
+
+    pub(crate) fn output(&self, q: &Array, k: &Array, v: &Array, mask: &AttnMask) -> Result<Array> {
+        self.o_proj.forward(&self.attend(q, k, v, mask)?)
     }
 }
 
@@ -800,66 +803,80 @@ impl CausalLm for Gemma4 {
     }
 
     fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array> {
+        let len = single_row(tokens)?;
+        self.forward_packed(tokens, &mut [PackedRow { len, caches }])
+    }
+
+    fn forward_packed(&self, tokens: &Array, rows: &mut [PackedRow<'_>]) -> Result<Array> {
         let eps = self.cfg.rms_norm_eps;
         let expected = self.cache_slot.iter().flatten().count();
-        if caches.len() != expected {
-            return Err(ModelError::Invalid(format!(
-                "gemma4 needs {expected} layer caches, got {}",
-                caches.len()
-            )));
-        }
-        let l = tokens.shape().get(1).copied().unwrap_or(0) as usize;
-        let offset = caches.first().map_or(0, LayerCache::offset);
+        check_rows(tokens, rows, expected, "gemma4")?;
         let mut h = self.embed_scaled(tokens)?;
         let ple = match &self.ple {
             Some(p) => Some(self.per_layer_inputs(p, tokens, &h)?),
             None => None,
         };
-        let mut kv: Vec<Option<(Array, Array)>> = vec![None; self.layers.len()];
-        let mut masks: HashMap<LayerKind, AttnMask> = HashMap::new();
+        let offsets: Vec<usize> = rows
+            .iter()
+            .map(|r| r.caches.first().map_or(0, LayerCache::offset))
+            .collect();
+        let spans = spans(rows);
+        // Per layer, per row: the keys and values a later KV-shared layer reads.
+        let mut kv: Vec<Vec<(Array, Array)>> = vec![Vec::new(); self.layers.len()];
+        // Per row, per layer kind: the mask its first layer of that kind built.
+        let mut masks: Vec<HashMap<LayerKind, AttnMask>> = vec![HashMap::new(); rows.len()];
         for (i, layer) in self.layers.iter().enumerate() {
             let rope = self.rope(layer.spec.kind);
             let x = norm(&h, Some(&layer.input_norm), eps)?;
-            let q = layer.attn.queries(&x, rope, offset, eps)?;
-            let (k, v) = match (layer.spec.shared_from, self.cache_slot[i]) {
-                (Some(src), _) => kv[src].clone().ok_or_else(|| {
-                    ModelError::Invalid(format!(
-                        "layer {i} shares K/V with layer {src}, which has none"
-                    ))
-                })?,
-                (None, Some(slot)) => {
-                    let (k, v) = layer.attn.project_kv(&x, rope, offset, eps)?;
-                    let (k, v) = match &mut caches[slot] {
-                        LayerCache::Rotating(c) => {
-                            let kv = c.update(&k, &v)?;
-                            if let Entry::Vacant(e) = masks.entry(layer.spec.kind) {
-                                e.insert(c.mask(l)?);
-                            }
-                            kv
-                        }
-                        LayerCache::Kv(c) => {
-                            let kv = c.update(&k, &v)?;
-                            masks.entry(layer.spec.kind).or_insert_with(|| c.mask(l));
-                            kv
-                        }
-                        LayerCache::Latent(_) => {
-                            return Err(ModelError::Invalid(
-                                "gemma4 was given an MLA latent cache".into(),
-                            ))
-                        }
-                    };
-                    (k, v)
-                }
-                (None, None) => {
-                    return Err(ModelError::Invalid(format!("layer {i} has no cache slot")))
-                }
+            // The projections run once over every row's tokens; attention per row.
+            let q_all = layer.attn.project_q(&x, eps)?;
+            let own = match layer.spec.shared_from {
+                None => Some(layer.attn.project_kv(&x, eps)?),
+                Some(_) => None,
             };
-            let mask = masks
-                .get(&layer.spec.kind)
-                .cloned()
-                .unwrap_or(AttnMask::None);
-            let a = layer.attn.output(&q, &k, &v, &mask)?;
-            kv[i] = Some((k, v));
+            let mut outs = Vec::with_capacity(rows.len());
+            for (r, row) in rows.iter_mut().enumerate() {
+                let (at, l) = spans[r];
+                let q = rope.apply(&time_slice(&q_all, at, l)?, offsets[r])?;
+                let (k, v) = match (layer.spec.shared_from, self.cache_slot[i], &own) {
+                    (Some(src), _, _) => kv[src].get(r).cloned().ok_or_else(|| {
+                        ModelError::Invalid(format!(
+                            "layer {i} shares K/V with layer {src}, which has none"
+                        ))
+                    })?,
+                    (None, Some(slot), Some((k_all, v_all))) => {
+                        let k = rope.apply(&time_slice(k_all, at, l)?, offsets[r])?;
+                        let v = time_slice(v_all, at, l)?;
+                        match &mut row.caches[slot] {
+                            LayerCache::Rotating(c) => {
+                                let kv = c.update(&k, &v)?;
+                                if let Entry::Vacant(e) = masks[r].entry(layer.spec.kind) {
+                                    e.insert(c.mask(l)?);
+                                }
+                                kv
+                            }
+                            LayerCache::Kv(c) => {
+                                let kv = c.update(&k, &v)?;
+                                masks[r].entry(layer.spec.kind).or_insert_with(|| c.mask(l));
+                                kv
+                            }
+                            LayerCache::Latent(_) => {
+                                return Err(ModelError::Invalid(
+                                    "gemma4 was given an MLA latent cache".into(),
+                                ))
+                            }
+                        }
+                    }
+                    _ => return Err(ModelError::Invalid(format!("layer {i} has no cache slot"))),
+                };
+                let mask = masks[r]
+                    .get(&layer.spec.kind)
+                    .cloned()
+                    .unwrap_or(AttnMask::None);
+                outs.push(layer.attn.attend(&q, &k, &v, &mask)?);
+                kv[i].push((k, v));
+            }
+            let a = layer.attn.o_proj.forward(&join_rows(&outs)?)?;
             h = h.add(&norm(&a, Some(&layer.post_attn_norm), eps)?)?;
             h = h.add(&layer.feed_forward(&h, eps)?)?;
             if let (Some(pl), Some(all)) = (&layer.ple, &ple) {

@@ -7,8 +7,9 @@
 
 use crate::config::JsonFile;
 use crate::nn::{norm, silu, Embedding, Experts, Linear, Rope};
+use crate::packed::{check_rows, join_rows, single_row, spans, time_slice};
 use crate::weights::{Vb, Weights};
-use crate::{CausalLm, ModelError, Result};
+use crate::{CausalLm, ModelError, PackedRow, Result};
 use cache::{LatentCache, LayerCache};
 use mlx::fast::scaled_dot_product_attention;
 use mlx::{Array, Dtype, Ix};
@@ -284,48 +285,66 @@ impl Mla {
         })
     }
 
-    fn forward(&self, x: &Array, cache: &mut LatentCache, rope: &Rope, eps: f32) -> Result<Array> {
+    /// Attention for packed rows: `x` holds every row's tokens (`spans[i]` = its start and
+    /// length along time), `caches[i]` is row i's cache. Projections run once over all rows.
+    fn forward(
+        &self,
+        x: &Array,
+        caches: &mut [&mut LatentCache],
+        spans: &[(usize, usize)],
+        rope: &Rope,
+        eps: f32,
+    ) -> Result<Array> {
         let s = x.shape();
-        let (b, l) = (s[0], s[1]);
+        let (b, t_all) = (s[0], s[1]);
         let (nh, dn, dr, r) = (self.heads, self.nope, self.rope_dim, self.rank);
-        let offset = cache.offset();
         let q = match &self.q {
             QueryProj::Lora { a, norm: n, b } => b.forward(&norm(&a.forward(x)?, Some(n), eps)?)?,
             QueryProj::Direct(p) => p.forward(x)?,
         };
-        let q = q.reshape(&[b, l, nh, dn + dr])?.transpose(&[0, 2, 1, 3])?;
+        let q = q
+            .reshape(&[b, t_all, nh, dn + dr])?
+            .transpose(&[0, 2, 1, 3])?;
         let qs = q.split_at(&[dn], -1)?;
-        let (q_nope, q_rope) = (&qs[0], rope.apply(&qs[1], offset)?);
-
         let ckv = self.kv_a.forward(x)?;
         let parts = ckv.split_at(&[r], -1)?;
-        let latent = norm(&parts[0], Some(&self.kv_a_norm), eps)?.expand_dims(1)?; // [B,1,L,r]
-        let k_rope = rope.apply(&parts[1].expand_dims(1)?, offset)?; // one rope key for all heads
-        let rows = cache.update(&mlx::concatenate(&[&latent, &k_rope], -1)?)?; // [B,1,T,r+dr]
-        let mask = cache.mask(l as usize);
-        let t = rows.shape()[2];
+        let latent = norm(&parts[0], Some(&self.kv_a_norm), eps)?.expand_dims(1)?; // [B,1,T,r]
+        let k_rope_raw = parts[1].expand_dims(1)?; // one rope key for all heads
 
-        let o = if l == 1 {
-            // Absorbed form (MODELS.md §3.3): score = (q_nope W_UK)·c + q_rope·k_rope, and the
-            // values are the latents themselves, up-projected after attention.
-            let q_lat = q_nope.matmul(&self.wk)?; // [B,nH,1,r]
-            let qq = mlx::concatenate(&[&q_lat, &q_rope], -1)?;
-            let v = rows.index(&[Ix::Ellipsis, Ix::slice(None, Some(r), 1)])?;
-            let o = scaled_dot_product_attention(&qq, &rows, &v, self.scale, mask.as_sdpa(), None)?;
-            o.matmul(&self.wv_t)? // [B,nH,1,dv]
-        } else {
-            let c = rows.index(&[Ix::Ellipsis, Ix::slice(None, Some(r), 1)])?;
-            let kr = rows.index(&[Ix::Ellipsis, Ix::slice(Some(r), None, 1)])?;
-            let k_nope = c.matmul(&self.wk_t)?; // [B,nH,T,dn]
-            let v = c.matmul(&self.wv_t)?; // [B,nH,T,dv]
-            let k = mlx::concatenate(&[&k_nope, &kr.broadcast_to(&[b, nh, t, dr])?], -1)?;
-            let qq = mlx::concatenate(&[q_nope, &q_rope], -1)?;
-            scaled_dot_product_attention(&qq, &k, &v, self.scale, mask.as_sdpa(), None)?
-        };
-        let o = o
-            .transpose(&[0, 2, 1, 3])?
-            .reshape(&[b, l, nh * self.v_dim])?;
-        self.o_proj.forward(&o)
+        let mut outs = Vec::with_capacity(caches.len());
+        for (cache, &(at, l)) in caches.iter_mut().zip(spans) {
+            let offset = cache.offset();
+            let q_nope = time_slice(&qs[0], at, l)?;
+            let q_rope = rope.apply(&time_slice(&qs[1], at, l)?, offset)?;
+            let k_rope = rope.apply(&time_slice(&k_rope_raw, at, l)?, offset)?;
+            let lat = time_slice(&latent, at, l)?;
+            let rows = cache.update(&mlx::concatenate(&[&lat, &k_rope], -1)?)?; // [B,1,T,r+dr]
+            let mask = cache.mask(l);
+            let t = rows.shape()[2];
+            let o = if l == 1 {
+                // Absorbed form (MODELS.md §3.3): score = (q_nope W_UK)·c + q_rope·k_rope, and
+                // the values are the latents themselves, up-projected after attention.
+                let q_lat = q_nope.matmul(&self.wk)?; // [B,nH,1,r]
+                let qq = mlx::concatenate(&[&q_lat, &q_rope], -1)?;
+                let v = rows.index(&[Ix::Ellipsis, Ix::slice(None, Some(r), 1)])?;
+                let o =
+                    scaled_dot_product_attention(&qq, &rows, &v, self.scale, mask.as_sdpa(), None)?;
+                o.matmul(&self.wv_t)? // [B,nH,1,dv]
+            } else {
+                let c = rows.index(&[Ix::Ellipsis, Ix::slice(None, Some(r), 1)])?;
+                let kr = rows.index(&[Ix::Ellipsis, Ix::slice(Some(r), None, 1)])?;
+                let k_nope = c.matmul(&self.wk_t)?; // [B,nH,T,dn]
+                let v = c.matmul(&self.wv_t)?; // [B,nH,T,dv]
+                let k = mlx::concatenate(&[&k_nope, &kr.broadcast_to(&[b, nh, t, dr])?], -1)?;
+                let qq = mlx::concatenate(&[&q_nope, &q_rope], -1)?;
+                scaled_dot_product_attention(&qq, &k, &v, self.scale, mask.as_sdpa(), None)?
+            };
+            outs.push(
+                o.transpose(&[0, 2, 1, 3])?
+                    .reshape(&[b, l as i32, nh * self.v_dim])?,
+            );
+        }
+        self.o_proj.forward(&join_rows(&outs)?)
     }
 }
 
@@ -511,10 +530,16 @@ impl DecoderLayer {
         })
     }
 
-    fn forward(&self, h: &Array, cache: &mut LatentCache, rope: &Rope, eps: f32) -> Result<Array> {
-        let a = self
-            .attn
-            .forward(&norm(h, Some(&self.input_norm), eps)?, cache, rope, eps)?;
+    fn forward(
+        &self,
+        h: &Array,
+        caches: &mut [&mut LatentCache],
+        spans: &[(usize, usize)],
+        rope: &Rope,
+        eps: f32,
+    ) -> Result<Array> {
+        let x = norm(h, Some(&self.input_norm), eps)?;
+        let a = self.attn.forward(&x, caches, spans, rope, eps)?;
         let h = h.add(&a)?;
         let x = norm(&h, Some(&self.post_attn_norm), eps)?;
         let f = match &self.ffn {
@@ -673,7 +698,9 @@ impl GlmMtp {
             self.eps,
         )?;
         let x = self.eh_proj.forward(&mlx::concatenate(&[&e, &h], -1)?)?;
-        self.block.forward(&x, cache, rope, self.eps)
+        let l = x.shape()[1] as usize;
+        self.block
+            .forward(&x, &mut [cache], &[(0, l)], rope, self.eps)
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -692,22 +719,26 @@ impl CausalLm for Glm4MoeLite {
     }
 
     fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array> {
-        if caches.len() != self.layers.len() {
-            return Err(ModelError::Invalid(format!(
-                "glm4_moe_lite needs {} layer caches, got {}",
-                self.layers.len(),
-                caches.len()
-            )));
-        }
+        let len = single_row(tokens)?;
+        self.forward_packed(tokens, &mut [PackedRow { len, caches }])
+    }
+
+    fn forward_packed(&self, tokens: &Array, rows: &mut [PackedRow<'_>]) -> Result<Array> {
+        check_rows(tokens, rows, self.layers.len(), "glm4_moe_lite")?;
         let eps = self.cfg.rms_norm_eps;
+        let spans = spans(rows);
         let mut h = self.embed.lookup(tokens)?;
-        for (layer, c) in self.layers.iter().zip(caches.iter_mut()) {
-            let LayerCache::Latent(c) = c else {
-                return Err(ModelError::Invalid(
-                    "glm4_moe_lite needs latent caches".into(),
-                ));
-            };
-            h = layer.forward(&h, c, &self.rope, eps)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mut caches = rows
+                .iter_mut()
+                .map(|r| match &mut r.caches[i] {
+                    LayerCache::Latent(c) => Ok(c),
+                    _ => Err(ModelError::Invalid(
+                        "glm4_moe_lite needs latent caches".into(),
+                    )),
+                })
+                .collect::<Result<Vec<&mut LatentCache>>>()?;
+            h = layer.forward(&h, &mut caches, &spans, &self.rope, eps)?;
         }
         norm(&h, Some(&self.norm), eps)
     }

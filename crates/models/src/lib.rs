@@ -13,6 +13,7 @@ pub mod gemma4;
 pub mod gemma4_assistant;
 pub mod glm4_moe_lite;
 pub mod nn;
+mod packed;
 mod tokenizer;
 pub mod weights;
 
@@ -20,6 +21,7 @@ pub use cache::{LayerCache, RotatingKvCache};
 pub use config::JsonFile;
 pub use error::{ModelError, Result};
 pub use files::{sha256_file, ModelFiles, CHECKPOINT_FILES};
+pub use packed::PackedRow;
 pub use tokenizer::{StreamDecoder, Tokenizer};
 
 use mlx::{Array, Dtype};
@@ -34,6 +36,21 @@ pub trait CausalLm {
     /// Runs `tokens: [B, L]` (int32) at the caches' offset and returns the final hidden states
     /// after the last norm, `[B, L, H]`. The caches advance by `L`.
     fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array>;
+    /// Runs several sequences in one pass (see [`PackedRow`]): `tokens: [1, T]` holds each
+    /// row's tokens in turn, each row at its own caches' offset; returns `[1, T, H]`, row by
+    /// row. Each row's result is what [`CausalLm::forward`] gives it alone (up to the rounding
+    /// of a larger matrix product). This default runs the rows one after the other; the
+    /// models batch their matrix products.
+    fn forward_packed(&self, tokens: &Array, rows: &mut [PackedRow<'_>]) -> Result<Array> {
+        let mut outs = Vec::with_capacity(rows.len());
+        let mut at = 0;
+        for r in rows.iter_mut() {
+            let t = tokens.slice_axis(1, at as i32, Some((at + r.len) as i32))?;
+            outs.push(self.forward(&t, r.caches)?);
+            at += r.len;
+        }
+        packed::join_rows(&outs)
+    }
     /// Output logits `[.., V]` for hidden states from `forward` (slice them first: the head is
     /// the largest matmul, and prefill needs only the last position).
     fn logits(&self, hidden: &Array) -> Result<Array>;

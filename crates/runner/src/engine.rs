@@ -7,7 +7,9 @@
 //! its own token, so the device keeps working while the host hands results out.
 
 use crate::depth::DepthController;
-use crate::generate::{Ctx, Event, GenerateError, Generation, GenerationParams, RawLogprob};
+use crate::generate::{
+    step_together, Ctx, Event, GenerateError, Generation, GenerationParams, RawLogprob,
+};
 use crate::metrics::Metrics;
 use crate::protocol::{DoneReason, Stats};
 use crate::speculate::DraftModel;
@@ -366,18 +368,95 @@ impl Engine {
         }
     }
 
-    /// One round-robin turn: every active sequence does one piece of work.
+    /// One turn: every active sequence does one piece of work. Drafting sequences run their
+    /// speculative rounds one by one; every other sequence (decoding, or prefilling within one
+    /// chunk's worth of tokens per turn) then steps in one packed forward pass
+    /// ([`step_together`]), which reads the weights once for all of them.
     fn turn(&mut self) {
-        let mut i = 0;
-        while i < self.active.len() {
-            let done = self.step_one(i);
-            if done {
-                let a = self.active.swap_remove(i);
-                self.retire(a);
-            } else {
-                i += 1;
+        let mut batch = Vec::new();
+        let mut ended = Vec::new();
+        for i in 0..self.active.len() {
+            let a = &self.active[i];
+            let cancelled = a.job.cancel.load(Ordering::Relaxed) || a.job.events.is_closed();
+            if a.gen.batchable() && !cancelled {
+                batch.push(i);
+            } else if self.step_one(i) {
+                ended.push(i);
             }
         }
+        if !batch.is_empty() {
+            ended.extend(self.step_together(&batch));
+        }
+        // Highest index first, so that each swap_remove leaves the others' indices valid.
+        ended.sort_unstable_by(|a, b| b.cmp(a));
+        for i in ended {
+            let a = self.active.swap_remove(i);
+            self.retire(a);
+        }
+    }
+
+    /// One step of the sequences at `batch` in one forward pass; returns those that ended.
+    fn step_together(&mut self, batch: &[usize]) -> Vec<usize> {
+        let Engine {
+            active,
+            model,
+            sampler,
+            shared,
+            cfg,
+            ..
+        } = self;
+        let mut ctx = Ctx {
+            model: &*model.model,
+            sampler,
+            draft: None,
+        };
+        let mut gens: Vec<&mut Generation> = active
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| batch.contains(i))
+            .map(|(_, a)| &mut a.gen)
+            .collect();
+        let m = &shared.metrics;
+        let result = step_together(&mut ctx, &mut gens, cfg.prefill_chunk);
+        drop(gens);
+        let mut ended = Vec::new();
+        match result {
+            Ok((events, rows, tokens)) => {
+                if rows > 0 {
+                    m.batch_rows.observe(rows as f64);
+                    m.batch_tokens.observe(tokens as f64);
+                }
+                for (&i, ev) in batch.iter().zip(events) {
+                    let a = &mut active[i];
+                    match ev {
+                        None => {}
+                        Some(Event::Token { id, logprob }) => {
+                            let _ = a.job.events.send(EngineEvent::Token { id, logprob });
+                            if a.gen.is_finished() {
+                                ended.push(i);
+                            }
+                        }
+                        Some(Event::Done { reason, stats }) => {
+                            Self::record(shared, &a.job, &stats, a.rounds);
+                            let _ = a.job.events.send(EngineEvent::Done { reason, stats });
+                            ended.push(i);
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::error!("batched step failed: {e}");
+                for &i in batch {
+                    let a = &mut active[i];
+                    m.requests_failed.fetch_add(1, Ordering::Relaxed);
+                    let _ = a.gen.cancel(&mut ctx);
+                    a.failed = true;
+                    let _ = a.job.events.send(EngineEvent::Error(e.to_string()));
+                    ended.push(i);
+                }
+            }
+        }
+        ended
     }
 
     /// Steps sequence `i`; returns whether it has ended.
@@ -399,8 +478,14 @@ impl Engine {
             }
             return true;
         }
+        let fed = a.gen.fed_len();
         let result = a.gen.step(&mut ctx);
         let m = &self.shared.metrics;
+        let added = a.gen.fed_len().saturating_sub(fed);
+        if added > 0 {
+            m.batch_rows.observe(1.0);
+            m.batch_tokens.observe(added as f64);
+        }
         for r in a.gen.take_rounds() {
             m.draft_tokens.fetch_add(r.depth as u64, Ordering::Relaxed);
             m.draft_accepted

@@ -215,24 +215,29 @@ impl Generation {
         })
     }
 
-    /// Runs the next prefill chunk; the last one samples and dispatches the first token.
-    fn prefill_chunk(&mut self, ctx: &mut Ctx<'_>) -> Result<()> {
-        let prompt = &self.params.prompt;
+    /// Where the next prefill chunk ends, taking at most `budget` tokens: a chunk ends where a
+    /// snapshot is due.
+    fn chunk_end(&self, budget: usize) -> usize {
         let at = self.prefilled;
-        let mut end = (at + self.params.prefill_chunk.max(1)).min(prompt.len());
-        // Chunks end where a snapshot is due.
-        if let Some(&cp) = self.params.checkpoints.iter().find(|&&p| p > at && p < end) {
-            end = cp;
+        let n = self.params.prompt.len();
+        let end = (at + budget.max(1)).min(n);
+        match self.params.checkpoints.iter().find(|&&p| p > at && p < end) {
+            Some(&cp) => cp,
+            None => end,
         }
-        let chunk = prompt[at..end].to_vec();
-        let hidden = ctx
-            .model
-            .forward(&tokens_array(&chunk)?, &mut self.caches)?;
-        self.fed.extend_from_slice(&chunk);
+    }
+
+    /// Records that the prefill chunk `prefilled..end` went through the target.
+    fn advance(&mut self, end: usize) {
+        let chunk = &self.params.prompt[self.prefilled..end];
+        self.fed.extend_from_slice(chunk);
         self.prefilled = end;
-        if let (Some(d), Some((model, _))) = (&mut self.draft, &ctx.draft) {
-            d.prefilled(model, &chunk, &hidden, &self.fed)?;
-        }
+    }
+
+    /// Takes the snapshot due at the end of a prefill chunk (every cache caught up); returns
+    /// whether the chunk ended the prompt.
+    fn chunk_checkpoint(&mut self) -> bool {
+        let end = self.prefilled;
         if self.params.checkpoints.contains(&end) {
             let mut all = self.caches.clone();
             if let Some(d) = &self.draft {
@@ -240,14 +245,31 @@ impl Generation {
             }
             self.taken.push((end, CacheCheckpoint::of(&all)));
         }
-        if end < prompt.len() {
-            // Materialise this chunk's cache writes before building the next chunk's graph.
-            hidden.eval()?;
-        } else {
+        let last = end == self.params.prompt.len();
+        if last {
             // The end of the prompt is where generation's snapshots start counting from.
             self.snapshot_generated();
+        }
+        last
+    }
+
+    /// Runs the next prefill chunk; the last one samples and dispatches the first token.
+    fn prefill_chunk(&mut self, ctx: &mut Ctx<'_>) -> Result<()> {
+        let end = self.chunk_end(self.params.prefill_chunk);
+        let chunk = self.params.prompt[self.prefilled..end].to_vec();
+        let hidden = ctx
+            .model
+            .forward(&tokens_array(&chunk)?, &mut self.caches)?;
+        self.advance(end);
+        if let (Some(d), Some((model, _))) = (&mut self.draft, &ctx.draft) {
+            d.prefilled(model, &chunk, &hidden, &self.fed)?;
+        }
+        if self.chunk_checkpoint() {
             let last = hidden.index(&[Ix::full(), Ix::slice(Some(-1), None, 1)])?;
             self.dispatch(ctx, &last)?;
+        } else {
+            // Materialise this chunk's cache writes before building the next chunk's graph.
+            hidden.eval()?;
         }
         Ok(())
     }
@@ -258,15 +280,7 @@ impl Generation {
         let v = logits.shape();
         let logits = logits.reshape(&[1, v[v.len() - 1]])?;
         let s = ctx.sampler.sample(&[self.slot], &logits)?;
-        let mut outs: Vec<&Array> = vec![&s.tokens];
-        if let Some(l) = &s.logprobs {
-            outs.push(l);
-        }
-        if let Some(t) = &s.top {
-            outs.push(&t.ids);
-            outs.push(&t.logprobs);
-        }
-        mlx::async_eval(&outs)?;
+        mlx::async_eval(&s.arrays())?;
         self.pending = Some(s);
         self.last_hidden = Some(last_hidden.clone());
         Ok(())
@@ -284,6 +298,11 @@ impl Generation {
 
     pub fn slot(&self) -> usize {
         self.slot
+    }
+
+    /// Tokens the target's caches hold.
+    pub fn fed_len(&self) -> usize {
+        self.fed.len()
     }
 
     pub fn is_finished(&self) -> bool {
@@ -398,6 +417,16 @@ impl Generation {
         }
     }
 
+    /// Whether its next step (a prefill chunk or a plain decode step) can share a forward
+    /// pass with other sequences' ([`step_together`]): nothing queued, not drafting (a drafting
+    /// sequence runs its own rounds).
+    pub fn batchable(&self) -> bool {
+        !self.finished
+            && self.ready.is_empty()
+            && self.draft.is_none()
+            && (self.prefilling() || self.pending.is_some())
+    }
+
     /// One pipelined decode step: dispatch the successor of the pending token, then read it.
     fn plain_step(&mut self, ctx: &mut Ctx<'_>) -> Result<Event> {
         let Some(current) = self.pending.take() else {
@@ -476,4 +505,155 @@ impl Ctx<'_> {
     fn model_caches_len(&self) -> usize {
         self.model.make_caches().len()
     }
+}
+
+/// One step of several sequences (each [`Generation::batchable`]) in one forward pass of the
+/// target: decoding sequences feed their pending token, prefilling ones their next chunk (all
+/// chunks together at most `prefill_budget` tokens, in order; a sequence left without budget
+/// sits this step out), packed into one `[1, T]` row ([`CausalLm::forward_packed`], each
+/// sequence at its own offset with its own caches). The sampler then draws, in one call (the
+/// fused path when options allow), the successor of every decoding sequence and the first
+/// token of every sequence whose prompt just ended, and the draws are dispatched before the
+/// pending tokens are read, as [`Generation::step`] does for one. Returns each sequence's
+/// event (`None` for a prefill chunk, or a sequence that sat out), in order, and how many rows
+/// and tokens the forward pass had; an error fails them all.
+pub fn step_together(
+    ctx: &mut Ctx<'_>,
+    gens: &mut [&mut Generation],
+    prefill_budget: usize,
+) -> Result<(Vec<Option<Event>>, usize, usize)> {
+    enum Piece {
+        /// Feeds the pending token (taken) and samples its successor when it continues.
+        Decode {
+            current: Sampled,
+            continues: bool,
+        },
+        /// Feeds prompt tokens up to `end`.
+        Prefill {
+            end: usize,
+        },
+        Skip,
+    }
+    let mut budget = prefill_budget.max(1);
+    let mut pieces = Vec::with_capacity(gens.len());
+    for g in gens.iter_mut() {
+        if g.prefilling() {
+            if budget == 0 {
+                pieces.push(Piece::Skip);
+                continue;
+            }
+            let end = g.chunk_end(budget);
+            budget -= end - g.prefilled;
+            pieces.push(Piece::Prefill { end });
+        } else {
+            let Some(current) = g.pending.take() else {
+                return Err(GenerateError::BadRequest(
+                    "a sequence without a pending token in a decode batch".into(),
+                ));
+            };
+            let continues = g.may_continue();
+            pieces.push(Piece::Decode { current, continues });
+        }
+    }
+
+    // The packed tokens, and each fed row's length.
+    let mut tokens: Vec<Array> = Vec::new();
+    let mut lens: Vec<Option<usize>> = Vec::with_capacity(gens.len());
+    for (g, p) in gens.iter().zip(&pieces) {
+        match p {
+            Piece::Decode {
+                current,
+                continues: true,
+            } => {
+                tokens.push(current.tokens.reshape(&[1, 1])?);
+                lens.push(Some(1));
+            }
+            Piece::Prefill { end } => {
+                tokens.push(tokens_array(&g.params.prompt[g.prefilled..*end])?);
+                lens.push(Some(end - g.prefilled));
+            }
+            _ => lens.push(None),
+        }
+    }
+    let rows_fed = lens.iter().flatten().count();
+    let tokens_fed: usize = lens.iter().flatten().sum();
+    if rows_fed > 0 {
+        let refs: Vec<&Array> = tokens.iter().collect();
+        let tokens = mlx::concatenate(&refs, 1)?;
+        let mut rows: Vec<models::PackedRow<'_>> = gens
+            .iter_mut()
+            .zip(&lens)
+            .filter_map(|(g, l)| {
+                l.map(|len| models::PackedRow {
+                    len,
+                    caches: &mut g.caches,
+                })
+            })
+            .collect();
+        let hidden = ctx.model.forward_packed(&tokens, &mut rows)?;
+        drop(rows);
+        // Which rows sample, and the packed position of each one's last token.
+        let mut sampling: Vec<(usize, i32)> = Vec::new();
+        let mut at = 0;
+        for (i, (g, p)) in gens.iter_mut().zip(&pieces).enumerate() {
+            let Some(len) = lens[i] else {
+                continue;
+            };
+            at += len;
+            let samples = match p {
+                Piece::Decode { .. } => true,
+                Piece::Prefill { end } => {
+                    g.advance(*end);
+                    g.chunk_checkpoint()
+                }
+                Piece::Skip => false,
+            };
+            if samples {
+                sampling.push((i, at as i32 - 1));
+            }
+        }
+        if sampling.is_empty() {
+            // Only prefill chunks: materialise their cache writes.
+            hidden.eval()?;
+        } else {
+            let positions: Vec<i32> = sampling.iter().map(|s| s.1).collect();
+            let idx = Array::from_slice(&positions, &[positions.len() as i32])?;
+            let last = hidden.take(&idx, 1)?; // [1, S, H]
+            let logits = ctx.model.logits(&last)?;
+            let v = logits.shape();
+            let logits = logits.reshape(&[sampling.len() as i32, v[v.len() - 1]])?;
+            let slots: Vec<usize> = sampling.iter().map(|&(i, _)| gens[i].slot).collect();
+            let s = ctx.sampler.sample(&slots, &logits)?;
+            mlx::async_eval(&s.arrays())?;
+            for (j, &(i, _)) in sampling.iter().enumerate() {
+                gens[i].pending = Some(s.row(j)?);
+                gens[i].last_hidden = Some(last.slice_axis(1, j as i32, Some(j as i32 + 1))?);
+            }
+        }
+    }
+
+    // The pending tokens, read together in one evaluation.
+    let reads: Vec<&Array> = pieces
+        .iter()
+        .filter_map(|p| match p {
+            Piece::Decode { current, .. } => Some(&current.tokens),
+            _ => None,
+        })
+        .collect();
+    mlx::eval(&reads)?;
+    let mut events = Vec::with_capacity(gens.len());
+    for (g, p) in gens.iter_mut().zip(&pieces) {
+        let Piece::Decode { current, continues } = p else {
+            events.push(None);
+            continue;
+        };
+        let id = current.tokens.to_vec::<i32>()?[0] as u32;
+        if *continues {
+            g.fed.push(id);
+            g.snapshot_generated();
+        }
+        let logprob = g.logprob(current)?;
+        events.push(Some(g.emit(ctx, id, logprob)));
+    }
+    Ok((events, rows_fed, tokens_fed))
 }

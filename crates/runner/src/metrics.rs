@@ -49,6 +49,11 @@ const LATENCY: &[f64] = &[
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 ];
 const PER_TOKEN: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0];
+/// Counts (rows in a forward, tokens in a forward), not seconds.
+const ROWS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0];
+const TOKENS: &[f64] = &[
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
+];
 
 /// Draft positions tracked per position (deeper drafts are counted in the last one).
 pub const DRAFT_POSITIONS: usize = 16;
@@ -71,6 +76,11 @@ pub struct Metrics {
     pub time_to_first_token: Histogram,
     pub request_duration: Histogram,
     pub time_per_token: Histogram,
+    /// Sequences in each target forward pass that fed tokens.
+    pub batch_rows: Histogram,
+    /// Tokens each such pass added to its sequences' caches (a prefill chunk's length, one
+    /// per decoding row, a speculative round's accepted tokens plus one).
+    pub batch_tokens: Histogram,
 }
 
 impl Default for Metrics {
@@ -93,6 +103,8 @@ impl Default for Metrics {
             time_to_first_token: Histogram::new(LATENCY),
             request_duration: Histogram::new(LATENCY),
             time_per_token: Histogram::new(PER_TOKEN),
+            batch_rows: Histogram::new(ROWS),
+            batch_tokens: Histogram::new(TOKENS),
         }
     }
 }
@@ -226,6 +238,16 @@ impl Metrics {
             &mut o,
             "mlx_runner_time_per_output_token_seconds",
             "Decode time per generated token.",
+        );
+        self.batch_rows.render(
+            &mut o,
+            "mlx_runner_batch_rows",
+            "Sequences in each forward pass of the target model.",
+        );
+        self.batch_tokens.render(
+            &mut o,
+            "mlx_runner_batch_tokens",
+            "Tokens each forward pass of the target model added to its sequences' caches.",
         );
         o
     }

@@ -68,6 +68,35 @@ pub struct Sampled {
     pub top: Option<TopLogprobs>,
 }
 
+impl Sampled {
+    /// Row `i` alone, as a one-slot call would have returned it (`[1]`, `[1, K]`).
+    pub fn row(&self, i: usize) -> Result<Sampled> {
+        let one = |a: &Array| a.slice_axis(0, i as i32, Some(i as i32 + 1));
+        Ok(Sampled {
+            tokens: one(&self.tokens)?,
+            logprobs: self.logprobs.as_ref().map(one).transpose()?,
+            top: match &self.top {
+                Some(t) => Some(TopLogprobs {
+                    ids: one(&t.ids)?,
+                    logprobs: one(&t.logprobs)?,
+                }),
+                None => None,
+            },
+        })
+    }
+
+    /// Every array it holds, for one evaluation.
+    pub fn arrays(&self) -> Vec<&Array> {
+        let mut v = vec![&self.tokens];
+        v.extend(&self.logprobs);
+        if let Some(t) = &self.top {
+            v.push(&t.ids);
+            v.push(&t.logprobs);
+        }
+        v
+    }
+}
+
 /// `[B, K]` token ids and their logprobs.
 #[derive(Debug, Clone)]
 pub struct TopLogprobs {

@@ -1,0 +1,218 @@
+//! Concurrent clients: `cargo bench --bench batch`.
+//!
+//! On the benchmark model (target/bench-model, see benches/generate.rs), 1, 2, 4 and 8 clients
+//! each stream one request at the same moment (distinct prompts, greedy, the same length), to
+//! `mlx-runner runner --parallel 8` and to `mlx_lm.server` (its batching on: decode and prompt
+//! concurrency 8; OpenBLAS preloaded when present) on the same weights, one server after the
+//! other. Reported per client count: aggregate decode tokens/s (all tokens after each
+//! request's first, over the span from the first request's first token to the last request's
+//! end), median time to first token and median per-request decode tokens/s; medians over
+//! rounds, and ours / peer as ratios. `BATCH_ROUNDS`, `BATCH_TOKENS` and `BATCH_CLIENTS`
+//! (comma-separated) override the defaults.
+
+mod common;
+use common::{free_port, median, root, runner, wait_for, Server};
+
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+fn env_or(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// One streamed request: (start, first token, end, tokens).
+struct Timing {
+    start: Instant,
+    first: Instant,
+    end: Instant,
+    tokens: usize,
+}
+
+fn ours(port: u16, prompt: &str, n: usize) -> Timing {
+    let body = json!({"Prompt": prompt, "Options": {"num_predict": n, "temperature": 0, "repeat_penalty": 1.0}});
+    let start = Instant::now();
+    let resp = ureq::post(&format!("http://127.0.0.1:{port}/v1/completions"))
+        .send_string(&body.to_string())
+        .unwrap();
+    let (mut first, mut tokens) = (None, 0);
+    for line in BufReader::new(resp.into_reader()).lines() {
+        let v: Value = serde_json::from_str(&line.unwrap()).unwrap();
+        if v["Done"] == true {
+            tokens = v["EvalCount"].as_u64().unwrap_or(0) as usize;
+            break;
+        }
+        if !v["Content"].as_str().unwrap_or("").is_empty() {
+            first.get_or_insert_with(Instant::now);
+        }
+    }
+    let end = Instant::now();
+    Timing {
+        start,
+        first: first.unwrap_or(end),
+        end,
+        tokens,
+    }
+}
+
+fn peer(port: u16, prompt: &str, n: usize) -> Timing {
+    let body = json!({"prompt": prompt, "max_tokens": n, "temperature": 0.0, "stream": true});
+    let start = Instant::now();
+    let resp = ureq::post(&format!("http://127.0.0.1:{port}/v1/completions"))
+        .send_string(&body.to_string())
+        .unwrap();
+    let (mut first, mut tokens) = (None, 0);
+    for line in BufReader::new(resp.into_reader()).lines() {
+        let line = line.unwrap();
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data.trim() == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
+        if v["choices"][0]["text"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty())
+        {
+            first.get_or_insert_with(Instant::now);
+            tokens += 1;
+        }
+    }
+    let end = Instant::now();
+    Timing {
+        start,
+        first: first.unwrap_or(end),
+        end,
+        tokens,
+    }
+}
+
+/// (aggregate decode tok/s, median TTFT s, median per-request decode tok/s) of `clients`
+/// requests sent at once.
+fn round(
+    clients: usize,
+    n: usize,
+    tag: &str,
+    send: fn(u16, &str, usize) -> Timing,
+    port: u16,
+) -> (f64, f64, f64) {
+    let handles: Vec<_> = (0..clients)
+        .map(|c| {
+            // Distinct prompts, so no prefix cache serves one from another.
+            let prompt = format!(
+                "{tag} client {c}. {}",
+                "The quick brown fox jumps over the lazy dog. ".repeat(4)
+            );
+            std::thread::spawn(move || send(port, &prompt, n))
+        })
+        .collect();
+    let t: Vec<Timing> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let first = t.iter().map(|x| x.first).min().unwrap();
+    let end = t.iter().map(|x| x.end).max().unwrap();
+    let decoded: usize = t.iter().map(|x| x.tokens.saturating_sub(1)).sum();
+    let aggregate = decoded as f64 / (end - first).as_secs_f64().max(1e-9);
+    let ttft = median(
+        t.iter()
+            .map(|x| (x.first - x.start).as_secs_f64())
+            .collect(),
+    );
+    let per = median(
+        t.iter()
+            .map(|x| x.tokens.saturating_sub(1) as f64 / (x.end - x.first).as_secs_f64().max(1e-9))
+            .collect(),
+    );
+    (aggregate, ttft, per)
+}
+
+fn main() {
+    let python = root().join(".venv-peer/bin/python");
+    let model = root().join("target/bench-model");
+    if !python.exists() || !model.join("model.safetensors").exists() {
+        eprintln!("run benches/peer-venv.sh and `cargo bench --bench generate` first (it writes the model)");
+        return;
+    }
+    let rounds = env_or("BATCH_ROUNDS", 3);
+    let n = env_or("BATCH_TOKENS", 48);
+    let counts: Vec<usize> = std::env::var("BATCH_CLIENTS")
+        .unwrap_or_else(|_| "1,2,4,8".into())
+        .split(',')
+        .filter_map(|c| c.trim().parse().ok())
+        .collect();
+
+    let mut ours_rows = Vec::new();
+    {
+        let (_server, port) = runner(&model, &["--parallel", "8"]);
+        ours(port, "warm up", 4);
+        for &c in &counts {
+            let r: Vec<_> = (0..rounds)
+                .map(|i| round(c, n, &format!("ours {i}"), ours, port))
+                .collect();
+            ours_rows.push(r);
+        }
+    }
+    let mut peer_rows = Vec::new();
+    {
+        let port = free_port();
+        let mut cmd = Command::new(&python);
+        cmd.args(["-m", "mlx_lm", "server", "--model"])
+            .arg(&model)
+            .args([
+                "--port",
+                &port.to_string(),
+                "--prompt-cache-size",
+                "0",
+                "--decode-concurrency",
+                "8",
+                "--prompt-concurrency",
+                "8",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if Path::new("/lib/x86_64-linux-gnu/libopenblas.so.0").exists() {
+            cmd.env("LD_PRELOAD", "/lib/x86_64-linux-gnu/libopenblas.so.0");
+        }
+        let _peer = Server(cmd.spawn().unwrap());
+        assert!(
+            wait_for(&format!("http://127.0.0.1:{port}/v1/models")),
+            "mlx_lm.server did not start"
+        );
+        peer(port, "warm up", 4);
+        for &c in &counts {
+            let r: Vec<_> = (0..rounds)
+                .map(|i| round(c, n, &format!("peer {i}"), peer, port))
+                .collect();
+            peer_rows.push(r);
+        }
+    }
+
+    let med =
+        |v: &[(f64, f64, f64)], f: fn(&(f64, f64, f64)) -> f64| median(v.iter().map(f).collect());
+    println!("\n~120M gemma4-shaped model, float32, {n} new tokens per request, greedy; medians of {rounds} rounds\n");
+    println!("| clients | ours aggregate tok/s | mlx_lm.server aggregate tok/s | ratio | ours TTFT | peer TTFT | ours per-request tok/s | peer per-request tok/s |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let solo = med(&ours_rows[0], |r| r.0);
+    for (i, &c) in counts.iter().enumerate() {
+        let (oa, pa) = (med(&ours_rows[i], |r| r.0), med(&peer_rows[i], |r| r.0));
+        println!(
+            "| {c} | {oa:.1} | {pa:.1} | {:.2} | {:.0} ms | {:.0} ms | {:.1} | {:.1} |",
+            oa / pa,
+            med(&ours_rows[i], |r| r.1) * 1e3,
+            med(&peer_rows[i], |r| r.1) * 1e3,
+            med(&ours_rows[i], |r| r.2),
+            med(&peer_rows[i], |r| r.2),
+        );
+    }
+    for (i, &c) in counts.iter().enumerate() {
+        println!(
+            "ours, {c} clients: aggregate {:.2}x one client's; per-request decode {:.2}x slower than one alone",
+            med(&ours_rows[i], |r| r.0) / solo,
+            med(&ours_rows[0], |r| r.2) / med(&ours_rows[i], |r| r.2),
+        );
+    }
+}

@@ -1,0 +1,84 @@
+//! Several sequences in one forward pass, packed along time (the layout vLLM and llama.cpp
+//! use): `tokens: [1, T]` holds each row's tokens in turn, `T = Σ len`. Everything that acts
+//! per token (embeddings, norms, projections, MLPs, experts, the head) runs once over all `T`,
+//! so a decode step reads the weights once for every row; attention runs per row, at the
+//! row's own offset, against the row's own caches, which are exactly the caches a lone
+//! sequence has. No padding, no shared ring position: every cache kind (growing, rotating,
+//! latent, KV-shared) batches as it is, and each row rewinds on its own.
+
+use crate::{ModelError, Result};
+use cache::LayerCache;
+use mlx::Array;
+
+/// One sequence of a packed forward: how many of the packed tokens are its, and its caches.
+pub struct PackedRow<'a> {
+    pub len: usize,
+    pub caches: &'a mut [LayerCache],
+}
+
+/// `(start, len)` of each row along the packed time axis.
+pub(crate) fn spans(rows: &[PackedRow<'_>]) -> Vec<(usize, usize)> {
+    let mut at = 0;
+    rows.iter()
+        .map(|r| {
+            let s = (at, r.len);
+            at += r.len;
+            s
+        })
+        .collect()
+}
+
+/// The time length of a single-row `[1, L]` token array.
+pub(crate) fn single_row(tokens: &Array) -> Result<usize> {
+    match tokens.shape()[..] {
+        [1, l] => Ok(l as usize),
+        ref s => Err(ModelError::Invalid(format!(
+            "tokens of shape {s:?}: a forward takes one row [1, L] (several sequences go through forward_packed)"
+        ))),
+    }
+}
+
+/// Checks a packed batch: `[1, Σ len]` tokens, rows of at least one token, each with the
+/// caches the model makes.
+pub(crate) fn check_rows(
+    tokens: &Array,
+    rows: &[PackedRow<'_>],
+    caches: usize,
+    model: &str,
+) -> Result<()> {
+    let total: usize = rows.iter().map(|r| r.len).sum();
+    let t = single_row(tokens)?;
+    if rows.is_empty() || t != total || rows.iter().any(|r| r.len == 0) {
+        return Err(ModelError::Invalid(format!(
+            "a packed forward of {t} tokens for rows of {:?} tokens",
+            rows.iter().map(|r| r.len).collect::<Vec<_>>()
+        )));
+    }
+    if let Some(r) = rows.iter().find(|r| r.caches.len() != caches) {
+        return Err(ModelError::Invalid(format!(
+            "{model} needs {caches} layer caches per row, got {}",
+            r.caches.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Positions `at..at+len` of a `[B, H, T, D]` array along time (the array itself when that is
+/// all of it).
+pub(crate) fn time_slice(x: &Array, at: usize, len: usize) -> Result<Array> {
+    if at == 0 && x.shape()[2] as usize == len {
+        return Ok(x.clone());
+    }
+    Ok(x.slice_axis(2, at as i32, Some((at + len) as i32))?)
+}
+
+/// Per-row `[1, l, D]` outputs joined along time into `[1, T, D]`.
+pub(crate) fn join_rows(outs: &[Array]) -> Result<Array> {
+    match outs {
+        [one] => Ok(one.clone()),
+        many => {
+            let refs: Vec<&Array> = many.iter().collect();
+            Ok(mlx::concatenate(&refs, 1)?)
+        }
+    }
+}

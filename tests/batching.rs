@@ -1,0 +1,129 @@
+//! Continuous batching through the real binary: concurrent requests decode together in one
+//! forward pass per step (`--parallel N` rows), and every request gets what it gets alone —
+//! the same greedy tokens, logprobs within 1e-4, the same tokens for a seeded sampling
+//! request — whatever else shares its batch, for every fixture model, with prompts of mixed
+//! lengths (past the sliding window) arriving at different times and prefilled in chunks that
+//! share forward passes with other rows' decode steps.
+
+mod common;
+use common::*;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+/// Prompts of different lengths (some longer than the fixtures' window of 8 tokens).
+const PROMPTS: [&str; 8] = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog.",
+    "One two three four five six seven eight nine ten eleven twelve",
+    "a",
+    "Hello, world! How are you today, my friend?",
+    "Numbers: 1 2 3 4 5",
+    "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor.",
+    "zz",
+];
+
+fn request(i: usize) -> Value {
+    // Most rows greedy with logprobs (one fused sampling pass), two rows sampling with their
+    // own seeds (the per-slot path), lengths that end at different steps.
+    let sampled = i % 4 == 3;
+    json!({
+        "Prompt": PROMPTS[i % PROMPTS.len()],
+        "Options": {
+            "num_predict": 12 + 3 * (i % 5),
+            "temperature": if sampled { 0.9 } else { 0.0 },
+            "seed": 1000 + i,
+            "top_k": if sampled { 40 } else { 0 },
+        },
+        "Logprobs": !sampled,
+        "TopLogprobs": if sampled { 0 } else { 2 },
+    })
+}
+
+/// Text and per-token logprobs of a completion.
+fn outcome(lines: &[Value]) -> (String, Vec<f64>) {
+    let lps = lines
+        .iter()
+        .filter_map(|l| l["Logprobs"].as_array())
+        .flatten()
+        .map(|e| e["logprob"].as_f64().unwrap())
+        .collect();
+    (text_of(lines), lps)
+}
+
+/// `(le, count)` of each bucket of a histogram in the `/metrics` text.
+fn histogram(metrics: &str, name: &str) -> Vec<(String, u64)> {
+    metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix(&format!("{name}_bucket{{le=\"")))
+        .map(|rest| {
+            let (le, n) = rest.split_once("\"} ").unwrap();
+            (le.to_string(), n.trim().parse().unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn batched_requests_get_what_they_get_alone() {
+    for (model, extra) in [
+        ("gemma4_e2b_like", &[][..]),
+        ("gemma4_26b_a4b_like", &[][..]),
+        ("gemma4_31b_like", &[][..]),
+        ("glm4_moe_lite", &["--draft-depth", "0"][..]),
+    ] {
+        let n = 8;
+        let solo = Runner::start(model, &[&["--parallel", "1"], extra].concat());
+        let alone: Vec<(String, Vec<f64>)> = (0..n)
+            .map(|i| outcome(&solo.complete(&request(i))))
+            .collect();
+        drop(solo);
+
+        // Small prefill chunks: prompts take several steps, sharing forward passes with other
+        // rows' chunks (at most 5 prompt tokens per pass) and decode steps.
+        let batched = Arc::new(Runner::start(
+            model,
+            &[&["--parallel", "8", "--prefill-chunk", "5"], extra].concat(),
+        ));
+        // Twice: once all at once, once staggered so rows join a batch mid-way.
+        for stagger in [0u64, 15] {
+            let handles: Vec<_> = (0..n)
+                .map(|i| {
+                    let r = Arc::clone(&batched);
+                    std::thread::spawn(move || {
+                        std::thread::sleep(std::time::Duration::from_millis(stagger * i as u64));
+                        outcome(&r.complete(&request(i)))
+                    })
+                })
+                .collect();
+            for (i, h) in handles.into_iter().enumerate() {
+                let (text, lps) = h.join().unwrap();
+                assert_eq!(text, alone[i].0, "{model} request {i} (stagger {stagger})");
+                assert_eq!(lps.len(), alone[i].1.len(), "{model} request {i}");
+                for (a, b) in lps.iter().zip(&alone[i].1) {
+                    assert!((a - b).abs() < 1e-4, "{model} request {i}: {a} vs {b}");
+                }
+            }
+        }
+        // And they did share forward passes.
+        let metrics = ureq::get(&batched.url("/metrics"))
+            .call()
+            .unwrap()
+            .into_string()
+            .unwrap();
+        let rows = histogram(&metrics, "mlx_runner_batch_rows");
+        let one = rows.iter().find(|(le, _)| le == "1").unwrap().1;
+        let all = rows.iter().find(|(le, _)| le == "+Inf").unwrap().1;
+        assert!(
+            all > one,
+            "{model}: no forward pass had two rows\n{metrics}"
+        );
+        // No forward pass carried more than one chunk of prompt tokens (5) besides one token
+        // per decoding row (at most 8): decoding rows never wait behind more.
+        let tokens = histogram(&metrics, "mlx_runner_batch_tokens");
+        let within = tokens.iter().find(|(le, _)| le == "16").unwrap().1;
+        let total = tokens.iter().find(|(le, _)| le == "+Inf").unwrap().1;
+        assert_eq!(
+            within, total,
+            "{model}: a forward pass took more than 13 tokens\n{metrics}"
+        );
+    }
+}
