@@ -9,6 +9,12 @@
 //! end), median time to first token and median per-request decode tokens/s; medians over
 //! rounds, and ours / peer as ratios. `BATCH_ROUNDS`, `BATCH_TOKENS` and `BATCH_CLIENTS`
 //! (comma-separated) override the defaults.
+//!
+//! Then, in-process, where a batched decode step goes at 1, 2, 4 and 8 rows (each row 64
+//! tokens into its sequence): the whole step (packed forward, head, greedy pick, evaluation),
+//! the part of it spent building the graph on the host, and the floor set by the model's
+//! matrix products alone (every 2-D weight, the tied head included, times a `[B, in]` input,
+//! evaluated together). The rest is attention, norms, elementwise work and per-row overhead.
 
 mod common;
 use common::{free_port, median, root, runner, wait_for, Server};
@@ -130,11 +136,93 @@ fn round(
     (aggregate, ttft, per)
 }
 
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+/// (step, graph build, matmul floor) in milliseconds for `b` decode rows.
+fn step_costs(m: &models::LoadedModel, weights: &[mlx::Array], b: usize) -> (f64, f64, f64) {
+    let model = &*m.model;
+    let mut caches: Vec<Vec<models::LayerCache>> = (0..b).map(|_| model.make_caches()).collect();
+    for (r, c) in caches.iter_mut().enumerate() {
+        let ids: Vec<i32> = (0..64)
+            .map(|i| ((r * 97 + i * 13) % 30000) as i32 + 10)
+            .collect();
+        let t = mlx::Array::from_slice(&ids, &[1, 64]).unwrap();
+        model.forward(&t, c).unwrap().eval().unwrap();
+    }
+    let (mut steps, mut builds, mut floors) = (vec![], vec![], vec![]);
+    let mut next = mlx::Array::from_slice(&vec![42i32; b], &[1, b as i32]).unwrap();
+    for i in 0..14 {
+        let start = Instant::now();
+        let mut rows: Vec<models::PackedRow<'_>> = caches
+            .iter_mut()
+            .map(|c| models::PackedRow { len: 1, caches: c })
+            .collect();
+        let h = model.forward_packed(&next, &mut rows).unwrap();
+        let picked = model.logits(&h).unwrap().argmax(-1, false).unwrap();
+        let built = ms(start);
+        picked.eval().unwrap();
+        let step = ms(start);
+        next = picked
+            .astype(mlx::Dtype::I32)
+            .unwrap()
+            .reshape(&[1, b as i32])
+            .unwrap();
+        let start = Instant::now();
+        let x = mlx::random::normal(&[b as i32, 1], m.dtype, 0.0, 1.0, None).unwrap();
+        let outs: Vec<mlx::Array> = weights
+            .iter()
+            .map(|w| {
+                let inp = x.broadcast_to(&[b as i32, w.shape()[1]]).unwrap();
+                inp.matmul(&w.transpose(&[1, 0]).unwrap()).unwrap()
+            })
+            .collect();
+        mlx::eval(&outs.iter().collect::<Vec<_>>()).unwrap();
+        let floor = ms(start);
+        // The first steps warm up.
+        if i >= 4 {
+            steps.push(step);
+            builds.push(built);
+            floors.push(floor);
+        }
+    }
+    (median(steps), median(builds), median(floors))
+}
+
+fn breakdown(model_dir: &Path) {
+    mlx::init_thread().unwrap();
+    let m = models::load(model_dir, models::DtypeChoice::Auto).unwrap();
+    let weights: Vec<mlx::Array> = mlx::io::load_safetensors(model_dir.join("model.safetensors"))
+        .unwrap()
+        .arrays
+        .into_values()
+        .filter(|a| a.ndim() == 2 && a.dtype().is_float())
+        .map(|a| a.astype(m.dtype).unwrap())
+        .collect();
+    mlx::eval(&weights.iter().collect::<Vec<_>>()).unwrap();
+    println!("\nWhere a batched decode step goes (in-process, medians of 10 steps)\n");
+    println!("| rows | step ms | per row ms | graph build ms | matmul floor ms | step / floor |");
+    println!("|---|---|---|---|---|---|");
+    for b in [1, 2, 4, 8] {
+        let (step, build, floor) = step_costs(&m, &weights, b);
+        println!(
+            "| {b} | {step:.1} | {:.1} | {build:.1} | {floor:.1} | {:.2} |",
+            step / b as f64,
+            step / floor
+        );
+    }
+}
+
 fn main() {
     let python = root().join(".venv-peer/bin/python");
     let model = root().join("target/bench-model");
     if !python.exists() || !model.join("model.safetensors").exists() {
         eprintln!("run benches/peer-venv.sh and `cargo bench --bench generate` first (it writes the model)");
+        return;
+    }
+    if std::env::var("BATCH_ONLY_BREAKDOWN").is_ok() {
+        breakdown(&model);
         return;
     }
     let rounds = env_or("BATCH_ROUNDS", 3);
@@ -215,4 +303,5 @@ fn main() {
             med(&ours_rows[0], |r| r.2) / med(&ours_rows[i], |r| r.2),
         );
     }
+    breakdown(&model);
 }

@@ -6,7 +6,10 @@
 
 use crate::config::JsonFile;
 use crate::nn::{gelu_tanh, norm, Embedding, Experts, Linear, Rope};
-use crate::packed::{check_rows, join_rows, single_row, spans, time_slice};
+use crate::packed::{
+    all_single, check_rows, join_rows, rows_as_tokens, single_row, spans, time_slice,
+    tokens_as_rows,
+};
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
 use cache::{AttnMask, KvCache, LayerCache, RotatingKvCache};
@@ -369,9 +372,9 @@ impl Attention {
         })
     }
 
-    /// Normalised `[B, H, L, d]` keys and values of this layer's own projections, not yet
+    /// Normalised `[B, L, H, d]` keys and values of this layer's own projections, not yet
     /// rotated (each row of a packed batch rotates at its own offset).
-    fn project_kv(&self, x: &Array, eps: f32) -> Result<(Array, Array)> {
+    fn kv_heads(&self, x: &Array, eps: f32) -> Result<(Array, Array)> {
         let (k_proj, k_norm) = match (&self.k_proj, &self.k_norm) {
             (Some(p), Some(n)) => (p, n),
             _ => {
@@ -388,19 +391,22 @@ impl Attention {
             Some(v) => v.forward(x)?.reshape(&shape)?,
             None => k_raw.clone(),
         };
-        let k = norm(&k_raw, Some(k_norm), eps)?.transpose(&[0, 2, 1, 3])?;
-        let v = norm(&v_raw, None, eps)?.transpose(&[0, 2, 1, 3])?;
-        Ok((k, v))
+        Ok((norm(&k_raw, Some(k_norm), eps)?, norm(&v_raw, None, eps)?))
     }
 
-    /// Normalised `[B, H, L, d]` queries, not yet rotated.
-    fn project_q(&self, x: &Array, eps: f32) -> Result<Array> {
+    /// Normalised `[B, L, H, d]` queries, not yet rotated.
+    fn q_heads(&self, x: &Array, eps: f32) -> Result<Array> {
         let s = x.shape();
         let q = self
             .q_proj
             .forward(x)?
             .reshape(&[s[0], s[1], self.heads, self.head_dim])?;
-        Ok(norm(&q, Some(&self.q_norm), eps)?.transpose(&[0, 2, 1, 3])?)
+        norm(&q, Some(&self.q_norm), eps)
+    }
+
+    /// [`Attention::q_heads`] as `[B, H, L, d]`.
+    fn project_q(&self, x: &Array, eps: f32) -> Result<Array> {
+        Ok(self.q_heads(x, eps)?.transpose(&[0, 2, 1, 3])?)
     }
 
     pub(crate) fn queries(&self, x: &Array, rope: &Rope, offset: usize, eps: f32) -> Result<Array> {
@@ -825,38 +831,81 @@ impl CausalLm for Gemma4 {
         let mut kv: Vec<Vec<(Array, Array)>> = vec![Vec::new(); self.layers.len()];
         // Per row, per layer kind: the mask its first layer of that kind built.
         let mut masks: Vec<HashMap<LayerKind, AttnMask>> = vec![HashMap::new(); rows.len()];
+        // A decode step (one token per row) batches attention's per-row work along the batch
+        // axis: one rotation for all rows, at their own offsets.
+        let single = all_single(rows);
+        let n = rows.len();
         for (i, layer) in self.layers.iter().enumerate() {
             let rope = self.rope(layer.spec.kind);
             let x = norm(&h, Some(&layer.input_norm), eps)?;
             // The projections run once over every row's tokens; attention per row.
-            let q_all = layer.attn.project_q(&x, eps)?;
-            let own = match layer.spec.shared_from {
-                None => Some(layer.attn.project_kv(&x, eps)?),
-                Some(_) => None,
+            let (q_rows, new_kv): (Vec<Array>, Option<Vec<(Array, Array)>>) = if single {
+                let q =
+                    rope.apply_rows(&tokens_as_rows(&layer.attn.q_heads(&x, eps)?)?, &offsets)?;
+                let kv = match layer.spec.shared_from {
+                    None => {
+                        let (k, v) = layer.attn.kv_heads(&x, eps)?;
+                        let k = rope.apply_rows(&tokens_as_rows(&k)?, &offsets)?;
+                        let v = tokens_as_rows(&v)?;
+                        Some(
+                            k.split(n as i32, 0)?
+                                .into_iter()
+                                .zip(v.split(n as i32, 0)?)
+                                .collect(),
+                        )
+                    }
+                    Some(_) => None,
+                };
+                (q.split(n as i32, 0)?, kv)
+            } else {
+                let q_all = layer.attn.project_q(&x, eps)?;
+                let q = spans
+                    .iter()
+                    .zip(&offsets)
+                    .map(|(&(at, l), &o)| rope.apply(&time_slice(&q_all, at, l)?, o))
+                    .collect::<Result<Vec<_>>>()?;
+                let kv = match layer.spec.shared_from {
+                    None => {
+                        let (k, v) = layer.attn.kv_heads(&x, eps)?;
+                        let (k, v) = (k.transpose(&[0, 2, 1, 3])?, v.transpose(&[0, 2, 1, 3])?);
+                        Some(
+                            spans
+                                .iter()
+                                .zip(&offsets)
+                                .map(|(&(at, l), &o)| {
+                                    Ok((
+                                        rope.apply(&time_slice(&k, at, l)?, o)?,
+                                        time_slice(&v, at, l)?,
+                                    ))
+                                })
+                                .collect::<Result<Vec<_>>>()?,
+                        )
+                    }
+                    Some(_) => None,
+                };
+                (q, kv)
             };
-            let mut outs = Vec::with_capacity(rows.len());
+            let mut outs = Vec::with_capacity(n);
             for (r, row) in rows.iter_mut().enumerate() {
-                let (at, l) = spans[r];
-                let q = rope.apply(&time_slice(&q_all, at, l)?, offsets[r])?;
-                let (k, v) = match (layer.spec.shared_from, self.cache_slot[i], &own) {
+                let l = spans[r].1;
+                let (k, v) = match (layer.spec.shared_from, self.cache_slot[i], &new_kv) {
                     (Some(src), _, _) => kv[src].get(r).cloned().ok_or_else(|| {
                         ModelError::Invalid(format!(
                             "layer {i} shares K/V with layer {src}, which has none"
                         ))
                     })?,
-                    (None, Some(slot), Some((k_all, v_all))) => {
-                        let k = rope.apply(&time_slice(k_all, at, l)?, offsets[r])?;
-                        let v = time_slice(v_all, at, l)?;
+                    (None, Some(slot), Some(new)) => {
+                        let (k, v) = &new[r];
                         match &mut row.caches[slot] {
                             LayerCache::Rotating(c) => {
-                                let kv = c.update(&k, &v)?;
+                                let kv = c.update(k, v)?;
                                 if let Entry::Vacant(e) = masks[r].entry(layer.spec.kind) {
                                     e.insert(c.mask(l)?);
                                 }
                                 kv
                             }
                             LayerCache::Kv(c) => {
-                                let kv = c.update(&k, &v)?;
+                                let kv = c.update(k, v)?;
                                 masks[r].entry(layer.spec.kind).or_insert_with(|| c.mask(l));
                                 kv
                             }
@@ -873,10 +922,26 @@ impl CausalLm for Gemma4 {
                     .get(&layer.spec.kind)
                     .cloned()
                     .unwrap_or(AttnMask::None);
-                outs.push(layer.attn.attend(&q, &k, &v, &mask)?);
+                // q and k are RMS-normalised, so the attention scale is 1 (MODELS.md §1.3).
+                let o =
+                    scaled_dot_product_attention(&q_rows[r], &k, &v, 1.0, mask.as_sdpa(), None)?;
+                outs.push(if single {
+                    o
+                } else {
+                    o.transpose(&[0, 2, 1, 3])?.reshape(&[
+                        1,
+                        l as i32,
+                        layer.attn.heads * layer.attn.head_dim,
+                    ])?
+                });
                 kv[i].push((k, v));
             }
-            let a = layer.attn.o_proj.forward(&join_rows(&outs)?)?;
+            let joined = if single {
+                rows_as_tokens(&outs)?
+            } else {
+                join_rows(&outs)?
+            };
+            let a = layer.attn.o_proj.forward(&joined)?;
             h = h.add(&norm(&a, Some(&layer.post_attn_norm), eps)?)?;
             h = h.add(&layer.feed_forward(&h, eps)?)?;
             if let (Some(pl), Some(all)) = (&layer.ple, &ple) {

@@ -285,6 +285,49 @@ impl Mla {
         })
     }
 
+    /// [`Mla::forward`] for a decode step of several sequences (one token each): the
+    /// sequences go along the batch axis, so that rotation, the absorbed query projection and
+    /// the value up-projection run once for all; only the cache update and the attention
+    /// itself are per sequence. `q` is `[1, nH, T, dn+dr]`, `parts` the latent and rope-key
+    /// halves of `kv_a`'s output (`[1, T, r]`, `[1, T, dr]`).
+    fn decode_rows(
+        &self,
+        q: &Array,
+        parts: &[Array],
+        caches: &mut [&mut LatentCache],
+        rope: &Rope,
+        eps: f32,
+    ) -> Result<Array> {
+        let (nh, dn, dr, r) = (self.heads, self.nope, self.rope_dim, self.rank);
+        let n = caches.len() as i32;
+        let offsets: Vec<usize> = caches.iter().map(|c| c.offset()).collect();
+        let q = q.transpose(&[2, 1, 0, 3])?; // [T, nH, 1, dn+dr]
+        let qs = q.split_at(&[dn], -1)?;
+        let q_rope = rope.apply_rows(&qs[1], &offsets)?;
+        let q_lat = qs[0].matmul(&self.wk)?; // [T, nH, 1, r]
+        let qq = mlx::concatenate(&[&q_lat, &q_rope], -1)?.split(n, 0)?;
+        let latent = norm(&parts[0], Some(&self.kv_a_norm), eps)?.reshape(&[n, 1, 1, r])?;
+        let k_rope = rope.apply_rows(&parts[1].reshape(&[n, 1, 1, dr])?, &offsets)?;
+        let new = mlx::concatenate(&[&latent, &k_rope], -1)?.split(n, 0)?;
+        let mut outs = Vec::with_capacity(caches.len());
+        for ((cache, row), qq) in caches.iter_mut().zip(&new).zip(&qq) {
+            let rows = cache.update(row)?; // [1, 1, T, r+dr]
+            let mask = cache.mask(1);
+            let v = rows.index(&[Ix::Ellipsis, Ix::slice(None, Some(r), 1)])?;
+            outs.push(scaled_dot_product_attention(
+                qq,
+                &rows,
+                &v,
+                self.scale,
+                mask.as_sdpa(),
+                None,
+            )?);
+        }
+        let refs: Vec<&Array> = outs.iter().collect();
+        let o = mlx::concatenate(&refs, 0)?.matmul(&self.wv_t)?; // [T, nH, 1, dv]
+        self.o_proj.forward(&o.reshape(&[1, n, nh * self.v_dim])?)
+    }
+
     /// Attention for packed rows: `x` holds every row's tokens (`spans[i]` = its start and
     /// length along time), `caches[i]` is row i's cache. Projections run once over all rows.
     fn forward(
@@ -308,6 +351,9 @@ impl Mla {
         let qs = q.split_at(&[dn], -1)?;
         let ckv = self.kv_a.forward(x)?;
         let parts = ckv.split_at(&[r], -1)?;
+        if caches.len() > 1 && spans.iter().all(|&(_, l)| l == 1) {
+            return self.decode_rows(&q, &parts, caches, rope, eps);
+        }
         let latent = norm(&parts[0], Some(&self.kv_a_norm), eps)?.expand_dims(1)?; // [B,1,T,r]
         let k_rope_raw = parts[1].expand_dims(1)?; // one rope key for all heads
 

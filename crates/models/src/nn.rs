@@ -210,6 +210,25 @@ impl Rope {
         })
     }
 
+    /// Rotates `x: [B, H, L, D]`, row `b` for positions `offsets[b]..offsets[b]+L`, in one
+    /// operation (a decode step of several sequences).
+    pub fn apply_rows(&self, x: &Array, offsets: &[usize]) -> Result<Array> {
+        let freqs = match &self.freqs {
+            Some(f) => RopeFreqs::Custom(f),
+            None => RopeFreqs::Base(self.base),
+        };
+        let o: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
+        let o = Array::from_slice(&o, &[o.len() as i32])?;
+        Ok(mlx::fast::rope_dynamic(
+            x,
+            self.dims,
+            self.traditional,
+            freqs,
+            1.0,
+            &o,
+        )?)
+    }
+
     /// Rotates `x: [B, H, L, D]` for positions `offset..offset+L`.
     pub fn apply(&self, x: &Array, offset: usize) -> Result<Array> {
         let freqs = match &self.freqs {

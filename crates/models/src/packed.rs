@@ -82,3 +82,24 @@ pub(crate) fn join_rows(outs: &[Array]) -> Result<Array> {
         }
     }
 }
+
+/// Whether every row feeds one token (a decode step): attention's per-row work then batches,
+/// the sequences along the batch axis.
+pub(crate) fn all_single(rows: &[PackedRow<'_>]) -> bool {
+    rows.len() > 1 && rows.iter().all(|r| r.len == 1)
+}
+
+/// `[1, T, H, D]` per-token heads as `[T, H, 1, D]`: one sequence per batch row.
+pub(crate) fn tokens_as_rows(x: &Array) -> Result<Array> {
+    let s = x.shape();
+    Ok(x.reshape(&[s[1], 1, s[2], s[3]])?
+        .transpose(&[0, 2, 1, 3])?)
+}
+
+/// Per-row `[1, H, 1, D]` attention outputs as `[1, T, H·D]`.
+pub(crate) fn rows_as_tokens(outs: &[Array]) -> Result<Array> {
+    let refs: Vec<&Array> = outs.iter().collect();
+    let o = mlx::concatenate(&refs, 0)?; // [T, H, 1, D]
+    let s = o.shape();
+    Ok(o.reshape(&[1, s[0], s[1] * s[3]])?)
+}
