@@ -188,6 +188,22 @@ impl DraftState {
     }
 }
 
+/// A round's drafts, waiting for the target's verify forward.
+pub(crate) struct Proposal {
+    /// The pending token the drafts follow.
+    current: Sampled,
+    /// The drafter's distribution at each draft.
+    qs: Vec<Distribution>,
+    /// `[k]` int32 drafts.
+    dcat: Array,
+    /// `[1, k+1]`: the pending token and the drafts, for the target.
+    pub(crate) tokens: Array,
+    pub(crate) k: usize,
+    state: DraftState,
+    /// Tokens fed before the round.
+    s: usize,
+}
+
 fn prefix(drafts: &[Array]) -> Result<Option<Array>> {
     if drafts.is_empty() {
         return Ok(None);
@@ -243,6 +259,15 @@ impl Generation {
     /// One speculative round of depth `k`; returns the number of accepted drafts. The emitted
     /// tokens (and possibly the end) are queued in `ready`.
     pub(crate) fn round(&mut self, ctx: &mut Ctx<'_>, k: usize) -> Result<usize> {
+        let p = self.propose(ctx, k)?;
+        let hidden = ctx.model.forward(&p.tokens, &mut self.caches)?;
+        self.settle_round(ctx, p, &hidden)
+    }
+
+    /// A round's first half: the drafter proposes `k` tokens after the pending one. The target
+    /// then runs [`Proposal::tokens`] (alone, or packed with other sequences' work) and
+    /// [`Generation::settle_round`] accepts.
+    pub(crate) fn propose(&mut self, ctx: &mut Ctx<'_>, k: usize) -> Result<Proposal> {
         let (Some(current), Some(h_prev)) = (self.pending.take(), self.last_hidden.clone()) else {
             return Err(GenerateError::BadRequest(
                 "a speculative round needs a pending token".into(),
@@ -318,13 +343,45 @@ impl Generation {
             }
         }
 
-        // 2. Verify in one target forward over [current, d1..dk].
         let refs: Vec<&Array> = drafts.iter().collect();
         let dcat = mlx::concatenate(&refs, 0)?.astype(Dtype::I32)?;
-        let toks =
+        let tokens =
             mlx::concatenate(&[&cur.reshape(&[1])?, &dcat], 0)?.reshape(&[1, k as i32 + 1])?;
-        let hidden = ctx.model.forward(&toks, &mut self.caches)?;
-        let logits = ctx.model.logits(&hidden)?;
+        Ok(Proposal {
+            current,
+            qs,
+            dcat,
+            tokens,
+            k,
+            state,
+            s,
+        })
+    }
+
+    /// A round's second half, given the target's hidden states `[1, k+1, H]` over
+    /// [`Proposal::tokens`] (its caches advanced by them): accept or reject, rewind, emit.
+    pub(crate) fn settle_round(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        proposal: Proposal,
+        hidden: &Array,
+    ) -> Result<usize> {
+        let Proposal {
+            current,
+            qs,
+            dcat,
+            k,
+            mut state,
+            s,
+            ..
+        } = proposal;
+        let model: &DraftModel = match &ctx.draft {
+            Some((m, _)) => m,
+            None => return Err(GenerateError::BadRequest("no drafter".into())),
+        };
+        let slot = self.slot;
+        // 2. Verify: the target's distributions over [current, d1..dk].
+        let logits = ctx.model.logits(hidden)?;
         let v = *logits.shape().last().unwrap_or(&0);
         let logits = logits.reshape(&[k as i32 + 1, v])?.astype(Dtype::F32)?;
         let p = ctx.sampler.distribution(slot, &logits, Some(&dcat))?;
