@@ -22,9 +22,10 @@ const PROMPTS: [&str; 8] = [
     "zz",
 ];
 
-fn request(i: usize) -> Value {
+fn request(i: usize, logprobs: bool) -> Value {
     // Most rows greedy with logprobs (one fused sampling pass), two rows sampling with their
-    // own seeds (the per-slot path), lengths that end at different steps.
+    // own seeds (the per-slot path), lengths that end at different steps. Logprobs turn
+    // drafting off for a request, so drafting runs ask for none.
     let sampled = i % 4 == 3;
     json!({
         "Prompt": PROMPTS[i % PROMPTS.len()],
@@ -34,8 +35,8 @@ fn request(i: usize) -> Value {
             "seed": 1000 + i,
             "top_k": if sampled { 40 } else { 0 },
         },
-        "Logprobs": !sampled,
-        "TopLogprobs": if sampled { 0 } else { 2 },
+        "Logprobs": logprobs && !sampled,
+        "TopLogprobs": if sampled || !logprobs { 0 } else { 2 },
     })
 }
 
@@ -62,6 +63,63 @@ fn histogram(metrics: &str, name: &str) -> Vec<(String, u64)> {
         .collect()
 }
 
+/// Runs the eight requests alone, then concurrently (all at once and staggered), and checks
+/// each concurrent result against its solo one; returns the batched runner's `/metrics`.
+fn alone_and_together(model: &str, extra: &[&str], logprobs: bool) -> String {
+    let n = 8;
+    let solo = Runner::start(model, &[&["--parallel", "1"], extra].concat());
+    let alone: Vec<(String, Vec<f64>)> = (0..n)
+        .map(|i| outcome(&solo.complete(&request(i, logprobs))))
+        .collect();
+    drop(solo);
+    // Small prefill chunks: prompts take several steps, sharing forward passes with other
+    // rows' chunks (at most 5 prompt tokens per pass), decode steps and verify blocks.
+    let batched = Arc::new(Runner::start(
+        model,
+        &[&["--parallel", "8", "--prefill-chunk", "5"], extra].concat(),
+    ));
+    for stagger in [0u64, 15] {
+        let handles: Vec<_> = (0..n)
+            .map(|i| {
+                let r = Arc::clone(&batched);
+                std::thread::spawn(move || {
+                    std::thread::sleep(std::time::Duration::from_millis(stagger * i as u64));
+                    outcome(&r.complete(&request(i, logprobs)))
+                })
+            })
+            .collect();
+        for (i, h) in handles.into_iter().enumerate() {
+            let (text, lps) = h.join().unwrap();
+            assert_eq!(text, alone[i].0, "{model} request {i} (stagger {stagger})");
+            assert_eq!(lps.len(), alone[i].1.len(), "{model} request {i}");
+            for (a, b) in lps.iter().zip(&alone[i].1) {
+                assert!((a - b).abs() < 1e-4, "{model} request {i}: {a} vs {b}");
+            }
+        }
+    }
+    let metrics = ureq::get(&batched.url("/metrics"))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    // They did share forward passes.
+    let rows = histogram(&metrics, "mlx_runner_batch_rows");
+    let one = rows.iter().find(|(le, _)| le == "1").unwrap().1;
+    let all = rows.iter().find(|(le, _)| le == "+Inf").unwrap().1;
+    assert!(
+        all > one,
+        "{model}: no forward pass had two rows\n{metrics}"
+    );
+    metrics
+}
+
+fn counter(metrics: &str, name: &str) -> u64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .map_or(0, |v| v.trim().parse().unwrap())
+}
+
 #[test]
 fn batched_requests_get_what_they_get_alone() {
     for (model, extra) in [
@@ -70,52 +128,7 @@ fn batched_requests_get_what_they_get_alone() {
         ("gemma4_31b_like", &[][..]),
         ("glm4_moe_lite", &["--draft-depth", "0"][..]),
     ] {
-        let n = 8;
-        let solo = Runner::start(model, &[&["--parallel", "1"], extra].concat());
-        let alone: Vec<(String, Vec<f64>)> = (0..n)
-            .map(|i| outcome(&solo.complete(&request(i))))
-            .collect();
-        drop(solo);
-
-        // Small prefill chunks: prompts take several steps, sharing forward passes with other
-        // rows' chunks (at most 5 prompt tokens per pass) and decode steps.
-        let batched = Arc::new(Runner::start(
-            model,
-            &[&["--parallel", "8", "--prefill-chunk", "5"], extra].concat(),
-        ));
-        // Twice: once all at once, once staggered so rows join a batch mid-way.
-        for stagger in [0u64, 15] {
-            let handles: Vec<_> = (0..n)
-                .map(|i| {
-                    let r = Arc::clone(&batched);
-                    std::thread::spawn(move || {
-                        std::thread::sleep(std::time::Duration::from_millis(stagger * i as u64));
-                        outcome(&r.complete(&request(i)))
-                    })
-                })
-                .collect();
-            for (i, h) in handles.into_iter().enumerate() {
-                let (text, lps) = h.join().unwrap();
-                assert_eq!(text, alone[i].0, "{model} request {i} (stagger {stagger})");
-                assert_eq!(lps.len(), alone[i].1.len(), "{model} request {i}");
-                for (a, b) in lps.iter().zip(&alone[i].1) {
-                    assert!((a - b).abs() < 1e-4, "{model} request {i}: {a} vs {b}");
-                }
-            }
-        }
-        // And they did share forward passes.
-        let metrics = ureq::get(&batched.url("/metrics"))
-            .call()
-            .unwrap()
-            .into_string()
-            .unwrap();
-        let rows = histogram(&metrics, "mlx_runner_batch_rows");
-        let one = rows.iter().find(|(le, _)| le == "1").unwrap().1;
-        let all = rows.iter().find(|(le, _)| le == "+Inf").unwrap().1;
-        assert!(
-            all > one,
-            "{model}: no forward pass had two rows\n{metrics}"
-        );
+        let metrics = alone_and_together(model, extra, true);
         // No forward pass carried more than one chunk of prompt tokens (5) besides one token
         // per decoding row (at most 8): decoding rows never wait behind more.
         let tokens = histogram(&metrics, "mlx_runner_batch_tokens");
@@ -124,6 +137,33 @@ fn batched_requests_get_what_they_get_alone() {
         assert_eq!(
             within, total,
             "{model}: a forward pass took more than 13 tokens\n{metrics}"
+        );
+    }
+}
+
+/// Drafting inside the batch: each row drafts at its own depth (the gemma4 assistant, GLM's
+/// MTP layer, a separate model), the verify blocks go through the target packed with the
+/// other rows' work, and each row accepts and rewinds on its own: greedy rows give exactly
+/// their solo tokens, seeded sampling rows (their own depth controllers) theirs.
+#[test]
+fn drafting_rows_batch_and_stay_exact() {
+    let assistant = fixture("gemma4_assistant");
+    let separate = fixture("gemma4_31b_like");
+    for (model, extra) in [
+        (
+            "gemma4_e2b_like",
+            vec!["--draft", assistant.to_str().unwrap()],
+        ),
+        ("glm4_moe_lite", vec![]),
+        (
+            "gemma4_26b_a4b_like",
+            vec!["--draft", separate.to_str().unwrap()],
+        ),
+    ] {
+        let metrics = alone_and_together(model, &extra, false);
+        assert!(
+            counter(&metrics, "mlx_runner_draft_tokens_total") > 0,
+            "{model}: nothing was drafted\n{metrics}"
         );
     }
 }

@@ -368,10 +368,11 @@ impl Engine {
         }
     }
 
-    /// One turn: every active sequence does one piece of work. Drafting sequences run their
-    /// speculative rounds one by one; every other sequence (decoding, or prefilling within one
-    /// chunk's worth of tokens per turn) then steps in one packed forward pass
-    /// ([`step_together`]), which reads the weights once for all of them.
+    /// One turn: every active sequence does one piece of work, in one packed forward pass
+    /// ([`step_together`]) that reads the weights once for all of them: decode steps,
+    /// speculative rounds' verify blocks (each drafted at its sequence's own depth) and prefill
+    /// chunks within one chunk's worth of prompt tokens per pass. Sequences handing out tokens
+    /// a round already produced, finishing or cancelled step on their own.
     fn turn(&mut self) {
         let mut batch = Vec::new();
         let mut ended = Vec::new();
@@ -403,12 +404,14 @@ impl Engine {
             sampler,
             shared,
             cfg,
+            draft,
+            controller,
             ..
         } = self;
         let mut ctx = Ctx {
             model: &*model.model,
             sampler,
-            draft: None,
+            draft: draft.as_ref().map(|d| (d, controller)),
         };
         let mut gens: Vec<&mut Generation> = active
             .iter_mut()
@@ -428,6 +431,7 @@ impl Engine {
                 }
                 for (&i, ev) in batch.iter().zip(events) {
                     let a = &mut active[i];
+                    Self::count_rounds(m, a);
                     match ev {
                         None => {}
                         Some(Event::Token { id, logprob }) => {
@@ -486,19 +490,7 @@ impl Engine {
             m.batch_rows.observe(1.0);
             m.batch_tokens.observe(added as f64);
         }
-        for r in a.gen.take_rounds() {
-            m.draft_tokens.fetch_add(r.depth as u64, Ordering::Relaxed);
-            m.draft_accepted
-                .fetch_add(r.accepted as u64, Ordering::Relaxed);
-            for j in 0..r.depth {
-                let at = j.min(crate::metrics::DRAFT_POSITIONS - 1);
-                m.drafted_at[at].fetch_add(1, Ordering::Relaxed);
-                if j < r.accepted {
-                    m.accepted_at[at].fetch_add(1, Ordering::Relaxed);
-                }
-            }
-            a.rounds += 1;
-        }
+        Self::count_rounds(m, a);
         match result {
             Ok(None) => a.gen.is_finished(),
             Ok(Some(Event::Token { id, logprob })) => {
@@ -521,6 +513,23 @@ impl Engine {
                 let _ = a.job.events.send(EngineEvent::Error(e.to_string()));
                 true
             }
+        }
+    }
+
+    /// Speculative rounds a sequence finished, into the metrics.
+    fn count_rounds(m: &Metrics, a: &mut Active) {
+        for r in a.gen.take_rounds() {
+            m.draft_tokens.fetch_add(r.depth as u64, Ordering::Relaxed);
+            m.draft_accepted
+                .fetch_add(r.accepted as u64, Ordering::Relaxed);
+            for j in 0..r.depth {
+                let at = j.min(crate::metrics::DRAFT_POSITIONS - 1);
+                m.drafted_at[at].fetch_add(1, Ordering::Relaxed);
+                if j < r.accepted {
+                    m.accepted_at[at].fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            a.rounds += 1;
         }
     }
 

@@ -8,7 +8,7 @@
 
 use crate::depth::DepthController;
 use crate::protocol::{DoneReason, Stats};
-use crate::speculate::{DraftModel, DraftState};
+use crate::speculate::{DraftModel, DraftState, Proposal};
 use cache::prefix::CacheCheckpoint;
 use cache::LayerCache;
 use mlx::{Array, Ix};
@@ -408,7 +408,13 @@ impl Generation {
     }
 
     /// Tells the controller that chose the depth how the step went.
-    fn record_depth(&mut self, ctx: &mut Ctx<'_>, depth: usize, accepted: usize, t: Instant) {
+    pub(crate) fn record_depth(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        depth: usize,
+        accepted: usize,
+        t: Instant,
+    ) {
         let seconds = t.elapsed().as_secs_f64();
         if let Some(c) = &mut self.own_depth {
             c.record(depth, accepted, seconds);
@@ -417,14 +423,11 @@ impl Generation {
         }
     }
 
-    /// Whether its next step (a prefill chunk or a plain decode step) can share a forward
-    /// pass with other sequences' ([`step_together`]): nothing queued, not drafting (a drafting
-    /// sequence runs its own rounds).
+    /// Whether its next step (a prefill chunk, a decode step or a speculative round) can share
+    /// a forward pass with other sequences' ([`step_together`]): nothing queued, something to
+    /// feed.
     pub fn batchable(&self) -> bool {
-        !self.finished
-            && self.ready.is_empty()
-            && self.draft.is_none()
-            && (self.prefilling() || self.pending.is_some())
+        !self.finished && self.ready.is_empty() && (self.prefilling() || self.pending.is_some())
     }
 
     /// One pipelined decode step: dispatch the successor of the pending token, then read it.
@@ -508,15 +511,18 @@ impl Ctx<'_> {
 }
 
 /// One step of several sequences (each [`Generation::batchable`]) in one forward pass of the
-/// target: decoding sequences feed their pending token, prefilling ones their next chunk (all
-/// chunks together at most `prefill_budget` tokens, in order; a sequence left without budget
-/// sits this step out), packed into one `[1, T]` row ([`CausalLm::forward_packed`], each
-/// sequence at its own offset with its own caches). The sampler then draws, in one call (the
-/// fused path when options allow), the successor of every decoding sequence and the first
-/// token of every sequence whose prompt just ended, and the draws are dispatched before the
-/// pending tokens are read, as [`Generation::step`] does for one. Returns each sequence's
-/// event (`None` for a prefill chunk, or a sequence that sat out), in order, and how many rows
-/// and tokens the forward pass had; an error fails them all.
+/// target, packed into one `[1, T]` row ([`CausalLm::forward_packed`], each sequence at its
+/// own offset with its own caches): a decoding sequence feeds its pending token; a drafting
+/// one that chooses a depth `k` drafts first and feeds its verify block `[pending, d1..dk]`
+/// (each row at its own depth); a prefilling one feeds its next chunk (all chunks together at
+/// most `prefill_budget` tokens, in order; a sequence left without budget sits this step out).
+/// The sampler then draws, in one call (the fused path when options allow), the successor of
+/// every decoding sequence and the first token of every sequence whose prompt just ended, and
+/// the draws are dispatched before the pending tokens are read, as [`Generation::step`] does
+/// for one; each drafting sequence accepts, rewinds and emits on its own. Depth controllers
+/// are told the whole step's time, so a slower, larger batch makes drafting look dearer.
+/// Returns each sequence's event (`None` for a prefill chunk, or a sequence that sat out), in
+/// order, and how many rows and tokens the forward pass had; an error fails them all.
 pub fn step_together(
     ctx: &mut Ctx<'_>,
     gens: &mut [&mut Generation],
@@ -528,12 +534,15 @@ pub fn step_together(
             current: Sampled,
             continues: bool,
         },
+        /// Feeds the pending token and `k` drafts.
+        Verify(Box<Proposal>),
         /// Feeds prompt tokens up to `end`.
         Prefill {
             end: usize,
         },
         Skip,
     }
+    let started = Instant::now();
     let mut budget = prefill_budget.max(1);
     let mut pieces = Vec::with_capacity(gens.len());
     for g in gens.iter_mut() {
@@ -545,15 +554,20 @@ pub fn step_together(
             let end = g.chunk_end(budget);
             budget -= end - g.prefilled;
             pieces.push(Piece::Prefill { end });
-        } else {
-            let Some(current) = g.pending.take() else {
-                return Err(GenerateError::BadRequest(
-                    "a sequence without a pending token in a decode batch".into(),
-                ));
-            };
-            let continues = g.may_continue();
-            pieces.push(Piece::Decode { current, continues });
+            continue;
         }
+        let depth = g.choose_depth(ctx);
+        if depth > 0 {
+            pieces.push(Piece::Verify(Box::new(g.propose(ctx, depth)?)));
+            continue;
+        }
+        let Some(current) = g.pending.take() else {
+            return Err(GenerateError::BadRequest(
+                "a sequence without a pending token in a decode batch".into(),
+            ));
+        };
+        let continues = g.may_continue();
+        pieces.push(Piece::Decode { current, continues });
     }
 
     // The packed tokens, and each fed row's length.
@@ -568,6 +582,10 @@ pub fn step_together(
                 tokens.push(current.tokens.reshape(&[1, 1])?);
                 lens.push(Some(1));
             }
+            Piece::Verify(p) => {
+                tokens.push(p.tokens.clone());
+                lens.push(Some(p.k + 1));
+            }
             Piece::Prefill { end } => {
                 tokens.push(tokens_array(&g.params.prompt[g.prefilled..*end])?);
                 lens.push(Some(end - g.prefilled));
@@ -577,6 +595,8 @@ pub fn step_together(
     }
     let rows_fed = lens.iter().flatten().count();
     let tokens_fed: usize = lens.iter().flatten().sum();
+    // Each fed row's hidden states `[1, len, H]`, for verification and the drafters.
+    let mut row_hidden: Vec<Option<Array>> = vec![None; gens.len()];
     if rows_fed > 0 {
         let refs: Vec<&Array> = tokens.iter().collect();
         let tokens = mlx::concatenate(&refs, 1)?;
@@ -599,22 +619,41 @@ pub fn step_together(
             let Some(len) = lens[i] else {
                 continue;
             };
+            let h = if rows_fed == 1 {
+                hidden.clone()
+            } else {
+                hidden.slice_axis(1, at as i32, Some((at + len) as i32))?
+            };
             at += len;
             let samples = match p {
-                Piece::Decode { .. } => true,
+                Piece::Decode { .. } => {
+                    if let (Some(d), Some((model, _))) = (&mut g.draft, &ctx.draft) {
+                        d.decoded(model, &h)?;
+                    }
+                    true
+                }
                 Piece::Prefill { end } => {
+                    let chunk_at = g.prefilled;
                     g.advance(*end);
+                    if let (Some(d), Some((model, _))) = (&mut g.draft, &ctx.draft) {
+                        let chunk = g.params.prompt[chunk_at..*end].to_vec();
+                        d.prefilled(model, &chunk, &h, &g.fed)?;
+                    }
                     g.chunk_checkpoint()
                 }
-                Piece::Skip => false,
+                Piece::Verify(_) | Piece::Skip => false,
             };
+            row_hidden[i] = Some(h);
             if samples {
                 sampling.push((i, at as i32 - 1));
             }
         }
+        let verifying = pieces.iter().any(|p| matches!(p, Piece::Verify(_)));
         if sampling.is_empty() {
-            // Only prefill chunks: materialise their cache writes.
-            hidden.eval()?;
+            if !verifying {
+                // Only prefill chunks: materialise their cache writes.
+                hidden.eval()?;
+            }
         } else {
             let positions: Vec<i32> = sampling.iter().map(|s| s.1).collect();
             let idx = Array::from_slice(&positions, &[positions.len() as i32])?;
@@ -642,18 +681,31 @@ pub fn step_together(
         .collect();
     mlx::eval(&reads)?;
     let mut events = Vec::with_capacity(gens.len());
-    for (g, p) in gens.iter_mut().zip(&pieces) {
-        let Piece::Decode { current, continues } = p else {
-            events.push(None);
-            continue;
-        };
-        let id = current.tokens.to_vec::<i32>()?[0] as u32;
-        if *continues {
-            g.fed.push(id);
-            g.snapshot_generated();
+    for ((g, p), h) in gens.iter_mut().zip(pieces).zip(row_hidden) {
+        match p {
+            Piece::Decode { current, continues } => {
+                let id = current.tokens.to_vec::<i32>()?[0] as u32;
+                if continues {
+                    g.fed.push(id);
+                    g.snapshot_generated();
+                }
+                if g.draft.is_some() {
+                    g.record_depth(ctx, 0, 0, started);
+                }
+                let logprob = g.logprob(&current)?;
+                events.push(Some(g.emit(ctx, id, logprob)));
+            }
+            Piece::Verify(proposal) => {
+                let k = proposal.k;
+                let h = h.ok_or_else(|| {
+                    GenerateError::BadRequest("a verify block without hidden states".into())
+                })?;
+                let accepted = g.settle_round(ctx, *proposal, &h)?;
+                g.record_depth(ctx, k, accepted, started);
+                events.push(g.ready.pop_front());
+            }
+            Piece::Prefill { .. } | Piece::Skip => events.push(None),
         }
-        let logprob = g.logprob(current)?;
-        events.push(Some(g.emit(ctx, id, logprob)));
     }
     Ok((events, rows_fed, tokens_fed))
 }
