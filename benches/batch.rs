@@ -15,6 +15,9 @@
 //! the part of it spent building the graph on the host, and the floor set by the model's
 //! matrix products alone (every 2-D weight, the tied head included, times a `[B, in]` input,
 //! evaluated together). The rest is attention, norms, elementwise work and per-row overhead.
+//!
+//! Last, batched decoding with and without a drafter (the constructed pair of
+//! benches/speculative.rs). `BATCH_ONLY_BREAKDOWN` / `BATCH_ONLY_DRAFTING` run one part alone.
 
 mod common;
 use common::{free_port, median, root, runner, wait_for, Server};
@@ -214,6 +217,53 @@ fn breakdown(model_dir: &Path) {
     }
 }
 
+/// Batched and drafting together, on the constructed pair of benches/speculative.rs (a target
+/// whose first two layers, as a separate drafter, always agree with it: acceptance 1): the
+/// aggregate decode tok/s of `--parallel 8` with the drafter (adaptive depth) over without.
+fn drafting(rounds: usize, n: usize, counts: &[usize]) {
+    let dir = root().join("target/bench-spec");
+    if !dir.join("draft-good/model.safetensors").exists() {
+        eprintln!("(no drafting section: run `cargo bench --bench speculative` first; it writes target/bench-spec)");
+        return;
+    }
+    let target = dir.join("target");
+    let draft = dir.join("draft-good");
+    let mut rows = Vec::new();
+    for with in [false, true] {
+        let mut args = vec!["--parallel", "8", "--cache-budget", "0"];
+        if with {
+            args.extend(["--draft", draft.to_str().unwrap(), "--max-draft-depth", "6"]);
+        } else {
+            args.extend(["--draft-depth", "0"]);
+        }
+        let (_server, port) = runner(&target, &args);
+        ours(port, "warm up", 4);
+        rows.push(
+            counts
+                .iter()
+                .map(|&c| {
+                    median(
+                        (0..rounds)
+                            .map(|i| round(c, n, &format!("draft {with} {i}"), ours, port).0)
+                            .collect(),
+                    )
+                })
+                .collect::<Vec<f64>>(),
+        );
+    }
+    println!("\nBatched with drafting (separate drafter, acceptance 1, adaptive depth) vs batched alone; aggregate decode tok/s, medians of {rounds}\n");
+    println!("| clients | batched | batched + drafting | ratio |");
+    println!("|---|---|---|---|");
+    for (i, c) in counts.iter().enumerate() {
+        println!(
+            "| {c} | {:.1} | {:.1} | {:.2} |",
+            rows[0][i],
+            rows[1][i],
+            rows[1][i] / rows[0][i]
+        );
+    }
+}
+
 fn main() {
     let python = root().join(".venv-peer/bin/python");
     let model = root().join("target/bench-model");
@@ -232,6 +282,10 @@ fn main() {
         .split(',')
         .filter_map(|c| c.trim().parse().ok())
         .collect();
+    if std::env::var("BATCH_ONLY_DRAFTING").is_ok() {
+        drafting(rounds, n, &counts);
+        return;
+    }
 
     let mut ours_rows = Vec::new();
     {
@@ -304,4 +358,5 @@ fn main() {
         );
     }
     breakdown(&model);
+    drafting(rounds, n, &counts);
 }

@@ -190,10 +190,12 @@ fn engine_main(
     shared.context_length.store(ctx_len, Ordering::Relaxed);
     let _ = shared.architecture.set(model.model.architecture());
     let budget = cfg.cache_budget.unwrap_or(mlx::memory::limit() / 4);
-    let controller = DepthController::new(cfg.max_draft_depth, cfg.draft_depth);
+    let controllers = (0..BATCH_BUCKETS)
+        .map(|_| DepthController::new(cfg.max_draft_depth, cfg.draft_depth))
+        .collect();
     let mut engine = Engine {
         draft,
-        controller,
+        controllers,
         prefix: PrefixCache::new(budget, cfg.cache_interval),
         sampler: Sampler::new(ctx_len),
         model,
@@ -213,6 +215,19 @@ fn engine_main(
     engine.run(rx);
 }
 
+/// Batch sizes with a depth controller of their own: 1, 2, 3–4, 5–8, more.
+const BATCH_BUCKETS: usize = 5;
+
+fn bucket(rows: usize) -> usize {
+    match rows {
+        0 | 1 => 0,
+        2 => 1,
+        3 | 4 => 2,
+        5..=8 => 3,
+        _ => 4,
+    }
+}
+
 struct Active {
     gen: Generation,
     job: CompletionJob,
@@ -226,7 +241,11 @@ struct Engine {
     model: LoadedModel,
     sampler: Sampler,
     draft: Option<DraftModel>,
-    controller: DepthController,
+    /// Depth controllers by how many sequences decode or draft in a step ([`bucket`]): what a
+    /// drafted token costs depends on the batch around it (each row's drafter runs on its own,
+    /// while the target's step is shared), so each batch size learns its own depth, from the
+    /// whole step's time; a large batch learns to draft shallower, down to not at all.
+    controllers: Vec<DepthController>,
     prefix: PrefixCache,
     cfg: EngineConfig,
     shared: Arc<Shared>,
@@ -337,7 +356,7 @@ impl Engine {
                 model: &*self.model.model,
                 sampler: &mut self.sampler,
                 draft: if drafting {
-                    self.draft.as_ref().map(|d| (d, &mut self.controller))
+                    self.draft.as_ref().map(|d| (d, &mut self.controllers[0]))
                 } else {
                     None
                 },
@@ -405,13 +424,19 @@ impl Engine {
             shared,
             cfg,
             draft,
-            controller,
+            controllers,
             ..
         } = self;
+        let decoding = batch
+            .iter()
+            .filter(|&&i| !active[i].gen.prefilling())
+            .count();
         let mut ctx = Ctx {
             model: &*model.model,
             sampler,
-            draft: draft.as_ref().map(|d| (d, controller)),
+            draft: draft
+                .as_ref()
+                .map(|d| (d, &mut controllers[bucket(decoding)])),
         };
         let mut gens: Vec<&mut Generation> = active
             .iter_mut()
@@ -469,7 +494,7 @@ impl Engine {
         let mut ctx = Ctx {
             model: &*self.model.model,
             sampler: &mut self.sampler,
-            draft: self.draft.as_ref().map(|d| (d, &mut self.controller)),
+            draft: self.draft.as_ref().map(|d| (d, &mut self.controllers[0])),
         };
         if a.job.cancel.load(Ordering::Relaxed) || a.job.events.is_closed() {
             let ev = a.gen.cancel(&mut ctx);

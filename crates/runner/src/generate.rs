@@ -543,6 +543,7 @@ pub fn step_together(
         Skip,
     }
     let started = Instant::now();
+    let mut step_depth: Option<usize> = None;
     let mut budget = prefill_budget.max(1);
     let mut pieces = Vec::with_capacity(gens.len());
     for g in gens.iter_mut() {
@@ -556,7 +557,28 @@ pub fn step_together(
             pieces.push(Piece::Prefill { end });
             continue;
         }
-        let depth = g.choose_depth(ctx);
+        // Rows on the engine's controller share one depth per step (clamped by each row's own
+        // limit), so that the step's time is the price of that depth; seeded rows keep their
+        // own reproducible choice.
+        let depth = if g.own_depth() {
+            g.choose_depth(ctx)
+        } else {
+            let limit = g.depth_limit(ctx);
+            if limit == 0 {
+                0
+            } else {
+                let shared = match (step_depth, &mut ctx.draft) {
+                    (Some(d), _) => d,
+                    (None, Some((_, c))) => {
+                        let d = c.choose(c.max());
+                        step_depth = Some(d);
+                        d
+                    }
+                    (None, None) => 0,
+                };
+                shared.min(limit)
+            }
+        };
         if depth > 0 {
             pieces.push(Piece::Verify(Box::new(g.propose(ctx, depth)?)));
             continue;

@@ -226,10 +226,30 @@ impl Generation {
 
     /// The draft depth for the next decode step (0: plain decoding).
     pub(crate) fn choose_depth(&mut self, ctx: &mut Ctx<'_>) -> usize {
+        let limit = self.depth_limit(ctx);
+        if limit == 0 {
+            return 0;
+        }
+        match (&mut self.own_depth, &mut ctx.draft) {
+            (Some(own), _) => own.choose(limit),
+            (None, Some((_, controller))) => controller.choose(limit),
+            (None, None) => 0,
+        }
+    }
+
+    /// Whether the depth of this sequence's rounds comes from a controller of its own (a
+    /// seeded sampling request), not the engine's.
+    pub(crate) fn own_depth(&self) -> bool {
+        self.own_depth.is_some()
+    }
+
+    /// The deepest round this sequence may draft now (0: none, or no drafter), after keeping
+    /// its drafter's state up.
+    pub(crate) fn depth_limit(&mut self, ctx: &mut Ctx<'_>) -> usize {
         if self.draft.is_none() {
             return 0;
         }
-        let Some((model, controller)) = &mut ctx.draft else {
+        let Some((model, _)) = &mut ctx.draft else {
             return 0;
         };
         if let Some(d) = &mut self.draft {
@@ -246,14 +266,7 @@ impl Generation {
         let s = self.fed.len();
         let by_ctx = (self.params.num_ctx.saturating_sub(2)).saturating_sub(s);
         let by_len = self.remaining().saturating_sub(1);
-        let limit = by_ctx.min(by_len);
-        if limit == 0 {
-            return 0;
-        }
-        match &mut self.own_depth {
-            Some(own) => own.choose(limit),
-            None => controller.choose(limit),
-        }
+        by_ctx.min(by_len)
     }
 
     /// One speculative round of depth `k`; returns the number of accepted drafts. The emitted
