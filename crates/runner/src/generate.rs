@@ -534,6 +534,8 @@ pub fn step_together(
             current: Sampled,
             continues: bool,
         },
+        /// Will draft this many tokens (becomes `Verify`).
+        Draft(usize),
         /// Feeds the pending token and `k` drafts.
         Verify(Box<Proposal>),
         /// Feeds prompt tokens up to `end`.
@@ -580,7 +582,7 @@ pub fn step_together(
             }
         };
         if depth > 0 {
-            pieces.push(Piece::Verify(Box::new(g.propose(ctx, depth)?)));
+            pieces.push(Piece::Draft(depth));
             continue;
         }
         let Some(current) = g.pending.take() else {
@@ -590,6 +592,40 @@ pub fn step_together(
         };
         let continues = g.may_continue();
         pieces.push(Piece::Decode { current, continues });
+    }
+
+    // Drafting: a separate drafter runs for all drafting rows at once, in lockstep; the others
+    // draft row by row.
+    let drafting: Vec<usize> = (0..pieces.len())
+        .filter(|&i| matches!(pieces[i], Piece::Draft(_)))
+        .collect();
+    if !drafting.is_empty() {
+        let lockstep = matches!(&ctx.draft, Some((DraftModel::Model(_), _)));
+        let depths: Vec<usize> = drafting
+            .iter()
+            .map(|&i| match pieces[i] {
+                Piece::Draft(k) => k,
+                _ => 0,
+            })
+            .collect();
+        let proposals = if lockstep {
+            let mut rows: Vec<&mut Generation> = gens
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| drafting.contains(i))
+                .map(|(_, g)| &mut **g)
+                .collect();
+            crate::speculate::propose_together(ctx, &mut rows, &depths)?
+        } else {
+            drafting
+                .iter()
+                .zip(&depths)
+                .map(|(&i, &k)| gens[i].propose(ctx, k))
+                .collect::<Result<Vec<_>>>()?
+        };
+        for (&i, p) in drafting.iter().zip(proposals) {
+            pieces[i] = Piece::Verify(Box::new(p));
+        }
     }
 
     // The packed tokens, and each fed row's length.
@@ -663,7 +699,7 @@ pub fn step_together(
                     }
                     g.chunk_checkpoint()
                 }
-                Piece::Verify(_) | Piece::Skip => false,
+                Piece::Verify(_) | Piece::Draft(_) | Piece::Skip => false,
             };
             row_hidden[i] = Some(h);
             if samples {
@@ -726,7 +762,7 @@ pub fn step_together(
                 g.record_depth(ctx, k, accepted, started);
                 events.push(g.ready.pop_front());
             }
-            Piece::Prefill { .. } | Piece::Skip => events.push(None),
+            Piece::Prefill { .. } | Piece::Draft(_) | Piece::Skip => events.push(None),
         }
     }
     Ok((events, rows_fed, tokens_fed))

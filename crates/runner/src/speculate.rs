@@ -502,3 +502,126 @@ impl Generation {
         Ok(n)
     }
 }
+
+/// Proposals of several sequences that draft with a separate model, drafted in lockstep so
+/// that the drafter's forward passes (catching up with the committed tokens, then one draft
+/// position after another) and its output head run once for all rows, packed as the target's
+/// are ([`CausalLm::forward_packed`]). `depths[i] > 0` is row i's depth. Each row's drafts are
+/// sampled from its own distributions, exactly as [`Generation::propose`] draws them.
+pub(crate) fn propose_together(
+    ctx: &mut Ctx<'_>,
+    gens: &mut [&mut Generation],
+    depths: &[usize],
+) -> Result<Vec<Proposal>> {
+    let m: &dyn CausalLm = match &ctx.draft {
+        Some((DraftModel::Model(m), _)) => &**m,
+        _ => {
+            return Err(GenerateError::BadRequest(
+                "lockstep drafting needs a separate draft model".into(),
+            ))
+        }
+    };
+    // Take every row's pending token and drafter state; what the drafter has not seen yet
+    // (committed tokens, then the pending one) goes in first.
+    let mut current = Vec::with_capacity(gens.len());
+    let mut states = Vec::with_capacity(gens.len());
+    let mut curs = Vec::with_capacity(gens.len());
+    let mut feed = Vec::with_capacity(gens.len());
+    for g in gens.iter_mut() {
+        let (Some(c), Some(state)) = (g.pending.take(), g.draft.take()) else {
+            return Err(GenerateError::BadRequest(
+                "a speculative round needs a pending token and a drafter state".into(),
+            ));
+        };
+        let cur = c.tokens.reshape(&[1, 1])?.astype(Dtype::I32)?;
+        let mut parts = Vec::new();
+        if state.fed < g.fed.len() {
+            parts.push(tokens_array(&g.fed[state.fed..])?);
+        }
+        parts.push(cur.clone());
+        let refs: Vec<&Array> = parts.iter().collect();
+        feed.push(mlx::concatenate(&refs, 1)?);
+        current.push(c);
+        states.push(state);
+        curs.push(cur);
+    }
+    let n = gens.len();
+    let mut drafts: Vec<Vec<Array>> = vec![Vec::new(); n];
+    let mut qs: Vec<Vec<Distribution>> = (0..n).map(|_| Vec::new()).collect();
+    // Rows fed in this pass, and what each feeds.
+    let mut active: Vec<usize> = (0..n).collect();
+    let mut inputs = feed;
+    let k_max = depths.iter().copied().max().unwrap_or(0);
+    for j in 0..k_max {
+        // One packed drafter pass over the active rows; each row's last hidden state.
+        let lens: Vec<usize> = inputs.iter().map(|t| t.shape()[1] as usize).collect();
+        let refs: Vec<&Array> = inputs.iter().collect();
+        let toks = mlx::concatenate(&refs, 1)?;
+        let mut rows: Vec<models::PackedRow<'_>> = Vec::with_capacity(active.len());
+        {
+            let mut by_row: Vec<Option<&mut DraftState>> = states.iter_mut().map(Some).collect();
+            for (&i, &len) in active.iter().zip(&lens) {
+                let st = by_row[i].take().expect("a row once per pass");
+                rows.push(models::PackedRow {
+                    len,
+                    caches: &mut st.caches,
+                });
+            }
+            let hidden = m.forward_packed(&toks, &mut rows)?;
+            drop(rows);
+            let mut ends = Vec::with_capacity(lens.len());
+            let mut at = 0;
+            for &l in &lens {
+                at += l;
+                ends.push(at as i32 - 1);
+            }
+            let idx = Array::from_slice(&ends, &[ends.len() as i32])?;
+            let last = hidden.take(&idx, 1)?; // [1, A, H]
+            let logits = m.logits(&last)?.astype(Dtype::F32)?;
+            let v = *logits.shape().last().unwrap_or(&0);
+            let logits = logits.reshape(&[active.len() as i32, v])?;
+            let mut next_active = Vec::new();
+            let mut next_inputs = Vec::new();
+            for (a, &i) in active.iter().enumerate() {
+                states[i].fed += lens[a];
+                let row = logits.slice_axis(0, a as i32, Some(a as i32 + 1))?;
+                let slot = gens[i].slot;
+                let q = ctx
+                    .sampler
+                    .distribution(slot, &row, prefix(&drafts[i])?.as_ref())?;
+                let d = ctx.sampler.sample_distribution(slot, &q)?;
+                drafts[i].push(d.clone());
+                qs[i].push(q);
+                if j + 1 < depths[i] {
+                    next_active.push(i);
+                    next_inputs.push(d.reshape(&[1, 1])?.astype(Dtype::I32)?);
+                }
+            }
+            active = next_active;
+            inputs = next_inputs;
+        }
+        if active.is_empty() {
+            break;
+        }
+    }
+    // The last draft of each row was sampled but not fed: the drafter holds the pending
+    // token and d1..d(k-1), as in `propose`.
+    let mut out = Vec::with_capacity(n);
+    for (i, ((c, state), cur)) in current.into_iter().zip(states).zip(curs).enumerate() {
+        let k = depths[i];
+        let refs: Vec<&Array> = drafts[i].iter().collect();
+        let dcat = mlx::concatenate(&refs, 0)?.astype(Dtype::I32)?;
+        let tokens =
+            mlx::concatenate(&[&cur.reshape(&[1])?, &dcat], 0)?.reshape(&[1, k as i32 + 1])?;
+        out.push(Proposal {
+            current: c,
+            qs: std::mem::take(&mut qs[i]),
+            dcat,
+            tokens,
+            k,
+            state,
+            s: gens[i].fed.len(),
+        });
+    }
+    Ok(out)
+}
