@@ -20,12 +20,9 @@
 //! benches/speculative.rs). `BATCH_ONLY_BREAKDOWN` / `BATCH_ONLY_DRAFTING` run one part alone.
 
 mod common;
-use common::{free_port, median, root, runner, wait_for, Server};
+use common::{median, peer_server, root, runner, stream_ours as ours, stream_peer as peer, Timing};
 
-use serde_json::{json, Value};
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::Instant;
 
 fn env_or(name: &str, default: usize) -> usize {
@@ -33,73 +30,6 @@ fn env_or(name: &str, default: usize) -> usize {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-/// One streamed request: (start, first token, end, tokens).
-struct Timing {
-    start: Instant,
-    first: Instant,
-    end: Instant,
-    tokens: usize,
-}
-
-fn ours(port: u16, prompt: &str, n: usize) -> Timing {
-    let body = json!({"Prompt": prompt, "Options": {"num_predict": n, "temperature": 0, "repeat_penalty": 1.0}});
-    let start = Instant::now();
-    let resp = ureq::post(&format!("http://127.0.0.1:{port}/v1/completions"))
-        .send_string(&body.to_string())
-        .unwrap();
-    let (mut first, mut tokens) = (None, 0);
-    for line in BufReader::new(resp.into_reader()).lines() {
-        let v: Value = serde_json::from_str(&line.unwrap()).unwrap();
-        if v["Done"] == true {
-            tokens = v["EvalCount"].as_u64().unwrap_or(0) as usize;
-            break;
-        }
-        if !v["Content"].as_str().unwrap_or("").is_empty() {
-            first.get_or_insert_with(Instant::now);
-        }
-    }
-    let end = Instant::now();
-    Timing {
-        start,
-        first: first.unwrap_or(end),
-        end,
-        tokens,
-    }
-}
-
-fn peer(port: u16, prompt: &str, n: usize) -> Timing {
-    let body = json!({"prompt": prompt, "max_tokens": n, "temperature": 0.0, "stream": true});
-    let start = Instant::now();
-    let resp = ureq::post(&format!("http://127.0.0.1:{port}/v1/completions"))
-        .send_string(&body.to_string())
-        .unwrap();
-    let (mut first, mut tokens) = (None, 0);
-    for line in BufReader::new(resp.into_reader()).lines() {
-        let line = line.unwrap();
-        let Some(data) = line.strip_prefix("data: ") else {
-            continue;
-        };
-        if data.trim() == "[DONE]" {
-            break;
-        }
-        let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
-        if v["choices"][0]["text"]
-            .as_str()
-            .is_some_and(|t| !t.is_empty())
-        {
-            first.get_or_insert_with(Instant::now);
-            tokens += 1;
-        }
-    }
-    let end = Instant::now();
-    Timing {
-        start,
-        first: first.unwrap_or(end),
-        end,
-        tokens,
-    }
 }
 
 /// (aggregate decode tok/s, median TTFT s, median per-request decode tok/s) of `clients`
@@ -300,29 +230,10 @@ fn main() {
     }
     let mut peer_rows = Vec::new();
     {
-        let port = free_port();
-        let mut cmd = Command::new(&python);
-        cmd.args(["-m", "mlx_lm", "server", "--model"])
-            .arg(&model)
-            .args([
-                "--port",
-                &port.to_string(),
-                "--prompt-cache-size",
-                "0",
-                "--decode-concurrency",
-                "8",
-                "--prompt-concurrency",
-                "8",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        if Path::new("/lib/x86_64-linux-gnu/libopenblas.so.0").exists() {
-            cmd.env("LD_PRELOAD", "/lib/x86_64-linux-gnu/libopenblas.so.0");
-        }
-        let _peer = Server(cmd.spawn().unwrap());
-        assert!(
-            wait_for(&format!("http://127.0.0.1:{port}/v1/models")),
-            "mlx_lm.server did not start"
+        let (_peer, port) = peer_server(
+            &python,
+            &model,
+            &["--decode-concurrency", "8", "--prompt-concurrency", "8"],
         );
         peer(port, "warm up", 4);
         for &c in &counts {

@@ -8,73 +8,23 @@
 //! the time after it. Medians of several runs.
 
 mod common;
-use common::{free_port, median, root, runner, wait_for, Server};
+use common::{median, peer_server, root, runner, stream_ours, stream_peer};
 
-use serde_json::{json, Value};
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::Instant;
+use std::process::Command;
 
 const ROUNDS: usize = 3;
 const TOKENS: usize = 48;
 
 /// (time to first text in seconds, decode tokens/s) for one streamed request.
 fn ours(port: u16, prompt: &str) -> (f64, f64) {
-    let body = json!({"Prompt": prompt, "Options": {"num_predict": TOKENS, "temperature": 0, "repeat_penalty": 1.0}});
-    let start = Instant::now();
-    let resp = ureq::post(&format!("http://127.0.0.1:{port}/v1/completions"))
-        .send_string(&body.to_string())
-        .unwrap();
-    let (mut first, mut last, mut n) = (None, start, 0usize);
-    for line in BufReader::new(resp.into_reader()).lines() {
-        let v: Value = serde_json::from_str(&line.unwrap()).unwrap();
-        if v["Done"] == true {
-            n = v["EvalCount"].as_u64().unwrap_or(0) as usize;
-            break;
-        }
-        if !v["Content"].as_str().unwrap_or("").is_empty() {
-            first.get_or_insert_with(Instant::now);
-            last = Instant::now();
-        }
-    }
-    let first = first.unwrap_or(last);
-    (
-        (first - start).as_secs_f64(),
-        (n.saturating_sub(1)) as f64 / (last - first).as_secs_f64().max(1e-9),
-    )
+    let t = stream_ours(port, prompt, TOKENS);
+    (t.ttft(), t.decode_rate())
 }
 
 fn peer(port: u16, prompt: &str) -> (f64, f64) {
-    let body = json!({"prompt": prompt, "max_tokens": TOKENS, "temperature": 0.0, "stream": true});
-    let start = Instant::now();
-    let resp = ureq::post(&format!("http://127.0.0.1:{port}/v1/completions"))
-        .send_string(&body.to_string())
-        .unwrap();
-    let (mut first, mut last, mut n) = (None, start, 0usize);
-    for line in BufReader::new(resp.into_reader()).lines() {
-        let line = line.unwrap();
-        let Some(data) = line.strip_prefix("data: ") else {
-            continue;
-        };
-        if data.trim() == "[DONE]" {
-            break;
-        }
-        let v: Value = serde_json::from_str(data).unwrap_or(Value::Null);
-        if v["choices"][0]["text"]
-            .as_str()
-            .is_some_and(|t| !t.is_empty())
-        {
-            first.get_or_insert_with(Instant::now);
-            last = Instant::now();
-            n += 1;
-        }
-    }
-    let first = first.unwrap_or(last);
-    (
-        (first - start).as_secs_f64(),
-        (n.saturating_sub(1)) as f64 / (last - first).as_secs_f64().max(1e-9),
-    )
+    let t = stream_peer(port, prompt, TOKENS);
+    (t.ttft(), t.decode_rate())
 }
 
 fn in_process(model: &Path, prompt: &str) -> f64 {
@@ -102,22 +52,7 @@ fn main() {
     }
     let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(12);
     let (_ours, port) = runner(&model, &[]);
-    let peer_port = free_port();
-    let mut peer_cmd = Command::new(&python);
-    peer_cmd
-        .args(["-m", "mlx_lm", "server", "--model"])
-        .arg(&model)
-        .args(["--port", &peer_port.to_string(), "--prompt-cache-size", "0"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    if Path::new("/lib/x86_64-linux-gnu/libopenblas.so.0").exists() {
-        peer_cmd.env("LD_PRELOAD", "/lib/x86_64-linux-gnu/libopenblas.so.0");
-    }
-    let _peer = Server(peer_cmd.spawn().unwrap());
-    assert!(
-        wait_for(&format!("http://127.0.0.1:{peer_port}/v1/models")),
-        "mlx_lm.server did not start"
-    );
+    let (_peer, peer_port) = peer_server(&python, &model, &[]);
     let (mut ot, mut od, mut pt, mut pd, mut ip) = (vec![], vec![], vec![], vec![], vec![]);
     for round in 0..ROUNDS {
         // A different prompt per round keeps any prefix cache out of the measurement.

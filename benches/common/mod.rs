@@ -91,3 +91,123 @@ pub fn runner(model: &std::path::Path, extra: &[&str]) -> (Server, u16) {
     );
     (server, port)
 }
+
+/// One streamed completion, timed from the client.
+pub struct Timing {
+    pub start: std::time::Instant,
+    /// The first chunk with text.
+    pub first: std::time::Instant,
+    /// The last chunk with text.
+    pub last: std::time::Instant,
+    /// The end of the stream.
+    pub end: std::time::Instant,
+    /// Tokens generated (our `EvalCount`; the peer's text chunks).
+    pub tokens: usize,
+}
+
+impl Timing {
+    /// Seconds to the first text.
+    pub fn ttft(&self) -> f64 {
+        (self.first - self.start).as_secs_f64()
+    }
+
+    /// Tokens after the first over the time between the first text and the last.
+    pub fn decode_rate(&self) -> f64 {
+        self.tokens.saturating_sub(1) as f64 / (self.last - self.first).as_secs_f64().max(1e-9)
+    }
+}
+
+/// A greedy completion of `n` tokens from `mlx-runner runner` on `port`.
+pub fn stream_ours(port: u16, prompt: &str, n: usize) -> Timing {
+    use std::io::BufRead;
+    let body = serde_json::json!({"Prompt": prompt, "Options": {"num_predict": n, "temperature": 0, "repeat_penalty": 1.0}});
+    let start = std::time::Instant::now();
+    let resp = ureq::post(&format!("http://127.0.0.1:{port}/v1/completions"))
+        .send_string(&body.to_string())
+        .unwrap();
+    let (mut first, mut last, mut tokens) = (None, start, 0);
+    for line in std::io::BufReader::new(resp.into_reader()).lines() {
+        let v: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
+        if v["Done"] == true {
+            tokens = v["EvalCount"].as_u64().unwrap_or(0) as usize;
+            break;
+        }
+        if !v["Content"].as_str().unwrap_or("").is_empty() {
+            first.get_or_insert_with(std::time::Instant::now);
+            last = std::time::Instant::now();
+        }
+    }
+    let end = std::time::Instant::now();
+    Timing {
+        start,
+        first: first.unwrap_or(end),
+        last,
+        end,
+        tokens,
+    }
+}
+
+/// The same completion from `mlx_lm.server` on `port` (OpenAI completions, streamed).
+pub fn stream_peer(port: u16, prompt: &str, n: usize) -> Timing {
+    use std::io::BufRead;
+    let body =
+        serde_json::json!({"prompt": prompt, "max_tokens": n, "temperature": 0.0, "stream": true});
+    let start = std::time::Instant::now();
+    let resp = ureq::post(&format!("http://127.0.0.1:{port}/v1/completions"))
+        .send_string(&body.to_string())
+        .unwrap();
+    let (mut first, mut last, mut tokens) = (None, start, 0);
+    for line in std::io::BufReader::new(resp.into_reader()).lines() {
+        let line = line.unwrap();
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data.trim() == "[DONE]" {
+            break;
+        }
+        let v: serde_json::Value = serde_json::from_str(data).unwrap_or(serde_json::Value::Null);
+        if v["choices"][0]["text"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty())
+        {
+            first.get_or_insert_with(std::time::Instant::now);
+            last = std::time::Instant::now();
+            tokens += 1;
+        }
+    }
+    let end = std::time::Instant::now();
+    Timing {
+        start,
+        first: first.unwrap_or(end),
+        last,
+        end,
+        tokens,
+    }
+}
+
+/// `mlx_lm.server` (the peer) on `model` with `extra` arguments, on a free port, once it
+/// answers; OpenBLAS preloaded when the system has it (ours links it too).
+pub fn peer_server(
+    python: &std::path::Path,
+    model: &std::path::Path,
+    extra: &[&str],
+) -> (Server, u16) {
+    let port = free_port();
+    let mut cmd = Command::new(python);
+    cmd.args(["-m", "mlx_lm", "server", "--model"])
+        .arg(model)
+        .args(["--port", &port.to_string(), "--prompt-cache-size", "0"])
+        .args(extra)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let blas = std::path::Path::new("/lib/x86_64-linux-gnu/libopenblas.so.0");
+    if blas.exists() {
+        cmd.env("LD_PRELOAD", blas);
+    }
+    let server = Server(cmd.spawn().unwrap());
+    assert!(
+        wait_for(&format!("http://127.0.0.1:{port}/v1/models")),
+        "mlx_lm.server did not start"
+    );
+    (server, port)
+}
