@@ -737,6 +737,45 @@ impl GlmMtp {
         cache: &mut LatentCache,
         rope: &Rope,
     ) -> Result<Array> {
+        let l = tokens.shape()[1] as usize;
+        self.feed_rows(tokens, hidden, &mut [cache], &[l], rope)
+    }
+
+    /// [`GlmMtp::forward`] for several sequences packed along time (`lens[i]` pairs of row i,
+    /// each row with its own cache); returns the block outputs `[1, T, H]` and the logits of
+    /// each row's last pair `[R, V]`.
+    pub fn forward_rows(
+        &self,
+        tokens: &Array,
+        hidden: &Array,
+        caches: &mut [&mut LatentCache],
+        lens: &[usize],
+        rope: &Rope,
+    ) -> Result<(Array, Array)> {
+        let u = self.feed_rows(tokens, hidden, caches, lens, rope)?;
+        let mut ends = Vec::with_capacity(lens.len());
+        let mut at = 0;
+        for &l in lens {
+            at += l;
+            ends.push(at as i32 - 1);
+        }
+        let idx = Array::from_slice(&ends, &[ends.len() as i32])?;
+        let last = u.take(&idx, 1)?;
+        let logits = self
+            .head
+            .forward(&norm(&last, Some(&self.head_norm), self.eps)?)?;
+        let v = *logits.shape().last().unwrap_or(&0);
+        Ok((u, logits.reshape(&[lens.len() as i32, v])?))
+    }
+
+    fn feed_rows(
+        &self,
+        tokens: &Array,
+        hidden: &Array,
+        caches: &mut [&mut LatentCache],
+        lens: &[usize],
+        rope: &Rope,
+    ) -> Result<Array> {
         let e = norm(&self.embed.lookup(tokens)?, Some(&self.enorm), self.eps)?;
         let h = norm(
             &hidden.reshape(&[1, -1, self.hidden])?,
@@ -744,9 +783,13 @@ impl GlmMtp {
             self.eps,
         )?;
         let x = self.eh_proj.forward(&mlx::concatenate(&[&e, &h], -1)?)?;
-        let l = x.shape()[1] as usize;
-        self.block
-            .forward(&x, &mut [cache], &[(0, l)], rope, self.eps)
+        let mut spans = Vec::with_capacity(lens.len());
+        let mut at = 0;
+        for &l in lens {
+            spans.push((at, l));
+            at += l;
+        }
+        self.block.forward(&x, caches, &spans, rope, self.eps)
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -594,13 +594,22 @@ pub fn step_together(
         pieces.push(Piece::Decode { current, continues });
     }
 
-    // Drafting: a separate drafter runs for all drafting rows at once, in lockstep; the others
-    // draft row by row.
+    // Drafting: a separate drafter or GLM's MTP layer runs for all drafting rows at once, in
+    // lockstep; the assistant drafts row by row (it reads each row's target caches).
     let drafting: Vec<usize> = (0..pieces.len())
         .filter(|&i| matches!(pieces[i], Piece::Draft(_)))
         .collect();
     if !drafting.is_empty() {
-        let lockstep = matches!(&ctx.draft, Some((DraftModel::Model(_), _)));
+        enum Lockstep {
+            Model,
+            Mtp,
+            No,
+        }
+        let lockstep = match &ctx.draft {
+            Some((DraftModel::Model(_), _)) => Lockstep::Model,
+            Some((DraftModel::Mtp, _)) => Lockstep::Mtp,
+            _ => Lockstep::No,
+        };
         let depths: Vec<usize> = drafting
             .iter()
             .map(|&i| match pieces[i] {
@@ -608,20 +617,23 @@ pub fn step_together(
                 _ => 0,
             })
             .collect();
-        let proposals = if lockstep {
+        let proposals = if let Lockstep::No = lockstep {
+            drafting
+                .iter()
+                .zip(&depths)
+                .map(|(&i, &k)| gens[i].propose(ctx, k))
+                .collect::<Result<Vec<_>>>()?
+        } else {
             let mut rows: Vec<&mut Generation> = gens
                 .iter_mut()
                 .enumerate()
                 .filter(|(i, _)| drafting.contains(i))
                 .map(|(_, g)| &mut **g)
                 .collect();
-            crate::speculate::propose_together(ctx, &mut rows, &depths)?
-        } else {
-            drafting
-                .iter()
-                .zip(&depths)
-                .map(|(&i, &k)| gens[i].propose(ctx, k))
-                .collect::<Result<Vec<_>>>()?
+            match lockstep {
+                Lockstep::Mtp => crate::speculate::propose_mtp_together(ctx, &mut rows, &depths)?,
+                _ => crate::speculate::propose_together(ctx, &mut rows, &depths)?,
+            }
         };
         for (&i, p) in drafting.iter().zip(proposals) {
             pieces[i] = Piece::Verify(Box::new(p));

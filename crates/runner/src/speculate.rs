@@ -625,3 +625,117 @@ pub(crate) fn propose_together(
     }
     Ok(out)
 }
+
+/// Proposals of several sequences that draft with GLM's MTP layer, in lockstep: each pass of
+/// the layer (a row's catch-up pairs and its first draft position, then one draft position
+/// after another) runs once for all rows, packed, with its head once per pass. Each row's
+/// drafts are drawn from its own distributions, exactly as [`Generation::propose`] draws them.
+pub(crate) fn propose_mtp_together(
+    ctx: &mut Ctx<'_>,
+    gens: &mut [&mut Generation],
+    depths: &[usize],
+) -> Result<Vec<Proposal>> {
+    let (mtp, rope) = mtp_parts(ctx.model)?;
+    let n = gens.len();
+    let mut current = Vec::with_capacity(n);
+    let mut states = Vec::with_capacity(n);
+    let mut curs = Vec::with_capacity(n);
+    let mut tokens = Vec::with_capacity(n);
+    let mut hiddens = Vec::with_capacity(n);
+    for g in gens.iter_mut() {
+        let (Some(c), Some(mut state), Some(h_prev)) =
+            (g.pending.take(), g.draft.take(), g.last_hidden.clone())
+        else {
+            return Err(GenerateError::BadRequest(
+                "a speculative round needs a pending token, a drafter state and a hidden state"
+                    .into(),
+            ));
+        };
+        let cur = c.tokens.reshape(&[1, 1])?.astype(Dtype::I32)?;
+        // The pairs the layer has not taken in yet (as `catch_up_mtp`), then (pending, h_prev).
+        let s = g.fed.len();
+        let (mut t, mut h) = (vec![cur.clone()], vec![h_prev.reshape(&[1, 1, -1])?]);
+        if state.fed + 1 < s && !state.backlog.is_empty() {
+            let refs: Vec<&Array> = state.backlog.iter().collect();
+            let mut hidden = mlx::concatenate(&refs, 1)?;
+            if hidden.shape()[1] as usize > s - state.fed {
+                hidden = hidden.slice_axis(1, 0, Some((s - state.fed) as i32))?;
+            }
+            let pairs = s - 1 - state.fed;
+            t.insert(0, tokens_array(&g.fed[state.fed + 1..s])?);
+            h.insert(0, hidden.slice_axis(1, 0, Some(pairs as i32))?);
+            state.backlog = vec![hidden.slice_axis(1, pairs as i32, None)?];
+            state.fed = s - 1;
+        }
+        let t_refs: Vec<&Array> = t.iter().collect();
+        let h_refs: Vec<&Array> = h.iter().collect();
+        tokens.push(mlx::concatenate(&t_refs, 1)?);
+        hiddens.push(mlx::concatenate(&h_refs, 1)?);
+        current.push(c);
+        states.push(state);
+        curs.push(cur);
+    }
+    let mut drafts: Vec<Vec<Array>> = vec![Vec::new(); n];
+    let mut qs: Vec<Vec<Distribution>> = (0..n).map(|_| Vec::new()).collect();
+    let mut active: Vec<usize> = (0..n).collect();
+    let k_max = depths.iter().copied().max().unwrap_or(0);
+    for j in 0..k_max {
+        let lens: Vec<usize> = tokens.iter().map(|t| t.shape()[1] as usize).collect();
+        let t_refs: Vec<&Array> = tokens.iter().collect();
+        let h_refs: Vec<&Array> = hiddens.iter().collect();
+        let toks = mlx::concatenate(&t_refs, 1)?;
+        let hid = mlx::concatenate(&h_refs, 1)?;
+        let (u, logits) = {
+            let mut by_row: Vec<Option<&mut DraftState>> = states.iter_mut().map(Some).collect();
+            let mut caches: Vec<&mut LatentCache> = Vec::with_capacity(active.len());
+            for &i in &active {
+                let st = by_row[i].take().expect("a row once per pass");
+                caches.push(latent(&mut st.caches)?);
+            }
+            mtp.forward_rows(&toks, &hid, &mut caches, &lens, rope)?
+        };
+        let logits = logits.astype(Dtype::F32)?;
+        let (mut next_active, mut next_tokens, mut next_hiddens) = (vec![], vec![], vec![]);
+        let mut at = 0;
+        for (a, &i) in active.iter().enumerate() {
+            at += lens[a];
+            let row = logits.slice_axis(0, a as i32, Some(a as i32 + 1))?;
+            let slot = gens[i].slot;
+            let q = ctx
+                .sampler
+                .distribution(slot, &row, prefix(&drafts[i])?.as_ref())?;
+            let d = ctx.sampler.sample_distribution(slot, &q)?;
+            drafts[i].push(d.clone());
+            qs[i].push(q);
+            if j + 1 < depths[i] {
+                next_active.push(i);
+                next_tokens.push(d.reshape(&[1, 1])?.astype(Dtype::I32)?);
+                next_hiddens.push(u.slice_axis(1, at as i32 - 1, Some(at as i32))?);
+            }
+        }
+        active = next_active;
+        tokens = next_tokens;
+        hiddens = next_hiddens;
+        if active.is_empty() {
+            break;
+        }
+    }
+    let mut out = Vec::with_capacity(n);
+    for (i, ((c, state), cur)) in current.into_iter().zip(states).zip(curs).enumerate() {
+        let k = depths[i];
+        let refs: Vec<&Array> = drafts[i].iter().collect();
+        let dcat = mlx::concatenate(&refs, 0)?.astype(Dtype::I32)?;
+        let tokens =
+            mlx::concatenate(&[&cur.reshape(&[1])?, &dcat], 0)?.reshape(&[1, k as i32 + 1])?;
+        out.push(Proposal {
+            current: c,
+            qs: std::mem::take(&mut qs[i]),
+            dcat,
+            tokens,
+            k,
+            state,
+            s: gens[i].fed.len(),
+        });
+    }
+    Ok(out)
+}
