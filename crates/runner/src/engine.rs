@@ -449,23 +449,31 @@ impl Engine {
         drop(gens);
         let mut ended = Vec::new();
         match result {
-            Ok((events, rows, tokens)) => {
-                if rows > 0 {
-                    m.batch_rows.observe(rows as f64);
-                    m.batch_tokens.observe(tokens as f64);
+            Ok(step) => {
+                if step.rows > 0 {
+                    m.batch_rows.observe(step.rows as f64);
+                    m.batch_tokens.observe(step.tokens as f64);
                 }
-                for (&i, ev) in batch.iter().zip(events) {
+                for (&i, ev) in batch.iter().zip(step.events) {
                     let a = &mut active[i];
                     Self::count_rounds(m, a);
                     match ev {
-                        None => {}
-                        Some(Event::Token { id, logprob }) => {
+                        Err(e) => {
+                            tracing::error!("generation failed: {e}");
+                            m.requests_failed.fetch_add(1, Ordering::Relaxed);
+                            let _ = a.gen.cancel(&mut ctx);
+                            a.failed = true;
+                            let _ = a.job.events.send(EngineEvent::Error(e.to_string()));
+                            ended.push(i);
+                        }
+                        Ok(None) => {}
+                        Ok(Some(Event::Token { id, logprob })) => {
                             let _ = a.job.events.send(EngineEvent::Token { id, logprob });
                             if a.gen.is_finished() {
                                 ended.push(i);
                             }
                         }
-                        Some(Event::Done { reason, stats }) => {
+                        Ok(Some(Event::Done { reason, stats })) => {
                             Self::record(shared, &a.job, &stats, a.rounds);
                             let _ = a.job.events.send(EngineEvent::Done { reason, stats });
                             ended.push(i);

@@ -510,6 +510,15 @@ impl Ctx<'_> {
     }
 }
 
+/// What one [`step_together`] did.
+pub struct BatchStep {
+    /// Each sequence's event, or its own error, in order.
+    pub events: Vec<Result<Option<Event>>>,
+    /// Rows and tokens the target's forward pass had.
+    pub rows: usize,
+    pub tokens: usize,
+}
+
 /// One step of several sequences (each [`Generation::batchable`]) in one forward pass of the
 /// target, packed into one `[1, T]` row ([`CausalLm::forward_packed`], each sequence at its
 /// own offset with its own caches): a decoding sequence feeds its pending token; a drafting
@@ -521,13 +530,14 @@ impl Ctx<'_> {
 /// the draws are dispatched before the pending tokens are read, as [`Generation::step`] does
 /// for one; each drafting sequence accepts, rewinds and emits on its own. Depth controllers
 /// are told the whole step's time, so a slower, larger batch makes drafting look dearer.
-/// Returns each sequence's event (`None` for a prefill chunk, or a sequence that sat out), in
-/// order, and how many rows and tokens the forward pass had; an error fails them all.
+/// Returns each sequence's event (`None` for a prefill chunk, or a sequence that sat out) or
+/// its own error, in order, and how many rows and tokens the forward pass had; an error of
+/// the shared work (drafting, the forward pass, sampling) fails them all.
 pub fn step_together(
     ctx: &mut Ctx<'_>,
     gens: &mut [&mut Generation],
     prefill_budget: usize,
-) -> Result<(Vec<Option<Event>>, usize, usize)> {
+) -> Result<BatchStep> {
     enum Piece {
         /// Feeds the pending token (taken) and samples its successor when it continues.
         Decode {
@@ -750,32 +760,40 @@ pub fn step_together(
         })
         .collect();
     mlx::eval(&reads)?;
+    // From here on each sequence's work is its own: an error fails that sequence only.
     let mut events = Vec::with_capacity(gens.len());
     for ((g, p), h) in gens.iter_mut().zip(pieces).zip(row_hidden) {
-        match p {
-            Piece::Decode { current, continues } => {
-                let id = current.tokens.to_vec::<i32>()?[0] as u32;
-                if continues {
-                    g.fed.push(id);
-                    g.snapshot_generated();
+        let finish_row = || -> Result<Option<Event>> {
+            Ok(match p {
+                Piece::Decode { current, continues } => {
+                    let id = current.tokens.to_vec::<i32>()?[0] as u32;
+                    if continues {
+                        g.fed.push(id);
+                        g.snapshot_generated();
+                    }
+                    if g.draft.is_some() {
+                        g.record_depth(ctx, 0, 0, started);
+                    }
+                    let logprob = g.logprob(&current)?;
+                    Some(g.emit(ctx, id, logprob))
                 }
-                if g.draft.is_some() {
-                    g.record_depth(ctx, 0, 0, started);
+                Piece::Verify(proposal) => {
+                    let k = proposal.k;
+                    let h = h.ok_or_else(|| {
+                        GenerateError::BadRequest("a verify block without hidden states".into())
+                    })?;
+                    let accepted = g.settle_round(ctx, *proposal, &h)?;
+                    g.record_depth(ctx, k, accepted, started);
+                    g.ready.pop_front()
                 }
-                let logprob = g.logprob(&current)?;
-                events.push(Some(g.emit(ctx, id, logprob)));
-            }
-            Piece::Verify(proposal) => {
-                let k = proposal.k;
-                let h = h.ok_or_else(|| {
-                    GenerateError::BadRequest("a verify block without hidden states".into())
-                })?;
-                let accepted = g.settle_round(ctx, *proposal, &h)?;
-                g.record_depth(ctx, k, accepted, started);
-                events.push(g.ready.pop_front());
-            }
-            Piece::Prefill { .. } | Piece::Draft(_) | Piece::Skip => events.push(None),
-        }
+                Piece::Prefill { .. } | Piece::Draft(_) | Piece::Skip => None,
+            })
+        };
+        events.push(finish_row());
     }
-    Ok((events, rows_fed, tokens_fed))
+    Ok(BatchStep {
+        events,
+        rows: rows_fed,
+        tokens: tokens_fed,
+    })
 }
