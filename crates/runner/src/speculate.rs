@@ -503,109 +503,93 @@ impl Generation {
     }
 }
 
-/// Proposals of several sequences that draft with a separate model, drafted in lockstep so
-/// that the drafter's forward passes (catching up with the committed tokens, then one draft
-/// position after another) and its output head run once for all rows, packed as the target's
-/// are ([`CausalLm::forward_packed`]). `depths[i] > 0` is row i's depth. Each row's drafts are
-/// sampled from its own distributions, exactly as [`Generation::propose`] draws them.
-pub(crate) fn propose_together(
+/// What a drafter takes in for one row of a lockstep pass: tokens `[1, l]` and, for GLM's MTP
+/// layer, the hidden states paired with them `[1, l, H]`.
+struct Feed {
+    tokens: Array,
+    hidden: Option<Array>,
+}
+
+/// One lockstep pass of a drafter over the active rows (their states, in order): the packed
+/// tokens and hiddens, each row's length; returns each row's logits at its last position
+/// `[A, V]` and, for MTP, the block outputs `[1, T, H]` the next position pairs with.
+type Pass<'a> = dyn FnMut(
+        &mut [&mut DraftState],
+        &Array,
+        Option<&Array>,
+        &[usize],
+    ) -> Result<(Array, Option<Array>)>
+    + 'a;
+
+/// Drafts for several sequences in lockstep: each pass of the drafter runs once for every row
+/// still drafting (`first[i]` is what row i takes in first, `depths[i]` its depth), then each
+/// row's draft is drawn from its own distribution exactly as [`Generation::propose`] draws it,
+/// and fed (with its block output, for MTP) to the next pass. Returns the proposals, with the
+/// rows' pending tokens `current`, drafter `states` and int32 pending tokens `curs`.
+#[allow(clippy::too_many_arguments)]
+fn lockstep(
     ctx: &mut Ctx<'_>,
-    gens: &mut [&mut Generation],
+    gens: &[&mut Generation],
     depths: &[usize],
+    first: Vec<Feed>,
+    current: Vec<Sampled>,
+    mut states: Vec<DraftState>,
+    curs: Vec<Array>,
+    pass: &mut Pass<'_>,
 ) -> Result<Vec<Proposal>> {
-    let m: &dyn CausalLm = match &ctx.draft {
-        Some((DraftModel::Model(m), _)) => &**m,
-        _ => {
-            return Err(GenerateError::BadRequest(
-                "lockstep drafting needs a separate draft model".into(),
-            ))
-        }
-    };
-    // Take every row's pending token and drafter state; what the drafter has not seen yet
-    // (committed tokens, then the pending one) goes in first.
-    let mut current = Vec::with_capacity(gens.len());
-    let mut states = Vec::with_capacity(gens.len());
-    let mut curs = Vec::with_capacity(gens.len());
-    let mut feed = Vec::with_capacity(gens.len());
-    for g in gens.iter_mut() {
-        let (Some(c), Some(state)) = (g.pending.take(), g.draft.take()) else {
-            return Err(GenerateError::BadRequest(
-                "a speculative round needs a pending token and a drafter state".into(),
-            ));
-        };
-        let cur = c.tokens.reshape(&[1, 1])?.astype(Dtype::I32)?;
-        let mut parts = Vec::new();
-        if state.fed < g.fed.len() {
-            parts.push(tokens_array(&g.fed[state.fed..])?);
-        }
-        parts.push(cur.clone());
-        let refs: Vec<&Array> = parts.iter().collect();
-        feed.push(mlx::concatenate(&refs, 1)?);
-        current.push(c);
-        states.push(state);
-        curs.push(cur);
-    }
     let n = gens.len();
     let mut drafts: Vec<Vec<Array>> = vec![Vec::new(); n];
     let mut qs: Vec<Vec<Distribution>> = (0..n).map(|_| Vec::new()).collect();
-    // Rows fed in this pass, and what each feeds.
     let mut active: Vec<usize> = (0..n).collect();
-    let mut inputs = feed;
-    let k_max = depths.iter().copied().max().unwrap_or(0);
-    for j in 0..k_max {
-        // One packed drafter pass over the active rows; each row's last hidden state.
-        let lens: Vec<usize> = inputs.iter().map(|t| t.shape()[1] as usize).collect();
-        let refs: Vec<&Array> = inputs.iter().collect();
-        let toks = mlx::concatenate(&refs, 1)?;
-        let mut rows: Vec<models::PackedRow<'_>> = Vec::with_capacity(active.len());
+    let mut feeds = first;
+    for j in 0..depths.iter().copied().max().unwrap_or(0) {
+        let lens: Vec<usize> = feeds.iter().map(|f| f.tokens.shape()[1] as usize).collect();
+        let toks = mlx::concatenate(&feeds.iter().map(|f| &f.tokens).collect::<Vec<_>>(), 1)?;
+        let hid = match feeds
+            .iter()
+            .map(|f| f.hidden.as_ref())
+            .collect::<Option<Vec<_>>>()
         {
+            Some(h) => Some(mlx::concatenate(&h, 1)?),
+            None => None,
+        };
+        let (logits, u) = {
             let mut by_row: Vec<Option<&mut DraftState>> = states.iter_mut().map(Some).collect();
-            for (&i, &len) in active.iter().zip(&lens) {
-                let st = by_row[i].take().expect("a row once per pass");
-                rows.push(models::PackedRow {
-                    len,
-                    caches: &mut st.caches,
+            let mut rows: Vec<&mut DraftState> = active
+                .iter()
+                .map(|&i| by_row[i].take().expect("a row once per pass"))
+                .collect();
+            pass(&mut rows, &toks, hid.as_ref(), &lens)?
+        };
+        let logits = logits.astype(Dtype::F32)?;
+        let mut next = (Vec::new(), Vec::new());
+        let mut at = 0;
+        for (a, &i) in active.iter().enumerate() {
+            at += lens[a];
+            let row = logits.slice_axis(0, a as i32, Some(a as i32 + 1))?;
+            let slot = gens[i].slot;
+            let q = ctx
+                .sampler
+                .distribution(slot, &row, prefix(&drafts[i])?.as_ref())?;
+            let d = ctx.sampler.sample_distribution(slot, &q)?;
+            drafts[i].push(d.clone());
+            qs[i].push(q);
+            if j + 1 < depths[i] {
+                next.0.push(i);
+                next.1.push(Feed {
+                    tokens: d.reshape(&[1, 1])?.astype(Dtype::I32)?,
+                    hidden: match &u {
+                        Some(u) => Some(u.slice_axis(1, at as i32 - 1, Some(at as i32))?),
+                        None => None,
+                    },
                 });
             }
-            let hidden = m.forward_packed(&toks, &mut rows)?;
-            drop(rows);
-            let mut ends = Vec::with_capacity(lens.len());
-            let mut at = 0;
-            for &l in &lens {
-                at += l;
-                ends.push(at as i32 - 1);
-            }
-            let idx = Array::from_slice(&ends, &[ends.len() as i32])?;
-            let last = hidden.take(&idx, 1)?; // [1, A, H]
-            let logits = m.logits(&last)?.astype(Dtype::F32)?;
-            let v = *logits.shape().last().unwrap_or(&0);
-            let logits = logits.reshape(&[active.len() as i32, v])?;
-            let mut next_active = Vec::new();
-            let mut next_inputs = Vec::new();
-            for (a, &i) in active.iter().enumerate() {
-                states[i].fed += lens[a];
-                let row = logits.slice_axis(0, a as i32, Some(a as i32 + 1))?;
-                let slot = gens[i].slot;
-                let q = ctx
-                    .sampler
-                    .distribution(slot, &row, prefix(&drafts[i])?.as_ref())?;
-                let d = ctx.sampler.sample_distribution(slot, &q)?;
-                drafts[i].push(d.clone());
-                qs[i].push(q);
-                if j + 1 < depths[i] {
-                    next_active.push(i);
-                    next_inputs.push(d.reshape(&[1, 1])?.astype(Dtype::I32)?);
-                }
-            }
-            active = next_active;
-            inputs = next_inputs;
         }
+        (active, feeds) = next;
         if active.is_empty() {
             break;
         }
     }
-    // The last draft of each row was sampled but not fed: the drafter holds the pending
-    // token and d1..d(k-1), as in `propose`.
     let mut out = Vec::with_capacity(n);
     for (i, ((c, state), cur)) in current.into_iter().zip(states).zip(curs).enumerate() {
         let k = depths[i];
@@ -626,32 +610,106 @@ pub(crate) fn propose_together(
     Ok(out)
 }
 
-/// Proposals of several sequences that draft with GLM's MTP layer, in lockstep: each pass of
-/// the layer (a row's catch-up pairs and its first draft position, then one draft position
-/// after another) runs once for all rows, packed, with its head once per pass. Each row's
-/// drafts are drawn from its own distributions, exactly as [`Generation::propose`] draws them.
+/// Each row's pending token (taken), drafter state (taken) and the pending token as `[1, 1]`
+/// int32.
+fn take_rows(gens: &mut [&mut Generation]) -> Result<(Vec<Sampled>, Vec<DraftState>, Vec<Array>)> {
+    let mut out = (Vec::new(), Vec::new(), Vec::new());
+    for g in gens.iter_mut() {
+        let (Some(c), Some(state)) = (g.pending.take(), g.draft.take()) else {
+            return Err(GenerateError::BadRequest(
+                "a speculative round needs a pending token and a drafter state".into(),
+            ));
+        };
+        out.2.push(c.tokens.reshape(&[1, 1])?.astype(Dtype::I32)?);
+        out.0.push(c);
+        out.1.push(state);
+    }
+    Ok(out)
+}
+
+/// Proposals of several sequences that draft with a separate model, in lockstep
+/// ([`lockstep`]): the drafter's passes (catching up with the committed tokens and the pending
+/// one, then one draft position after another) are packed across rows as the target's are
+/// ([`CausalLm::forward_packed`]), its head runs once per pass.
+pub(crate) fn propose_together(
+    ctx: &mut Ctx<'_>,
+    gens: &mut [&mut Generation],
+    depths: &[usize],
+) -> Result<Vec<Proposal>> {
+    let m: &dyn CausalLm = match &ctx.draft {
+        Some((DraftModel::Model(m), _)) => &**m,
+        _ => {
+            return Err(GenerateError::BadRequest(
+                "lockstep drafting needs a separate draft model".into(),
+            ))
+        }
+    };
+    let (current, states, curs) = take_rows(gens)?;
+    let mut first = Vec::with_capacity(gens.len());
+    for ((g, state), cur) in gens.iter().zip(&states).zip(&curs) {
+        let mut parts = Vec::new();
+        if state.fed < g.fed.len() {
+            parts.push(tokens_array(&g.fed[state.fed..])?);
+        }
+        parts.push(cur.clone());
+        let refs: Vec<&Array> = parts.iter().collect();
+        first.push(Feed {
+            tokens: mlx::concatenate(&refs, 1)?,
+            hidden: None,
+        });
+    }
+    // The last draft of each row is sampled but not fed: the drafter holds the pending token
+    // and d1..d(k-1), as in `propose`.
+    let mut pass =
+        |rows: &mut [&mut DraftState], toks: &Array, _: Option<&Array>, lens: &[usize]| {
+            let mut packed: Vec<models::PackedRow<'_>> = rows
+                .iter_mut()
+                .zip(lens)
+                .map(|(st, &len)| models::PackedRow {
+                    len,
+                    caches: &mut st.caches,
+                })
+                .collect();
+            let hidden = m.forward_packed(toks, &mut packed)?;
+            drop(packed);
+            for (st, &l) in rows.iter_mut().zip(lens) {
+                st.fed += l;
+            }
+            let ends = last_positions(lens);
+            let last = hidden.take(&Array::from_slice(&ends, &[ends.len() as i32])?, 1)?;
+            let logits = m.logits(&last)?;
+            let v = *logits.shape().last().unwrap_or(&0);
+            Ok((logits.reshape(&[lens.len() as i32, v])?, None))
+        };
+    lockstep(ctx, gens, depths, first, current, states, curs, &mut pass)
+}
+
+/// Each row's last position in a packed pass of rows of these lengths.
+fn last_positions(lens: &[usize]) -> Vec<i32> {
+    let mut at = 0;
+    lens.iter()
+        .map(|&l| {
+            at += l;
+            at as i32 - 1
+        })
+        .collect()
+}
+
+/// Proposals of several sequences that draft with GLM's MTP layer, in lockstep ([`lockstep`]):
+/// each pass (a row's catch-up pairs and its first draft position, then one draft position
+/// after another) runs once for all rows, packed, its head once per pass.
 pub(crate) fn propose_mtp_together(
     ctx: &mut Ctx<'_>,
     gens: &mut [&mut Generation],
     depths: &[usize],
 ) -> Result<Vec<Proposal>> {
     let (mtp, rope) = mtp_parts(ctx.model)?;
-    let n = gens.len();
-    let mut current = Vec::with_capacity(n);
-    let mut states = Vec::with_capacity(n);
-    let mut curs = Vec::with_capacity(n);
-    let mut tokens = Vec::with_capacity(n);
-    let mut hiddens = Vec::with_capacity(n);
-    for g in gens.iter_mut() {
-        let (Some(c), Some(mut state), Some(h_prev)) =
-            (g.pending.take(), g.draft.take(), g.last_hidden.clone())
-        else {
-            return Err(GenerateError::BadRequest(
-                "a speculative round needs a pending token, a drafter state and a hidden state"
-                    .into(),
-            ));
-        };
-        let cur = c.tokens.reshape(&[1, 1])?.astype(Dtype::I32)?;
+    let (current, mut states, curs) = take_rows(gens)?;
+    let mut first = Vec::with_capacity(gens.len());
+    for ((g, state), cur) in gens.iter().zip(&mut states).zip(&curs) {
+        let h_prev = g.last_hidden.clone().ok_or_else(|| {
+            GenerateError::BadRequest("a speculative round needs a hidden state".into())
+        })?;
         // The pairs the layer has not taken in yet (as `catch_up_mtp`), then (pending, h_prev).
         let s = g.fed.len();
         let (mut t, mut h) = (vec![cur.clone()], vec![h_prev.reshape(&[1, 1, -1])?]);
@@ -667,75 +725,22 @@ pub(crate) fn propose_mtp_together(
             state.backlog = vec![hidden.slice_axis(1, pairs as i32, None)?];
             state.fed = s - 1;
         }
-        let t_refs: Vec<&Array> = t.iter().collect();
-        let h_refs: Vec<&Array> = h.iter().collect();
-        tokens.push(mlx::concatenate(&t_refs, 1)?);
-        hiddens.push(mlx::concatenate(&h_refs, 1)?);
-        current.push(c);
-        states.push(state);
-        curs.push(cur);
-    }
-    let mut drafts: Vec<Vec<Array>> = vec![Vec::new(); n];
-    let mut qs: Vec<Vec<Distribution>> = (0..n).map(|_| Vec::new()).collect();
-    let mut active: Vec<usize> = (0..n).collect();
-    let k_max = depths.iter().copied().max().unwrap_or(0);
-    for j in 0..k_max {
-        let lens: Vec<usize> = tokens.iter().map(|t| t.shape()[1] as usize).collect();
-        let t_refs: Vec<&Array> = tokens.iter().collect();
-        let h_refs: Vec<&Array> = hiddens.iter().collect();
-        let toks = mlx::concatenate(&t_refs, 1)?;
-        let hid = mlx::concatenate(&h_refs, 1)?;
-        let (u, logits) = {
-            let mut by_row: Vec<Option<&mut DraftState>> = states.iter_mut().map(Some).collect();
-            let mut caches: Vec<&mut LatentCache> = Vec::with_capacity(active.len());
-            for &i in &active {
-                let st = by_row[i].take().expect("a row once per pass");
-                caches.push(latent(&mut st.caches)?);
-            }
-            mtp.forward_rows(&toks, &hid, &mut caches, &lens, rope)?
-        };
-        let logits = logits.astype(Dtype::F32)?;
-        let (mut next_active, mut next_tokens, mut next_hiddens) = (vec![], vec![], vec![]);
-        let mut at = 0;
-        for (a, &i) in active.iter().enumerate() {
-            at += lens[a];
-            let row = logits.slice_axis(0, a as i32, Some(a as i32 + 1))?;
-            let slot = gens[i].slot;
-            let q = ctx
-                .sampler
-                .distribution(slot, &row, prefix(&drafts[i])?.as_ref())?;
-            let d = ctx.sampler.sample_distribution(slot, &q)?;
-            drafts[i].push(d.clone());
-            qs[i].push(q);
-            if j + 1 < depths[i] {
-                next_active.push(i);
-                next_tokens.push(d.reshape(&[1, 1])?.astype(Dtype::I32)?);
-                next_hiddens.push(u.slice_axis(1, at as i32 - 1, Some(at as i32))?);
-            }
-        }
-        active = next_active;
-        tokens = next_tokens;
-        hiddens = next_hiddens;
-        if active.is_empty() {
-            break;
-        }
-    }
-    let mut out = Vec::with_capacity(n);
-    for (i, ((c, state), cur)) in current.into_iter().zip(states).zip(curs).enumerate() {
-        let k = depths[i];
-        let refs: Vec<&Array> = drafts[i].iter().collect();
-        let dcat = mlx::concatenate(&refs, 0)?.astype(Dtype::I32)?;
-        let tokens =
-            mlx::concatenate(&[&cur.reshape(&[1])?, &dcat], 0)?.reshape(&[1, k as i32 + 1])?;
-        out.push(Proposal {
-            current: c,
-            qs: std::mem::take(&mut qs[i]),
-            dcat,
-            tokens,
-            k,
-            state,
-            s: gens[i].fed.len(),
+        first.push(Feed {
+            tokens: mlx::concatenate(&t.iter().collect::<Vec<_>>(), 1)?,
+            hidden: Some(mlx::concatenate(&h.iter().collect::<Vec<_>>(), 1)?),
         });
     }
-    Ok(out)
+    let mut pass =
+        |rows: &mut [&mut DraftState], toks: &Array, hid: Option<&Array>, lens: &[usize]| {
+            let hid = hid.ok_or_else(|| {
+                GenerateError::BadRequest("the MTP layer pairs every token with a hidden".into())
+            })?;
+            let mut caches = rows
+                .iter_mut()
+                .map(|st| latent(&mut st.caches))
+                .collect::<Result<Vec<&mut LatentCache>>>()?;
+            let (u, logits) = mtp.forward_rows(toks, hid, &mut caches, lens, rope)?;
+            Ok((logits, Some(u)))
+        };
+    lockstep(ctx, gens, depths, first, current, states, curs, &mut pass)
 }
