@@ -496,7 +496,8 @@ impl Engine {
         ended
     }
 
-    /// Steps sequence `i`; returns whether it has ended.
+    /// Steps sequence `i` on its own: it has nothing to feed (tokens a round already produced
+    /// to hand out, an end to report) or was cancelled; returns whether it has ended.
     fn step_one(&mut self, i: usize) -> bool {
         let a = &mut self.active[i];
         let mut ctx = Ctx {
@@ -515,15 +516,7 @@ impl Engine {
             }
             return true;
         }
-        let fed = a.gen.fed_len();
         let result = a.gen.step(&mut ctx);
-        let m = &self.shared.metrics;
-        let added = a.gen.fed_len().saturating_sub(fed);
-        if added > 0 {
-            m.batch_rows.observe(1.0);
-            m.batch_tokens.observe(added as f64);
-        }
-        Self::count_rounds(m, a);
         match result {
             Ok(None) => a.gen.is_finished(),
             Ok(Some(Event::Token { id, logprob })) => {

@@ -3,15 +3,16 @@
 //! the device never waits on the host) or in speculative rounds ([`crate::speculate`]).
 //!
 //! A [`Generation`] holds only per-sequence state; the model, drafter and sampler are passed
-//! into each call (the engine owns them), so one engine can interleave many sequences. It deals
-//! in token ids only: text is [`crate::text`]'s job, off the engine thread.
+//! into each call (the engine owns them). [`step_together`] steps many sequences in one forward
+//! pass; [`Generation::step`] is the same step for one. It deals in token ids only: text is
+//! [`crate::text`]'s job, off the engine thread.
 
 use crate::depth::DepthController;
 use crate::protocol::{DoneReason, Stats};
 use crate::speculate::{DraftModel, DraftState, Proposal};
 use cache::prefix::CacheCheckpoint;
 use cache::LayerCache;
-use mlx::{Array, Ix};
+use mlx::Array;
 use models::CausalLm;
 use sample::{Options, Sampled, Sampler};
 use std::collections::VecDeque;
@@ -253,39 +254,6 @@ impl Generation {
         last
     }
 
-    /// Runs the next prefill chunk; the last one samples and dispatches the first token.
-    fn prefill_chunk(&mut self, ctx: &mut Ctx<'_>) -> Result<()> {
-        let end = self.chunk_end(self.params.prefill_chunk);
-        let chunk = self.params.prompt[self.prefilled..end].to_vec();
-        let hidden = ctx
-            .model
-            .forward(&tokens_array(&chunk)?, &mut self.caches)?;
-        self.advance(end);
-        if let (Some(d), Some((model, _))) = (&mut self.draft, &ctx.draft) {
-            d.prefilled(model, &chunk, &hidden, &self.fed)?;
-        }
-        if self.chunk_checkpoint() {
-            let last = hidden.index(&[Ix::full(), Ix::slice(Some(-1), None, 1)])?;
-            self.dispatch(ctx, &last)?;
-        } else {
-            // Materialise this chunk's cache writes before building the next chunk's graph.
-            hidden.eval()?;
-        }
-        Ok(())
-    }
-
-    /// Samples from the hidden state of the last position and starts evaluating it.
-    fn dispatch(&mut self, ctx: &mut Ctx<'_>, last_hidden: &Array) -> Result<()> {
-        let logits = ctx.model.logits(last_hidden)?;
-        let v = logits.shape();
-        let logits = logits.reshape(&[1, v[v.len() - 1]])?;
-        let s = ctx.sampler.sample(&[self.slot], &logits)?;
-        mlx::async_eval(&s.arrays())?;
-        self.pending = Some(s);
-        self.last_hidden = Some(last_hidden.clone());
-        Ok(())
-    }
-
     /// Every cache (the target's, then the drafter's), the tokens they all hold, and the
     /// snapshots taken on the way (for the prefix cache once the sequence ends).
     pub fn into_parts(self) -> (Vec<LayerCache>, Vec<u32>, Vec<(usize, CacheCheckpoint)>) {
@@ -298,11 +266,6 @@ impl Generation {
 
     pub fn slot(&self) -> usize {
         self.slot
-    }
-
-    /// Tokens the target's caches hold.
-    pub fn fed_len(&self) -> usize {
-        self.fed.len()
     }
 
     pub fn is_finished(&self) -> bool {
@@ -384,27 +347,14 @@ impl Generation {
         if self.finished {
             return Ok(None);
         }
-        if self.prefilling() {
-            self.prefill_chunk(ctx)?;
-            return Ok(None);
-        }
-        if self.pending.is_none() {
+        if !self.prefilling() && self.pending.is_none() {
             // The previous token was the last one a limit allowed.
             return Ok(Some(self.finish(ctx, DoneReason::Length)));
         }
-        let depth = self.choose_depth(ctx);
-        if depth > 0 {
-            let started = Instant::now();
-            let accepted = self.round(ctx, depth)?;
-            self.record_depth(ctx, depth, accepted, started);
-            return Ok(self.ready.pop_front());
-        }
-        let started = Instant::now();
-        let e = self.plain_step(ctx)?;
-        if self.draft.is_some() {
-            self.record_depth(ctx, 0, 0, started);
-        }
-        Ok(Some(e))
+        // One sequence is a batch of one: the same step the engine runs for many.
+        let budget = self.params.prefill_chunk;
+        let step = step_together(ctx, &mut [self], budget)?;
+        step.events.into_iter().next().unwrap_or(Ok(None))
     }
 
     /// Tells the controller that chose the depth how the step went.
@@ -428,30 +378,6 @@ impl Generation {
     /// feed.
     pub fn batchable(&self) -> bool {
         !self.finished && self.ready.is_empty() && (self.prefilling() || self.pending.is_some())
-    }
-
-    /// One pipelined decode step: dispatch the successor of the pending token, then read it.
-    fn plain_step(&mut self, ctx: &mut Ctx<'_>) -> Result<Event> {
-        let Some(current) = self.pending.take() else {
-            return Ok(self.finish(ctx, DoneReason::Length));
-        };
-        let continues = self.may_continue();
-        if continues {
-            let hidden = ctx
-                .model
-                .forward(&current.tokens.reshape(&[1, 1])?, &mut self.caches)?;
-            if let (Some(d), Some((model, _))) = (&mut self.draft, &ctx.draft) {
-                d.decoded(model, &hidden)?;
-            }
-            self.dispatch(ctx, &hidden)?;
-        }
-        let id = current.tokens.to_vec::<i32>()?[0] as u32;
-        if continues {
-            self.fed.push(id);
-            self.snapshot_generated();
-        }
-        let logprob = self.logprob(&current)?;
-        Ok(self.emit(ctx, id, logprob))
     }
 
     /// Snapshots the rotating caches once the tokens fed reach the next multiple of
@@ -555,10 +481,34 @@ pub fn step_together(
         Skip,
     }
     let started = Instant::now();
-    let mut step_depth: Option<usize> = None;
     let mut budget = prefill_budget.max(1);
+    // Each decoding row's deepest possible round (keeping its drafter up). The rows on the
+    // engine's controller share one depth per step, chosen for the deepest of their limits and
+    // clamped by each one's own, so that the step's time is the price of that depth; a seeded
+    // row keeps its own reproducible choice.
+    let limits: Vec<usize> = gens
+        .iter_mut()
+        .map(|g| {
+            if g.prefilling() {
+                0
+            } else {
+                g.depth_limit(ctx)
+            }
+        })
+        .collect();
+    let shared_limit = gens
+        .iter()
+        .zip(&limits)
+        .filter(|(g, _)| !g.has_own_depth())
+        .map(|(_, &l)| l)
+        .max()
+        .unwrap_or(0);
+    let shared = match &mut ctx.draft {
+        Some((_, c)) if shared_limit > 0 => c.choose(shared_limit),
+        _ => 0,
+    };
     let mut pieces = Vec::with_capacity(gens.len());
-    for g in gens.iter_mut() {
+    for (r, g) in gens.iter_mut().enumerate() {
         if g.prefilling() {
             if budget == 0 {
                 pieces.push(Piece::Skip);
@@ -569,27 +519,9 @@ pub fn step_together(
             pieces.push(Piece::Prefill { end });
             continue;
         }
-        // Rows on the engine's controller share one depth per step (clamped by each row's own
-        // limit), so that the step's time is the price of that depth; seeded rows keep their
-        // own reproducible choice.
-        let depth = if g.own_depth() {
-            g.choose_depth(ctx)
-        } else {
-            let limit = g.depth_limit(ctx);
-            if limit == 0 {
-                0
-            } else {
-                let shared = match (step_depth, &mut ctx.draft) {
-                    (Some(d), _) => d,
-                    (None, Some((_, c))) => {
-                        let d = c.choose(c.max());
-                        step_depth = Some(d);
-                        d
-                    }
-                    (None, None) => 0,
-                };
-                shared.min(limit)
-            }
+        let depth = match g.own_choice(limits[r]) {
+            Some(d) => d,
+            None => shared.min(limits[r]),
         };
         if depth > 0 {
             pieces.push(Piece::Draft(depth));

@@ -224,22 +224,15 @@ impl Generation {
         }
     }
 
-    /// The draft depth for the next decode step (0: plain decoding).
-    pub(crate) fn choose_depth(&mut self, ctx: &mut Ctx<'_>) -> usize {
-        let limit = self.depth_limit(ctx);
-        if limit == 0 {
-            return 0;
-        }
-        match (&mut self.own_depth, &mut ctx.draft) {
-            (Some(own), _) => own.choose(limit),
-            (None, Some((_, controller))) => controller.choose(limit),
-            (None, None) => 0,
-        }
+    /// A seeded request's own choice of depth within `limit`; `None` for a request on the
+    /// engine's controller.
+    pub(crate) fn own_choice(&mut self, limit: usize) -> Option<usize> {
+        self.own_depth.as_mut().map(|c| c.choose(limit))
     }
 
     /// Whether the depth of this sequence's rounds comes from a controller of its own (a
     /// seeded sampling request), not the engine's.
-    pub(crate) fn own_depth(&self) -> bool {
+    pub(crate) fn has_own_depth(&self) -> bool {
         self.own_depth.is_some()
     }
 
@@ -267,14 +260,6 @@ impl Generation {
         let by_ctx = (self.params.num_ctx.saturating_sub(2)).saturating_sub(s);
         let by_len = self.remaining().saturating_sub(1);
         by_ctx.min(by_len)
-    }
-
-    /// One speculative round of depth `k`; returns the number of accepted drafts. The emitted
-    /// tokens (and possibly the end) are queued in `ready`.
-    pub(crate) fn round(&mut self, ctx: &mut Ctx<'_>, k: usize) -> Result<usize> {
-        let p = self.propose(ctx, k)?;
-        let hidden = ctx.model.forward(&p.tokens, &mut self.caches)?;
-        self.settle_round(ctx, p, &hidden)
     }
 
     /// A round's first half: the drafter proposes `k` tokens after the pending one. The target
