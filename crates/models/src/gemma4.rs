@@ -413,11 +413,23 @@ impl Attention {
         rope.apply(&self.project_q(x, eps)?, offset)
     }
 
+    /// Attention of `[B, H, L, d]` queries over keys and values, as `[B, H, L, d]`.
+    fn scores(&self, q: &Array, k: &Array, v: &Array, mask: &AttnMask) -> Result<Array> {
+        // q and k are RMS-normalised, so the attention scale is 1 (MODELS.md §1.3).
+        Ok(scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            1.0,
+            mask.as_sdpa(),
+            None,
+        )?)
+    }
+
     /// Attention of `[B, H, L, d]` queries over keys and values, before the output projection:
     /// `[B, L, H·d]`.
     fn attend(&self, q: &Array, k: &Array, v: &Array, mask: &AttnMask) -> Result<Array> {
-        // q and k are RMS-normalised, so the attention scale is 1 (MODELS.md §1.3).
-        let o = scaled_dot_product_attention(q, k, v, 1.0, mask.as_sdpa(), None)?;
+        let o = self.scores(q, k, v, mask)?;
         let s = q.shape();
         Ok(o.transpose(&[0, 2, 1, 3])?
             .reshape(&[s[0], s[2], self.heads * self.head_dim])?)
@@ -922,17 +934,11 @@ impl CausalLm for Gemma4 {
                     .get(&layer.spec.kind)
                     .cloned()
                     .unwrap_or(AttnMask::None);
-                // q and k are RMS-normalised, so the attention scale is 1 (MODELS.md §1.3).
-                let o =
-                    scaled_dot_product_attention(&q_rows[r], &k, &v, 1.0, mask.as_sdpa(), None)?;
                 outs.push(if single {
-                    o
+                    // Kept as `[1, H, 1, d]`: the rows join along the batch axis below.
+                    layer.attn.scores(&q_rows[r], &k, &v, &mask)?
                 } else {
-                    o.transpose(&[0, 2, 1, 3])?.reshape(&[
-                        1,
-                        l as i32,
-                        layer.attn.heads * layer.attn.head_dim,
-                    ])?
+                    layer.attn.attend(&q_rows[r], &k, &v, &mask)?
                 });
                 kv[i].push((k, v));
             }

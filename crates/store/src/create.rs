@@ -546,9 +546,7 @@ fn common_type(quantized: &HashMap<String, (i32, i32)>) -> String {
     counts
         .into_iter()
         .max_by_key(|(_, n)| *n)
-        .map(|(bits, _)| {
-            QuantType::from_bits(bits).map_or(format!("int{bits}"), |q| q.name().into())
-        })
+        .map(|(bits, _)| crate::quant::type_name(bits))
         .unwrap_or_default()
 }
 

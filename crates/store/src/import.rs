@@ -221,8 +221,7 @@ fn plan_prequantized(inv: &Inventory, names: &[&String]) -> Vec<BlobSpec> {
                 });
             }
         }
-        let kind =
-            QuantType::from_bits(bits).map_or_else(|| format!("int{bits}"), |q| q.name().into());
+        let kind = crate::quant::type_name(bits);
         blobs.push(BlobSpec {
             name: name.to_string(),
             tensors,
@@ -242,11 +241,7 @@ pub(crate) fn write(
     prefix: &str,
 ) -> Result<Vec<u8>> {
     let mut out: Vec<(String, Array)> = Vec::new();
-    let mut metadata: BTreeMap<String, String> = spec
-        .metadata
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+    let mut metadata = spec.metadata.clone();
     let types: Vec<Option<QuantType>> = spec.tensors.iter().map(|t| t.quantize).collect();
     let uniform = types.iter().all(|t| *t == types[0]);
     for t in &spec.tensors {

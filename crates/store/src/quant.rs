@@ -58,6 +58,12 @@ impl std::str::FromStr for QuantType {
     }
 }
 
+/// ollama's name of an affine type of `bits` bits (`int4`, `int8`, or `int<bits>` for a
+/// checkpoint that came with another width).
+pub fn type_name(bits: i32) -> String {
+    QuantType::from_bits(bits).map_or_else(|| format!("int{bits}"), |q| q.name().into())
+}
+
 /// The quantization policy of one model (its architecture), as ollama picks it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Policy {
