@@ -167,3 +167,60 @@ fn drafting_rows_batch_and_stay_exact() {
         );
     }
 }
+
+/// Two drafting sequences stay in step: a round hands out every token it produced in the same
+/// engine turn, so the next rounds of both verify in one forward pass. (Had each token taken a
+/// turn of its own, the sequences would drift apart and take turns at the target.) The target
+/// drafting for itself accepts every draft, so each round leaves tokens to hand out.
+#[test]
+fn drafting_sequences_share_their_verify_passes() {
+    let model = fixture("gemma4_31b_like");
+    let runner = Arc::new(Runner::start(
+        "gemma4_31b_like",
+        &[
+            "--parallel",
+            "2",
+            "--draft",
+            model.to_str().unwrap(),
+            "--draft-depth",
+            "3",
+            "--cache-budget",
+            "0",
+        ],
+    ));
+    let handles: Vec<_> = ["one two three", "four five six"]
+        .into_iter()
+        .map(|prompt| {
+            let r = Arc::clone(&runner);
+            std::thread::spawn(move || {
+                let lines = r.complete(&json!({
+                    "Prompt": prompt,
+                    "Options": {"num_predict": 40, "temperature": 0.0},
+                }));
+                lines.last().unwrap()["EvalCount"].as_u64().unwrap()
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), 40);
+    }
+    let metrics = ureq::get(&runner.url("/metrics"))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    assert_eq!(
+        counter(&metrics, "mlx_runner_draft_accepted_total"),
+        counter(&metrics, "mlx_runner_draft_tokens_total"),
+        "{metrics}"
+    );
+    let rows = histogram(&metrics, "mlx_runner_batch_rows");
+    let one = rows.iter().find(|(le, _)| le == "1").unwrap().1;
+    let two = rows.iter().find(|(le, _)| le == "2").unwrap().1 - one;
+    // Each sequence needs about ten rounds of four tokens; apart, that is twenty one-row
+    // passes; together, ten of two (and a pass or two alone around the prefill).
+    assert!(
+        two >= 8 && one <= 4,
+        "{one} passes of one row, {two} of two\n{metrics}"
+    );
+}

@@ -81,7 +81,11 @@ pub fn runner(model: &std::path::Path, extra: &[&str]) -> (Server, u16) {
         .arg(model)
         .args(["--port", &port.to_string()])
         .args(extra)
-        .stderr(std::process::Stdio::null())
+        .stderr(if std::env::var("BENCH_RUNNER_LOG").is_ok() {
+            std::process::Stdio::inherit()
+        } else {
+            std::process::Stdio::null()
+        })
         .spawn()
         .unwrap();
     let server = Server(child);
@@ -199,7 +203,11 @@ pub fn peer_server(
         .args(["--port", &port.to_string(), "--prompt-cache-size", "0"])
         .args(extra)
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null());
+        .stderr(if std::env::var("BENCH_RUNNER_LOG").is_ok() {
+            std::process::Stdio::inherit()
+        } else {
+            std::process::Stdio::null()
+        });
     let blas = std::path::Path::new("/lib/x86_64-linux-gnu/libopenblas.so.0");
     if blas.exists() {
         cmd.env("LD_PRELOAD", blas);

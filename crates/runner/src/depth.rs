@@ -11,6 +11,15 @@
 //! step and one round at the deepest depth; after that, a probe one deeper than the choice now
 //! and then, less often while probes change nothing.
 //!
+//! The engine keeps one controller per batch size, since a batched step's price depends on how
+//! many rows share it. A step is a price only when it did nothing but its rounds: it is recorded
+//! once (however many rows drafted in it), and not at all when it also prefilled or caught a
+//! drafter up with tokens decoded plainly (a probe after a stretch of plain steps pays for that),
+//! in which case an exploration or probe depth is tried again. Each depth's estimate is a moving
+//! average that takes one stalled step as at most twice the estimate, and the slope weighs each
+//! depth by how often it was measured: a depth priced out by one bad sample would seldom be
+//! measured again.
+//!
 //! A seeded sampling request must give the same output on every run, but which tokens a round
 //! draws depends on its depth; timings (and other requests' history) would make the depth, and
 //! so the output, vary from run to run. Such a request gets a controller of its own
@@ -21,6 +30,12 @@
 /// Weight kept by older observations at each new one.
 const DECAY: f64 = 0.95;
 const COST_ALPHA: f64 = 0.3;
+/// After this many samples of a depth, a sample is taken as at most `OUTLIER_CAP` times the
+/// estimate.
+const OUTLIER_AFTER: u64 = 2;
+const OUTLIER_CAP: f64 = 2.0;
+/// Further rounds at an exploration or probe depth whose step could not price it.
+const PRICE_TRIES: u32 = 3;
 /// Choices between probes one depth deeper than the best, doubling (up to the maximum) while
 /// probes change nothing, so that a drafter that improves (a new kind of text) is noticed.
 const PROBE_FIRST: u64 = 16;
@@ -59,9 +74,21 @@ impl Cost {
         self.seconds = if self.samples == 0 {
             s
         } else {
+            // One stalled step (the machine busy elsewhere) must not price a depth out for
+            // good: a depth judged too dear is rarely measured again.
+            let s = if self.samples >= OUTLIER_AFTER {
+                s.min(self.seconds * OUTLIER_CAP)
+            } else {
+                s
+            };
             self.seconds + COST_ALPHA * (s - self.seconds)
         };
         self.samples += 1;
+    }
+
+    /// How much the depth's estimate is trusted in the slope fit: measured often, more.
+    fn weight(&self) -> f64 {
+        self.samples.min(8) as f64
     }
 }
 
@@ -78,6 +105,9 @@ pub struct DepthController {
     last_best: usize,
     /// Whether round costs are measured (`false`: the fixed model, for reproducible depths).
     timed: bool,
+    /// An exploration or probe depth whose cost is still unmeasured (its round shared the step
+    /// with other work or caught the drafter up), and how many more times to try it.
+    unpriced: Option<(usize, u32)>,
 }
 
 impl DepthController {
@@ -92,6 +122,7 @@ impl DepthController {
             probe_every: PROBE_FIRST,
             last_best: 0,
             timed: true,
+            unpriced: None,
         }
     }
 
@@ -118,16 +149,17 @@ impl DepthController {
             return Some(self.cost[k].seconds);
         }
         let base = self.cost[0];
-        let deeper: Vec<(f64, f64)> = (1..=self.max)
+        let deeper: Vec<(f64, f64, f64)> = (1..=self.max)
             .filter(|&d| self.cost[d].samples > 0)
-            .map(|d| (d as f64, self.cost[d].seconds))
+            .map(|d| (d as f64, self.cost[d].seconds, self.cost[d].weight()))
             .collect();
         if base.samples == 0 || deeper.is_empty() {
             return None;
         }
-        // Least-squares slope through the base point.
-        let (num, den) = deeper.iter().fold((0.0, 0.0), |(n, d), &(x, y)| {
-            (n + x * (y - base.seconds), d + x * x)
+        // Weighted least-squares slope through the base point: a depth measured once long ago
+        // (the exploration round) must not outweigh one measured all the time.
+        let (num, den) = deeper.iter().fold((0.0, 0.0), |(n, d), &(x, y, w)| {
+            (n + w * x * (y - base.seconds), d + w * x * x)
         });
         let slope = (num / den).max(0.0);
         Some(base.seconds + slope * k as f64)
@@ -166,8 +198,15 @@ impl DepthController {
         if self.timed && self.cost[0].samples == 0 {
             return 0;
         }
+        if let Some((k, tries)) = self.unpriced {
+            if tries > 0 && k <= limit {
+                self.unpriced = Some((k, tries - 1));
+                return k;
+            }
+            self.unpriced = None;
+        }
         if self.timed && (1..=self.max).all(|d| self.cost[d].samples == 0) {
-            return limit;
+            return self.measuring(limit);
         }
         let value =
             |k: usize| self.expected(k) / self.round_cost(k).unwrap_or(f64::INFINITY).max(1e-9);
@@ -180,14 +219,39 @@ impl DepthController {
         }
         if self.choices.is_multiple_of(self.probe_every) && best < limit {
             self.probe_every = (self.probe_every * 2).min(PROBE_MAX);
-            best + 1
+            self.measuring(best + 1)
         } else {
             best
         }
     }
 
+    /// Depth `k`, to be chosen again until a step prices it (see [`Self::record_cost`]).
+    fn measuring(&mut self, k: usize) -> usize {
+        if self.timed {
+            self.unpriced = Some((k, PRICE_TRIES));
+        }
+        k
+    }
+
     /// Records a round of depth `k` in which `accepted` drafts were accepted, taking `seconds`.
     pub fn record(&mut self, k: usize, accepted: usize, seconds: f64) {
+        self.record_acceptance(k, accepted);
+        self.record_cost(k, seconds);
+    }
+
+    /// Records that a step whose deepest round was `k` took `seconds`: once per step, however
+    /// many sequences drafted in it, and only for a step that did nothing else (no prefill).
+    pub fn record_cost(&mut self, k: usize, seconds: f64) {
+        if self.timed && k <= self.max {
+            self.cost[k].add(seconds);
+            if self.unpriced.is_some_and(|(u, _)| u == k) {
+                self.unpriced = None;
+            }
+        }
+    }
+
+    /// Records one sequence's round of depth `k` in which `accepted` drafts were accepted.
+    pub fn record_acceptance(&mut self, k: usize, accepted: usize) {
         if k > self.max {
             return;
         }
@@ -197,9 +261,6 @@ impl DepthController {
                 // Deeper positions were not reached.
                 break;
             }
-        }
-        if self.timed {
-            self.cost[k].add(seconds);
         }
     }
 
@@ -280,5 +341,31 @@ mod tests {
         assert_eq!(a.expected(0), 1.0);
         a.record(2, 1, 1.0);
         assert!(a.expected(2) > 1.0);
+    }
+
+    #[test]
+    fn an_unpriced_exploration_is_tried_again() {
+        let mut c = DepthController::new(4, None);
+        assert_eq!(c.choose(4), 0);
+        c.record(0, 0, 1.0);
+        // The deep exploration round shared its step with a prefill: no price came back.
+        assert_eq!(c.choose(4), 4);
+        c.record_acceptance(4, 4);
+        assert_eq!(c.choose(4), 4);
+        c.record(4, 4, 1.8);
+        // Priced now: the model decides (5 tokens for 1.8 beat 1 for 1).
+        assert_eq!(c.choose(4), 4);
+    }
+
+    #[test]
+    fn one_stalled_step_does_not_price_a_depth_out() {
+        let mut c = DepthController::new(6, None);
+        simulate(&mut c, 100, 1.0, 0.2);
+        assert!(c.choose(6) >= 5);
+        // The machine stalls for one deep round: fifty times its usual cost.
+        let k = c.choose(6);
+        c.record(k, k, 50.0);
+        simulate(&mut c, 50, 1.0, 0.2);
+        assert!(c.choose(6) >= 5);
     }
 }

@@ -391,17 +391,30 @@ impl Engine {
     /// ([`step_together`]) that reads the weights once for all of them: decode steps,
     /// speculative rounds' verify blocks (each drafted at its sequence's own depth) and prefill
     /// chunks within one chunk's worth of prompt tokens per pass. Sequences handing out tokens
-    /// a round already produced, finishing or cancelled step on their own.
+    /// a round already produced (all of them, then they join the pass), finishing or cancelled
+    /// step on their own.
     fn turn(&mut self) {
         let mut batch = Vec::new();
         let mut ended = Vec::new();
         for i in 0..self.active.len() {
-            let a = &self.active[i];
-            let cancelled = a.job.cancel.load(Ordering::Relaxed) || a.job.events.is_closed();
-            if a.gen.batchable() && !cancelled {
-                batch.push(i);
-            } else if self.step_one(i) {
-                ended.push(i);
+            // Tokens a round already produced are handed out all at once: a sequence that
+            // spent a turn on each would drift out of step with the others and they would
+            // take turns at the forward pass instead of sharing it.
+            loop {
+                let a = &self.active[i];
+                let cancelled = a.job.cancel.load(Ordering::Relaxed) || a.job.events.is_closed();
+                if a.gen.batchable() && !cancelled {
+                    batch.push(i);
+                    break;
+                }
+                let more = !cancelled && !a.gen.ready.is_empty();
+                if self.step_one(i) {
+                    ended.push(i);
+                    break;
+                }
+                if !more {
+                    break;
+                }
             }
         }
         if !batch.is_empty() {

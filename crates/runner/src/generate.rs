@@ -9,7 +9,7 @@
 
 use crate::depth::DepthController;
 use crate::protocol::{DoneReason, Stats};
-use crate::speculate::{DraftModel, DraftState, Proposal};
+use crate::speculate::{DraftModel, DraftState, Proposal, Verdict};
 use cache::prefix::CacheCheckpoint;
 use cache::LayerCache;
 use mlx::Array;
@@ -34,6 +34,10 @@ pub enum GenerateError {
 }
 
 pub type Result<T> = std::result::Result<T, GenerateError>;
+
+/// Committed tokens a drafter may lag behind at a round's start in the ordinary course (the
+/// pending token, the last draft); more, and the round's time is not its depth's price.
+const ROUND_LAG: usize = 2;
 
 /// What to generate.
 #[derive(Debug, Clone)]
@@ -357,19 +361,13 @@ impl Generation {
         step.events.into_iter().next().unwrap_or(Ok(None))
     }
 
-    /// Tells the controller that chose the depth how the step went.
-    pub(crate) fn record_depth(
-        &mut self,
-        ctx: &mut Ctx<'_>,
-        depth: usize,
-        accepted: usize,
-        t: Instant,
-    ) {
-        let seconds = t.elapsed().as_secs_f64();
+    /// Tells the controller that chose the depth what the round accepted. A controller of its
+    /// own is untimed; the engine's is told the step's time once, by [`step_together`].
+    pub(crate) fn record_depth(&mut self, ctx: &mut Ctx<'_>, depth: usize, accepted: usize) {
         if let Some(c) = &mut self.own_depth {
-            c.record(depth, accepted, seconds);
+            c.record(depth, accepted, 0.0);
         } else if let Some((_, c)) = &mut ctx.draft {
-            c.record(depth, accepted, seconds);
+            c.record_acceptance(depth, accepted);
         }
     }
 
@@ -508,8 +506,14 @@ pub fn step_together(
         _ => 0,
     };
     let mut pieces = Vec::with_capacity(gens.len());
+    // What the step's time is the price of: the deepest round on the engine's controller, when
+    // nothing else (a prefill chunk, a seeded row's deeper round) is in the step.
+    let mut priced: Option<usize> = None;
+    let mut unpriced = false;
+    let mut own_deepest = 0;
     for (r, g) in gens.iter_mut().enumerate() {
         if g.prefilling() {
+            unpriced = true;
             if budget == 0 {
                 pieces.push(Piece::Skip);
                 continue;
@@ -520,10 +524,23 @@ pub fn step_together(
             continue;
         }
         let depth = match g.own_choice(limits[r]) {
-            Some(d) => d,
-            None => shared.min(limits[r]),
+            Some(d) => {
+                own_deepest = own_deepest.max(d);
+                d
+            }
+            None => {
+                let d = shared.min(limits[r]);
+                if g.draft.is_some() {
+                    priced = priced.max(Some(d));
+                }
+                d
+            }
         };
         if depth > 0 {
+            // A round that also catches the drafter up is dearer than its depth: not a price.
+            if let Some((m, _)) = &ctx.draft {
+                unpriced |= g.drafter_lag(m) > ROUND_LAG;
+            }
             pieces.push(Piece::Draft(depth));
             continue;
         }
@@ -683,18 +700,52 @@ pub fn step_together(
         }
     }
 
-    // The pending tokens, read together in one evaluation.
-    let reads: Vec<&Array> = pieces
+    // The verifying rows' verdicts: the target's head once over every block, each row's
+    // acceptance graph on its slice.
+    let mut verdicts: Vec<Option<Result<Verdict>>> = (0..gens.len()).map(|_| None).collect();
+    let verifying: Vec<(usize, usize)> = pieces
+        .iter()
+        .enumerate()
+        .filter_map(|(i, p)| match p {
+            Piece::Verify(p) => Some((i, p.k + 1)),
+            _ => None,
+        })
+        .collect();
+    if !verifying.is_empty() {
+        let blocks = verifying
+            .iter()
+            .map(|&(i, _)| {
+                row_hidden[i].as_ref().ok_or_else(|| {
+                    GenerateError::BadRequest("a verify block without hidden states".into())
+                })
+            })
+            .collect::<Result<Vec<&Array>>>()?;
+        let logits = ctx.model.logits(&mlx::concatenate(&blocks, 1)?)?;
+        let mut at = 0;
+        for &(i, len) in &verifying {
+            let Piece::Verify(proposal) = &pieces[i] else {
+                continue;
+            };
+            let l = logits.slice_axis(1, at as i32, Some((at + len) as i32))?;
+            at += len;
+            verdicts[i] = Some(gens[i].verdict(ctx, proposal, &l));
+        }
+    }
+    // The pending tokens and the verdicts, read together in one evaluation.
+    let mut reads: Vec<&Array> = pieces
         .iter()
         .filter_map(|p| match p {
             Piece::Decode { current, .. } => Some(&current.tokens),
             _ => None,
         })
         .collect();
+    for v in verdicts.iter().flatten().flatten() {
+        reads.extend(v.arrays());
+    }
     mlx::eval(&reads)?;
     // From here on each sequence's work is its own: an error fails that sequence only.
     let mut events = Vec::with_capacity(gens.len());
-    for ((g, p), h) in gens.iter_mut().zip(pieces).zip(row_hidden) {
+    for (((g, p), h), verdict) in gens.iter_mut().zip(pieces).zip(row_hidden).zip(verdicts) {
         let finish_row = || -> Result<Option<Event>> {
             Ok(match p {
                 Piece::Decode { current, continues } => {
@@ -704,7 +755,7 @@ pub fn step_together(
                         g.snapshot_generated();
                     }
                     if g.draft.is_some() {
-                        g.record_depth(ctx, 0, 0, started);
+                        g.record_depth(ctx, 0, 0);
                     }
                     let logprob = g.logprob(&current)?;
                     Some(g.emit(ctx, id, logprob))
@@ -714,14 +765,22 @@ pub fn step_together(
                     let h = h.ok_or_else(|| {
                         GenerateError::BadRequest("a verify block without hidden states".into())
                     })?;
-                    let accepted = g.settle_round(ctx, *proposal, &h)?;
-                    g.record_depth(ctx, k, accepted, started);
+                    let verdict = verdict.ok_or_else(|| {
+                        GenerateError::BadRequest("a verify block without a verdict".into())
+                    })??;
+                    let accepted = g.settle_round(ctx, *proposal, verdict, &h)?;
+                    g.record_depth(ctx, k, accepted);
                     g.ready.pop_front()
                 }
                 Piece::Prefill { .. } | Piece::Draft(_) | Piece::Skip => None,
             })
         };
         events.push(finish_row());
+    }
+    if let (Some(k), Some((_, c))) = (priced, &mut ctx.draft) {
+        if !unpriced && own_deepest <= k {
+            c.record_cost(k, started.elapsed().as_secs_f64());
+        }
     }
     Ok(BatchStep {
         events,

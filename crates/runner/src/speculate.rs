@@ -224,6 +224,16 @@ impl Generation {
         }
     }
 
+    /// Committed tokens this sequence's drafter has yet to take in: a round's usual one or two,
+    /// or many after plain steps, when the round pays for catching up as well.
+    pub(crate) fn drafter_lag(&self, model: &DraftModel) -> usize {
+        match (model, &self.draft) {
+            (DraftModel::Model(_), Some(d)) => self.fed.len().saturating_sub(d.fed),
+            (DraftModel::Mtp, Some(d)) => self.fed.len().saturating_sub(d.fed + 1),
+            _ => 0,
+        }
+    }
+
     /// A seeded request's own choice of depth within `limit`; `None` for a request on the
     /// engine's controller.
     pub(crate) fn own_choice(&mut self, limit: usize) -> Option<usize> {
@@ -356,17 +366,52 @@ impl Generation {
         })
     }
 
-    /// A round's second half, given the target's hidden states `[1, k+1, H]` over
-    /// [`Proposal::tokens`] (its caches advanced by them): accept or reject, rewind, emit.
+    /// A round's verdict, as a graph: the target's distributions over [`Proposal::tokens`] from
+    /// its `logits` `[k+1, V]`, then accept or reject each draft, the resampled token and the
+    /// bonus. Built for every verifying row of a step before any is read, so that one
+    /// evaluation serves them all.
+    pub(crate) fn verdict(
+        &self,
+        ctx: &mut Ctx<'_>,
+        proposal: &Proposal,
+        logits: &Array,
+    ) -> Result<Verdict> {
+        let (k, slot, dcat) = (proposal.k, self.slot, &proposal.dcat);
+        let v = *logits.shape().last().unwrap_or(&0);
+        let logits = logits.reshape(&[k as i32 + 1, v])?.astype(Dtype::F32)?;
+        let p = ctx.sampler.distribution(slot, &logits, Some(dcat))?;
+        let q = Distribution::concat(&proposal.qs.iter().collect::<Vec<_>>())?;
+        let p_rows = p.slice_rows(0, k as i32)?;
+        let pd = p_rows.prob_of(dcat)?;
+        let qd = q.prob_of(dcat)?;
+        let ratio = pd.divide(&qd.maximum_scalar(1e-30)?)?.minimum_scalar(1.0)?;
+        let accept = ctx.sampler.bernoulli(slot, &ratio)?;
+        let resampled = ctx
+            .sampler
+            .sample_distribution(slot, &Distribution::residual(&p_rows, &q)?)?;
+        let bonus = ctx
+            .sampler
+            .sample_distribution(slot, &p.slice_rows(k as i32, k as i32 + 1)?)?;
+        let current = proposal.current.tokens.astype(Dtype::I32)?;
+        Ok(Verdict {
+            accept,
+            resampled,
+            bonus,
+            current,
+        })
+    }
+
+    /// A round's second half, given its [`Verdict`] and the target's hidden states
+    /// `[1, k+1, H]` over [`Proposal::tokens`] (its caches advanced by them): read the verdict,
+    /// rewind, emit.
     pub(crate) fn settle_round(
         &mut self,
         ctx: &mut Ctx<'_>,
         proposal: Proposal,
+        verdict: Verdict,
         hidden: &Array,
     ) -> Result<usize> {
         let Proposal {
-            current,
-            qs,
             dcat,
             k,
             mut state,
@@ -378,26 +423,12 @@ impl Generation {
             None => return Err(GenerateError::BadRequest("no drafter".into())),
         };
         let slot = self.slot;
-        // 2. Verify: the target's distributions over [current, d1..dk].
-        let logits = ctx.model.logits(hidden)?;
-        let v = *logits.shape().last().unwrap_or(&0);
-        let logits = logits.reshape(&[k as i32 + 1, v])?.astype(Dtype::F32)?;
-        let p = ctx.sampler.distribution(slot, &logits, Some(&dcat))?;
-
-        // 3. Accept or reject, resample, bonus: one graph, one read.
-        let q = Distribution::concat(&qs.iter().collect::<Vec<_>>())?;
-        let p_rows = p.slice_rows(0, k as i32)?;
-        let pd = p_rows.prob_of(&dcat)?;
-        let qd = q.prob_of(&dcat)?;
-        let ratio = pd.divide(&qd.maximum_scalar(1e-30)?)?.minimum_scalar(1.0)?;
-        let accept = ctx.sampler.bernoulli(slot, &ratio)?;
-        let resampled = ctx
-            .sampler
-            .sample_distribution(slot, &Distribution::residual(&p_rows, &q)?)?;
-        let bonus = ctx
-            .sampler
-            .sample_distribution(slot, &p.slice_rows(k as i32, k as i32 + 1)?)?;
-        let cur_flat = current.tokens.astype(Dtype::I32)?;
+        let Verdict {
+            accept,
+            resampled,
+            bonus,
+            current: cur_flat,
+        } = verdict;
         mlx::eval(&[&accept, &resampled, &bonus, &dcat, &cur_flat])?;
         let cur_id = cur_flat.to_vec::<i32>()?[0] as u32;
         let d: Vec<u32> = dcat
@@ -485,6 +516,24 @@ impl Generation {
             });
         }
         Ok(n)
+    }
+}
+
+/// A round's accept/reject decisions and replacement tokens, not yet read.
+pub(crate) struct Verdict {
+    /// `[k]` bool: draft `j` accepted (given the ones before it were).
+    accept: Array,
+    /// `[k]`: the token that replaces draft `j` if it is the first one rejected.
+    resampled: Array,
+    /// `[1]`: the token after a fully accepted block.
+    bonus: Array,
+    /// The pending token the drafts followed, as int32.
+    current: Array,
+}
+
+impl Verdict {
+    pub(crate) fn arrays(&self) -> [&Array; 4] {
+        [&self.accept, &self.resampled, &self.bonus, &self.current]
     }
 }
 
