@@ -200,54 +200,56 @@ impl Gemma4Assistant {
         hidden: &Array,
         kv: &SharedKv,
     ) -> Result<AssistantStep> {
+        self.step_rows(target, token, hidden, &[kv])
+    }
+
+    /// One draft step for several sequences at once: row `i` of `tokens` (`[1, R]` int32) and of
+    /// `hidden` (`[1, R, H_t]`) drafts over `kvs[i]`, its own target's K/V. Projections,
+    /// feed-forwards and the head run once for all rows; each row's queries and attention are
+    /// its own (its position, its keys). Logits `[R, V]`, hidden `[1, R, H_t]`.
+    pub fn step_rows(
+        &self,
+        target: &Gemma4,
+        tokens: &Array,
+        hidden: &Array,
+        kvs: &[&SharedKv],
+    ) -> Result<AssistantStep> {
         let eps = self.cfg.rms_norm_eps;
-        let s = kv.offset;
-        let pos = match self.position {
-            QueryPosition::Bonus => s,
-            QueryPosition::LastCommitted => s.saturating_sub(1),
-        };
-        let e = target.embed_scaled(token)?;
-        let x = mlx::concatenate(&[&e, &hidden.reshape(&[1, 1, self.backbone])?], -1)?;
+        let rows = kvs.len() as i32;
+        let e = target.embed_scaled(&tokens.reshape(&[1, rows])?)?;
+        let x = mlx::concatenate(&[&e, &hidden.reshape(&[1, rows, self.backbone])?], -1)?;
         let mut z = self.pre_projection.forward(&x)?;
-        // transformers' assistant mask: every full-attention key, and the last W + 1 sliding
-        // keys (its bidirectional window counts |q − k| ≤ W).
-        let w = self.cfg.sliding_window;
         for layer in &self.layers {
-            let (k, v, mask) = match layer.spec.kind {
-                LayerKind::Full => {
-                    let (k, v) = kv.full.as_ref().ok_or_else(|| {
-                        ModelError::Invalid("the target has no full-attention K/V yet".into())
-                    })?;
-                    (k, v, AttnMask::None)
-                }
-                LayerKind::Sliding => {
-                    let (k, v, p) = kv.sliding.as_ref().ok_or_else(|| {
-                        ModelError::Invalid("the target has no sliding-window K/V yet".into())
-                    })?;
-                    let lo = s as i32 - 1 - w;
-                    let visible: Vec<bool> = p.iter().map(|&q| q >= 0 && q >= lo).collect();
-                    let mask = if visible.iter().all(|&b| b) {
-                        AttnMask::None
-                    } else {
-                        AttnMask::Array(Array::from_slice(&visible, &[1, visible.len() as i32])?)
-                    };
-                    (k, v, mask)
-                }
-            };
             let rope = match layer.spec.kind {
                 LayerKind::Sliding => &self.rope_sliding,
                 LayerKind::Full => &self.rope_full,
             };
             let xn = norm(&z, Some(&layer.input_norm), eps)?;
-            let q = layer.attn.queries(&xn, rope, pos, eps)?;
-            let a = layer.attn.output(&q, k, v, &mask)?;
+            let mut outs = Vec::with_capacity(kvs.len());
+            for (r, kv) in kvs.iter().enumerate() {
+                let (k, v, mask) = self.row_kv(layer.spec.kind, kv)?;
+                let x_r = if rows == 1 {
+                    xn.clone()
+                } else {
+                    xn.slice_axis(1, r as i32, Some(r as i32 + 1))?
+                };
+                let q = layer
+                    .attn
+                    .queries(&x_r, rope, self.query_position(kv), eps)?;
+                outs.push(layer.attn.output(&q, k, v, &mask)?);
+            }
+            let a = if rows == 1 {
+                outs.pop().expect("one row")
+            } else {
+                mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 1)?
+            };
             z = z.add(&norm(&a, Some(&layer.post_attn_norm), eps)?)?;
             z = z.add(&layer.feed_forward(&z, eps)?)?;
             z = z.multiply(&layer.layer_scalar)?;
         }
         let n = norm(&z, Some(&self.norm), eps)?;
         let logits = match &self.centroid {
-            None => self.embed.as_linear(&n)?.reshape(&[1, -1])?,
+            None => self.embed.as_linear(&n)?.reshape(&[rows, -1])?,
             Some(c) => self.centroid_logits(c, &n)?,
         };
         Ok(AssistantStep {
@@ -257,22 +259,69 @@ impl Gemma4Assistant {
         })
     }
 
-    /// The sparse head: only the tokens of the top-k centroids get logits.
+    /// Where a row's query sits, given its target's K/V.
+    fn query_position(&self, kv: &SharedKv) -> usize {
+        match self.position {
+            QueryPosition::Bonus => kv.offset,
+            QueryPosition::LastCommitted => kv.offset.saturating_sub(1),
+        }
+    }
+
+    /// A row's keys, values and mask for a layer of `kind`: transformers' assistant mask, every
+    /// full-attention key and the last W + 1 sliding keys (its bidirectional window counts
+    /// |q − k| ≤ W).
+    fn row_kv<'a>(
+        &self,
+        kind: LayerKind,
+        kv: &'a SharedKv,
+    ) -> Result<(&'a Array, &'a Array, AttnMask)> {
+        match kind {
+            LayerKind::Full => {
+                let (k, v) = kv.full.as_ref().ok_or_else(|| {
+                    ModelError::Invalid("the target has no full-attention K/V yet".into())
+                })?;
+                Ok((k, v, AttnMask::None))
+            }
+            LayerKind::Sliding => {
+                let (k, v, p) = kv.sliding.as_ref().ok_or_else(|| {
+                    ModelError::Invalid("the target has no sliding-window K/V yet".into())
+                })?;
+                let lo = kv.offset as i32 - 1 - self.cfg.sliding_window;
+                let visible: Vec<bool> = p.iter().map(|&q| q >= 0 && q >= lo).collect();
+                let mask = if visible.iter().all(|&b| b) {
+                    AttnMask::None
+                } else {
+                    AttnMask::Array(Array::from_slice(&visible, &[1, visible.len() as i32])?)
+                };
+                Ok((k, v, mask))
+            }
+        }
+    }
+
+    /// The sparse head, row by row of `n` (`[1, R, H]`): only the tokens of each row's top-k
+    /// centroids get logits; `[R, V]`.
     fn centroid_logits(&self, c: &CentroidHead, n: &Array) -> Result<Array> {
         let v = self.cfg.vocab_size;
-        let n = n.reshape(&[1, -1])?;
-        let scores = c.centroids.forward(&n)?; // [1, C]
+        let h = *n.shape().last().unwrap_or(&0);
+        let n = n.reshape(&[-1, h])?; // [R, H]
+        let rows = n.shape()[0];
+        let scores = c.centroids.forward(&n)?; // [R, C]
         let k = c.top_k;
         let top = scores
             .negative()?
             .argpartition(k - 1, -1)?
-            .slice_axis(-1, 0, Some(k))?
-            .reshape(&[-1])?;
-        let cand = c.ordering.take(&top, 0)?.reshape(&[-1])?; // [k * V/C]
-        let sel = self.embed.lookup(&cand)?; // [k * V/C, H]
-        let vals = n.matmul(&sel.t()?)?; // [1, k * V/C]
-        let floor = Array::full(&[1, v], f64::NEG_INFINITY, Dtype::F32)?;
-        Ok(floor.put_along_axis(&cand.reshape(&[1, -1])?, &vals.astype(Dtype::F32)?, -1)?)
+            .slice_axis(-1, 0, Some(k))?; // [R, k]
+        let cand = c
+            .ordering
+            .take(&top.reshape(&[-1])?, 0)?
+            .reshape(&[rows, -1])?; // [R, k·V/C]
+        let sel = self.embed.lookup(&cand)?; // [R, k·V/C, H]
+        let vals = n
+            .reshape(&[rows, 1, h])?
+            .matmul(&sel.transpose(&[0, 2, 1])?)?
+            .reshape(&[rows, -1])?; // [R, k·V/C]
+        let floor = Array::full(&[rows, v], f64::NEG_INFINITY, Dtype::F32)?;
+        Ok(floor.put_along_axis(&cand, &vals.astype(Dtype::F32)?, -1)?)
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -287,3 +287,79 @@ fn a_draft_with_another_tokenizer_of_the_same_size_is_refused() {
     .expect("a special token that is not special is refused");
     assert!(e.contains("as special"), "{e}");
 }
+
+/// The assistant's batched step gives each row what its single step gives: three sequences of
+/// different lengths (one past the sliding window), each over its own target caches, both
+/// heads.
+#[test]
+fn assistant_rows_step_as_each_row_alone() {
+    for name in ["gemma4_assistant", "gemma4_assistant_dense"] {
+        let target = load(&fixture("gemma4_e2b_like"), DtypeChoice::Fixed(Dtype::F32)).unwrap();
+        let Draft::Assistant(a) =
+            load_draft(&fixture(name), &target, DtypeChoice::Fixed(Dtype::F32)).unwrap()
+        else {
+            panic!("not an assistant")
+        };
+        let gemma = target.model.as_any().downcast_ref::<Gemma4>().unwrap();
+        let prompts: [&[i32]; 3] = [&[5, 9, 2], &[7, 1, 4, 4, 8, 30, 11, 3, 12, 6, 2, 19], &[3]];
+        let mut kvs = Vec::new();
+        let mut hiddens = Vec::new();
+        for p in prompts {
+            let mut caches = gemma.make_caches();
+            let h = gemma
+                .forward(
+                    &Array::from_slice(p, &[1, p.len() as i32]).unwrap(),
+                    &mut caches,
+                )
+                .unwrap();
+            hiddens.push(
+                h.index(&[Ix::full(), Ix::slice(Some(-1), None, 1)])
+                    .unwrap(),
+            );
+            kvs.push(gemma.shared_kv(&caches).unwrap());
+        }
+        let tokens = [21, 0, 17];
+        let alone: Vec<_> = (0..3)
+            .map(|r| {
+                a.step(
+                    gemma,
+                    &Array::from_slice(&[tokens[r]], &[1, 1]).unwrap(),
+                    &hiddens[r],
+                    &kvs[r],
+                )
+                .unwrap()
+            })
+            .collect();
+        let refs: Vec<&Array> = hiddens.iter().collect();
+        let together = a
+            .step_rows(
+                gemma,
+                &Array::from_slice(&tokens, &[1, 3]).unwrap(),
+                &mlx::concatenate(&refs, 1).unwrap(),
+                &kvs.iter().collect::<Vec<_>>(),
+            )
+            .unwrap();
+        for (r, one) in alone.iter().enumerate() {
+            let r = r as i32;
+            let logits = together.logits.slice_axis(0, r, Some(r + 1)).unwrap();
+            let hidden = together.hidden.slice_axis(1, r, Some(r + 1)).unwrap();
+            // Candidates outside a centroid head are -inf in both: compare where finite.
+            let (x, y) = (f32s(&logits), f32s(&one.logits));
+            assert_eq!(
+                x.iter().map(|v| v.is_finite()).collect::<Vec<_>>(),
+                y.iter().map(|v| v.is_finite()).collect::<Vec<_>>(),
+                "{name} row {r}: candidates"
+            );
+            let fin = |v: &[f32]| {
+                v.iter()
+                    .map(|&t| if t.is_finite() { t } else { 0.0 })
+                    .collect::<Vec<_>>()
+            };
+            assert!(max_diff(&fin(&x), &fin(&y)) < 1e-5, "{name} row {r} logits");
+            assert!(
+                max_diff(&f32s(&hidden), &f32s(&one.hidden)) < 1e-5,
+                "{name} row {r} hidden"
+            );
+        }
+    }
+}

@@ -553,22 +553,12 @@ pub fn step_together(
         pieces.push(Piece::Decode { current, continues });
     }
 
-    // Drafting: a separate drafter or GLM's MTP layer runs for all drafting rows at once, in
-    // lockstep; the assistant drafts row by row (it reads each row's target caches).
+    // Drafting: the drafter runs for all drafting rows at once, in lockstep, one pass per draft
+    // position.
     let drafting: Vec<usize> = (0..pieces.len())
         .filter(|&i| matches!(pieces[i], Piece::Draft(_)))
         .collect();
     if !drafting.is_empty() {
-        enum Lockstep {
-            Model,
-            Mtp,
-            No,
-        }
-        let lockstep = match &ctx.draft {
-            Some((DraftModel::Model(_), _)) => Lockstep::Model,
-            Some((DraftModel::Mtp, _)) => Lockstep::Mtp,
-            _ => Lockstep::No,
-        };
         let depths: Vec<usize> = drafting
             .iter()
             .map(|&i| match pieces[i] {
@@ -576,24 +566,28 @@ pub fn step_together(
                 _ => 0,
             })
             .collect();
-        let proposals = if let Lockstep::No = lockstep {
-            drafting
-                .iter()
-                .zip(&depths)
-                .map(|(&i, &k)| gens[i].propose(ctx, k))
-                .collect::<Result<Vec<_>>>()?
-        } else {
-            let mut rows: Vec<&mut Generation> = gens
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| drafting.contains(i))
-                .map(|(_, g)| &mut **g)
-                .collect();
-            match lockstep {
-                Lockstep::Mtp => crate::speculate::propose_mtp_together(ctx, &mut rows, &depths)?,
-                _ => crate::speculate::propose_together(ctx, &mut rows, &depths)?,
+        let mut rows: Vec<&mut Generation> = gens
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| drafting.contains(i))
+            .map(|(_, g)| &mut **g)
+            .collect();
+        use crate::speculate::{
+            propose_assistant_together, propose_mtp_together, propose_together,
+        };
+        let proposals = match &ctx.draft {
+            Some((DraftModel::Model(_), _)) => propose_together(ctx, &mut rows, &depths)?,
+            Some((DraftModel::Mtp, _)) => propose_mtp_together(ctx, &mut rows, &depths)?,
+            Some((DraftModel::Assistant(_), _)) => {
+                propose_assistant_together(ctx, &mut rows, &depths)?
+            }
+            None => {
+                return Err(GenerateError::BadRequest(
+                    "a draft round without a drafter".into(),
+                ))
             }
         };
+        drop(rows);
         for (&i, p) in drafting.iter().zip(proposals) {
             pieces[i] = Piece::Verify(Box::new(p));
         }

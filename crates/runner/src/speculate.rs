@@ -17,7 +17,7 @@
 use crate::generate::{tokens_array, Ctx, Event, GenerateError, Generation, Result, RoundReport};
 use cache::{LatentCache, LayerCache};
 use mlx::{Array, Dtype, Ix};
-use models::gemma4::Gemma4;
+use models::gemma4::{Gemma4, SharedKv};
 use models::gemma4_assistant::Gemma4Assistant;
 use models::glm4_moe_lite::Glm4MoeLite;
 use models::CausalLm;
@@ -272,100 +272,6 @@ impl Generation {
         by_ctx.min(by_len)
     }
 
-    /// A round's first half: the drafter proposes `k` tokens after the pending one. The target
-    /// then runs [`Proposal::tokens`] (alone, or packed with other sequences' work) and
-    /// [`Generation::settle_round`] accepts.
-    pub(crate) fn propose(&mut self, ctx: &mut Ctx<'_>, k: usize) -> Result<Proposal> {
-        let (Some(current), Some(h_prev)) = (self.pending.take(), self.last_hidden.clone()) else {
-            return Err(GenerateError::BadRequest(
-                "a speculative round needs a pending token".into(),
-            ));
-        };
-        let model: &DraftModel = match &ctx.draft {
-            Some((m, _)) => m,
-            None => return Err(GenerateError::BadRequest("no drafter".into())),
-        };
-        let Some(mut state) = self.draft.take() else {
-            return Err(GenerateError::BadRequest("no drafting state".into()));
-        };
-        let slot = self.slot;
-        let s = self.fed.len();
-        let cur = current.tokens.reshape(&[1, 1])?.astype(Dtype::I32)?;
-
-        // 1. Draft.
-        let mut drafts: Vec<Array> = Vec::with_capacity(k);
-        let mut qs: Vec<Distribution> = Vec::with_capacity(k);
-        match model {
-            DraftModel::Assistant(a) => {
-                let gemma = ctx.model.as_any().downcast_ref::<Gemma4>().ok_or_else(|| {
-                    GenerateError::BadRequest("the assistant needs a gemma4 target".into())
-                })?;
-                let kv = gemma.shared_kv(&self.caches)?;
-                let (mut tok, mut h) = (cur.clone(), h_prev.clone());
-                for _ in 0..k {
-                    let out = a.step(gemma, &tok, &h, &kv)?;
-                    let q =
-                        ctx.sampler
-                            .distribution(slot, &out.logits, prefix(&drafts)?.as_ref())?;
-                    let d = ctx.sampler.sample_distribution(slot, &q)?;
-                    tok = d.reshape(&[1, 1])?;
-                    h = out.hidden;
-                    drafts.push(d);
-                    qs.push(q);
-                }
-            }
-            DraftModel::Mtp => {
-                state.catch_up_mtp(ctx.model, &self.fed)?;
-                let (mtp, rope) = mtp_parts(ctx.model)?;
-                let (mut tok, mut h) = (cur.clone(), h_prev.clone());
-                for _ in 0..k {
-                    let (u, logits) = mtp.forward(&tok, &h, latent(&mut state.caches)?, rope)?;
-                    let logits = logits.reshape(&[1, -1])?.astype(Dtype::F32)?;
-                    let q = ctx
-                        .sampler
-                        .distribution(slot, &logits, prefix(&drafts)?.as_ref())?;
-                    let d = ctx.sampler.sample_distribution(slot, &q)?;
-                    tok = d.reshape(&[1, 1])?;
-                    h = u;
-                    drafts.push(d);
-                    qs.push(q);
-                }
-            }
-            DraftModel::Model(m) => {
-                let mut hidden = state
-                    .catch_up_model(&**m, &self.fed, Some(&cur))?
-                    .ok_or_else(|| GenerateError::BadRequest("the drafter got no input".into()))?;
-                for j in 0..k {
-                    let logits = m.logits(&hidden)?.reshape(&[1, -1])?.astype(Dtype::F32)?;
-                    let q = ctx
-                        .sampler
-                        .distribution(slot, &logits, prefix(&drafts)?.as_ref())?;
-                    let d = ctx.sampler.sample_distribution(slot, &q)?;
-                    if j + 1 < k {
-                        hidden = m.forward(&d.reshape(&[1, 1])?, &mut state.caches)?;
-                        state.fed += 1;
-                    }
-                    drafts.push(d);
-                    qs.push(q);
-                }
-            }
-        }
-
-        let refs: Vec<&Array> = drafts.iter().collect();
-        let dcat = mlx::concatenate(&refs, 0)?.astype(Dtype::I32)?;
-        let tokens =
-            mlx::concatenate(&[&cur.reshape(&[1])?, &dcat], 0)?.reshape(&[1, k as i32 + 1])?;
-        Ok(Proposal {
-            current,
-            qs,
-            dcat,
-            tokens,
-            k,
-            state,
-            s,
-        })
-    }
-
     /// A round's verdict, as a graph: the target's distributions over [`Proposal::tokens`] from
     /// its `logits` `[k+1, V]`, then accept or reject each draft, the resampled token and the
     /// bonus. Built for every verifying row of a step before any is read, so that one
@@ -538,7 +444,7 @@ impl Verdict {
 }
 
 /// What a drafter takes in for one row of a lockstep pass: tokens `[1, l]` and, for GLM's MTP
-/// layer, the hidden states paired with them `[1, l, H]`.
+/// layer and the assistant, the hidden states paired with them `[1, l, H]`.
 struct Feed {
     tokens: Array,
     hidden: Option<Array>,
@@ -546,19 +452,22 @@ struct Feed {
 
 /// One lockstep pass of a drafter over the active rows (their states, in order): the packed
 /// tokens and hiddens, each row's length; returns each row's logits at its last position
-/// `[A, V]` and, for MTP, the block outputs `[1, T, H]` the next position pairs with.
+/// `[A, V]` and, for MTP and the assistant, the hidden outputs `[1, T, H]` the next position
+/// pairs with. The last argument is the rows' indices among the round's drafting rows.
 type Pass<'a> = dyn FnMut(
         &mut [&mut DraftState],
         &Array,
         Option<&Array>,
+        &[usize],
         &[usize],
     ) -> Result<(Array, Option<Array>)>
     + 'a;
 
 /// Drafts for several sequences in lockstep: each pass of the drafter runs once for every row
 /// still drafting (`first[i]` is what row i takes in first, `depths[i]` its depth), then each
-/// row's draft is drawn from its own distribution exactly as [`Generation::propose`] draws it,
-/// and fed (with its block output, for MTP) to the next pass. Returns the proposals, with the
+/// row's draft is drawn from its own distribution (its slot's options and key, penalties
+/// extended by the drafts before it) and fed (with the pass's hidden output, for MTP and the
+/// assistant) to the next pass. One sequence drafting alone is the one-row case. Returns the proposals, with the
 /// rows' pending tokens `current`, drafter `states` and int32 pending tokens `curs`.
 #[allow(clippy::too_many_arguments)]
 fn lockstep(
@@ -593,7 +502,7 @@ fn lockstep(
                 .iter()
                 .map(|&i| by_row[i].take().expect("a row once per pass"))
                 .collect();
-            pass(&mut rows, &toks, hid.as_ref(), &lens)?
+            pass(&mut rows, &toks, hid.as_ref(), &lens, &active)?
         };
         let logits = logits.astype(Dtype::F32)?;
         let mut next = (Vec::new(), Vec::new());
@@ -693,28 +602,31 @@ pub(crate) fn propose_together(
         });
     }
     // The last draft of each row is sampled but not fed: the drafter holds the pending token
-    // and d1..d(k-1), as in `propose`.
-    let mut pass =
-        |rows: &mut [&mut DraftState], toks: &Array, _: Option<&Array>, lens: &[usize]| {
-            let mut packed: Vec<models::PackedRow<'_>> = rows
-                .iter_mut()
-                .zip(lens)
-                .map(|(st, &len)| models::PackedRow {
-                    len,
-                    caches: &mut st.caches,
-                })
-                .collect();
-            let hidden = m.forward_packed(toks, &mut packed)?;
-            drop(packed);
-            for (st, &l) in rows.iter_mut().zip(lens) {
-                st.fed += l;
-            }
-            let ends = last_positions(lens);
-            let last = hidden.take(&Array::from_slice(&ends, &[ends.len() as i32])?, 1)?;
-            let logits = m.logits(&last)?;
-            let v = *logits.shape().last().unwrap_or(&0);
-            Ok((logits.reshape(&[lens.len() as i32, v])?, None))
-        };
+    // and d1..d(k-1); the round settles its cache to the committed tokens.
+    let mut pass = |rows: &mut [&mut DraftState],
+                    toks: &Array,
+                    _: Option<&Array>,
+                    lens: &[usize],
+                    _: &[usize]| {
+        let mut packed: Vec<models::PackedRow<'_>> = rows
+            .iter_mut()
+            .zip(lens)
+            .map(|(st, &len)| models::PackedRow {
+                len,
+                caches: &mut st.caches,
+            })
+            .collect();
+        let hidden = m.forward_packed(toks, &mut packed)?;
+        drop(packed);
+        for (st, &l) in rows.iter_mut().zip(lens) {
+            st.fed += l;
+        }
+        let ends = last_positions(lens);
+        let last = hidden.take(&Array::from_slice(&ends, &[ends.len() as i32])?, 1)?;
+        let logits = m.logits(&last)?;
+        let v = *logits.shape().last().unwrap_or(&0);
+        Ok((logits.reshape(&[lens.len() as i32, v])?, None))
+    };
     lockstep(ctx, gens, depths, first, current, states, curs, &mut pass)
 }
 
@@ -764,17 +676,70 @@ pub(crate) fn propose_mtp_together(
             hidden: Some(mlx::concatenate(&h.iter().collect::<Vec<_>>(), 1)?),
         });
     }
-    let mut pass =
-        |rows: &mut [&mut DraftState], toks: &Array, hid: Option<&Array>, lens: &[usize]| {
-            let hid = hid.ok_or_else(|| {
-                GenerateError::BadRequest("the MTP layer pairs every token with a hidden".into())
-            })?;
-            let mut caches = rows
-                .iter_mut()
-                .map(|st| latent(&mut st.caches))
-                .collect::<Result<Vec<&mut LatentCache>>>()?;
-            let (u, logits) = mtp.forward_rows(toks, hid, &mut caches, lens, rope)?;
-            Ok((logits, Some(u)))
-        };
+    let mut pass = |rows: &mut [&mut DraftState],
+                    toks: &Array,
+                    hid: Option<&Array>,
+                    lens: &[usize],
+                    _: &[usize]| {
+        let hid = hid.ok_or_else(|| {
+            GenerateError::BadRequest("the MTP layer pairs every token with a hidden".into())
+        })?;
+        let mut caches = rows
+            .iter_mut()
+            .map(|st| latent(&mut st.caches))
+            .collect::<Result<Vec<&mut LatentCache>>>()?;
+        let (u, logits) = mtp.forward_rows(toks, hid, &mut caches, lens, rope)?;
+        Ok((logits, Some(u)))
+    };
+    lockstep(ctx, gens, depths, first, current, states, curs, &mut pass)
+}
+
+/// Proposals of several sequences that draft with the gemma4 assistant, in lockstep
+/// ([`lockstep`]): each pass is one assistant step for every row still drafting, each row
+/// attending to its own target's K/V ([`Gemma4Assistant::step_rows`]).
+pub(crate) fn propose_assistant_together(
+    ctx: &mut Ctx<'_>,
+    gens: &mut [&mut Generation],
+    depths: &[usize],
+) -> Result<Vec<Proposal>> {
+    let a: &Gemma4Assistant = match &ctx.draft {
+        Some((DraftModel::Assistant(a), _)) => a,
+        _ => {
+            return Err(GenerateError::BadRequest(
+                "lockstep drafting needs the assistant".into(),
+            ))
+        }
+    };
+    let gemma =
+        ctx.model.as_any().downcast_ref::<Gemma4>().ok_or_else(|| {
+            GenerateError::BadRequest("the assistant needs a gemma4 target".into())
+        })?;
+    let kvs = gens
+        .iter()
+        .map(|g| gemma.shared_kv(&g.caches))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let (current, states, curs) = take_rows(gens)?;
+    let mut first = Vec::with_capacity(gens.len());
+    for (g, cur) in gens.iter().zip(&curs) {
+        let h_prev = g.last_hidden.clone().ok_or_else(|| {
+            GenerateError::BadRequest("a speculative round needs a hidden state".into())
+        })?;
+        first.push(Feed {
+            tokens: cur.clone(),
+            hidden: Some(h_prev.reshape(&[1, 1, -1])?),
+        });
+    }
+    let mut pass = |_: &mut [&mut DraftState],
+                    toks: &Array,
+                    hid: Option<&Array>,
+                    _: &[usize],
+                    active: &[usize]| {
+        let hid = hid.ok_or_else(|| {
+            GenerateError::BadRequest("the assistant takes a hidden state with each token".into())
+        })?;
+        let rows: Vec<&SharedKv> = active.iter().map(|&i| &kvs[i]).collect();
+        let out = a.step_rows(gemma, toks, hid, &rows)?;
+        Ok((out.logits, Some(out.hidden)))
+    };
     lockstep(ctx, gens, depths, first, current, states, curs, &mut pass)
 }
