@@ -615,6 +615,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         eos: loaded.tokenizer.eos_ids().to_vec(),
         checkpoints: Vec::new(),
         snapshot_every: None,
+        constraint: None,
     };
     let tok = &loaded.tokenizer;
     let mut sampler = Sampler::new(num_ctx);

@@ -145,6 +145,11 @@ impl Tokenizer {
         self.decode(&[id]).unwrap_or_default()
     }
 
+    /// The `tokenizer.json` it was read from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     pub fn eos_ids(&self) -> &[u32] {
         &self.eos
     }

@@ -108,7 +108,7 @@ pub struct CompletionJob {
 }
 
 pub enum Job {
-    Complete(CompletionJob),
+    Complete(Box<CompletionJob>),
     /// Ends every stream and stops the engine.
     Shutdown,
 }
@@ -118,6 +118,10 @@ pub enum Job {
 pub struct Shared {
     pub tokenizer: OnceLock<Arc<Tokenizer>>,
     pub context_length: AtomicUsize,
+    /// The width of the model's logits (for structured output's masks).
+    pub vocab_size: AtomicUsize,
+    /// Structured output's view of the vocabulary, built on the first request that needs it.
+    pub grammar: OnceLock<std::result::Result<Arc<grammar::Vocabulary>, String>>,
     /// MLX active + cache bytes, refreshed by the engine after every turn.
     pub memory: AtomicU64,
     pub cache_memory: AtomicU64,
@@ -188,6 +192,9 @@ fn engine_main(
         .unwrap_or(model.model.max_context())
         .min(model.model.max_context());
     shared.context_length.store(ctx_len, Ordering::Relaxed);
+    shared
+        .vocab_size
+        .store(model.model.vocab_size(), Ordering::Relaxed);
     let _ = shared.architecture.set(model.model.architecture());
     let budget = cfg.cache_budget.unwrap_or(mlx::memory::limit() / 4);
     let controllers = (0..BATCH_BUCKETS)
@@ -279,7 +286,7 @@ impl Engine {
             };
             for job in incoming {
                 match job {
-                    Job::Complete(j) => self.queue.push_back(j),
+                    Job::Complete(j) => self.queue.push_back(*j),
                     Job::Shutdown => {
                         self.shutdown();
                         return;

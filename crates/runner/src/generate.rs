@@ -31,6 +31,8 @@ pub enum GenerateError {
     Cache(#[from] cache::CacheError),
     #[error(transparent)]
     Mlx(#[from] mlx::Error),
+    #[error(transparent)]
+    Grammar(#[from] grammar::GrammarError),
 }
 
 pub type Result<T> = std::result::Result<T, GenerateError>;
@@ -59,6 +61,8 @@ pub struct GenerationParams {
     /// later prompt that leaves this answer part-way (a re-rendered or edited answer) resumes
     /// near where it leaves; `None` when the model has no rotating caches.
     pub snapshot_every: Option<usize>,
+    /// Structured output: the grammar every generated token must keep to.
+    pub constraint: Option<Box<grammar::Constraint>>,
 }
 
 /// The borrowed pieces a generation runs on.
@@ -361,6 +365,25 @@ impl Generation {
         step.events.into_iter().next().unwrap_or(Ok(None))
     }
 
+    /// Structured output: the additive logit bias (0 allowed, −∞ not) for the token this step
+    /// samples, having taken in the token this step feeds (`fed`: none after the prompt);
+    /// `None` without a constraint.
+    fn grammar_bias(&mut self, fed: Option<&Sampled>, width: usize) -> Result<Option<Vec<f32>>> {
+        let Some(c) = self.params.constraint.as_mut() else {
+            return Ok(None);
+        };
+        if let Some(current) = fed {
+            let id = current.tokens.to_vec::<i32>()?[0] as u32;
+            if self.params.eos.contains(&id) {
+                // Fed before it was read (decoding is pipelined): the sequence ends at it, and
+                // what this step samples is never used.
+                return Ok(None);
+            }
+            c.consume(id)?;
+        }
+        Ok(Some(c.allowed()?.bias(width)))
+    }
+
     /// Tells the controller that chose the depth what the round accepted. A controller of its
     /// own is untimed; the engine's is told the step's time once, by [`step_together`].
     pub(crate) fn record_depth(&mut self, ctx: &mut Ctx<'_>, depth: usize, accepted: usize) {
@@ -618,6 +641,8 @@ pub fn step_together(
     }
     let rows_fed = lens.iter().flatten().count();
     let tokens_fed: usize = lens.iter().flatten().sum();
+    // A row whose own work failed before the end of the step (its grammar).
+    let mut row_errors: Vec<Option<GenerateError>> = (0..gens.len()).map(|_| None).collect();
     // Each fed row's hidden states `[1, len, H]`, for verification and the drafters.
     let mut row_hidden: Vec<Option<Array>> = vec![None; gens.len()];
     if rows_fed > 0 {
@@ -683,7 +708,32 @@ pub fn step_together(
             let last = hidden.take(&idx, 1)?; // [1, S, H]
             let logits = ctx.model.logits(&last)?;
             let v = logits.shape();
-            let logits = logits.reshape(&[sampling.len() as i32, v[v.len() - 1]])?;
+            let width = v[v.len() - 1];
+            let mut logits = logits.reshape(&[sampling.len() as i32, width])?;
+            if sampling
+                .iter()
+                .any(|&(i, _)| gens[i].params.constraint.is_some())
+            {
+                // The forward runs while the host works out the masks.
+                mlx::async_eval(&[&logits])?;
+                let mut bias = Vec::with_capacity(sampling.len());
+                for &(i, _) in &sampling {
+                    let fed = match &pieces[i] {
+                        Piece::Decode { current, .. } => Some(current),
+                        _ => None,
+                    };
+                    let row = match gens[i].grammar_bias(fed, width as usize) {
+                        Ok(Some(b)) => Array::from_slice(&b, &[1, width])?,
+                        Ok(None) => Array::full(&[1, width], 0.0, mlx::Dtype::F32)?,
+                        Err(e) => {
+                            row_errors[i] = Some(e);
+                            Array::full(&[1, width], 0.0, mlx::Dtype::F32)?
+                        }
+                    };
+                    bias.push(row);
+                }
+                logits = logits.add(&mlx::concatenate(&bias.iter().collect::<Vec<_>>(), 0)?)?;
+            }
             let slots: Vec<usize> = sampling.iter().map(|&(i, _)| gens[i].slot).collect();
             let s = ctx.sampler.sample(&slots, &logits)?;
             mlx::async_eval(&s.arrays())?;
@@ -739,8 +789,17 @@ pub fn step_together(
     mlx::eval(&reads)?;
     // From here on each sequence's work is its own: an error fails that sequence only.
     let mut events = Vec::with_capacity(gens.len());
-    for (((g, p), h), verdict) in gens.iter_mut().zip(pieces).zip(row_hidden).zip(verdicts) {
+    for ((((g, p), h), verdict), failed) in gens
+        .iter_mut()
+        .zip(pieces)
+        .zip(row_hidden)
+        .zip(verdicts)
+        .zip(row_errors)
+    {
         let finish_row = || -> Result<Option<Event>> {
+            if let Some(e) = failed {
+                return Err(e);
+            }
             Ok(match p {
                 Piece::Decode { current, continues } => {
                     let id = current.tokens.to_vec::<i32>()?[0] as u32;

@@ -22,6 +22,10 @@ pub struct CompletionRequest {
     pub logprobs: bool,
     #[serde(rename = "TopLogprobs")]
     pub top_logprobs: i32,
+    /// Structured output, as ollama's parent sends it (`json.RawMessage`): `"json"` or a JSON
+    /// Schema object; ours also takes a string holding a Lark grammar. Absent: free text.
+    #[serde(rename = "Format")]
+    pub format: serde_json::Value,
 }
 
 /// The `Options` object. Unknown keys are ignored; a known key of the wrong type fails to parse.
@@ -47,7 +51,14 @@ pub struct RequestOptions {
 
 /// The top-level keys of a completion request and the option keys we read, spelled as the
 /// parent spells them.
-const REQUEST_KEYS: [&str; 5] = ["Prompt", "Media", "Options", "Logprobs", "TopLogprobs"];
+const REQUEST_KEYS: [&str; 6] = [
+    "Prompt",
+    "Media",
+    "Options",
+    "Logprobs",
+    "TopLogprobs",
+    "Format",
+];
 const OPTION_KEYS: [&str; 12] = [
     "num_predict",
     "temperature",

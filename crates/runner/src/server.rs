@@ -243,6 +243,9 @@ async fn completions(State(app): State<AppState>, body: Body) -> Result<Response
     let received = Instant::now();
     let prepared = prepare(&app, body).await.map_err(|e| bad(&app, e))?;
     let (req, prompt, num_ctx, tok) = prepared;
+    let constraint = constrain(&app, &req, &tok)
+        .await
+        .map_err(|e| bad(&app, e))?;
     let params = GenerationParams {
         prompt,
         options: req.sampler_options(),
@@ -252,6 +255,7 @@ async fn completions(State(app): State<AppState>, body: Body) -> Result<Response
         eos: tok.eos_ids().to_vec(),
         checkpoints: Vec::new(),
         snapshot_every: None,
+        constraint,
     };
     let (tx, mut rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
@@ -262,7 +266,7 @@ async fn completions(State(app): State<AppState>, body: Body) -> Result<Response
         received,
     };
     app.jobs
-        .send(Job::Complete(job))
+        .send(Job::Complete(Box::new(job)))
         .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped"))?;
     app.shared.metrics.requests.fetch_add(1, Ordering::Relaxed);
 
@@ -299,6 +303,44 @@ async fn completions(State(app): State<AppState>, body: Body) -> Result<Response
 pub const STREAM_CONTENT_TYPE: &str = "application/jsonl";
 
 /// Parses, validates and tokenizes a completion request.
+/// The request's structured-output constraint, compiled before anything is queued: an invalid
+/// schema or grammar is a 400 naming the problem. The vocabulary's token trie is built on the
+/// first such request (a moment for a large vocabulary) and kept.
+async fn constrain(
+    app: &AppState,
+    req: &CompletionRequest,
+    tok: &Arc<Tokenizer>,
+) -> Result<Option<Box<grammar::Constraint>>, ApiError> {
+    let format = grammar::Format::from_request(&req.format)
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let Some(format) = format else {
+        return Ok(None);
+    };
+    let shared = Arc::clone(&app.shared);
+    let tok = Arc::clone(tok);
+    let compiled = tokio::task::spawn_blocking(move || {
+        let vocab = shared
+            .grammar
+            .get_or_init(|| {
+                let json = std::fs::read(tok.path())
+                    .map_err(|e| e.to_string())
+                    .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))?;
+                let size = shared.vocab_size.load(Ordering::Relaxed);
+                grammar::Vocabulary::new(&json, size, tok.eos_ids())
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(|e| format!("structured output is unavailable for this model: {e}"))?;
+        vocab.constrain(&format).map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    compiled
+        .map(|c| Some(Box::new(c)))
+        .map_err(ApiError::bad_request)
+}
+
 async fn prepare(
     app: &AppState,
     body: Body,

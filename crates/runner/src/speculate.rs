@@ -249,7 +249,8 @@ impl Generation {
     /// The deepest round this sequence may draft now (0: none, or no drafter), after keeping
     /// its drafter's state up.
     pub(crate) fn depth_limit(&mut self, ctx: &mut Ctx<'_>) -> usize {
-        if self.draft.is_none() {
+        // A constrained sequence decodes plainly: drafts are not yet masked by its grammar.
+        if self.draft.is_none() || self.params.constraint.is_some() {
             return 0;
         }
         let Some((model, _)) = &mut ctx.draft else {

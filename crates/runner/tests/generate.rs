@@ -36,6 +36,7 @@ fn params(prompt: Vec<u32>, n: Option<usize>, eos: &[u32]) -> GenerationParams {
         eos: eos.to_vec(),
         checkpoints: Vec::new(),
         snapshot_every: None,
+        constraint: None,
     }
 }
 

@@ -61,12 +61,13 @@ impl Engine {
                 eos: self.tok.eos_ids().to_vec(),
                 checkpoints: Vec::new(),
                 snapshot_every: None,
+                constraint: None,
             },
             events: tx,
             cancel: Arc::new(AtomicBool::new(false)),
             received: Instant::now(),
         };
-        self.handle.jobs.send(Job::Complete(job)).unwrap();
+        self.handle.jobs.send(Job::Complete(Box::new(job))).unwrap();
         let mut ids = Vec::new();
         loop {
             match rx.blocking_recv().expect("the engine answered") {

@@ -94,6 +94,7 @@ fn generate_in(
         eos: s.target.tokenizer.eos_ids().to_vec(),
         checkpoints: vec![],
         snapshot_every: None,
+        constraint: None,
     };
     let mut g = Generation::new(&mut ctx, 0, params).unwrap();
     let mut ids = Vec::new();
