@@ -489,7 +489,9 @@ impl Engine {
                         Ok(None) => {}
                         Ok(Some(Event::Token { id, logprob })) => {
                             let _ = a.job.events.send(EngineEvent::Token { id, logprob });
-                            if a.gen.is_finished() {
+                            // A round that ended at an EOS left its last tokens and its end
+                            // to hand out (next turn); it is over once they are out.
+                            if a.gen.is_finished() && a.gen.ready.is_empty() {
                                 ended.push(i);
                             }
                         }

@@ -369,19 +369,46 @@ impl Generation {
     /// samples, having taken in the token this step feeds (`fed`: none after the prompt);
     /// `None` without a constraint.
     fn grammar_bias(&mut self, fed: Option<&Sampled>, width: usize) -> Result<Option<Vec<f32>>> {
-        let Some(c) = self.params.constraint.as_mut() else {
+        if self.params.constraint.is_none() {
             return Ok(None);
-        };
+        }
         if let Some(current) = fed {
             let id = current.tokens.to_vec::<i32>()?[0] as u32;
-            if self.params.eos.contains(&id) {
-                // Fed before it was read (decoding is pipelined): the sequence ends at it, and
-                // what this step samples is never used.
+            if !self.grammar_take(id)? {
+                // An EOS, fed before it was read (decoding is pipelined): the sequence ends at
+                // it, and what this step samples is never used.
                 return Ok(None);
             }
+        }
+        Ok(self.grammar_allowed()?.map(|a| a.bias(width)))
+    }
+
+    /// The grammar takes in a generated token; `false` (and nothing taken) for an EOS, which
+    /// ends the sequence. `true` without a constraint.
+    pub(crate) fn grammar_take(&mut self, id: u32) -> Result<bool> {
+        if self.params.eos.contains(&id) {
+            return Ok(false);
+        }
+        if let Some(c) = self.params.constraint.as_mut() {
             c.consume(id)?;
         }
-        Ok(Some(c.allowed()?.bias(width)))
+        Ok(true)
+    }
+
+    /// The tokens the grammar allows next; `None` without a constraint.
+    pub(crate) fn grammar_allowed(&mut self) -> Result<Option<grammar::Allowed>> {
+        match self.params.constraint.as_mut() {
+            Some(c) => Ok(Some(c.allowed()?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Undoes the last `n` tokens the grammar took in.
+    pub(crate) fn grammar_rollback(&mut self, n: usize) -> Result<()> {
+        if let (Some(c), true) = (self.params.constraint.as_mut(), n > 0) {
+            c.rollback(n)?;
+        }
+        Ok(())
     }
 
     /// Tells the controller that chose the depth what the round accepted. A controller of its

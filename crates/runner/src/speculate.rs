@@ -202,6 +202,9 @@ pub(crate) struct Proposal {
     state: DraftState,
     /// Tokens fed before the round.
     s: usize,
+    /// Structured output: the grammar's allowed tokens at each position of the block (after
+    /// the pending token and each draft), `k + 1` of them.
+    masks: Option<Vec<grammar::Allowed>>,
 }
 
 fn prefix(drafts: &[Array]) -> Result<Option<Array>> {
@@ -249,8 +252,7 @@ impl Generation {
     /// The deepest round this sequence may draft now (0: none, or no drafter), after keeping
     /// its drafter's state up.
     pub(crate) fn depth_limit(&mut self, ctx: &mut Ctx<'_>) -> usize {
-        // A constrained sequence decodes plainly: drafts are not yet masked by its grammar.
-        if self.draft.is_none() || self.params.constraint.is_some() {
+        if self.draft.is_none() {
             return 0;
         }
         let Some((model, _)) = &mut ctx.draft else {
@@ -285,7 +287,11 @@ impl Generation {
     ) -> Result<Verdict> {
         let (k, slot, dcat) = (proposal.k, self.slot, &proposal.dcat);
         let v = *logits.shape().last().unwrap_or(&0);
-        let logits = logits.reshape(&[k as i32 + 1, v])?.astype(Dtype::F32)?;
+        let mut logits = logits.reshape(&[k as i32 + 1, v])?.astype(Dtype::F32)?;
+        if let Some(masks) = &proposal.masks {
+            let bias: Vec<f32> = masks.iter().flat_map(|m| m.bias(v as usize)).collect();
+            logits = logits.add(&Array::from_slice(&bias, &[k as i32 + 1, v])?)?;
+        }
         let p = ctx.sampler.distribution(slot, &logits, Some(dcat))?;
         let q = Distribution::concat(&proposal.qs.iter().collect::<Vec<_>>())?;
         let p_rows = p.slice_rows(0, k as i32)?;
@@ -350,6 +356,15 @@ impl Generation {
         } else {
             bonus.to_vec::<i32>()?[0] as u32
         };
+        // The grammar took in the pending token when the drafts were made; now the accepted
+        // drafts (`next` is taken in when it is fed).
+        if self.params.constraint.is_some() {
+            for &t in &d[..n] {
+                if !self.grammar_take(t)? {
+                    break;
+                }
+            }
+        }
 
         // 4. Keep exactly [current, d1..dn] in the target; the drafter follows.
         for c in &mut self.caches {
@@ -473,7 +488,7 @@ type Pass<'a> = dyn FnMut(
 #[allow(clippy::too_many_arguments)]
 fn lockstep(
     ctx: &mut Ctx<'_>,
-    gens: &[&mut Generation],
+    gens: &mut [&mut Generation],
     depths: &[usize],
     first: Vec<Feed>,
     current: Vec<Sampled>,
@@ -486,6 +501,22 @@ fn lockstep(
     let mut qs: Vec<Vec<Distribution>> = (0..n).map(|_| Vec::new()).collect();
     let mut active: Vec<usize> = (0..n).collect();
     let mut feeds = first;
+    // Structured output: a constrained row's drafts are drawn from distributions masked by its
+    // grammar. The grammar takes in the pending token, then each draft as it is read (one read
+    // per pass for all constrained rows), giving the mask of the next position: masks
+    // `M1..M(k+1)`, which the verification applies to the target's rows too. The drafts are
+    // undone at the end; the round takes in those it accepts.
+    let mut masks: Vec<Option<Vec<grammar::Allowed>>> = vec![None; n];
+    let mut taken = vec![0usize; n];
+    let mut drafted_eos = vec![false; n];
+    for (i, g) in gens.iter_mut().enumerate() {
+        if g.params.constraint.is_none() {
+            continue;
+        }
+        let id = current[i].tokens.to_vec::<i32>()?[0] as u32;
+        drafted_eos[i] = !g.grammar_take(id)?;
+        masks[i] = g.grammar_allowed()?.map(|m| vec![m]);
+    }
     for j in 0..depths.iter().copied().max().unwrap_or(0) {
         let lens: Vec<usize> = feeds.iter().map(|f| f.tokens.shape()[1] as usize).collect();
         let toks = mlx::concatenate(&feeds.iter().map(|f| &f.tokens).collect::<Vec<_>>(), 1)?;
@@ -508,9 +539,19 @@ fn lockstep(
         let logits = logits.astype(Dtype::F32)?;
         let mut next = (Vec::new(), Vec::new());
         let mut at = 0;
+        let width = *logits.shape().last().unwrap_or(&0);
         for (a, &i) in active.iter().enumerate() {
             at += lens[a];
-            let row = logits.slice_axis(0, a as i32, Some(a as i32 + 1))?;
+            let mut row = logits.slice_axis(0, a as i32, Some(a as i32 + 1))?;
+            if let Some(m) = masks[i].as_ref().and_then(|m| m.last()) {
+                let bias = Array::from_slice(&m.bias(width as usize), &[1, width])?;
+                let masked = row.add(&bias)?;
+                // A drafter whose own candidates are all forbidden (the assistant's sparse head)
+                // drafts uniformly among the allowed tokens instead: a draft the grammar would
+                // refuse must never be proposed.
+                let dead = masked.max_all(false)?.isinf()?;
+                row = mlx::where_(&dead, &bias, &masked)?;
+            }
             let slot = gens[i].slot;
             let q = ctx
                 .sampler
@@ -529,10 +570,42 @@ fn lockstep(
                 });
             }
         }
+        let constrained: Vec<usize> = active
+            .iter()
+            .copied()
+            .filter(|&i| masks[i].is_some())
+            .collect();
+        if !constrained.is_empty() {
+            let ds: Vec<&Array> = constrained.iter().map(|&i| &drafts[i][j]).collect();
+            mlx::eval(&ds)?;
+            for &i in &constrained {
+                let id = drafts[i][j].to_vec::<i32>()?[0] as u32;
+                // After a drafted EOS nothing more is taken in: the sequence would end there,
+                // so later masks only need to be valid.
+                if !drafted_eos[i] {
+                    if gens[i].grammar_take(id)? {
+                        taken[i] += 1;
+                    } else {
+                        drafted_eos[i] = true;
+                    }
+                }
+                let m = if drafted_eos[i] {
+                    masks[i].as_ref().and_then(|m| m.last().cloned())
+                } else {
+                    gens[i].grammar_allowed()?
+                };
+                if let (Some(ms), Some(m)) = (masks[i].as_mut(), m) {
+                    ms.push(m);
+                }
+            }
+        }
         (active, feeds) = next;
         if active.is_empty() {
             break;
         }
+    }
+    for (g, &t) in gens.iter_mut().zip(&taken) {
+        g.grammar_rollback(t)?;
     }
     let mut out = Vec::with_capacity(n);
     for (i, ((c, state), cur)) in current.into_iter().zip(states).zip(curs).enumerate() {
@@ -549,6 +622,7 @@ fn lockstep(
             k,
             state,
             s: gens[i].fed.len(),
+            masks: masks[i].take(),
         });
     }
     Ok(out)
