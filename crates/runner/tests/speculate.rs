@@ -42,6 +42,8 @@ struct Setup {
     target: LoadedModel,
     draft: Option<DraftModel>,
     controller: DepthController,
+    /// Structured output for every generation: the vocabulary and the format.
+    format: Option<(grammar::Vocabulary, grammar::Format)>,
 }
 
 fn setup(
@@ -57,7 +59,21 @@ fn setup(
         target: t,
         draft: d,
         controller: DepthController::new(cfg.max_draft_depth, cfg.draft_depth),
+        format: None,
     }
+}
+
+/// Constrains `s`'s generations to `format`.
+fn constrain(s: &mut Setup, format: grammar::Format) {
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(s.target.tokenizer.path()).unwrap()).unwrap();
+    let v = grammar::Vocabulary::new(
+        &json,
+        s.target.model.vocab_size(),
+        s.target.tokenizer.eos_ids(),
+    )
+    .unwrap();
+    s.format = Some((v, format));
 }
 
 /// Generated ids, the end reason, and (drafted, accepted).
@@ -94,7 +110,10 @@ fn generate_in(
         eos: s.target.tokenizer.eos_ids().to_vec(),
         checkpoints: vec![],
         snapshot_every: None,
-        constraint: None,
+        constraint: s
+            .format
+            .as_ref()
+            .map(|(v, f)| Box::new(v.constrain(f).unwrap())),
     };
     let mut g = Generation::new(&mut ctx, 0, params).unwrap();
     let mut ids = Vec::new();
@@ -292,6 +311,67 @@ fn same_distribution(a: &[u32], b: &[u32]) -> (bool, f64, f64) {
     (chi <= crit, chi, crit)
 }
 
+/// Draws `n` samples of the first four tokens from `plain` and `spec` (different seeds) and
+/// checks each position's distribution is the same; returns the drafts accepted.
+fn compare_sampling(plain: &mut Setup, spec: &mut Setup, p: &[u32], n: i64) -> usize {
+    let opts = |seed: i64| Options {
+        temperature: 1.0,
+        top_k: 6,
+        top_p: 1.0,
+        repeat_penalty: 1.0,
+        seed,
+        ..Options::default()
+    };
+    let (mut a, mut b) = (vec![Vec::new(); 4], vec![Vec::new(); 4]);
+    let mut accepted = 0;
+    for seed in 0..n {
+        let x = generate(plain, p, opts(seed), 4).0;
+        // Different seeds on the two sides: the samples must be independent.
+        let (y, _, (_, acc)) = generate(spec, p, opts(seed + 1_000_000), 4);
+        accepted += acc;
+        for i in 0..4 {
+            if let (Some(&u), Some(&v)) = (x.get(i), y.get(i)) {
+                a[i].push(u);
+                b[i].push(v);
+            }
+        }
+    }
+    for i in 0..4 {
+        let (ok, chi, crit) = same_distribution(&a[i], &b[i]);
+        assert!(ok, "token {i}: chi² {chi:.1} > {crit:.1}");
+    }
+    accepted
+}
+
+/// Under a grammar, speculative sampling still draws from the (masked) target distribution:
+/// drafts from the masked drafter, verification against the masked target.
+#[test]
+fn sampling_distribution_is_unchanged_under_a_grammar() {
+    let mut plain = setup(
+        "gemma4_26b_a4b_like",
+        None,
+        Some(0),
+        QueryPosition::LastCommitted,
+    );
+    let mut spec = setup(
+        "gemma4_26b_a4b_like",
+        Some("gemma4_26b_a4b_like_q4"),
+        Some(3),
+        QueryPosition::LastCommitted,
+    );
+    // Text of lower-case letters and spaces: about a tenth of the fixture's vocabulary.
+    let format = grammar::Format::Lark("start: /[a-z ]+/".into());
+    constrain(&mut plain, format.clone());
+    constrain(&mut spec, format);
+    let p = prompts(&plain)[1].clone();
+    let n = 300;
+    let accepted = compare_sampling(&mut plain, &mut spec, &p, n);
+    assert!(
+        accepted > n as usize / 4,
+        "too few drafts accepted ({accepted}) to exercise acceptance"
+    );
+}
+
 #[test]
 fn sampling_distribution_is_unchanged() {
     // The 4-bit twin drafts: acceptance and residual resampling both happen often.
@@ -309,34 +389,9 @@ fn sampling_distribution_is_unchanged() {
     );
     let p = prompts(&plain)[1].clone();
     let n = 300;
-    let opts = |seed: i64| Options {
-        temperature: 1.0,
-        top_k: 6,
-        top_p: 1.0,
-        repeat_penalty: 1.0,
-        seed,
-        ..Options::default()
-    };
-    let (mut a, mut b) = (vec![Vec::new(); 4], vec![Vec::new(); 4]);
-    let mut accepted = 0;
-    for seed in 0..n {
-        let x = generate(&mut plain, &p, opts(seed), 4).0;
-        // Different seeds on the two sides: the samples must be independent.
-        let (y, _, (_, acc)) = generate(&mut spec, &p, opts(seed + 1_000_000), 4);
-        accepted += acc;
-        for i in 0..4 {
-            if let (Some(&u), Some(&v)) = (x.get(i), y.get(i)) {
-                a[i].push(u);
-                b[i].push(v);
-            }
-        }
-    }
+    let accepted = compare_sampling(&mut plain, &mut spec, &p, n);
     assert!(
         accepted > n as usize / 4,
         "too few drafts accepted ({accepted}) to exercise acceptance"
     );
-    for i in 0..4 {
-        let (ok, chi, crit) = same_distribution(&a[i], &b[i]);
-        assert!(ok, "token {i}: chi² {chi:.1} > {crit:.1}");
-    }
 }
