@@ -309,3 +309,44 @@ fn invalid_formats_are_refused_before_generating() {
     let (text, _) = constrained(&r, "Hi", &schemas()[0], 0.0, 0);
     serde_json::from_str::<Value>(&text).unwrap();
 }
+
+/// A grammar that allows every token (llguidance's `<[*]>`) changes nothing: the same text and
+/// logprobs as the unconstrained request, greedy and seeded sampling, special tokens included.
+#[test]
+fn a_grammar_that_allows_everything_changes_nothing() {
+    let r = Runner::start("gemma4_e2b_like", &[]);
+    for (i, prompt) in ["Hi", "The quick brown fox", "a", "zz"].iter().enumerate() {
+        for temperature in [0.0, 0.8] {
+            let body = |format: Option<&str>| {
+                let mut b = json!({
+                    "Prompt": prompt,
+                    "Options": {"num_predict": 40, "temperature": temperature, "seed": i, "top_k": 20},
+                    "Logprobs": true,
+                });
+                if let Some(f) = format {
+                    b["Format"] = json!(f);
+                }
+                r.complete(&b)
+            };
+            let logprobs = |lines: &[Value]| -> Vec<f64> {
+                lines
+                    .iter()
+                    .filter_map(|l| l["Logprobs"].as_array())
+                    .flatten()
+                    .map(|e| e["logprob"].as_f64().unwrap())
+                    .collect()
+            };
+            let (free, all) = (body(None), body(Some("start: <[*]>*")));
+            assert_eq!(
+                text_and_end(&all),
+                text_and_end(&free),
+                "{prompt:?} t={temperature}"
+            );
+            let (a, b) = (logprobs(&all), logprobs(&free));
+            assert!(!a.is_empty() && a.len() == b.len());
+            for (x, y) in a.iter().zip(&b) {
+                assert!((x - y).abs() < 1e-4, "{prompt:?}: {x} vs {y}");
+            }
+        }
+    }
+}
