@@ -350,3 +350,33 @@ fn a_grammar_that_allows_everything_changes_nothing() {
         }
     }
 }
+
+/// A model whose tokenizer llguidance cannot read (a decoder that is neither byte-level nor
+/// byte-fallback) still serves free text; a request with a `Format` gets a 400 saying why.
+#[test]
+fn a_tokenizer_without_bytes_refuses_formats_only() {
+    let dir = fixture_without_weights("gemma4_e2b_like");
+    std::fs::copy(
+        fixture("gemma4_e2b_like").join("model.safetensors"),
+        dir.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let path = dir.path().join("tokenizer.json");
+    let mut tok: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    tok["decoder"] = json!({"type": "Strip", "content": " ", "start": 0, "stop": 0});
+    std::fs::write(&path, tok.to_string()).unwrap();
+    let r = Runner::start_with(dir.path().as_os_str(), &[], &[]);
+    for _ in 0..2 {
+        match ureq::post(&r.url("/v1/completions"))
+            .send_string(&json!({"Prompt": "Hi", "Format": "json"}).to_string())
+        {
+            Err(ureq::Error::Status(400, resp)) => {
+                let body = resp.into_string().unwrap();
+                assert!(body.contains("structured output is unavailable"), "{body}");
+            }
+            other => panic!("expected a 400, got {other:?}"),
+        }
+    }
+    let lines = r.complete(&json!({"Prompt": "Hi", "Options": {"num_predict": 4}}));
+    assert_eq!(lines.last().unwrap()["EvalCount"], 4);
+}
