@@ -10,10 +10,9 @@
 //! top-k 40, seeded), decode tokens/s from the runner's own EvalCount and EvalDuration.
 
 mod common;
-use common::{median, root, runner, Server};
+use common::{complete_last, median, root, runner, Server};
 
-use serde_json::{json, Value};
-use std::io::{BufRead, BufReader};
+use serde_json::json;
 use std::path::Path;
 use std::process::Command;
 
@@ -45,15 +44,7 @@ fn request(port: u16, seed: u64) -> (f64, f64) {
         "Prompt": "The quick brown fox jumps over the lazy dog. Tell me more about the fox and the dog.",
         "Options": {"num_predict": TOKENS, "temperature": 1.0, "top_k": 40, "seed": seed, "repeat_penalty": 1.0}
     });
-    let resp = ureq::post(&format!("http://127.0.0.1:{port}/v1/completions"))
-        .send_string(&body.to_string())
-        .unwrap();
-    let last: Value = BufReader::new(resp.into_reader())
-        .lines()
-        .map_while(|l| l.ok())
-        .filter_map(|l| serde_json::from_str(&l).ok())
-        .last()
-        .unwrap_or(Value::Null);
+    let last = complete_last(port, &body);
     let n = last["EvalCount"].as_f64().unwrap_or(0.0);
     let ns = last["EvalDuration"].as_f64().unwrap_or(f64::NAN);
     let (d, a) = (

@@ -11,10 +11,9 @@
 //!    schema.
 
 mod common;
-use common::{median, root, runner};
+use common::{complete_last, median, root, runner};
 
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader};
 use std::time::Instant;
 
 fn schema() -> Value {
@@ -124,15 +123,7 @@ fn decode(port: u16, format: Option<&Value>, seed: i64) -> (f64, f64) {
     if let Some(f) = format {
         body["Format"] = f.clone();
     }
-    let resp = ureq::post(&format!("http://127.0.0.1:{port}/v1/completions"))
-        .send_string(&body.to_string())
-        .unwrap();
-    let last: Value = BufReader::new(resp.into_reader())
-        .lines()
-        .map_while(|l| l.ok())
-        .filter_map(|l| serde_json::from_str(&l).ok())
-        .last()
-        .unwrap_or(Value::Null);
+    let last = complete_last(port, &body);
     let n = last["EvalCount"].as_f64().unwrap_or(0.0);
     assert_eq!(n, 64.0, "a measured request ended early");
     let ns = last["EvalDuration"].as_f64().unwrap_or(f64::NAN);

@@ -122,6 +122,21 @@ impl Timing {
 }
 
 /// A greedy completion of `n` tokens from `mlx-runner runner` on `port`.
+/// Posts a completion `body` to the runner on `port` and returns the stream's last line (the
+/// one with `EvalCount`, `EvalDuration` and the draft counts).
+pub fn complete_last(port: u16, body: &serde_json::Value) -> serde_json::Value {
+    use std::io::BufRead;
+    let resp = ureq::post(&format!("http://127.0.0.1:{port}/v1/completions"))
+        .send_string(&body.to_string())
+        .unwrap();
+    std::io::BufReader::new(resp.into_reader())
+        .lines()
+        .map_while(|l| l.ok())
+        .filter_map(|l| serde_json::from_str(&l).ok())
+        .last()
+        .unwrap_or(serde_json::Value::Null)
+}
+
 pub fn stream_ours(port: u16, prompt: &str, n: usize) -> Timing {
     use std::io::BufRead;
     let body = serde_json::json!({"Prompt": prompt, "Options": {"num_predict": n, "temperature": 0, "repeat_penalty": 1.0}});

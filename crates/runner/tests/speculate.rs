@@ -311,9 +311,29 @@ fn same_distribution(a: &[u32], b: &[u32]) -> (bool, f64, f64) {
     (chi <= crit, chi, crit)
 }
 
-/// Draws `n` samples of the first four tokens from `plain` and `spec` (different seeds) and
-/// checks each position's distribution is the same; returns the drafts accepted.
-fn compare_sampling(plain: &mut Setup, spec: &mut Setup, p: &[u32], n: i64) -> usize {
+/// Draws 300 samples of the first four tokens with and without drafting (the 4-bit twin
+/// drafts, at depth 3: acceptance and residual resampling both happen often; different seeds on
+/// the two sides, so the samples are independent), both under `format` if given, and checks
+/// each position's distribution is the same.
+fn sampling_matches_plain(format: Option<grammar::Format>) {
+    let mut plain = setup(
+        "gemma4_26b_a4b_like",
+        None,
+        Some(0),
+        QueryPosition::LastCommitted,
+    );
+    let mut spec = setup(
+        "gemma4_26b_a4b_like",
+        Some("gemma4_26b_a4b_like_q4"),
+        Some(3),
+        QueryPosition::LastCommitted,
+    );
+    if let Some(f) = format {
+        constrain(&mut plain, f.clone());
+        constrain(&mut spec, f);
+    }
+    let p = prompts(&plain)[1].clone();
+    let n = 300;
     let opts = |seed: i64| Options {
         temperature: 1.0,
         top_k: 6,
@@ -325,9 +345,8 @@ fn compare_sampling(plain: &mut Setup, spec: &mut Setup, p: &[u32], n: i64) -> u
     let (mut a, mut b) = (vec![Vec::new(); 4], vec![Vec::new(); 4]);
     let mut accepted = 0;
     for seed in 0..n {
-        let x = generate(plain, p, opts(seed), 4).0;
-        // Different seeds on the two sides: the samples must be independent.
-        let (y, _, (_, acc)) = generate(spec, p, opts(seed + 1_000_000), 4);
+        let x = generate(&mut plain, &p, opts(seed), 4).0;
+        let (y, _, (_, acc)) = generate(&mut spec, &p, opts(seed + 1_000_000), 4);
         accepted += acc;
         for i in 0..4 {
             if let (Some(&u), Some(&v)) = (x.get(i), y.get(i)) {
@@ -336,62 +355,25 @@ fn compare_sampling(plain: &mut Setup, spec: &mut Setup, p: &[u32], n: i64) -> u
             }
         }
     }
+    assert!(
+        accepted > n as usize / 4,
+        "too few drafts accepted ({accepted}) to exercise acceptance"
+    );
     for i in 0..4 {
         let (ok, chi, crit) = same_distribution(&a[i], &b[i]);
         assert!(ok, "token {i}: chi² {chi:.1} > {crit:.1}");
     }
-    accepted
+}
+
+#[test]
+fn sampling_distribution_is_unchanged() {
+    sampling_matches_plain(None);
 }
 
 /// Under a grammar, speculative sampling still draws from the (masked) target distribution:
 /// drafts from the masked drafter, verification against the masked target.
 #[test]
 fn sampling_distribution_is_unchanged_under_a_grammar() {
-    let mut plain = setup(
-        "gemma4_26b_a4b_like",
-        None,
-        Some(0),
-        QueryPosition::LastCommitted,
-    );
-    let mut spec = setup(
-        "gemma4_26b_a4b_like",
-        Some("gemma4_26b_a4b_like_q4"),
-        Some(3),
-        QueryPosition::LastCommitted,
-    );
     // Text of lower-case letters and spaces: about a tenth of the fixture's vocabulary.
-    let format = grammar::Format::Lark("start: /[a-z ]+/".into());
-    constrain(&mut plain, format.clone());
-    constrain(&mut spec, format);
-    let p = prompts(&plain)[1].clone();
-    let n = 300;
-    let accepted = compare_sampling(&mut plain, &mut spec, &p, n);
-    assert!(
-        accepted > n as usize / 4,
-        "too few drafts accepted ({accepted}) to exercise acceptance"
-    );
-}
-
-#[test]
-fn sampling_distribution_is_unchanged() {
-    // The 4-bit twin drafts: acceptance and residual resampling both happen often.
-    let mut plain = setup(
-        "gemma4_26b_a4b_like",
-        None,
-        Some(0),
-        QueryPosition::LastCommitted,
-    );
-    let mut spec = setup(
-        "gemma4_26b_a4b_like",
-        Some("gemma4_26b_a4b_like_q4"),
-        Some(3),
-        QueryPosition::LastCommitted,
-    );
-    let p = prompts(&plain)[1].clone();
-    let n = 300;
-    let accepted = compare_sampling(&mut plain, &mut spec, &p, n);
-    assert!(
-        accepted > n as usize / 4,
-        "too few drafts accepted ({accepted}) to exercise acceptance"
-    );
+    sampling_matches_plain(Some(grammar::Format::Lark("start: /[a-z ]+/".into())));
 }
