@@ -588,8 +588,13 @@ pub fn step_together(
         };
         if depth > 0 {
             // A round that also catches the drafter up is dearer than its depth: not a price.
-            if let Some((m, _)) = &ctx.draft {
-                unpriced |= g.drafter_lag(m) > ROUND_LAG;
+            if let Some((m, c)) = &ctx.draft {
+                // GLM's MTP layer takes the last round's accepted drafts in at the next one.
+                let ordinary = match m {
+                    DraftModel::Mtp => ROUND_LAG + c.max(),
+                    _ => ROUND_LAG,
+                };
+                unpriced |= g.drafter_lag(m) > ordinary;
             }
             pieces.push(Piece::Draft(depth));
             continue;

@@ -205,6 +205,8 @@ pub(crate) struct Proposal {
     /// Structured output: the grammar's allowed tokens at each position of the block (after
     /// the pending token and each draft), `k + 1` of them.
     masks: Option<Vec<grammar::Allowed>>,
+    /// The grammar failed while the drafts were made: the round fails this sequence alone.
+    failed: Option<String>,
 }
 
 fn prefix(drafts: &[Array]) -> Result<Option<Array>> {
@@ -285,6 +287,9 @@ impl Generation {
         proposal: &Proposal,
         logits: &Array,
     ) -> Result<Verdict> {
+        if let Some(e) = &proposal.failed {
+            return Err(grammar::GrammarError::Matcher(e.clone()).into());
+        }
         let (k, slot, dcat) = (proposal.k, self.slot, &proposal.dcat);
         let v = *logits.shape().last().unwrap_or(&0);
         let mut logits = logits.reshape(&[k as i32 + 1, v])?.astype(Dtype::F32)?;
@@ -357,8 +362,9 @@ impl Generation {
             bonus.to_vec::<i32>()?[0] as u32
         };
         // The grammar took in the pending token when the drafts were made; now the accepted
-        // drafts (`next` is taken in when it is fed).
-        if self.params.constraint.is_some() {
+        // drafts (`next` is taken in when it is fed). Nothing after an EOS pending token: the
+        // sequence ends at it.
+        if self.params.constraint.is_some() && !self.params.eos.contains(&cur_id) {
             for &t in &d[..n] {
                 if !self.grammar_take(t)? {
                     break;
@@ -509,13 +515,23 @@ fn lockstep(
     let mut masks: Vec<Option<Vec<grammar::Allowed>>> = vec![None; n];
     let mut taken = vec![0usize; n];
     let mut drafted_eos = vec![false; n];
+    // A row whose grammar fails drafts on unmasked and fails alone when its round settles.
+    let mut failed: Vec<Option<String>> = vec![None; n];
     for (i, g) in gens.iter_mut().enumerate() {
         if g.params.constraint.is_none() {
             continue;
         }
         let id = current[i].tokens.to_vec::<i32>()?[0] as u32;
-        drafted_eos[i] = !g.grammar_take(id)?;
-        masks[i] = g.grammar_allowed()?.map(|m| vec![m]);
+        let start = g
+            .grammar_take(id)
+            .and_then(|took| Ok((took, g.grammar_allowed()?)));
+        match start {
+            Ok((took, m)) => {
+                drafted_eos[i] = !took;
+                masks[i] = m.map(|m| vec![m]);
+            }
+            Err(e) => failed[i] = Some(e.to_string()),
+        }
     }
     for j in 0..depths.iter().copied().max().unwrap_or(0) {
         let lens: Vec<usize> = feeds.iter().map(|f| f.tokens.shape()[1] as usize).collect();
@@ -582,20 +598,30 @@ fn lockstep(
                 let id = drafts[i][j].to_vec::<i32>()?[0] as u32;
                 // After a drafted EOS nothing more is taken in: the sequence would end there,
                 // so later masks only need to be valid.
-                if !drafted_eos[i] {
-                    if gens[i].grammar_take(id)? {
-                        taken[i] += 1;
-                    } else {
-                        drafted_eos[i] = true;
+                let next_mask = (|| -> Result<Option<grammar::Allowed>> {
+                    if !drafted_eos[i] {
+                        if gens[i].grammar_take(id)? {
+                            taken[i] += 1;
+                        } else {
+                            drafted_eos[i] = true;
+                        }
                     }
-                }
-                let m = if drafted_eos[i] {
-                    masks[i].as_ref().and_then(|m| m.last().cloned())
-                } else {
-                    gens[i].grammar_allowed()?
-                };
-                if let (Some(ms), Some(m)) = (masks[i].as_mut(), m) {
-                    ms.push(m);
+                    if drafted_eos[i] {
+                        Ok(masks[i].as_ref().and_then(|m| m.last().cloned()))
+                    } else {
+                        gens[i].grammar_allowed()
+                    }
+                })();
+                match next_mask {
+                    Ok(m) => {
+                        if let (Some(ms), Some(m)) = (masks[i].as_mut(), m) {
+                            ms.push(m);
+                        }
+                    }
+                    Err(e) => {
+                        failed[i] = Some(e.to_string());
+                        masks[i] = None;
+                    }
                 }
             }
         }
@@ -604,8 +630,12 @@ fn lockstep(
             break;
         }
     }
-    for (g, &t) in gens.iter_mut().zip(&taken) {
-        g.grammar_rollback(t)?;
+    for (i, g) in gens.iter_mut().enumerate() {
+        if failed[i].is_none() {
+            if let Err(e) = g.grammar_rollback(taken[i]) {
+                failed[i] = Some(e.to_string());
+            }
+        }
     }
     let mut out = Vec::with_capacity(n);
     for (i, ((c, state), cur)) in current.into_iter().zip(states).zip(curs).enumerate() {
@@ -623,6 +653,7 @@ fn lockstep(
             state,
             s: gens[i].fed.len(),
             masks: masks[i].take(),
+            failed: failed[i].take(),
         });
     }
     Ok(out)
