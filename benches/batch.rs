@@ -20,7 +20,9 @@
 //! benches/speculative.rs). `BATCH_ONLY_BREAKDOWN` / `BATCH_ONLY_DRAFTING` run one part alone.
 
 mod common;
-use common::{median, peer_server, root, runner, stream_ours as ours, stream_peer as peer, Timing};
+use common::{
+    median, peer_server, root, runner, spec_pair, stream_ours as ours, stream_peer as peer, Timing,
+};
 
 use std::path::Path;
 use std::time::Instant;
@@ -151,13 +153,9 @@ fn breakdown(model_dir: &Path) {
 /// whose first two layers, as a separate drafter, always agree with it: acceptance 1): the
 /// aggregate decode tok/s of `--parallel 8` with the drafter (adaptive depth) over without.
 fn drafting(rounds: usize, n: usize, counts: &[usize]) {
-    let dir = root().join("target/bench-spec");
-    if !dir.join("draft-good/model.safetensors").exists() {
-        eprintln!("(no drafting section: run `cargo bench --bench speculative` first; it writes target/bench-spec)");
+    let Some((target, draft)) = spec_pair() else {
         return;
-    }
-    let target = dir.join("target");
-    let draft = dir.join("draft-good");
+    };
     let mut rows = Vec::new();
     for with in [false, true] {
         let mut args = vec!["--parallel", "8", "--cache-budget", "0"];

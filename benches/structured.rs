@@ -11,7 +11,7 @@
 //!    schema.
 
 mod common;
-use common::{complete_last, median, root, runner};
+use common::{complete_last, median, root, runner, spec_pair};
 
 use serde_json::{json, Value};
 use std::time::Instant;
@@ -180,13 +180,9 @@ fn main() {
     );
     drop(_server);
 
-    let dir = root().join("target/bench-spec");
-    if !dir.join("draft-good/model.safetensors").exists() {
-        eprintln!("(no drafting section: run `cargo bench --bench speculative` first; it writes target/bench-spec)");
+    let Some((target, draft)) = spec_pair() else {
         return;
-    }
-    let target = dir.join("target");
-    let draft = dir.join("draft-good");
+    };
     let mut rows = Vec::new();
     for with in [false, true] {
         let mut args = vec!["--cache-budget", "0", "--max-draft-depth", "6"];

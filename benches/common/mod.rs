@@ -122,6 +122,17 @@ impl Timing {
 }
 
 /// A greedy completion of `n` tokens from `mlx-runner runner` on `port`.
+/// The constructed target/drafter pair of benches/speculative.rs (acceptance 1):
+/// `(target, draft-good)`, or `None` (with a message) before that bench has written it.
+pub fn spec_pair() -> Option<(PathBuf, PathBuf)> {
+    let dir = root().join("target/bench-spec");
+    if !dir.join("draft-good/model.safetensors").exists() {
+        eprintln!("(no drafting section: run `cargo bench --bench speculative` first; it writes target/bench-spec)");
+        return None;
+    }
+    Some((dir.join("target"), dir.join("draft-good")))
+}
+
 /// Posts a completion `body` to the runner on `port` and returns the stream's last line (the
 /// one with `EvalCount`, `EvalDuration` and the draft counts).
 pub fn complete_last(port: u16, body: &serde_json::Value) -> serde_json::Value {
