@@ -27,6 +27,9 @@ enum Command {
     Generate(GenerateArgs),
     /// Serve a model over local HTTP, as a parent model server spawns it (PROTOCOL.md).
     Runner(RunnerArgs),
+    /// The model server: ollama's and OpenAI's APIs over the store's models, each run in a
+    /// runner child process (docs/SERVE.md).
+    Serve(ServeArgs),
     /// Create a model in the store from a Modelfile (FROM, DRAFT, PARAMETER, ...).
     Create(CreateArgs),
     /// List the models in the store.
@@ -287,6 +290,110 @@ fn draft_files(arg: &str) -> Result<ModelFiles> {
     Ok(model_files(arg)?.files)
 }
 
+/// `serve`'s settings; each flag falls back to its `MLX_RUNNER_*` variable (named as ollama's
+/// `OLLAMA_*` ones), then to ollama's default.
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Listen address: host, host:port or http://host:port [env MLX_RUNNER_HOST; default
+    /// 127.0.0.1:11434].
+    #[arg(long)]
+    host: Option<String>,
+    /// Port (overrides the port of --host).
+    #[arg(long)]
+    port: Option<u16>,
+    /// How long a model stays loaded after its last request (e.g. 5m, 1h, 0, -1 forever)
+    /// [env MLX_RUNNER_KEEP_ALIVE; default 5m].
+    #[arg(long)]
+    keep_alive: Option<String>,
+    /// Models loaded at once; the least recently used idle one is unloaded to make room
+    /// [env MLX_RUNNER_MAX_LOADED_MODELS; default 3].
+    #[arg(long)]
+    max_loaded_models: Option<usize>,
+    /// Requests each runner generates at once [env MLX_RUNNER_NUM_PARALLEL; default 4].
+    #[arg(long)]
+    num_parallel: Option<usize>,
+    /// How long a model may take to load [env MLX_RUNNER_LOAD_TIMEOUT; default 5m].
+    #[arg(long)]
+    load_timeout: Option<String>,
+    /// Extra allowed browser origins, comma-separated [env MLX_RUNNER_ORIGINS].
+    #[arg(long)]
+    origins: Option<String>,
+    /// Log at debug level (including every runner's log lines).
+    #[arg(long)]
+    verbose: bool,
+}
+
+fn env_or(flag: Option<String>, var: &str) -> Option<String> {
+    flag.or_else(|| std::env::var(var).ok().filter(|v| !v.trim().is_empty()))
+}
+
+fn duration_setting(
+    v: Option<String>,
+    what: &str,
+    default: u64,
+) -> Result<serve::sched::KeepAlive> {
+    let Some(v) = v else {
+        return Ok(serve::sched::KeepAlive::For(
+            std::time::Duration::from_secs(default),
+        ));
+    };
+    serve::pipeline::parse_keep_alive(&serde_json::Value::String(v))
+        .map_err(|e| anyhow::anyhow!("{what}: {e}"))
+        .map(|k| {
+            k.unwrap_or(serve::sched::KeepAlive::For(
+                std::time::Duration::from_secs(default),
+            ))
+        })
+}
+
+fn serve(a: ServeArgs) -> Result<()> {
+    init_logging(a.verbose);
+    let mut addr = serve::parse_host(&env_or(a.host, "MLX_RUNNER_HOST").unwrap_or_default())
+        .map_err(anyhow::Error::msg)?;
+    if let Some(p) = a.port {
+        addr.set_port(p);
+    }
+    let count = |flag: Option<usize>, var: &str, default: usize| -> Result<usize> {
+        match env_or(flag.map(|n| n.to_string()), var) {
+            None => Ok(default),
+            Some(v) => match v.trim().parse::<usize>() {
+                Ok(n) if n > 0 => Ok(n),
+                _ => anyhow::bail!("{var} must be a positive number, got {v:?}"),
+            },
+        }
+    };
+    let load_timeout = match duration_setting(
+        env_or(a.load_timeout, "MLX_RUNNER_LOAD_TIMEOUT"),
+        "load timeout",
+        300,
+    )? {
+        serve::sched::KeepAlive::For(d) if !d.is_zero() => d,
+        _ => std::time::Duration::from_secs(300),
+    };
+    let cfg = serve::ServeConfig {
+        addr,
+        models: std::env::var_os("MLX_RUNNER_MODELS").map(PathBuf::from),
+        keep_alive: duration_setting(
+            env_or(a.keep_alive, "MLX_RUNNER_KEEP_ALIVE"),
+            "keep alive",
+            300,
+        )?,
+        max_loaded: count(a.max_loaded_models, "MLX_RUNNER_MAX_LOADED_MODELS", 3)?,
+        parallel: count(a.num_parallel, "MLX_RUNNER_NUM_PARALLEL", 4)?,
+        load_timeout,
+        origins: env_or(a.origins, "MLX_RUNNER_ORIGINS")
+            .map(|o| o.split(',').map(String::from).collect())
+            .unwrap_or_default(),
+        exe: std::env::current_exe().context("finding this executable")?,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(serve::run(cfg))
+}
+
 #[derive(clap::Args)]
 struct RunnerArgs {
     #[command(flatten)]
@@ -415,6 +522,7 @@ fn main() {
         Command::Info => info(),
         Command::Generate(args) => generate(args),
         Command::Runner(args) => runner(args),
+        Command::Serve(args) => serve(args),
         Command::Create(args) => create(args),
         Command::List => list(),
         Command::Show(args) => show(args),
@@ -478,8 +586,8 @@ fn finish(
     Ok(())
 }
 
-fn runner(a: RunnerArgs) -> Result<()> {
-    let level = if a.verbose { "debug" } else { "info" };
+fn init_logging(verbose: bool) {
+    let level = if verbose { "debug" } else { "info" };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
     tracing_subscriber::fmt()
@@ -487,6 +595,10 @@ fn runner(a: RunnerArgs) -> Result<()> {
         .with_env_filter(filter)
         .with_ansi(false)
         .init();
+}
+
+fn runner(a: RunnerArgs) -> Result<()> {
+    init_logging(a.verbose);
     let _ = a.mlx_engine;
     check_ctx_size(a.ctx_size)?;
     if let Some(w) = reference_blas_warning() {

@@ -1,0 +1,186 @@
+//! `mlx-runner serve`: the parent model server. It answers ollama's API (`/api/...`) and the
+//! OpenAI API (`/v1/...`), renders prompts from chat templates, merges options, and runs each
+//! model in a `mlx-runner runner` child process that it spawns, watches and stops
+//! (docs/SERVE.md).
+
+mod body;
+pub mod catalog;
+pub mod client;
+pub mod families;
+mod ollama_api;
+mod openai_api;
+pub mod options;
+pub mod parse;
+pub mod pipeline;
+pub mod sched;
+mod security;
+pub mod template;
+
+use axum::routing::{get, post};
+use axum::Router;
+use sched::{KeepAlive, SchedConfig, Scheduler};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub addr: SocketAddr,
+    /// The store (`MLX_RUNNER_MODELS`), default `~/.mlx-runner/models`.
+    pub models: Option<PathBuf>,
+    pub keep_alive: KeepAlive,
+    pub max_loaded: usize,
+    pub parallel: usize,
+    pub load_timeout: Duration,
+    pub origins: Vec<String>,
+    /// The executable spawned as `runner`.
+    pub exe: PathBuf,
+}
+
+pub struct App {
+    pub cfg: ServeConfig,
+    pub catalog: catalog::Catalog,
+    pub sched: Arc<Scheduler>,
+}
+
+/// The address `MLX_RUNNER_HOST` names (`host`, `host:port`, `http://host:port`), with
+/// ollama's defaults (127.0.0.1, port 11434).
+pub fn parse_host(v: &str) -> Result<SocketAddr, String> {
+    let v = v.trim();
+    let v = v
+        .strip_prefix("http://")
+        .or_else(|| v.strip_prefix("https://"))
+        .unwrap_or(v)
+        .trim_end_matches('/');
+    let (host, port) = match v.rsplit_once(':') {
+        Some((h, p)) if !h.is_empty() && !p.contains(']') => (h, p),
+        Some(("", p)) => ("127.0.0.1", p),
+        _ => (v, "11434"),
+    };
+    let host = if host.is_empty() { "127.0.0.1" } else { host };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let port: u16 = port
+        .parse()
+        .map_err(|_| format!("invalid port in host {v:?}"))?;
+    let ip = if host == "localhost" {
+        std::net::IpAddr::from([127, 0, 0, 1])
+    } else {
+        host.parse()
+            .map_err(|_| format!("invalid host {host:?}: expected an IP address or localhost"))?
+    };
+    Ok(SocketAddr::new(ip, port))
+}
+
+pub fn router(app: Arc<App>) -> Router {
+    let access = Arc::new(security::Access::new(
+        app.cfg.addr.ip().is_loopback(),
+        &app.cfg.origins,
+    ));
+    let running = || async { "Ollama is running" };
+    Router::new()
+        .route("/", get(running).head(running))
+        .route(
+            "/api/version",
+            get(ollama_api::version).head(ollama_api::version),
+        )
+        .route("/api/tags", get(ollama_api::tags).head(ollama_api::tags))
+        .route("/api/ps", get(ollama_api::ps))
+        .route("/api/show", post(ollama_api::show))
+        .route("/api/generate", post(ollama_api::generate))
+        .route("/api/chat", post(ollama_api::chat))
+        .route("/api/copy", post(ollama_api::copy))
+        .route("/api/delete", axum::routing::delete(ollama_api::delete))
+        .route("/v1/chat/completions", post(openai_api::chat))
+        .route("/v1/completions", post(openai_api::completions))
+        .route("/v1/models", get(openai_api::models))
+        .route("/v1/models/{*name}", get(openai_api::model))
+        .layer(axum::extract::DefaultBodyLimit::max(body::MAX_BODY))
+        .with_state(app)
+        .layer(axum::middleware::from_fn_with_state(
+            access,
+            security::guard,
+        ))
+}
+
+/// Serves until SIGINT/SIGTERM, then stops every runner.
+pub async fn run(cfg: ServeConfig) -> anyhow::Result<()> {
+    let catalog = catalog::Catalog::open(cfg.models.clone())?;
+    let sched = Scheduler::new(SchedConfig {
+        exe: cfg.exe.clone(),
+        max_loaded: cfg.max_loaded,
+        load_timeout: cfg.load_timeout,
+        parallel: cfg.parallel,
+    });
+    let listener = tokio::net::TcpListener::bind(cfg.addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cfg.addr))?;
+    let addr = listener.local_addr()?;
+    let app = Arc::new(App {
+        cfg,
+        catalog,
+        sched: sched.clone(),
+    });
+    eprintln!("mlx-runner serve listening on http://{addr}");
+    tracing::info!(%addr, store = %app.catalog.ours.root().display(), "serving");
+    let limits = runner::listen::HttpLimits {
+        header_timeout: Duration::from_secs(30),
+        body_timeout: Duration::from_secs(600),
+        max_connections: 1024,
+        max_body: body::MAX_BODY,
+    };
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(runner::listen::serve(
+        listener,
+        router(app),
+        limits,
+        async {
+            let _ = stop_rx.await;
+        },
+    ));
+    signal().await;
+    tracing::info!("stopping: unloading models");
+    sched.shutdown().await;
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    Ok(())
+}
+
+async fn signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_parse_as_ollama_reads_them() {
+        assert_eq!(parse_host("").unwrap().to_string(), "127.0.0.1:11434");
+        assert_eq!(
+            parse_host("127.0.0.1").unwrap().to_string(),
+            "127.0.0.1:11434"
+        );
+        assert_eq!(parse_host(":8080").unwrap().to_string(), "127.0.0.1:8080");
+        assert_eq!(
+            parse_host("http://0.0.0.0:1234/").unwrap().to_string(),
+            "0.0.0.0:1234"
+        );
+        assert_eq!(
+            parse_host("localhost:9").unwrap().to_string(),
+            "127.0.0.1:9"
+        );
+        assert_eq!(parse_host("[::1]:7").unwrap().to_string(), "[::1]:7");
+        assert!(parse_host("example.com").is_err());
+    }
+}

@@ -1,0 +1,477 @@
+//! Runners as child processes: one per model in use, spawned on demand, kept while requests use
+//! them and for their keep-alive after, evicted least-recently-used when too many are loaded,
+//! noticed when they die, and stopped with the server.
+//!
+//! Each model has a slot whose async lock serialises loading, so concurrent first requests for
+//! a model start one runner, not several. A runner is reaped by the task that waits on its
+//! process; everything else only reads `dead`.
+
+use crate::client::{self, HttpClient};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+use tokio::io::AsyncBufReadExt;
+use tokio::sync::Notify;
+
+/// How long a model stays loaded after its last request ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeepAlive {
+    For(Duration),
+    Forever,
+}
+
+#[derive(Debug, Clone)]
+pub struct SchedConfig {
+    /// The `mlx-runner` executable to spawn as `runner`.
+    pub exe: PathBuf,
+    pub max_loaded: usize,
+    pub load_timeout: Duration,
+    /// The runner's `--parallel`.
+    pub parallel: usize,
+}
+
+/// What a runner is started for.
+#[derive(Debug, Clone)]
+pub struct Target {
+    /// The model's name as the runner resolves it (`--model`).
+    pub name: String,
+    /// The manifest digest: a model re-created under the same name gets a new runner.
+    pub digest: String,
+    pub ctx_size: Option<u64>,
+}
+
+#[derive(Debug, Default)]
+struct Idle {
+    last_used: Option<Instant>,
+    /// `None` while in use or when kept forever.
+    expires: Option<Instant>,
+    keep_alive: Option<KeepAlive>,
+}
+
+pub struct Runner {
+    pub name: String,
+    pub digest: String,
+    pub port: u16,
+    pub context_length: AtomicU64,
+    pub memory: AtomicU64,
+    pub loaded_at: SystemTime,
+    pid: u32,
+    active: AtomicUsize,
+    idle: Mutex<Idle>,
+    dead: AtomicBool,
+    exited: Notify,
+    last_error: Arc<Mutex<String>>,
+}
+
+impl Runner {
+    pub fn alive(&self) -> bool {
+        !self.dead.load(Ordering::SeqCst)
+    }
+
+    /// When an idle runner will be unloaded (`None`: in use, or kept forever).
+    pub fn expires_at(&self) -> Option<SystemTime> {
+        let idle = self.idle.lock().unwrap();
+        let now = Instant::now();
+        match (
+            self.active.load(Ordering::SeqCst),
+            idle.keep_alive,
+            idle.expires,
+        ) {
+            (0, _, Some(at)) => Some(SystemTime::now() + at.saturating_duration_since(now)),
+            (_, Some(KeepAlive::For(d)), _) => Some(SystemTime::now() + d),
+            _ => None,
+        }
+    }
+
+    /// The runner's last line on stderr: the reason it failed, when it did.
+    pub fn last_error(&self) -> String {
+        self.last_error.lock().unwrap().clone()
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        if self.alive() {
+            // SAFETY: kill has no memory-safety preconditions; the pid is our child and is not
+            // reaped (and so not reusable) while `dead` is false.
+            unsafe {
+                libc::kill(self.pid as libc::pid_t, sig);
+            }
+        }
+    }
+
+    /// SIGTERM (the runner ends its streams and exits), SIGKILL after `grace`.
+    async fn stop(&self, grace: Duration) {
+        let exited = self.exited.notified();
+        tokio::pin!(exited);
+        exited.as_mut().enable();
+        if !self.alive() {
+            return;
+        }
+        self.signal(libc::SIGTERM);
+        if tokio::time::timeout(grace, exited.as_mut()).await.is_err() {
+            tracing::warn!(model = %self.name, "runner ignored SIGTERM; killing it");
+            self.signal(libc::SIGKILL);
+            let _ = tokio::time::timeout(Duration::from_secs(5), exited).await;
+        }
+    }
+}
+
+/// A request's hold on a loaded runner; dropping it starts the keep-alive countdown.
+pub struct Lease {
+    pub runner: Arc<Runner>,
+    sched: Arc<Scheduler>,
+    keep_alive: KeepAlive,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let r = &self.runner;
+        let mut idle = r.idle.lock().unwrap();
+        idle.keep_alive = Some(self.keep_alive);
+        if r.active.fetch_sub(1, Ordering::SeqCst) == 1 {
+            let now = Instant::now();
+            idle.last_used = Some(now);
+            idle.expires = match self.keep_alive {
+                KeepAlive::For(d) => Some(now + d),
+                KeepAlive::Forever => None,
+            };
+            if self.keep_alive == KeepAlive::For(Duration::ZERO) {
+                let (sched, runner) = (self.sched.clone(), r.clone());
+                tokio::spawn(async move { sched.unload_if_idle(&runner).await });
+            }
+        }
+        drop(idle);
+        self.sched.changed.notify_waiters();
+    }
+}
+
+#[derive(Default)]
+struct Slot {
+    load: tokio::sync::Mutex<()>,
+    runner: Mutex<Option<Arc<Runner>>>,
+}
+
+pub struct Scheduler {
+    cfg: SchedConfig,
+    pub client: HttpClient,
+    slots: Mutex<HashMap<String, Arc<Slot>>>,
+    changed: Notify,
+    shutting_down: AtomicBool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("{0}")]
+    Failed(String),
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    #[error("{0}")]
+    Busy(String),
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedConfig) -> Arc<Scheduler> {
+        let s = Arc::new(Scheduler {
+            cfg,
+            client: client::http_client(),
+            slots: Mutex::new(HashMap::new()),
+            changed: Notify::new(),
+            shutting_down: AtomicBool::new(false),
+        });
+        tokio::spawn(reaper(Arc::downgrade(&s)));
+        s
+    }
+
+    fn slot(&self, key: &str) -> Arc<Slot> {
+        self.slots
+            .lock()
+            .unwrap()
+            .entry(key.to_string())
+            .or_default()
+            .clone()
+    }
+
+    /// Every live runner.
+    pub fn loaded(&self) -> Vec<Arc<Runner>> {
+        let slots: Vec<_> = self.slots.lock().unwrap().values().cloned().collect();
+        slots
+            .iter()
+            .filter_map(|s| s.runner.lock().unwrap().clone())
+            .filter(|r| r.alive())
+            .collect()
+    }
+
+    /// A runner for `target`, loading it if needed; the lease keeps it loaded.
+    pub async fn acquire(
+        self: &Arc<Self>,
+        target: &Target,
+        keep_alive: KeepAlive,
+    ) -> Result<Lease, LoadError> {
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return Err(LoadError::ShuttingDown);
+        }
+        let slot = self.slot(&target.name);
+        let _loading = slot.load.lock().await;
+        let current = slot.runner.lock().unwrap().clone();
+        if let Some(r) = current {
+            if r.alive() && r.digest == target.digest {
+                return Ok(self.lease(r, keep_alive));
+            }
+            // Dead, or the model changed under its name: a fresh runner.
+            r.stop(Duration::from_secs(10)).await;
+            slot.runner.lock().unwrap().take();
+        }
+        self.make_room(&target.name).await?;
+        let r = self.spawn(target).await?;
+        *slot.runner.lock().unwrap() = Some(r.clone());
+        Ok(self.lease(r, keep_alive))
+    }
+
+    fn lease(self: &Arc<Self>, r: Arc<Runner>, keep_alive: KeepAlive) -> Lease {
+        r.active.fetch_add(1, Ordering::SeqCst);
+        let mut idle = r.idle.lock().unwrap();
+        idle.expires = None;
+        idle.keep_alive = Some(keep_alive);
+        drop(idle);
+        Lease {
+            runner: r,
+            sched: self.clone(),
+            keep_alive,
+        }
+    }
+
+    /// Unloads runners until one more fits: the least recently used idle one first; when all
+    /// are busy, waits for one to become idle (up to the load timeout).
+    async fn make_room(&self, key: &str) -> Result<(), LoadError> {
+        let deadline = Instant::now() + self.cfg.load_timeout;
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let others: Vec<_> = self
+                .loaded()
+                .into_iter()
+                .filter(|r| r.name != key)
+                .collect();
+            if others.len() < self.cfg.max_loaded.max(1) {
+                return Ok(());
+            }
+            let victim = others
+                .iter()
+                .filter(|r| r.active.load(Ordering::SeqCst) == 0)
+                .min_by_key(|r| r.idle.lock().unwrap().last_used)
+                .cloned();
+            if let Some(v) = victim {
+                tracing::info!(model = %v.name, "unloading the least recently used model to make room");
+                self.unload(&v).await;
+                continue;
+            }
+            if tokio::time::timeout_at(deadline.into(), changed)
+                .await
+                .is_err()
+            {
+                return Err(LoadError::Busy(format!(
+                    "{} models are loaded and all are busy; try again later",
+                    others.len()
+                )));
+            }
+        }
+    }
+
+    async fn unload(&self, r: &Arc<Runner>) {
+        r.stop(Duration::from_secs(10)).await;
+        self.forget(r);
+    }
+
+    /// Unloads `r` if no request is using it.
+    pub async fn unload_if_idle(&self, r: &Arc<Runner>) {
+        if r.active.load(Ordering::SeqCst) == 0 {
+            self.unload(r).await;
+        }
+    }
+
+    /// Unloads the runner of model `name` once it is idle (`keep_alive: 0` with no prompt).
+    pub async fn unload_model(&self, name: &str) {
+        let slot = self.slot(name);
+        let r = slot.runner.lock().unwrap().clone();
+        if let Some(r) = r {
+            self.unload_if_idle(&r).await;
+        }
+    }
+
+    fn forget(&self, r: &Arc<Runner>) {
+        let slots = self.slots.lock().unwrap();
+        if let Some(slot) = slots.get(&r.name) {
+            let mut cur = slot.runner.lock().unwrap();
+            if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, r)) {
+                cur.take();
+            }
+        }
+        drop(slots);
+        self.changed.notify_waiters();
+    }
+
+    async fn spawn(&self, target: &Target) -> Result<Arc<Runner>, LoadError> {
+        let started = Instant::now();
+        let port = free_port().map_err(|e| LoadError::Failed(format!("no free port: {e}")))?;
+        let mut cmd = tokio::process::Command::new(&self.cfg.exe);
+        cmd.arg("runner")
+            .arg("--model")
+            .arg(&target.name)
+            .arg("--port")
+            .arg(port.to_string())
+            .arg("--parallel")
+            .arg(self.cfg.parallel.to_string());
+        if let Some(n) = target.ctx_size {
+            cmd.arg("--ctx-size").arg(n.to_string());
+        }
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().map_err(|e| {
+            LoadError::Failed(format!(
+                "cannot start the runner {}: {e}",
+                self.cfg.exe.display()
+            ))
+        })?;
+        let pid = child.id().unwrap_or_default();
+        let last_error = Arc::new(Mutex::new(String::new()));
+        if let Some(stderr) = child.stderr.take() {
+            let (last, name) = (last_error.clone(), target.name.clone());
+            tokio::spawn(async move {
+                let mut lines = tokio::io::BufReader::new(stderr).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    tracing::debug!(target: "runner", model = %name, "{line}");
+                    let line = strip_ansi(&line);
+                    if !line.trim().is_empty() {
+                        *last.lock().unwrap() = line;
+                    }
+                }
+            });
+        }
+        let runner = Arc::new(Runner {
+            name: target.name.clone(),
+            digest: target.digest.clone(),
+            port,
+            context_length: AtomicU64::new(0),
+            memory: AtomicU64::new(0),
+            loaded_at: SystemTime::now(),
+            pid,
+            active: AtomicUsize::new(0),
+            idle: Mutex::new(Idle::default()),
+            dead: AtomicBool::new(false),
+            exited: Notify::new(),
+            last_error,
+        });
+        // The reaper of this process: the only place `dead` is set.
+        let watched = runner.clone();
+        let (exit_tx, mut exit_rx) = tokio::sync::watch::channel(None);
+        tokio::spawn(async move {
+            let status = child.wait().await;
+            watched.dead.store(true, Ordering::SeqCst);
+            watched.exited.notify_waiters();
+            let _ = exit_tx.send(Some(status.map(|s| s.to_string()).unwrap_or_default()));
+        });
+        let deadline = started + self.cfg.load_timeout;
+        loop {
+            tokio::select! {
+                _ = exit_rx.changed() => {
+                    let why = runner.last_error();
+                    let status = exit_rx.borrow().clone().unwrap_or_default();
+                    return Err(LoadError::Failed(format!(
+                        "the runner for {} exited while loading ({status}): {why}",
+                        target.name
+                    )));
+                }
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+            }
+            if let Ok((200, s)) = client::status(&self.client, port).await {
+                if s.status == 0 {
+                    runner
+                        .context_length
+                        .store(s.context_length, Ordering::SeqCst);
+                    runner.memory.store(s.memory, Ordering::SeqCst);
+                    tracing::info!(
+                        model = %target.name,
+                        port,
+                        seconds = started.elapsed().as_secs_f64(),
+                        "runner ready"
+                    );
+                    return Ok(runner);
+                }
+            }
+            if Instant::now() > deadline {
+                runner.stop(Duration::from_secs(2)).await;
+                return Err(LoadError::Failed(format!(
+                    "the runner for {} did not become ready within {} s",
+                    target.name,
+                    self.cfg.load_timeout.as_secs()
+                )));
+            }
+        }
+    }
+
+    /// Stops every runner (with the server).
+    pub async fn shutdown(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+        let all = self.loaded();
+        futures::future::join_all(all.iter().map(|r| r.stop(Duration::from_secs(10)))).await;
+    }
+}
+
+/// Unloads runners whose keep-alive has run out.
+async fn reaper(sched: std::sync::Weak<Scheduler>) {
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let Some(s) = sched.upgrade() else { return };
+        let now = Instant::now();
+        for r in s.loaded() {
+            let expired = r.active.load(Ordering::SeqCst) == 0
+                && r.idle.lock().unwrap().expires.is_some_and(|at| at <= now);
+            if expired {
+                tracing::info!(model = %r.name, "keep-alive ran out: unloading");
+                s.unload(&r).await;
+            }
+        }
+        // Runners that died on their own leave their slots.
+        let dead: Vec<_> = {
+            let slots = s.slots.lock().unwrap();
+            slots
+                .values()
+                .filter_map(|slot| slot.runner.lock().unwrap().clone())
+                .filter(|r| !r.alive())
+                .collect()
+        };
+        for r in dead {
+            tracing::warn!(model = %r.name, "runner exited: {}", r.last_error());
+            s.forget(&r);
+        }
+    }
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// tracing's colours, if the runner logs with them.
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
