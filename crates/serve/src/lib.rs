@@ -72,6 +72,15 @@ pub fn parse_host(v: &str) -> Result<SocketAddr, String> {
     Ok(SocketAddr::new(ip, port))
 }
 
+fn http_limits() -> runner::listen::HttpLimits {
+    runner::listen::HttpLimits {
+        header_timeout: Duration::from_secs(30),
+        body_timeout: Duration::from_secs(600),
+        max_connections: 1024,
+        max_body: body::MAX_BODY,
+    }
+}
+
 pub fn router(app: Arc<App>) -> Router {
     let access = Arc::new(security::Access::new(
         app.cfg.addr.ip().is_loopback(),
@@ -96,6 +105,10 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/models", get(openai_api::models))
         .route("/v1/models/{*name}", get(openai_api::model))
         .layer(axum::extract::DefaultBodyLimit::max(body::MAX_BODY))
+        .layer(axum::middleware::from_fn_with_state(
+            http_limits(),
+            runner::listen::refuse_oversized,
+        ))
         .with_state(app)
         .layer(axum::middleware::from_fn_with_state(
             access,
@@ -123,12 +136,7 @@ pub async fn run(cfg: ServeConfig) -> anyhow::Result<()> {
     });
     eprintln!("mlx-runner serve listening on http://{addr}");
     tracing::info!(%addr, store = %app.catalog.ours.root().display(), "serving");
-    let limits = runner::listen::HttpLimits {
-        header_timeout: Duration::from_secs(30),
-        body_timeout: Duration::from_secs(600),
-        max_connections: 1024,
-        max_body: body::MAX_BODY,
-    };
+    let limits = http_limits();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(runner::listen::serve(
         listener,
