@@ -113,6 +113,23 @@ impl Serve {
             .collect()
     }
 
+    /// Creates `name` in serve's store from a Modelfile's text.
+    fn create(&self, name: &str, modelfile: &str) {
+        let mf = self._dir.path().join(format!("Modelfile.{name}"));
+        std::fs::write(&mf, modelfile).unwrap();
+        let out = binary()
+            .env("MLX_RUNNER_MODELS", &self.models)
+            .args(["create", name, "-f"])
+            .arg(&mf)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// The runner processes serve has spawned.
     fn runners(&self) -> Vec<u32> {
         children_of(self.child.id())
@@ -598,4 +615,78 @@ fn concurrent_clients_get_what_they_get_alone() {
         .collect();
     let together: Vec<Value> = handles.into_iter().map(|h| h.join().unwrap()).collect();
     assert_eq!(together, alone);
+}
+
+#[test]
+fn required_tool_calls_round_trip() {
+    let s = Serve::start(&[]);
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "required": ["city"], "properties": {
+                "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}, "unit": {"enum": ["c", "f"]},
+                "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2}}}}},
+        {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}
+    ]);
+    // The fixture's context (512 tokens of a byte-level vocabulary) does not hold GLM's long
+    // tool preamble: a Modelfile TEMPLATE lists the tools briefly (the family still decides how
+    // calls are written and read).
+    s.create(
+        "glmt",
+        &format!(
+            "FROM {}\nTEMPLATE \"\"\"{{% for t in tools or [] %}}{{{{ t.function.name }}}} {{% endfor %}}{{% for m in messages %}}<|{{{{ m.role }}}}|>{{{{ m.content }}}}{{% endfor %}}<|assistant|></think>\"\"\"\n",
+            fixture("glm4_moe_lite").display()
+        ),
+    );
+    for model in ["gem", "glmt"] {
+        for seed in 0..4 {
+            let messages = json!([{"role": "user", "content": "Weather in Paris?"}]);
+            let (code, r) = s.post(
+                "/v1/chat/completions",
+                &json!({"model": model, "messages": messages, "tools": tools, "seed": seed, "temperature": 1.0,
+                        "max_tokens": 200, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+            );
+            assert_eq!(code, 200, "{r}");
+            let choice = &r["choices"][0];
+            assert_eq!(choice["finish_reason"], "tool_calls", "{model} {r}");
+            let call = &choice["message"]["tool_calls"][0];
+            assert_eq!(call["type"], "function");
+            assert_eq!(call["function"]["name"], "get_weather");
+            let args: Value =
+                serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+            assert!(args["city"].is_string(), "{model} {args}");
+            if let Some(d) = args.get("days") {
+                assert!(d.is_i64(), "{model} {args}");
+            }
+            if let Some(u) = args.get("unit") {
+                assert!(u == "c" || u == "f", "{model} {args}");
+            }
+            // The result goes back; the model answers in text.
+            let (code, answer) = s.post(
+                "/v1/chat/completions",
+                &json!({"model": model, "tools": tools, "max_tokens": 6, "temperature": 0, "messages": [
+                    {"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": null, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": call["id"], "content": "{\"temp\": 21}"}]}),
+            );
+            assert_eq!(code, 200, "{answer}");
+            assert!(answer["choices"][0]["message"]["content"].is_string());
+        }
+        // "required" with any of the tools.
+        let (code, r) = s.post(
+            "/v1/chat/completions",
+            &json!({"model": model, "messages": [{"role": "user", "content": "Do something"}], "tools": tools,
+                    "tool_choice": "required", "max_tokens": 200, "seed": 9, "temperature": 1.0}),
+        );
+        assert_eq!(code, 200, "{r}");
+        let name = r["choices"][0]["message"]["tool_calls"][0]["function"]["name"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(name == "get_weather" || name == "noop", "{r}");
+    }
+    let (code, r) = s.post(
+        "/v1/chat/completions",
+        &json!({"model": "gem", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}),
+    );
+    assert_eq!(code, 400, "{r}");
 }

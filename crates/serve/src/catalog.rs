@@ -173,6 +173,17 @@ impl Model {
         }
     }
 
+    /// The tokenizer's special tokens by text (`<tool_call>` → its id).
+    pub fn special_tokens(&self) -> std::collections::HashMap<String, u32> {
+        read_json(&self.resolved, "tokenizer.json")
+            .and_then(|v| v["added_tokens"].as_array().cloned())
+            .into_iter()
+            .flatten()
+            .filter(|t| t["special"] == true)
+            .filter_map(|t| Some((t["content"].as_str()?.to_string(), t["id"].as_u64()? as u32)))
+            .collect()
+    }
+
     pub fn parameter_count(&self) -> u64 {
         if self.resolved.config.part.parameter_count > 0 {
             return self.resolved.config.part.parameter_count;

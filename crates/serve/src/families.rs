@@ -182,7 +182,10 @@ pub fn go_json(v: &Value) -> String {
 }
 
 /// Keys of `v` in `order`, those present; other keys dropped (Go's struct fields).
-fn ordered(v: &Value, order: &[(&str, fn(&Value) -> Value)]) -> Value {
+/// A field and how its value is written.
+type Field<'a> = (&'a str, fn(&Value) -> Value);
+
+fn ordered(v: &Value, order: &[Field]) -> Value {
     let mut m = Map::new();
     for (k, f) in order {
         if let Some(x) = v.get(*k).filter(|x| !x.is_null()) {

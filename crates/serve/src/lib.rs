@@ -7,6 +7,7 @@ mod body;
 pub mod catalog;
 pub mod client;
 pub mod families;
+pub mod forced;
 mod ollama_api;
 mod openai_api;
 pub mod options;

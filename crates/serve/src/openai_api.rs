@@ -275,6 +275,8 @@ async fn complete(app: Arc<App>, v: Value, kind: Kind) -> Result<Response, ApiEr
                 (Value::Null, _) => Vec::new(),
                 _ => return Err(ApiError::bad("tools must be an array")),
             };
+            input.forced =
+                crate::forced::from_tool_choice(&v["tool_choice"]).map_err(ApiError::bad)?;
             input.logprobs = v["logprobs"].as_bool().unwrap_or(false);
             input.top_logprobs = v["top_logprobs"].as_i64().unwrap_or(0) as i32;
             if !(0..=20).contains(&input.top_logprobs) {

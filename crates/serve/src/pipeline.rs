@@ -71,6 +71,8 @@ pub struct Input {
     pub logprobs: bool,
     pub top_logprobs: i32,
     pub keep_alive: Option<KeepAlive>,
+    /// The answer must be a call of one of `tools` (OpenAI's `tool_choice`).
+    pub forced: Option<crate::forced::Forced>,
 }
 
 /// A running completion.
@@ -181,8 +183,23 @@ pub fn prompt(m: &Model, input: &Input) -> Result<String, ApiError> {
 }
 
 /// Starts a completion: everything that can be refused is refused before the stream starts.
-pub async fn start(app: &Arc<App>, m: &Model, input: Input) -> Result<Running, ApiError> {
+pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Running, ApiError> {
     let started = Instant::now();
+    if let Some(forced) = &input.forced {
+        if !input.format.is_null() {
+            return Err(ApiError::bad(
+                "a required tool call cannot be combined with a response format",
+            ));
+        }
+        let special = m.special_tokens();
+        let lookup = |t: &str| special.get(t).copied();
+        let marks = crate::forced::Marks { special: &lookup };
+        let g = crate::forced::grammar(&m.family, &input.tools, forced, &marks)
+            .map_err(ApiError::bad)?;
+        input.format = Value::String(g);
+        // The call is the whole answer: no thought before it.
+        input.think = Some(false);
+    }
     let mut opts = options::defaults(options::DEFAULT_NUM_CTX);
     options::apply(&mut opts, &m.parameters()).map_err(ApiError::bad)?;
     options::apply(&mut opts, &input.options).map_err(ApiError::bad)?;
