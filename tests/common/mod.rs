@@ -3,6 +3,8 @@
 #![allow(dead_code)]
 
 use serde_json::Value;
+
+pub mod serve;
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};

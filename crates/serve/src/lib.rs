@@ -6,6 +6,7 @@
 mod body;
 pub mod catalog;
 pub mod client;
+mod create;
 pub mod families;
 pub mod forced;
 mod ollama_api;
@@ -43,6 +44,8 @@ pub struct App {
     pub cfg: ServeConfig,
     pub catalog: catalog::Catalog,
     pub sched: Arc<Scheduler>,
+    /// Held by the create in progress.
+    pub creating: Arc<tokio::sync::Mutex<()>>,
 }
 
 /// The address `MLX_RUNNER_HOST` names (`host`, `host:port`, `http://host:port`), with
@@ -88,7 +91,7 @@ pub fn router(app: Arc<App>) -> Router {
         &app.cfg.origins,
     ));
     let running = || async { "Ollama is running" };
-    Router::new()
+    let api = Router::new()
         .route("/", get(running).head(running))
         .route(
             "/api/version",
@@ -101,6 +104,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/api/chat", post(ollama_api::chat))
         .route("/api/copy", post(ollama_api::copy))
         .route("/api/delete", axum::routing::delete(ollama_api::delete))
+        .route("/api/create", post(create::create))
         .route("/v1/chat/completions", post(openai_api::chat))
         .route("/v1/completions", post(openai_api::completions))
         .route("/v1/models", get(openai_api::models))
@@ -110,11 +114,19 @@ pub fn router(app: Arc<App>) -> Router {
             http_limits(),
             runner::listen::refuse_oversized,
         ))
-        .with_state(app)
-        .layer(axum::middleware::from_fn_with_state(
-            access,
-            security::guard,
-        ))
+        .with_state(app.clone());
+    // Checkpoint uploads are as large as checkpoints: streamed to disk, not bounded.
+    let blobs = Router::new()
+        .route(
+            "/api/blobs/{digest}",
+            axum::routing::head(create::head_blob).post(create::post_blob),
+        )
+        .layer(axum::extract::DefaultBodyLimit::disable())
+        .with_state(app);
+    api.merge(blobs).layer(axum::middleware::from_fn_with_state(
+        access,
+        security::guard,
+    ))
 }
 
 /// Serves until SIGINT/SIGTERM, then stops every runner.
@@ -134,7 +146,10 @@ pub async fn run(cfg: ServeConfig) -> anyhow::Result<()> {
         cfg,
         catalog,
         sched: sched.clone(),
+        creating: Default::default(),
     });
+    // Uploads a previous serve left unfinished.
+    let _ = std::fs::remove_dir_all(app.catalog.ours.uploads());
     eprintln!("mlx-runner serve listening on http://{addr}");
     tracing::info!(%addr, store = %app.catalog.ours.root().display(), "serving");
     let limits = http_limits();

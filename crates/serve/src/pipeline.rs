@@ -200,6 +200,16 @@ pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Runnin
         // The call is the whole answer: no thought before it.
         input.think = Some(false);
     }
+    if !input.format.is_null() && input.forced.is_none() {
+        // The runner enforces a format from the first token: a thought would have to be
+        // JSON too. Thinking is off unless asked for, and then refused.
+        if input.think == Some(true) && !m.family.is_empty() {
+            return Err(ApiError::bad(
+                "think cannot be combined with format: the format applies from the first token; set think to false",
+            ));
+        }
+        input.think = Some(false);
+    }
     let mut opts = options::defaults(options::DEFAULT_NUM_CTX);
     options::apply(&mut opts, &m.parameters()).map_err(ApiError::bad)?;
     options::apply(&mut opts, &input.options).map_err(ApiError::bad)?;

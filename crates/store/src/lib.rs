@@ -11,7 +11,7 @@ pub mod quant;
 pub mod show;
 mod store;
 
-pub use create::{create, CreateOptions, CreateReport, PartSummary};
+pub use create::{create, create_from, CreateOptions, CreateReport, PartSummary};
 pub use manifest::{Manifest, ModelConfig};
 pub use modelfile::{Modelfile, ParseError};
 pub use name::ModelName;

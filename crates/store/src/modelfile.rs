@@ -109,6 +109,30 @@ const PARAMETERS: &[(&str, Kind)] = &[
     ("stop", Kind::Text),
 ];
 
+/// A PARAMETER given as JSON (`/api/create`'s `parameters`), typed and checked as the
+/// Modelfile's are; `stop` takes a string or a list of them.
+pub fn parameter(key: &str, v: &Value) -> Result<Value, String> {
+    let key = key.to_ascii_lowercase();
+    let one = |v: &Value| -> Result<Value, String> {
+        let raw = match v {
+            Value::String(s) => s.clone(),
+            Value::Number(n) => n.to_string(),
+            Value::Bool(b) => b.to_string(),
+            other => return Err(format!("parameter {key} cannot be {other}")),
+        };
+        typed(0, &key, &raw).map_err(|e| e.message)
+    };
+    match (key.as_str(), v) {
+        ("stop", Value::Array(items)) => items
+            .iter()
+            .map(one)
+            .collect::<Result<_, _>>()
+            .map(Value::Array),
+        ("stop", v) => Ok(Value::Array(vec![one(v)?])),
+        (_, v) => one(v),
+    }
+}
+
 const COMMANDS: &str = "FROM, DRAFT, PARAMETER, TEMPLATE, SYSTEM, MESSAGE or LICENSE";
 
 fn typed(line: usize, key: &str, raw: &str) -> Result<Value, ParseError> {

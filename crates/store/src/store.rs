@@ -197,6 +197,27 @@ impl Store {
         })
     }
 
+    /// Whether the blob `digest` is stored (by size; contents are checked on load).
+    pub fn has_blob(&self, digest: &str) -> bool {
+        self.blob_path(digest).is_ok_and(|p| p.is_file())
+    }
+
+    /// Where uploads are written before they become blobs: outside `blobs/`, so a sweep for
+    /// killed writers' files never takes an upload in progress.
+    pub fn uploads(&self) -> PathBuf {
+        self.root.join("uploads")
+    }
+
+    /// Moves the uploaded file `tmp` (in [`Store::uploads`]) into place as blob `digest`, which
+    /// the caller has checked its contents against.
+    pub fn adopt_blob(&self, _lock: &WriteLock, tmp: &Path, digest: &str) -> Result<()> {
+        let dest = self.blob_path(digest)?;
+        std::fs::create_dir_all(self.blobs()).map_err(io(&self.blobs()))?;
+        std::fs::rename(tmp, &dest).map_err(io(&dest))?;
+        sync_dir(&self.blobs());
+        Ok(())
+    }
+
     /// Points `name` at `manifest` (whose blobs must all be written), replacing what it named.
     pub fn write_manifest(
         &self,

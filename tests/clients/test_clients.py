@@ -1,0 +1,305 @@
+"""The official `ollama` and `openai` Python clients against `mlx-runner serve`.
+
+Run by tests/clients.rs, which starts `serve` over a store holding the fixture models `gem`
+(gemma4) and `glm` (GLM4-MoE-Lite) and passes its address (MLX_SERVE_URL), its pid
+(MLX_SERVE_PID) and a checkpoint directory to upload (MLX_FIXTURE_DIR). Every check prints one
+line; the first failure raises.
+"""
+
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import time
+
+import ollama
+import openai
+
+URL = os.environ["MLX_SERVE_URL"]
+SERVE_PID = int(os.environ["MLX_SERVE_PID"])
+FIXTURE = os.environ["MLX_FIXTURE_DIR"]
+
+client = ollama.Client(host=URL)
+oai = openai.OpenAI(base_url=URL + "/v1", api_key="unused")
+GREEDY = {"temperature": 0, "num_predict": 12}
+
+
+def check(name):
+    def wrap(f):
+        f()
+        print(f"ok   {name}", flush=True)
+        return f
+
+    return wrap
+
+
+def runners():
+    """The runner processes serve has spawned."""
+    out = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{p}/stat").read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if int(fields[1]) == SERVE_PID and fields[0] != "Z":
+            out.append(int(p))
+    return out
+
+
+@check("ollama: list and show")
+def _():
+    names = sorted(m.model for m in client.list().models)
+    assert names == ["gem:latest", "glm:latest"], names
+    info = client.show("gem")
+    assert "completion" in info.capabilities, info.capabilities
+    assert "<|turn>" in info.template
+    assert info.details.format == "safetensors"
+
+
+@check("ollama: chat and generate, streaming and not")
+def _():
+    for model in ("gem", "glm"):
+        msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+        whole = client.chat(model=model, messages=msgs, options=GREEDY, think=False)
+        # A random model may end early on its EOS: "stop"; otherwise the 12 tokens: "length".
+        assert whole.done and whole.done_reason in ("stop", "length"), whole
+        assert whole.eval_count == 12 or whole.done_reason == "stop", whole
+        assert whole.total_duration > 0 and whole.eval_count > 0
+        parts = list(client.chat(model=model, messages=msgs, options=GREEDY, think=False, stream=True))
+        assert parts[-1].done
+        assert "".join(p.message.content for p in parts) == whole.message.content
+        gen = client.generate(model=model, prompt="Once upon", options=GREEDY, think=False)
+        streamed = "".join(p.response for p in client.generate(model=model, prompt="Once upon", options=GREEDY, think=False, stream=True))
+        assert streamed == gen.response
+
+
+@check("ollama: thinking is returned apart from the answer")
+def _():
+    r = client.chat(model="glm", messages=[{"role": "user", "content": "Hi"}], options=GREEDY, think=True)
+    # GLM's prompt ends inside a thought: what comes before </think> is thinking.
+    assert r.message.thinking or r.message.content is not None
+
+
+@check("ollama: stop strings and seeded sampling")
+def _():
+    full = client.generate(model="gem", prompt="Hello there", options=GREEDY, think=False).response
+    stop = full[4:6]
+    cut = client.generate(model="gem", prompt="Hello there", options={**GREEDY, "stop": [stop]}, think=False)
+    assert full.startswith(cut.response) and len(cut.response) <= 4, (full, stop, cut.response)
+    assert cut.done_reason == "stop"
+    seeded = {"temperature": 0.9, "seed": 11, "num_predict": 10}
+    a = client.generate(model="glm", prompt="Tell me", options=seeded, think=False).response
+    b = client.generate(model="glm", prompt="Tell me", options=seeded, think=False).response
+    assert a == b
+
+
+def get_weather(city: str) -> str:
+    """Get the weather in a city.
+
+    Args:
+      city: The city's name
+    """
+    return "sunny"
+
+
+@check("ollama: tools in, tool calls and results back in the history")
+def _():
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r = client.chat(model="gem", messages=msgs, tools=[get_weather], options=GREEDY, think=False)
+    assert r.done
+    msgs.append(
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        }
+    )
+    msgs.append({"role": "tool", "tool_name": "get_weather", "content": "sunny"})
+    r = client.chat(model="gem", messages=msgs, tools=[get_weather], options=GREEDY, think=False)
+    assert r.done and isinstance(r.message.content, str)
+
+
+@check("ollama: ps, copy, delete")
+def _():
+    client.generate(model="gem", prompt="x", options={"num_predict": 1})
+    loaded = [m.model for m in client.ps().models]
+    assert "gem:latest" in loaded, loaded
+    client.copy("gem", "gem-copy:v1")
+    assert "gem-copy:v1" in [m.model for m in client.list().models]
+    client.delete("gem-copy:v1")
+    assert "gem-copy:v1" not in [m.model for m in client.list().models]
+    try:
+        client.delete("gem-copy:v1")
+        raise AssertionError("deleting a missing model succeeded")
+    except ollama.ResponseError as e:
+        assert e.status_code == 404
+
+
+@check("ollama: create from a model, and from uploaded checkpoint files")
+def _():
+    progress = list(client.create(model="terse", from_="gem", system="You are terse.", parameters={"temperature": 0, "num_predict": 3}, stream=True))
+    assert progress[-1].status == "success", progress
+    info = client.show("terse")
+    assert "You are terse." in info.modelfile, info.modelfile
+    assert "temperature" in info.parameters, info.parameters
+    r = client.generate(model="terse", prompt="Hi", think=False)
+    assert r.eval_count == 3
+    files = {}
+    for name in sorted(os.listdir(FIXTURE)):
+        if name == "golden.safetensors":
+            continue
+        path = os.path.join(FIXTURE, name)
+        files[name] = client.create_blob(path)
+        with open(path, "rb") as f:
+            assert files[name] == "sha256:" + hashlib.sha256(f.read()).hexdigest()
+    done = client.create(model="uploaded", files=files, quantize="q8")
+    assert done.status == "success", done
+    details = client.show("uploaded").details
+    assert details.quantization_level.upper() in ("Q8", "INT8", "Q8_0"), details
+    assert client.generate(model="uploaded", prompt="Hi", options={"num_predict": 4}).eval_count == 4
+    client.delete("uploaded")
+    client.delete("terse")
+
+
+@check("ollama: four concurrent clients get what they get alone")
+def _():
+    prompts = ["One", "Two words", "Three more words", "Four words here now"]
+    alone = [client.generate(model="gem", prompt=p, options=GREEDY, think=False).response for p in prompts]
+
+    async def together():
+        c = ollama.AsyncClient(host=URL)
+        rs = await asyncio.gather(*(c.generate(model="gem", prompt=p, options=GREEDY, think=False) for p in prompts))
+        return [r.response for r in rs]
+
+    assert asyncio.run(together()) == alone
+
+
+@check("ollama: a client that leaves mid-stream changes nothing for the next")
+def _():
+    stream = client.generate(model="gem", prompt="Hello", options={"temperature": 0, "num_predict": 2000}, stream=True)
+    next(iter(stream))
+    stream.close()
+    r = client.generate(model="gem", prompt="Hello there", options=GREEDY, think=False)
+    assert r.eval_count == 12
+
+
+@check("ollama: a runner killed mid-request gives an error; the next request gets a new one")
+def _():
+    client.generate(model="gem", prompt="x", options={"num_predict": 1})
+    before = runners()
+    assert before
+    stream = client.generate(model="gem", prompt="Hello", options={"temperature": 0, "num_predict": 4000}, stream=True)
+    it = iter(stream)
+    next(it)
+    for p in before:
+        os.kill(p, signal.SIGKILL)
+    try:
+        for _ in it:
+            pass
+        raise AssertionError("the stream ended without an error")
+    except ollama.ResponseError as e:
+        assert "runner" in str(e), e
+    r = client.generate(model="gem", prompt="Hello there", options=GREEDY, think=False)
+    assert r.eval_count == 12
+    assert set(runners()).isdisjoint(before)
+
+
+@check("ollama: keep_alive unloads an idle model")
+def _():
+    client.generate(model="glm", prompt="x", options={"num_predict": 1}, keep_alive="1s")
+    start = time.time()
+    while "glm:latest" in [m.model for m in client.ps().models]:
+        assert time.time() - start < 15, "glm stayed loaded"
+        time.sleep(0.1)
+    client.generate(model="gem", keep_alive=0)
+    assert "gem:latest" not in [m.model for m in client.ps().models]
+
+
+@check("openai: models, chat (streaming with usage), completions")
+def _():
+    ids = sorted(m.id for m in oai.models.list().data)
+    assert ids == ["gem:latest", "glm:latest"], ids
+    assert oai.models.retrieve("glm:latest").id == "glm:latest"
+    kw = dict(model="gem", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0, reasoning_effort="none")
+    whole = oai.chat.completions.create(**kw)
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 8
+    chunks = list(oai.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 8
+    c = oai.completions.create(model="glm", prompt="Once", max_tokens=5, temperature=0, seed=1)
+    assert c.usage.completion_tokens == 5 and isinstance(c.choices[0].text, str)
+
+
+@check("openai: response_format json_schema")
+def _():
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    for seed in range(3):
+        r = oai.chat.completions.create(
+            model="glm",
+            messages=[{"role": "user", "content": "A person"}],
+            seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+        )
+        v = json.loads(r.choices[0].message.content)
+        assert set(v) == {"name", "age"} and 0 <= v["age"] <= 99, v
+
+
+@check("openai: a required tool call, its result, the answer")
+def _():
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer"}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    r = oai.chat.completions.create(model="gem", messages=msgs, tools=tools, tool_choice="required", seed=5, max_tokens=100)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    call = choice.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and isinstance(args["city"], str), args
+    msgs.append({"role": "assistant", "content": None, "tool_calls": [call.model_dump()]})
+    msgs.append({"role": "tool", "tool_call_id": call.id, "content": "sunny"})
+    r = oai.chat.completions.create(model="gem", messages=msgs, tools=tools, max_tokens=5, temperature=0)
+    assert isinstance(r.choices[0].message.content, str)
+    # Streaming delivers the call in a delta.
+    chunks = list(oai.chat.completions.create(model="gem", messages=msgs[:1], tools=tools, tool_choice="required", seed=5, max_tokens=100, stream=True))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert calls and calls[0].function.name == "get_weather"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@check("openai: errors are OpenAI errors")
+def _():
+    try:
+        oai.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+        raise AssertionError("unknown model accepted")
+    except openai.NotFoundError:
+        pass
+    try:
+        oai.chat.completions.create(model="gem", messages=[{"role": "user", "content": "x"}], temperature="hot")
+        raise AssertionError("bad temperature accepted")
+    except openai.BadRequestError:
+        pass
+
+
+print("all client checks passed")
