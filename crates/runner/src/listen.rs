@@ -126,6 +126,9 @@ pub async fn serve(
                 }
             },
         };
+        // Streams are many small writes, each wanted at once (Nagle would hold one back while
+        // the previous is unacknowledged).
+        let _ = stream.set_nodelay(true);
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
             tokio::spawn(refuse(stream));
             continue;

@@ -255,6 +255,11 @@ pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Runnin
             }
             ApiError::new(e.status, msg)
         })?;
+    tracing::debug!(
+        model = %m.display(),
+        prepare_us = started.elapsed().as_micros() as u64,
+        "completion forwarded"
+    );
     let parser = parse::parser(family, &input.tools, thinking, &prompt);
     Ok(Running {
         model: m.display(),
