@@ -116,6 +116,8 @@ async fn status(State(app): State<AppState>) -> Response {
         "Progress": if ready { 100 } else { 0 },
         "ContextLength": app.shared.context_length.load(Ordering::Relaxed),
         "Memory": app.shared.memory.load(Ordering::Relaxed),
+        // Ours: a parent that chose the port can check it is talking to its own child.
+        "Pid": std::process::id(),
     });
     let code = if ready {
         StatusCode::OK

@@ -109,11 +109,14 @@ impl RunnerError {
 #[serde(default)]
 pub struct Status {
     #[serde(rename = "Status")]
-    pub status: i32,
+    pub status: Option<i32>,
     #[serde(rename = "ContextLength")]
     pub context_length: u64,
     #[serde(rename = "Memory")]
     pub memory: u64,
+    /// Ours: the runner's process id.
+    #[serde(rename = "Pid")]
+    pub pid: Option<u32>,
 }
 
 pub async fn status(client: &HttpClient, port: u16) -> Result<(u16, Status), String> {

@@ -63,7 +63,15 @@ async fn upload(app: &App, digest: &str, body: Body) -> Result<(), ApiError> {
             .map_err(|e| ApiError::new(500, format!("{}: {e}", tmp.display())))?;
         let mut hash = Sha256::new();
         let mut frames = body.into_data_stream();
-        while let Some(frame) = frames.next().await {
+        // However large the upload, its bytes must keep coming.
+        loop {
+            let frame =
+                match tokio::time::timeout(std::time::Duration::from_secs(60), frames.next()).await
+                {
+                    Ok(Some(f)) => f,
+                    Ok(None) => break,
+                    Err(_) => return Err(ApiError::new(408, "the upload stalled for 60 s")),
+                };
             let bytes = frame.map_err(|e| ApiError::bad(format!("reading the upload: {e}")))?;
             hash.update(&bytes);
             file.write_all(&bytes)

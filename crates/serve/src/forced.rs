@@ -51,15 +51,20 @@ fn value(schema: &Value, string: &dyn Fn(&str) -> String) -> String {
         _ => "string",
     };
     match ty {
-        "integer" => "/-?[0-9]{1,9}/".into(),
-        "number" => "/-?[0-9]{1,9}(\\.[0-9]{1,6})?/".into(),
+        "integer" => "/-?[0-9]{1,18}/".into(),
+        "number" => "/-?[0-9]{1,18}(\\.[0-9]{1,17})?([eE][-+]?[0-9]{1,3})?/".into(),
         "boolean" => "(\"true\" | \"false\")".into(),
         "null" => "\"null\"".into(),
         "array" | "object" => format!("%json {}", schema),
+        // Any text without `<` (which would start the closing mark), newlines included, as
+        // long as the schema allows.
         _ => {
-            let min = schema["minLength"].as_u64().unwrap_or(1);
-            let max = schema["maxLength"].as_u64().unwrap_or(64).max(min);
-            string(&format!("/[^<\\n]{{{min},{max}}}/"))
+            let min = schema["minLength"].as_u64().unwrap_or(0);
+            match schema["maxLength"].as_u64() {
+                Some(max) => string(&format!("/[^<]{{{min},{}}}/", max.max(min))),
+                None if min > 0 => string(&format!("/[^<]{{{min},}}/")),
+                None => string("/[^<]*/"),
+            }
         }
     }
 }
@@ -211,7 +216,8 @@ mod tests {
 
     fn tool() -> Value {
         json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"enum": ["c", "f"]}},
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"enum": ["c", "f"]},
+                "tags": {"type": "array", "items": {"type": "string"}}},
             "required": ["city"]}}})
     }
 
@@ -225,7 +231,7 @@ mod tests {
             "{g}"
         );
         assert!(
-            g.contains("\"city\" \"</arg_key><arg_value>\" /[^<\\n]{1,64}/"),
+            g.contains("\"city\" \"</arg_key><arg_value>\" /[^<]*/"),
             "{g}"
         );
         assert!(g.contains("(\"<arg_key>\" \"days\""), "{g}");
@@ -247,9 +253,10 @@ mod tests {
             "{g}"
         );
         assert!(
-            g.contains("opt0_0: \"days\" \":\" /-?[0-9]{1,9}/ (\",\" opt0_1)? | opt0_1"),
+            g.contains("opt0_0: \"days\" \":\" /-?[0-9]{1,18}/ (\",\" opt0_1)? | opt0_1"),
             "{g}"
         );
+        assert!(g.contains("%json {\"type\":\"array\""), "{g}");
         assert!(grammar("gemma4", &[tool()], &Forced::Named("nope".into()), &marks).is_err());
         assert!(grammar("", &[tool()], &Forced::Any, &marks).is_err());
     }

@@ -46,6 +46,27 @@ pub struct App {
     pub sched: Arc<Scheduler>,
     /// Held by the create in progress.
     pub creating: Arc<tokio::sync::Mutex<()>>,
+    /// Each model's special tokens by text, by manifest digest (tokenizer.json is large).
+    special: std::sync::Mutex<
+        std::collections::HashMap<String, Arc<std::collections::HashMap<String, u32>>>,
+    >,
+}
+
+impl App {
+    pub fn special_tokens(
+        &self,
+        m: &catalog::Model,
+    ) -> Arc<std::collections::HashMap<String, u32>> {
+        if let Some(s) = self.special.lock().unwrap().get(m.digest()) {
+            return s.clone();
+        }
+        let s = Arc::new(m.special_tokens());
+        self.special
+            .lock()
+            .unwrap()
+            .insert(m.digest().to_string(), s.clone());
+        s
+    }
 }
 
 /// The address `MLX_RUNNER_HOST` names (`host`, `host:port`, `http://host:port`), with
@@ -76,10 +97,10 @@ pub fn parse_host(v: &str) -> Result<SocketAddr, String> {
     Ok(SocketAddr::new(ip, port))
 }
 
-fn http_limits() -> runner::listen::HttpLimits {
+pub(crate) fn http_limits() -> runner::listen::HttpLimits {
     runner::listen::HttpLimits {
         header_timeout: Duration::from_secs(30),
-        body_timeout: Duration::from_secs(600),
+        body_timeout: Duration::from_secs(60),
         max_connections: 1024,
         max_body: body::MAX_BODY,
     }
@@ -147,6 +168,7 @@ pub async fn run(cfg: ServeConfig) -> anyhow::Result<()> {
         catalog,
         sched: sched.clone(),
         creating: Default::default(),
+        special: Default::default(),
     });
     // Uploads a previous serve left unfinished.
     let _ = std::fs::remove_dir_all(app.catalog.ours.uploads());

@@ -330,7 +330,12 @@ async fn complete(app: Arc<App>, v: Value, kind: Kind) -> Result<Response, ApiEr
         let mut calls_sent = 0usize;
         let mut events = run.events;
         let lines = async_stream(move |tx| async move {
-            while let Some(ev) = events.next().await {
+            loop {
+                // A client that left ends the completion now, not at the next text.
+                let ev = tokio::select! {
+                    _ = tx.closed() => return,
+                    ev = events.next() => match ev { Some(ev) => ev, None => return },
+                };
                 match ev {
                     Event::Piece {
                         parsed,

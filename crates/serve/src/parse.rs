@@ -98,6 +98,8 @@ struct Tagged {
     skip_ws: bool,
     /// gemma4's optional channel name after `<|channel>`.
     strip_channel_name: bool,
+    /// Just after a call: the markers a model may repeat there are noise, not content.
+    after_call: bool,
     calls: usize,
 }
 
@@ -165,6 +167,7 @@ impl Tagged {
             held_ws: String::new(),
             skip_ws: false,
             strip_channel_name: false,
+            after_call: false,
             calls: 0,
         }
     }
@@ -236,7 +239,9 @@ impl OutputParser for Tagged {
             match self.state {
                 State::Content => {
                     let mut openers = vec![tags.think_open, tags.call_open];
-                    openers.extend(tags.noise);
+                    if self.after_call {
+                        openers.extend(tags.noise);
+                    }
                     let found = openers
                         .iter()
                         .filter_map(|t| self.buf.find(t).map(|i| (i, *t)))
@@ -244,6 +249,9 @@ impl OutputParser for Tagged {
                     match found {
                         Some((i, tag)) => {
                             let before = self.buf[..i].to_string();
+                            if !before.trim().is_empty() {
+                                self.after_call = false;
+                            }
                             self.emit(&mut out, &before);
                             self.buf.drain(..i + tag.len());
                             if tag == tags.think_open {
@@ -298,13 +306,20 @@ impl OutputParser for Tagged {
                             None => tracing::warn!(body = %body, "unreadable tool call dropped"),
                         }
                         self.at_tag();
+                        self.after_call = true;
                         self.state = State::Content;
                     }
                     None if done => {
-                        // The output ended inside a call: read what there is.
+                        // The output ended inside a call (cut by a length limit, say). gemma4's
+                        // is read as far as it goes, as ollama does; GLM's only when nothing but
+                        // the closing tag is missing and the call is complete for its tool: a
+                        // truncated argument must not become a call that acts.
                         let body = std::mem::take(&mut self.buf);
-                        if let Some(c) = self.call(&body) {
-                            out.tool_calls.push(c);
+                        let complete =
+                            self.syntax == Syntax::Gemma4 || glm_complete(&body, &self.tools);
+                        match self.call(&body) {
+                            Some(c) if complete => out.tool_calls.push(c),
+                            _ => tracing::warn!(body = %body, "unfinished tool call dropped"),
                         }
                         break;
                     }
@@ -433,6 +448,39 @@ fn glm_call(body: &str, tools: &[Value]) -> Option<(String, Value)> {
         args.insert(key, typed_value(raw, &types));
     }
     Some((name, Value::Object(args)))
+}
+
+/// An unclosed GLM call that lacks only its closing tag: every value closed, the tool
+/// declared (when tools were given) and its required arguments present.
+fn glm_complete(body: &str, tools: &[Value]) -> bool {
+    let body = body.trim_end();
+    if body.matches("<arg_value>").count() != body.matches("</arg_value>").count()
+        || body.matches("<arg_key>").count() != body.matches("</arg_key>").count()
+        || body.ends_with("<")
+        || body
+            .rfind("</")
+            .is_some_and(|i| !body[i..].ends_with("</arg_value>"))
+    {
+        return false;
+    }
+    let Some((name, args)) = glm_call(body, tools) else {
+        return false;
+    };
+    if tools.is_empty() {
+        return true;
+    }
+    let Some(tool) = tools
+        .iter()
+        .find(|t| t["function"]["name"] == name.as_str())
+    else {
+        return false;
+    };
+    tool["function"]["parameters"]["required"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .all(|r| args.get(r).is_some())
 }
 
 fn property_types(p: &Value) -> Vec<String> {
@@ -660,15 +708,43 @@ mod tests {
             f[1],
             json!({"index": 1, "name": "second", "arguments": {"b": "a < b && c > d"}})
         );
-        // An unclosed value at the end of the output is still read.
-        let p = run(
-            &mut *parser("glm-4.7", &[], false, ""),
-            &["<tool_call>get-weather\n<arg_key>city</arg_key>\n<arg_value>Paris"],
+        // Output that ends inside a call: kept only when nothing but the closing tag is
+        // missing.
+        let cut = |text: &str| {
+            run(&mut *parser("glm-4.7", &[], false, ""), &[text])
+                .tool_calls
+                .len()
+        };
+        assert_eq!(
+            cut("<tool_call>w\n<arg_key>city</arg_key>\n<arg_value>Paris"),
+            0
         );
         assert_eq!(
-            p.tool_calls[0]["function"]["arguments"],
-            json!({"city": "Paris"})
+            cut("<tool_call>w<arg_key>city</arg_key><arg_value>P</arg_value>"),
+            1
         );
+        assert_eq!(
+            cut("<tool_call>w<arg_key>city</arg_key><arg_value>P</arg_value></tool"),
+            0
+        );
+        let tools =
+            [json!({"function": {"name": "w", "parameters": {"required": ["city", "day"]}}})];
+        let p = run(
+            &mut *parser("glm-4.7", &tools, false, ""),
+            &["<tool_call>w<arg_key>city</arg_key><arg_value>P</arg_value>"],
+        );
+        assert!(p.tool_calls.is_empty(), "a required argument is missing");
+        // Markers after a call are noise; the same text elsewhere is content.
+        let p = run(
+            &mut *parser("gemma4", &[], false, ""),
+            &["<|tool_call>call:f{}<tool_call|><|tool_response>"],
+        );
+        assert_eq!((p.tool_calls.len(), p.content.as_str()), (1, ""));
+        let p = run(
+            &mut *parser("gemma4", &[], false, ""),
+            &["a <|tool_response> b"],
+        );
+        assert_eq!(p.content, "a <|tool_response> b");
     }
 
     #[test]

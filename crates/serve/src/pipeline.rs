@@ -174,7 +174,9 @@ pub fn prompt(m: &Model, input: &Input) -> Result<String, ApiError> {
     let ctx = template::Context {
         messages: &messages,
         tools: (!input.tools.is_empty()).then_some(input.tools.as_slice()),
-        add_generation_prompt: messages.last().is_none_or(|m| m["role"] != "assistant"),
+        // Always, as ollama's renderers do: a conversation that ends with an assistant
+        // message gets a new assistant turn.
+        add_generation_prompt: true,
         bos_token: &bos,
         eos_token: &eos,
         enable_thinking: input.think,
@@ -191,8 +193,9 @@ pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Runnin
                 "a required tool call cannot be combined with a response format",
             ));
         }
-        let special = m.special_tokens();
+        let special = app.special_tokens(m);
         let lookup = |t: &str| special.get(t).copied();
+
         let marks = crate::forced::Marks { special: &lookup };
         let g = crate::forced::grammar(&m.family, &input.tools, forced, &marks)
             .map_err(ApiError::bad)?;
@@ -213,8 +216,9 @@ pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Runnin
     let mut opts = options::defaults(options::DEFAULT_NUM_CTX);
     options::apply(&mut opts, &m.parameters()).map_err(ApiError::bad)?;
     options::apply(&mut opts, &input.options).map_err(ApiError::bad)?;
-    let thinking = input.think.unwrap_or(true) && m.capabilities().iter().any(|c| c == "thinking");
-    if input.think == Some(true) && !m.capabilities().iter().any(|c| c == "thinking") {
+    let can_think = m.capabilities().iter().any(|c| c == "thinking");
+    let thinking = input.think.unwrap_or(true) && can_think;
+    if input.think == Some(true) && !can_think {
         return Err(ApiError::bad(format!(
             "\"{}\" does not support thinking",
             m.display()
@@ -225,6 +229,11 @@ pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Runnin
             "registry.ollama.ai/library/{} does not support tools",
             m.display()
         )));
+    }
+    if can_think {
+        // Thinking-capable models think unless told not to (ollama sets `think` so too); the
+        // template hears the decision.
+        input.think = Some(thinking);
     }
     let prompt = prompt(m, &input)?;
     let family = if input.raw.is_some() {
@@ -262,7 +271,8 @@ pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Runnin
     );
     let parser = parse::parser(family, &input.tools, thinking, &prompt);
     Ok(Running {
-        model: m.display(),
+        // The name as the request gave it, as ollama echoes it.
+        model: input.model.clone(),
         started,
         load_duration,
         prompt,
@@ -329,7 +339,11 @@ pub fn parse_keep_alive(v: &Value) -> Result<Option<KeepAlive>, String> {
         },
         other => return Err(format!("invalid keep_alive {other}: expected a duration")),
     };
-    Ok(Some(if secs < 0.0 {
+    if !secs.is_finite() {
+        return Err(format!("invalid keep_alive {v}: not a finite duration"));
+    }
+    // Past Go's longest duration (about 292 years) means forever.
+    Ok(Some(if !(0.0..=9.2e9).contains(&secs) {
         KeepAlive::Forever
     } else {
         KeepAlive::For(Duration::from_secs_f64(secs))
@@ -398,6 +412,10 @@ mod tests {
         assert_eq!(f(json!("-1m")), Some(KeepAlive::Forever));
         assert_eq!(f(json!(null)), None);
         assert!(parse_keep_alive(&json!("soon")).is_err());
+        assert!(parse_keep_alive(&json!("nan")).is_err());
+        assert!(parse_keep_alive(&json!("inf")).is_err());
+        assert_eq!(f(json!(1e19)), Some(KeepAlive::Forever));
+        assert!(parse_keep_alive(&json!("1e400")).is_err());
         assert!(parse_keep_alive(&json!([1])).is_err());
     }
 }

@@ -48,7 +48,12 @@ struct Idle {
     last_used: Option<Instant>,
     /// `None` while in use or when kept forever.
     expires: Option<Instant>,
+    /// The keep-alive of the latest request to start (it decides, as in ollama).
     keep_alive: Option<KeepAlive>,
+    /// Unload as soon as the last request ends (an unload asked for while busy).
+    expire_on_idle: bool,
+    /// Being stopped: no new request may use it.
+    stopping: bool,
 }
 
 pub struct Runner {
@@ -92,7 +97,7 @@ impl Runner {
     }
 
     fn signal(&self, sig: libc::c_int) {
-        if self.alive() {
+        if self.alive() && self.pid > 0 {
             // SAFETY: kill has no memory-safety preconditions; the pid is our child and is not
             // reaped (and so not reusable) while `dead` is false.
             unsafe {
@@ -101,8 +106,20 @@ impl Runner {
         }
     }
 
+    /// Marks the runner as stopping if no request uses it: from then on none can.
+    fn begin_stop(&self) -> bool {
+        let mut idle = self.idle.lock().unwrap();
+        if self.active.load(Ordering::SeqCst) == 0 && !idle.stopping {
+            idle.stopping = true;
+            true
+        } else {
+            false
+        }
+    }
+
     /// SIGTERM (the runner ends its streams and exits), SIGKILL after `grace`.
     async fn stop(&self, grace: Duration) {
+        self.idle.lock().unwrap().stopping = true;
         let exited = self.exited.notified();
         tokio::pin!(exited);
         exited.as_mut().enable();
@@ -129,15 +146,19 @@ impl Drop for Lease {
     fn drop(&mut self) {
         let r = &self.runner;
         let mut idle = r.idle.lock().unwrap();
-        idle.keep_alive = Some(self.keep_alive);
         if r.active.fetch_sub(1, Ordering::SeqCst) == 1 {
             let now = Instant::now();
+            let keep = match idle.keep_alive.unwrap_or(self.keep_alive) {
+                _ if idle.expire_on_idle => KeepAlive::For(Duration::ZERO),
+                k => k,
+            };
             idle.last_used = Some(now);
-            idle.expires = match self.keep_alive {
-                KeepAlive::For(d) => Some(now + d),
+            idle.expires = match keep {
+                // Past what an Instant holds: forever.
+                KeepAlive::For(d) => now.checked_add(d),
                 KeepAlive::Forever => None,
             };
-            if self.keep_alive == KeepAlive::For(Duration::ZERO) {
+            if keep == KeepAlive::For(Duration::ZERO) {
                 let (sched, runner) = (self.sched.clone(), r.clone());
                 tokio::spawn(async move { sched.unload_if_idle(&runner).await });
             }
@@ -149,7 +170,7 @@ impl Drop for Lease {
 
 #[derive(Default)]
 struct Slot {
-    load: tokio::sync::Mutex<()>,
+    load: Arc<tokio::sync::Mutex<()>>,
     runner: Mutex<Option<Arc<Runner>>>,
 }
 
@@ -159,6 +180,9 @@ pub struct Scheduler {
     slots: Mutex<HashMap<String, Arc<Slot>>>,
     changed: Notify,
     shutting_down: AtomicBool,
+    /// Held while making room for a runner and starting it: loads happen one at a time, so
+    /// two of them cannot both fit under the limit.
+    placement: tokio::sync::Mutex<()>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -179,6 +203,7 @@ impl Scheduler {
             slots: Mutex::new(HashMap::new()),
             changed: Notify::new(),
             shutting_down: AtomicBool::new(false),
+            placement: tokio::sync::Mutex::new(()),
         });
         tokio::spawn(reaper(Arc::downgrade(&s)));
         s
@@ -209,37 +234,92 @@ impl Scheduler {
         target: &Target,
         keep_alive: KeepAlive,
     ) -> Result<Lease, LoadError> {
-        if self.shutting_down.load(Ordering::SeqCst) {
-            return Err(LoadError::ShuttingDown);
-        }
-        let slot = self.slot(&target.name);
-        let _loading = slot.load.lock().await;
-        let current = slot.runner.lock().unwrap().clone();
-        if let Some(r) = current {
-            if r.alive() && r.digest == target.digest {
-                return Ok(self.lease(r, keep_alive));
+        loop {
+            if self.shutting_down.load(Ordering::SeqCst) {
+                return Err(LoadError::ShuttingDown);
             }
-            // Dead, or the model changed under its name: a fresh runner.
-            r.stop(Duration::from_secs(10)).await;
-            slot.runner.lock().unwrap().take();
+            let slot = self.slot(&target.name);
+            let loading = slot.load.clone().lock_owned().await;
+            let current = slot.runner.lock().unwrap().clone();
+            if let Some(r) = current {
+                if r.alive() && r.digest == target.digest {
+                    if let Some(lease) = self.lease(&r, keep_alive) {
+                        return Ok(lease);
+                    }
+                }
+                // Dead, stopping, or the model changed under its name: once its requests are
+                // done, a fresh runner.
+                drop(loading);
+                self.retire(&r).await;
+                continue;
+            }
+            // The load runs in its own task: a request that goes away mid-load leaves a
+            // registered runner (which its keep-alive will unload), never an orphan process.
+            let (sched, t) = (self.clone(), target.clone());
+            let task = tokio::spawn(async move {
+                let _loading = loading;
+                let _placing = sched.placement.lock().await;
+                sched.make_room(&t.name).await?;
+                let r = sched.spawn(&t).await?;
+                {
+                    let mut idle = r.idle.lock().unwrap();
+                    let now = Instant::now();
+                    idle.last_used = Some(now);
+                    // Until a request takes it: the keep-alive, at least a few seconds.
+                    idle.expires = match keep_alive {
+                        KeepAlive::For(d) => now.checked_add(d.max(Duration::from_secs(5))),
+                        KeepAlive::Forever => None,
+                    };
+                }
+                *slot.runner.lock().unwrap() = Some(r.clone());
+                if sched.shutting_down.load(Ordering::SeqCst) {
+                    sched.unload(&r).await;
+                    return Err(LoadError::ShuttingDown);
+                }
+                Ok(r)
+            });
+            let r = task
+                .await
+                .map_err(|e| LoadError::Failed(format!("loading failed: {e}")))??;
+            if let Some(lease) = self.lease(&r, keep_alive) {
+                return Ok(lease);
+            }
         }
-        self.make_room(&target.name).await?;
-        let r = self.spawn(target).await?;
-        *slot.runner.lock().unwrap() = Some(r.clone());
-        Ok(self.lease(r, keep_alive))
     }
 
-    fn lease(self: &Arc<Self>, r: Arc<Runner>, keep_alive: KeepAlive) -> Lease {
-        r.active.fetch_add(1, Ordering::SeqCst);
+    /// Waits for `r`'s requests to end (up to the load timeout), then stops it.
+    async fn retire(&self, r: &Arc<Runner>) {
+        let deadline = Instant::now() + self.cfg.load_timeout;
+        while r.alive() && r.active.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if r.active.load(Ordering::SeqCst) == 0 {
+                break;
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(500), changed).await;
+        }
+        r.stop(Duration::from_secs(10)).await;
+        self.forget(r);
+    }
+
+    /// A lease on `r`, unless it is being stopped.
+    fn lease(self: &Arc<Self>, r: &Arc<Runner>, keep_alive: KeepAlive) -> Option<Lease> {
         let mut idle = r.idle.lock().unwrap();
+        if idle.stopping || !r.alive() {
+            return None;
+        }
+        r.active.fetch_add(1, Ordering::SeqCst);
         idle.expires = None;
         idle.keep_alive = Some(keep_alive);
+        // A new request's keep-alive replaces an unload asked for earlier (as in ollama).
+        idle.expire_on_idle = false;
         drop(idle);
-        Lease {
-            runner: r,
+        Some(Lease {
+            runner: r.clone(),
             sched: self.clone(),
             keep_alive,
-        }
+        })
     }
 
     /// Unloads runners until one more fits: the least recently used idle one first; when all
@@ -258,12 +338,13 @@ impl Scheduler {
             if others.len() < self.cfg.max_loaded.max(1) {
                 return Ok(());
             }
-            let victim = others
+            let mut idle: Vec<_> = others
                 .iter()
                 .filter(|r| r.active.load(Ordering::SeqCst) == 0)
-                .min_by_key(|r| r.idle.lock().unwrap().last_used)
-                .cloned();
-            if let Some(v) = victim {
+                .cloned()
+                .collect();
+            idle.sort_by_key(|r| r.idle.lock().unwrap().last_used);
+            if let Some(v) = idle.into_iter().find(|r| r.begin_stop()) {
                 tracing::info!(model = %v.name, "unloading the least recently used model to make room");
                 self.unload(&v).await;
                 continue;
@@ -287,16 +368,18 @@ impl Scheduler {
 
     /// Unloads `r` if no request is using it.
     pub async fn unload_if_idle(&self, r: &Arc<Runner>) {
-        if r.active.load(Ordering::SeqCst) == 0 {
+        if r.begin_stop() {
             self.unload(r).await;
         }
     }
 
-    /// Unloads the runner of model `name` once it is idle (`keep_alive: 0` with no prompt).
+    /// Unloads the runner of model `name` now if it is idle, else as soon as its last request
+    /// ends (`keep_alive: 0` with no prompt, `delete`).
     pub async fn unload_model(&self, name: &str) {
         let slot = self.slot(name);
         let r = slot.runner.lock().unwrap().clone();
         if let Some(r) = r {
+            r.idle.lock().unwrap().expire_on_idle = true;
             self.unload_if_idle(&r).await;
         }
     }
@@ -342,12 +425,22 @@ impl Scheduler {
         if let Some(stderr) = child.stderr.take() {
             let (last, name) = (last_error.clone(), target.name.clone());
             tokio::spawn(async move {
-                let mut lines = tokio::io::BufReader::new(stderr).lines();
-                while let Ok(Some(line)) = lines.next_line().await {
-                    tracing::debug!(target: "runner", model = %name, "{line}");
-                    let line = strip_ansi(&line);
-                    if !line.trim().is_empty() {
-                        *last.lock().unwrap() = line;
+                // Read to the end whatever comes (a runner blocked on a full pipe would stall).
+                let mut reader = tokio::io::BufReader::new(stderr);
+                let mut buf = Vec::new();
+                loop {
+                    buf.clear();
+                    match reader.read_until(b'\n', &mut buf).await {
+                        Ok(0) => break,
+                        Ok(_) => {
+                            let line = String::from_utf8_lossy(&buf);
+                            let line = strip_ansi(line.trim_end());
+                            tracing::debug!(target: "runner", model = %name, "{line}");
+                            if !line.trim().is_empty() {
+                                *last.lock().unwrap() = line;
+                            }
+                        }
+                        Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
                     }
                 }
             });
@@ -389,7 +482,8 @@ impl Scheduler {
                 _ = tokio::time::sleep(Duration::from_millis(50)) => {}
             }
             if let Ok((200, s)) = client::status(&self.client, port).await {
-                if s.status == 0 {
+                // Ready, and our own child (not another process that took the port).
+                if s.status == Some(0) && s.pid.is_none_or(|p| p == pid) {
                     runner
                         .context_length
                         .store(s.context_length, Ordering::SeqCst);
@@ -431,7 +525,7 @@ async fn reaper(sched: std::sync::Weak<Scheduler>) {
         for r in s.loaded() {
             let expired = r.active.load(Ordering::SeqCst) == 0
                 && r.idle.lock().unwrap().expires.is_some_and(|at| at <= now);
-            if expired {
+            if expired && r.begin_stop() {
                 tracing::info!(model = %r.name, "keep-alive ran out: unloading");
                 s.unload(&r).await;
             }
