@@ -35,7 +35,13 @@ fn run() -> Result<(), String> {
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
     let pin_path = manifest.join("../../vendor/mlx.pin");
     println!("cargo:rerun-if-changed={}", pin_path.display());
-    for f in ["src/shim.h", "src/shim.cc", "src/lib.rs"] {
+    for f in [
+        "src/shim.h",
+        "src/shim.cc",
+        "src/lib.rs",
+        "src/qmm_cpu.h",
+        "src/qmm_cpu.cc",
+    ] {
         println!("cargo:rerun-if-changed={f}");
     }
     let blas_pin_path = manifest.join("../../vendor/openblas.pin");
@@ -60,6 +66,7 @@ fn run() -> Result<(), String> {
     let mut build = cxx_build::bridge("src/lib.rs");
     build
         .file("src/shim.cc")
+        .file("src/qmm_cpu.cc")
         .include(&include)
         .include(&manifest)
         .std("c++20")

@@ -225,6 +225,10 @@ pub mod ffi {
             group_size: i32,
             bits: i32,
         ) -> Result<UniquePtr<Arr>>;
+        /// Turns mlx-runner's CPU quantized-matmul kernel on (the default) or off.
+        fn set_quantized_kernel(on: bool);
+        /// Products the kernel computed, by path (dequantize + sgemm when true).
+        fn quantized_kernel_count(sgemm_path: bool) -> u64;
         unsafe fn gather_qmm(
             x: &Arr,
             w: &Arr,

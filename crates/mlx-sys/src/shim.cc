@@ -1,6 +1,7 @@
 // See shim.h. Kept deliberately thin: argument translation only, no policy.
 #include "mlx-sys/src/shim.h"
 #include "mlx-sys/src/lib.rs.h"
+#include "mlx-sys/src/qmm_cpu.h"
 
 #include <dlfcn.h>
 
@@ -506,8 +507,19 @@ ArrPtr quantized_matmul(
     bool transpose,
     int32_t group_size,
     int32_t bits) {
+  if (auto out = cpu_quantized_matmul(x.a, w.a, scales.a, opt(biases), transpose, group_size, bits)) {
+    return wrap(std::move(*out));
+  }
   return wrap(mx::quantized_matmul(
       x.a, w.a, scales.a, opt(biases), transpose, group_size, bits, "affine"));
+}
+
+void set_quantized_kernel(bool on) {
+  set_cpu_qmm_enabled(on);
+}
+
+uint64_t quantized_kernel_count(bool sgemm_path) {
+  return cpu_qmm_count(sgemm_path);
 }
 
 ArrPtr gather_qmm(

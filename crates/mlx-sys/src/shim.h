@@ -144,6 +144,8 @@ ArrPtr quantized_matmul(
     bool transpose,
     int32_t group_size,
     int32_t bits);
+void set_quantized_kernel(bool on);
+uint64_t quantized_kernel_count(bool sgemm_path);
 ArrPtr gather_qmm(
     const Arr& x,
     const Arr& w,

@@ -27,5 +27,6 @@ pub use index::Ix;
 pub use ops::{concatenate, stack, where_, Quantized};
 pub use runtime::{
     async_eval, blas_library, default_device, eval, gpu_available, init_thread, openblas_config,
-    set_default_device, synchronize, version, Device,
+    quantized_kernel_counts, set_default_device, set_quantized_kernel, synchronize, version,
+    Device,
 };

@@ -71,3 +71,19 @@ pub fn eval(arrays: &[&Array]) -> Result<()> {
 pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     Ok(ffi::async_eval_all(&pack(arrays.iter().copied()))?)
 }
+
+/// Turns mlx-runner's CPU kernel for affine-quantized matmuls on (the default) or off: off,
+/// every quantized matmul is MLX's own (for comparisons and the kernel's exactness tests).
+/// Applies to graphs built after the call.
+pub fn set_quantized_kernel(on: bool) {
+    ffi::set_quantized_kernel(on)
+}
+
+/// Quantized products the kernel has computed in this process: `(packed rows, dequantize +
+/// sgemm)`.
+pub fn quantized_kernel_counts() -> (u64, u64) {
+    (
+        ffi::quantized_kernel_count(false),
+        ffi::quantized_kernel_count(true),
+    )
+}

@@ -1,0 +1,459 @@
+// A CPU kernel for MLX's affine-quantized matmul (x @ dequantize(w)ᵀ), registered as an MLX
+// primitive. MLX's own CPU path dequantizes element by element at ~0.6 GB/s; a decode step
+// reads every weight once, so its speed is the speed of reading weights.
+//
+// - Few rows (decode, small batches): each output row reads its packed weights once, unpacks
+//   8 lanes at a time with AVX2 and multiplies them into up to four rows of x. x is permuted
+//   once per call so that lane l of a packed 256-bit word meets the x values it holds:
+//   sum_k x_k (s_g q_k + b_g) = sum_g s_g (sum_{k in g} x_k q_k) + sum_g b_g (sum_{k in g} x_k).
+// - Many rows (prefill): blocks of weight rows are dequantized to float32 and multiplied with
+//   the process's sgemm (OpenBLAS), which is compute-bound there anyway.
+// Output rows are split across a small persistent thread pool. Only float32 activations,
+// 4- and 8-bit weights, group sizes 32/64/128, on the CPU stream; everything else stays MLX's.
+
+#include "mlx-sys/src/qmm_cpu.h"
+
+#include <dlfcn.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+
+namespace mlxr {
+
+namespace {
+
+std::atomic<bool> g_enabled{true};
+// Products computed by each path (tests check that the kernel, not MLX, answered).
+std::atomic<uint64_t> g_rows_path{0}, g_sgemm_path{0};
+
+// ---- a persistent pool: the caller and (cores - 1) workers ------------------------------------
+
+class Pool {
+ public:
+  Pool() {
+    unsigned n = std::max(1u, std::thread::hardware_concurrency());
+    for (unsigned i = 1; i < n; ++i) {
+      workers_.emplace_back([this, i] { work(i); });
+    }
+  }
+
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> l(m_);
+      stop_ = true;
+      ++generation_;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+  size_t size() const { return workers_.size() + 1; }
+
+  // Runs f(part) for part in [0, size()), the caller taking part 0; returns when all are done.
+  void run(const std::function<void(size_t)>& f) {
+    if (workers_.empty()) {
+      f(0);
+      return;
+    }
+    std::lock_guard<std::mutex> one(run_m_);
+    {
+      std::lock_guard<std::mutex> l(m_);
+      task_ = &f;
+      pending_ = workers_.size();
+      ++generation_;
+    }
+    cv_.notify_all();
+    f(0);
+    std::unique_lock<std::mutex> l(m_);
+    done_cv_.wait(l, [&] { return pending_ == 0; });
+    task_ = nullptr;
+  }
+
+ private:
+  void work(size_t part) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(size_t)>* task;
+      {
+        std::unique_lock<std::mutex> l(m_);
+        cv_.wait(l, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (stop_) return;
+        task = task_;
+      }
+      (*task)(part);
+      {
+        std::lock_guard<std::mutex> l(m_);
+        if (--pending_ == 0) done_cv_.notify_one();
+      }
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex m_, run_m_;
+  std::condition_variable cv_, done_cv_;
+  const std::function<void(size_t)>* task_ = nullptr;
+  size_t pending_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+Pool& pool() {
+  static Pool p;
+  return p;
+}
+
+// ---- the kernels ----------------------------------------------------------------------------
+
+struct Shape {
+  int M, N, K, bits, group;
+};
+
+// Values per packed uint32, and per 8-lane unit (8 uint32).
+inline int per_word(int bits) { return 32 / bits; }
+
+// x permuted for the packed layout: unit u, shift j, lane l → x[u*8*P + l*P + j].
+void permute_x(const float* x, float* xt, const Shape& s) {
+  const int P = per_word(s.bits), unit = 8 * P, units = s.K / unit;
+  for (int u = 0; u < units; ++u)
+    for (int j = 0; j < P; ++j)
+      for (int l = 0; l < 8; ++l) xt[(u * P + j) * 8 + l] = x[u * unit + l * P + j];
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+
+// Output rows [n0, n1) for R (1..4) rows of x starting at m0.
+template <int BITS, int R>
+__attribute__((target("avx2,fma"))) void qmv_rows(
+    const float* xt,      // R permuted rows, each K floats
+    const float* xsum,    // R rows of per-group sums of x
+    const uint32_t* w,
+    const float* scales,
+    const float* biases,
+    float* out,  // row m0 of the output
+    const Shape& s,
+    int n0,
+    int n1) {
+  constexpr int P = 32 / BITS;
+  constexpr int UNIT = 8 * P;
+  const int units = s.K / UNIT, words = s.K / P, groups = s.K / s.group;
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+  for (int n = n0; n < n1; ++n) {
+    const uint32_t* wr = w + (size_t)n * words;
+    const float* sr = scales + (size_t)n * groups;
+    const float* br = biases + (size_t)n * groups;
+    __m256 tot[R];
+    for (int r = 0; r < R; ++r) tot[r] = _mm256_setzero_ps();
+    for (int u = 0; u < units; ++u) {
+      __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + u * 8));
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+#pragma GCC unroll 8
+      for (int j = 0; j < P; ++j) {
+        __m256 qj = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q, BITS * j), mask));
+        for (int r = 0; r < R; ++r)
+          acc[r] = _mm256_fmadd_ps(
+              qj, _mm256_loadu_ps(xt + (size_t)r * s.K + (size_t)(u * P + j) * 8), acc[r]);
+      }
+      // The scale of each lane's group.
+      const int first = u * UNIT;
+      __m256 sv;
+      if (s.group >= UNIT) {
+        sv = _mm256_set1_ps(sr[first / s.group]);
+      } else {
+        // group == 32 with 4-bit: lanes 0-3 and 4-7 are two groups.
+        float a = sr[first / s.group], b = sr[(first + UNIT / 2) / s.group];
+        sv = _mm256_setr_ps(a, a, a, a, b, b, b, b);
+      }
+      for (int r = 0; r < R; ++r) tot[r] = _mm256_fmadd_ps(acc[r], sv, tot[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      float bias = 0;
+      const float* xs = xsum + (size_t)r * groups;
+      for (int g = 0; g < groups; ++g) bias += br[g] * xs[g];
+      out[(size_t)r * s.N + n] = hsum(tot[r]) + bias;
+    }
+  }
+}
+
+// The same, one value at a time (no AVX2).
+void qmv_scalar(
+    const float* x,
+    const uint32_t* w,
+    const float* scales,
+    const float* biases,
+    float* out,
+    const Shape& s,
+    int m,
+    int n0,
+    int n1) {
+  const int P = per_word(s.bits), words = s.K / P, groups = s.K / s.group;
+  const uint32_t mask = (1u << s.bits) - 1;
+  for (int n = n0; n < n1; ++n) {
+    const uint32_t* wr = w + (size_t)n * words;
+    float acc = 0;
+    for (int g = 0; g < groups; ++g) {
+      float dot = 0, sum = 0;
+      for (int k = g * s.group; k < (g + 1) * s.group; ++k) {
+        float q = (float)((wr[k / P] >> (s.bits * (k % P))) & mask);
+        dot += x[(size_t)m * s.K + k] * q;
+        sum += x[(size_t)m * s.K + k];
+      }
+      acc += scales[(size_t)n * groups + g] * dot + biases[(size_t)n * groups + g] * sum;
+    }
+    out[(size_t)m * s.N + n] = acc;
+  }
+}
+
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
+template <int BITS>
+void qmv_block(
+    const float* xt,
+    const float* xsum,
+    const uint32_t* w,
+    const float* sc,
+    const float* bi,
+    float* out,
+    const Shape& s,
+    int rows,
+    int n0,
+    int n1) {
+  switch (rows) {
+    case 1: qmv_rows<BITS, 1>(xt, xsum, w, sc, bi, out, s, n0, n1); break;
+    case 2: qmv_rows<BITS, 2>(xt, xsum, w, sc, bi, out, s, n0, n1); break;
+    case 3: qmv_rows<BITS, 3>(xt, xsum, w, sc, bi, out, s, n0, n1); break;
+    default: qmv_rows<BITS, 4>(xt, xsum, w, sc, bi, out, s, n0, n1); break;
+  }
+}
+
+void qmv(
+    const float* x,
+    const uint32_t* w,
+    const float* sc,
+    const float* bi,
+    float* out,
+    const Shape& s) {
+  auto& p = pool();
+  const size_t parts = p.size();
+  if (!has_avx2()) {
+    p.run([&](size_t part) {
+      int n0 = (int)(s.N * part / parts), n1 = (int)(s.N * (part + 1) / parts);
+      for (int m = 0; m < s.M; ++m) qmv_scalar(x, w, sc, bi, out, s, m, n0, n1);
+    });
+    return;
+  }
+  const int groups = s.K / s.group;
+  std::vector<float> xt((size_t)s.M * s.K), xsum((size_t)s.M * groups);
+  for (int m = 0; m < s.M; ++m) {
+    permute_x(x + (size_t)m * s.K, xt.data() + (size_t)m * s.K, s);
+    for (int g = 0; g < groups; ++g) {
+      float t = 0;
+      for (int k = g * s.group; k < (g + 1) * s.group; ++k) t += x[(size_t)m * s.K + k];
+      xsum[(size_t)m * groups + g] = t;
+    }
+  }
+  p.run([&](size_t part) {
+    int n0 = (int)(s.N * part / parts), n1 = (int)(s.N * (part + 1) / parts);
+    for (int m = 0; m < s.M; m += 4) {
+      int rows = std::min(4, s.M - m);
+      const float* xr = xt.data() + (size_t)m * s.K;
+      const float* xs = xsum.data() + (size_t)m * groups;
+      float* o = out + (size_t)m * s.N;
+      if (s.bits == 4)
+        qmv_block<4>(xr, xs, w, sc, bi, o, s, rows, n0, n1);
+      else
+        qmv_block<8>(xr, xs, w, sc, bi, o, s, rows, n0, n1);
+    }
+  });
+}
+
+using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
+                       float, float*, int);
+
+Sgemm sgemm() {
+  static const Sgemm f = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+  return f;
+}
+
+// Rows [n0, n1) of w as float32, row-major [n1 - n0, K].
+void dequantize_rows(
+    const uint32_t* w,
+    const float* sc,
+    const float* bi,
+    float* dst,
+    const Shape& s,
+    int n0,
+    int n1) {
+  const int P = per_word(s.bits), words = s.K / P, groups = s.K / s.group;
+  const uint32_t mask = (1u << s.bits) - 1;
+  for (int n = n0; n < n1; ++n) {
+    const uint32_t* wr = w + (size_t)n * words;
+    float* d = dst + (size_t)(n - n0) * s.K;
+    for (int g = 0; g < groups; ++g) {
+      const float a = sc[(size_t)n * groups + g], b = bi[(size_t)n * groups + g];
+      for (int k = g * s.group; k < (g + 1) * s.group; ++k)
+        d[k] = a * (float)((wr[k / P] >> (s.bits * (k % P))) & mask) + b;
+    }
+  }
+}
+
+// Many rows: blocks of dequantized rows through sgemm.
+void qmm(
+    const float* x,
+    const uint32_t* w,
+    const float* sc,
+    const float* bi,
+    float* out,
+    const Shape& s) {
+  constexpr int BLOCK = 256;
+  auto& p = pool();
+  const size_t parts = p.size();
+  std::vector<float> buf((size_t)BLOCK * s.K);
+  for (int n0 = 0; n0 < s.N; n0 += BLOCK) {
+    const int n1 = std::min(s.N, n0 + BLOCK), rows = n1 - n0;
+    p.run([&](size_t part) {
+      int a = n0 + (int)(rows * part / parts), b = n0 + (int)(rows * (part + 1) / parts);
+      dequantize_rows(w, sc, bi, buf.data() + (size_t)(a - n0) * s.K, s, a, b);
+    });
+    // Row-major (101), x · blockᵀ (NoTrans 111, Trans 112) into columns [n0, n1) of out.
+    sgemm()(101, 111, 112, s.M, rows, s.K, 1.0f, x, s.K, buf.data(), s.K, 0.0f, out + n0, s.N);
+  }
+}
+
+// Rows of x from which dequantize + sgemm beats reading packed weights per row.
+constexpr int SGEMM_ROWS = 16;
+
+// `a` (2-D) as a row-major buffer: its own data when it is one, else a copy into `tmp`.
+template <typename T>
+const T* dense_2d(const mx::array& a, std::vector<T>& tmp) {
+  if (a.flags().row_contiguous) return a.data<T>();
+  const auto rows = a.shape(0), cols = a.shape(1);
+  const auto s0 = a.strides()[0], s1 = a.strides()[1];
+  tmp.resize((size_t)rows * cols);
+  const T* src = a.data<T>();
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < cols; ++j) tmp[(size_t)i * cols + j] = src[i * s0 + j * s1];
+  return tmp.data();
+}
+
+class CpuQuantizedMatmul : public mx::Primitive {
+ public:
+  CpuQuantizedMatmul(mx::Stream stream, int group, int bits)
+      : mx::Primitive(stream), group_(group), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    const auto& w = inputs[1];
+    Shape s{
+        (int)(inputs[0].size() / inputs[0].shape(-1)),
+        (int)w.shape(0),
+        (int)inputs[0].shape(-1),
+        bits_,
+        group_};
+    enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
+                  w = mx::array::unsafe_weak_copy(inputs[1]),
+                  sc = mx::array::unsafe_weak_copy(inputs[2]),
+                  bi = mx::array::unsafe_weak_copy(inputs[3]),
+                  out = mx::array::unsafe_weak_copy(out),
+                  s]() mutable {
+      // Weights are row-contiguous as loaded; a view that is not is copied (x always is: it
+      // goes through mx::contiguous).
+      std::vector<uint32_t> wc;
+      std::vector<float> scc, bic;
+      const float* xp = x.data<float>();
+      const uint32_t* wp = dense_2d(w, wc);
+      const float* sp = dense_2d(sc, scc);
+      const float* bp = dense_2d(bi, bic);
+      float* op = out.data<float>();
+      if (s.M >= SGEMM_ROWS && sgemm() != nullptr) {
+        qmm(xp, wp, sp, bp, op, s);
+        g_sgemm_path.fetch_add(1);
+      } else {
+        qmv(xp, wp, sp, bp, op, s);
+        g_rows_path.fetch_add(1);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[mlx-runner] the CPU quantized matmul has no GPU path");
+  }
+
+  const char* name() const override { return "MlxrCpuQuantizedMatmul"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const CpuQuantizedMatmul*>(&other);
+    return o && o->group_ == group_ && o->bits_ == bits_;
+  }
+
+ private:
+  int group_, bits_;
+};
+
+}  // namespace
+
+void set_cpu_qmm_enabled(bool on) { g_enabled.store(on); }
+
+uint64_t cpu_qmm_count(bool sgemm_path) {
+  return sgemm_path ? g_sgemm_path.load() : g_rows_path.load();
+}
+
+std::optional<mx::array> cpu_quantized_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const std::optional<mx::array>& biases,
+    bool transpose,
+    int group_size,
+    int bits) {
+  const auto& dev = mx::default_device();
+  const bool fits = g_enabled.load() && dev == mx::Device::cpu && transpose && biases &&
+                    (bits == 4 || bits == 8) &&
+                    (group_size == 32 || group_size == 64 || group_size == 128) &&
+                    x.dtype() == mx::float32 && w.dtype() == mx::uint32 &&
+                    scales.dtype() == mx::float32 && biases->dtype() == mx::float32 &&
+                    w.ndim() == 2 && x.ndim() >= 1 && scales.ndim() == 2 &&
+                    x.shape(-1) == w.shape(1) * (32 / bits) && x.shape(-1) % group_size == 0 &&
+                    x.shape(-1) % (256 / bits) == 0 && scales.shape(0) == w.shape(0) &&
+                    scales.shape(1) == x.shape(-1) / group_size && biases->shape() == scales.shape() &&
+                    x.size() > 0;
+  if (!fits) return std::nullopt;
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  auto stream = mx::default_stream(dev);
+  return mx::array(
+      shape,
+      mx::float32,
+      std::make_shared<CpuQuantizedMatmul>(stream, group_size, bits),
+      {mx::contiguous(x, false, stream), w, scales, *biases});
+}
+
+}  // namespace mlxr

@@ -1,0 +1,28 @@
+// The CPU quantized matmul kernel (qmm_cpu.cc).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "mlx/mlx.h"
+
+namespace mlxr {
+
+// x @ dequantize(w)ᵀ through the kernel, or nullopt when it does not apply (not the CPU, not
+// float32, not 4/8 bits, ...): the caller then uses MLX's quantized_matmul.
+std::optional<mlx::core::array> cpu_quantized_matmul(
+    const mlx::core::array& x,
+    const mlx::core::array& w,
+    const mlx::core::array& scales,
+    const std::optional<mlx::core::array>& biases,
+    bool transpose,
+    int group_size,
+    int bits);
+
+// Turns the kernel on (the default) or off (MLX's own path everywhere), for comparisons.
+void set_cpu_qmm_enabled(bool on);
+
+// Products the kernel computed so far, by path (dequantize + sgemm, or packed rows).
+uint64_t cpu_qmm_count(bool sgemm_path);
+
+}  // namespace mlxr
