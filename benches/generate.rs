@@ -9,39 +9,10 @@
 //! environment from benches/peer-venv.sh.
 
 mod common;
-use common::{bench_model, median, peer_python, root};
-
-use std::path::Path;
-use std::process::Command;
+use common::{bench_model, corpus_prompt, median, ours_generate, peer_generate, peer_python};
 
 const ROUNDS: usize = 3;
 const TOKENS: &str = "64";
-
-/// The number just before `unit` on the line that starts with `label`.
-fn rate(text: &str, label: &str, unit: &str) -> Option<f64> {
-    let line = text.lines().find(|l| l.contains(label))?;
-    let at = line.find(label)? + label.len();
-    let rest = &line[at..];
-    let end = rest.find(unit)?;
-    rest[..end]
-        .rsplit([',', ' '])
-        .find(|s| !s.is_empty())?
-        .trim()
-        .parse()
-        .ok()
-}
-
-fn prompt() -> String {
-    let text =
-        std::fs::read_to_string(root().join("tests/fixtures/generate.py")).unwrap_or_default();
-    let start = text.find("CORPUS = \"\"\"").map(|i| i + 12).unwrap_or(0);
-    let end = text[start..]
-        .find("\"\"\"")
-        .map(|i| start + i)
-        .unwrap_or(text.len());
-    let corpus = text[start..end].replace('\n', " ");
-    corpus.repeat(4).chars().take(2600).collect()
-}
 
 fn main() {
     let Some(python) = peer_python() else {
@@ -50,37 +21,15 @@ fn main() {
     let Some(model) = bench_model(&python) else {
         return;
     };
-    let openblas = [
-        "/lib/x86_64-linux-gnu/libopenblas.so.0",
-        "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
-    ]
-    .into_iter()
-    .find(|p| Path::new(p).exists());
-    let prompt = prompt();
+    let prompt = corpus_prompt(2600);
     let (mut ours_p, mut ours_d, mut peer_p, mut peer_d) = (vec![], vec![], vec![], vec![]);
     for round in 0..ROUNDS {
-        let out = Command::new(env!("CARGO_BIN_EXE_mlx-runner"))
-            .args(["generate", "--model"])
-            .arg(&model)
-            .args(["--prompt", &prompt, "-n", TOKENS])
-            .output()
-            .expect("run mlx-runner");
-        let err = String::from_utf8_lossy(&out.stderr);
-        ours_p.push(rate(&err, "prompt:", "tok/s").unwrap_or(f64::NAN));
-        ours_d.push(rate(&err, "generated:", "tok/s").unwrap_or(f64::NAN));
-
-        let mut peer = Command::new(&python);
-        peer.args(["-m", "mlx_lm", "generate", "--model"])
-            .arg(&model)
-            .args(["--prompt", &prompt, "-m", TOKENS, "--ignore-chat-template"]);
-        if let Some(lib) = openblas {
-            peer.env("LD_PRELOAD", lib);
-        }
-        let out = peer.output().expect("run mlx_lm");
-        let text = String::from_utf8_lossy(&out.stdout).to_string()
-            + &String::from_utf8_lossy(&out.stderr);
-        peer_p.push(rate(&text, "Prompt:", "tokens-per-sec").unwrap_or(f64::NAN));
-        peer_d.push(rate(&text, "Generation:", "tokens-per-sec").unwrap_or(f64::NAN));
+        let (p, d) = ours_generate(&model, &prompt, TOKENS);
+        ours_p.push(p);
+        ours_d.push(d);
+        let (p, d) = peer_generate(&python, &model, &prompt, TOKENS);
+        peer_p.push(p);
+        peer_d.push(d);
         eprintln!(
             "round {round}: ours prefill {:.1} decode {:.1} | mlx-lm prefill {:.1} decode {:.1}",
             ours_p[round], ours_d[round], peer_p[round], peer_d[round]

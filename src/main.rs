@@ -517,6 +517,10 @@ fn raise_open_file_limit() {
 
 fn main() {
     raise_open_file_limit();
+    // MLX's own quantized matmul instead of ours (comparisons, bisecting).
+    if std::env::var("MLX_RUNNER_QMM").as_deref() == Ok("mlx") {
+        mlx::set_quantized_kernel(false);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Info => info(),

@@ -245,3 +245,79 @@ pub fn peer_server(
     );
     (server, port)
 }
+
+/// The number just before `unit` on the line that starts with `label`.
+fn rate(text: &str, label: &str, unit: &str) -> Option<f64> {
+    let line = text.lines().find(|l| l.contains(label))?;
+    let at = line.find(label)? + label.len();
+    let rest = &line[at..];
+    let end = rest.find(unit)?;
+    rest[..end]
+        .rsplit([',', ' '])
+        .find(|s| !s.is_empty())?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// The system's OpenBLAS, preloaded into the peer so that both sides run the same BLAS.
+pub fn system_openblas() -> Option<&'static str> {
+    [
+        "/lib/x86_64-linux-gnu/libopenblas.so.0",
+        "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    ]
+    .into_iter()
+    .find(|p| std::path::Path::new(p).exists())
+}
+
+/// `mlx-runner generate` on `model`: (prefill tok/s, decode tok/s).
+pub fn ours_generate(model: &std::path::Path, prompt: &str, tokens: &str) -> (f64, f64) {
+    let out = Command::new(env!("CARGO_BIN_EXE_mlx-runner"))
+        .args(["generate", "--model"])
+        .arg(model)
+        .args(["--prompt", prompt, "-n", tokens])
+        .output()
+        .expect("run mlx-runner");
+    let err = String::from_utf8_lossy(&out.stderr);
+    (
+        rate(&err, "prompt:", "tok/s").unwrap_or(f64::NAN),
+        rate(&err, "generated:", "tok/s").unwrap_or(f64::NAN),
+    )
+}
+
+/// `mlx_lm generate` (the peer) on `model`: (prefill tok/s, decode tok/s).
+pub fn peer_generate(
+    python: &std::path::Path,
+    model: &std::path::Path,
+    prompt: &str,
+    tokens: &str,
+) -> (f64, f64) {
+    let mut peer = Command::new(python);
+    peer.args(["-m", "mlx_lm", "generate", "--model"])
+        .arg(model)
+        .args(["--prompt", prompt, "-m", tokens, "--ignore-chat-template"]);
+    if let Some(lib) = system_openblas() {
+        peer.env("LD_PRELOAD", lib);
+    }
+    let out = peer.output().expect("run mlx_lm");
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    (
+        rate(&text, "Prompt:", "tokens-per-sec").unwrap_or(f64::NAN),
+        rate(&text, "Generation:", "tokens-per-sec").unwrap_or(f64::NAN),
+    )
+}
+
+/// The fixture generator's English corpus, repeated, cut at `chars` characters: a prompt of
+/// ordinary text.
+pub fn corpus_prompt(chars: usize) -> String {
+    let text =
+        std::fs::read_to_string(root().join("tests/fixtures/generate.py")).unwrap_or_default();
+    let start = text.find("CORPUS = \"\"\"").map(|i| i + 12).unwrap_or(0);
+    let end = text[start..]
+        .find("\"\"\"")
+        .map(|i| start + i)
+        .unwrap_or(text.len());
+    let corpus = text[start..end].replace('\n', " ");
+    corpus.repeat(4).chars().take(chars).collect()
+}

@@ -418,6 +418,101 @@ class CpuQuantizedMatmul : public mx::Primitive {
   int group_, bits_;
 };
 
+// x [B, M, K] (contiguous), w [E, N, K·bits/32], scales and biases [E, N, K/group],
+// idx [B] (uint32) → out [B, M, N]: row block b times expert idx[b]. With one row per block,
+// consecutive blocks of the same expert (MLX sorts them for prefill) are one matrix product,
+// so an expert's weights are read once per run rather than once per token.
+class CpuGatherQuantizedMatmul : public mx::Primitive {
+ public:
+  CpuGatherQuantizedMatmul(mx::Stream stream, int group, int bits)
+      : mx::Primitive(stream), group_(group), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    const auto& x = inputs[0];
+    const auto& w = inputs[1];
+    const int B = (int)inputs[4].size(), M = (int)x.shape(-2), K = (int)x.shape(-1);
+    const int E = (int)w.shape(0), N = (int)w.shape(1);
+    enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
+                  w = mx::array::unsafe_weak_copy(inputs[1]),
+                  sc = mx::array::unsafe_weak_copy(inputs[2]),
+                  bi = mx::array::unsafe_weak_copy(inputs[3]),
+                  idx = mx::array::unsafe_weak_copy(inputs[4]),
+                  out = mx::array::unsafe_weak_copy(out),
+                  B, M, K, E, N, group = group_, bits = bits_]() mutable {
+      const float* xp = x.data<float>();
+      const uint32_t* ip = idx.data<uint32_t>();
+      float* op = out.data<float>();
+      const size_t words = (size_t)N * (K / per_word(bits)), groups = (size_t)N * (K / group);
+      // Expert stacks are contiguous as loaded (checked when the graph is built).
+      const uint32_t* wp = w.data<uint32_t>();
+      const float* sp = sc.data<float>();
+      const float* bp = bi.data<float>();
+      int b = 0;
+      while (b < B) {
+        const uint32_t e = ip[b];
+        int run = 1;
+        if (M == 1)
+          while (b + run < B && ip[b + run] == e) ++run;
+        float* o = op + (size_t)b * M * N;
+        if (e >= (uint32_t)E) {
+          // An expert id past the stack: zeros, as no expert contributes.
+          std::memset(o, 0, sizeof(float) * (size_t)run * M * N);
+        } else {
+          Shape s{run * M, N, K, bits, group};
+          const float* xb = xp + (size_t)b * M * K;
+          if (s.M >= SGEMM_ROWS && sgemm() != nullptr) {
+            qmm(xb, wp + e * words, sp + e * groups, bp + e * groups, o, s);
+            g_sgemm_path.fetch_add(1);
+          } else {
+            qmv(xb, wp + e * words, sp + e * groups, bp + e * groups, o, s);
+            g_rows_path.fetch_add(1);
+          }
+        }
+        b += run;
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[mlx-runner] the CPU gather quantized matmul has no GPU path");
+  }
+
+  const char* name() const override { return "MlxrCpuGatherQuantizedMatmul"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const CpuGatherQuantizedMatmul*>(&other);
+    return o && o->group_ == group_ && o->bits_ == bits_;
+  }
+
+ private:
+  int group_, bits_;
+};
+
+// The checks both products share: the CPU, float32 activations, supported bits and groups,
+// packed sizes that agree.
+bool kernel_applies(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const std::optional<mx::array>& biases,
+    bool transpose,
+    int group_size,
+    int bits) {
+  const int K = x.ndim() >= 1 ? x.shape(-1) : 0;
+  return g_enabled.load() && mx::default_device() == mx::Device::cpu && transpose && biases &&
+         (bits == 4 || bits == 8) && (group_size == 32 || group_size == 64 || group_size == 128) &&
+         x.dtype() == mx::float32 && w.dtype() == mx::uint32 && scales.dtype() == mx::float32 &&
+         biases->dtype() == mx::float32 && x.ndim() >= 1 && x.size() > 0 && w.ndim() >= 2 &&
+         K == w.shape(-1) * (32 / bits) && K % group_size == 0 && K % (256 / bits) == 0 &&
+         scales.ndim() == w.ndim() && scales.shape(-2) == w.shape(-2) &&
+         scales.shape(-1) == K / group_size && biases->shape() == scales.shape();
+}
+
 }  // namespace
 
 void set_cpu_qmm_enabled(bool on) { g_enabled.store(on); }
@@ -434,26 +529,55 @@ std::optional<mx::array> cpu_quantized_matmul(
     bool transpose,
     int group_size,
     int bits) {
-  const auto& dev = mx::default_device();
-  const bool fits = g_enabled.load() && dev == mx::Device::cpu && transpose && biases &&
-                    (bits == 4 || bits == 8) &&
-                    (group_size == 32 || group_size == 64 || group_size == 128) &&
-                    x.dtype() == mx::float32 && w.dtype() == mx::uint32 &&
-                    scales.dtype() == mx::float32 && biases->dtype() == mx::float32 &&
-                    w.ndim() == 2 && x.ndim() >= 1 && scales.ndim() == 2 &&
-                    x.shape(-1) == w.shape(1) * (32 / bits) && x.shape(-1) % group_size == 0 &&
-                    x.shape(-1) % (256 / bits) == 0 && scales.shape(0) == w.shape(0) &&
-                    scales.shape(1) == x.shape(-1) / group_size && biases->shape() == scales.shape() &&
-                    x.size() > 0;
+  const bool fits = kernel_applies(x, w, scales, biases, transpose, group_size, bits) &&
+                    w.ndim() == 2 && scales.ndim() == 2;
   if (!fits) return std::nullopt;
   auto shape = x.shape();
   shape.back() = w.shape(0);
-  auto stream = mx::default_stream(dev);
+  auto stream = mx::default_stream(mx::default_device());
   return mx::array(
       shape,
       mx::float32,
       std::make_shared<CpuQuantizedMatmul>(stream, group_size, bits),
       {mx::contiguous(x, false, stream), w, scales, *biases});
+}
+
+std::optional<mx::array> cpu_gather_qmm(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const std::optional<mx::array>& biases,
+    const std::optional<mx::array>& lhs_indices,
+    const std::optional<mx::array>& rhs_indices,
+    bool transpose,
+    int group_size,
+    int bits) {
+  const bool fits = kernel_applies(x, w, scales, biases, transpose, group_size, bits) &&
+                    w.ndim() == 3 && x.ndim() >= 2 && !lhs_indices && rhs_indices &&
+                    mx::issubdtype(rhs_indices->dtype(), mx::integer) &&
+                    // The stacks are read in place: they must be contiguous, as loaded.
+                    w.is_available() && w.flags().row_contiguous && scales.is_available() &&
+                    scales.flags().row_contiguous && biases->is_available() &&
+                    biases->flags().row_contiguous;
+  if (!fits) return std::nullopt;
+  auto stream = mx::default_stream(mx::default_device());
+  const int M = x.shape(-2), K = x.shape(-1);
+  mx::Shape xb(x.shape().begin(), x.shape().end() - 2);
+  mx::Shape batch = mx::broadcast_shapes(xb, rhs_indices->shape());
+  mx::Shape xs = batch;
+  xs.push_back(M);
+  xs.push_back(K);
+  auto xc = mx::contiguous(mx::broadcast_to(x, xs, stream), false, stream);
+  auto ic = mx::contiguous(
+      mx::astype(mx::broadcast_to(*rhs_indices, batch, stream), mx::uint32, stream), false, stream);
+  mx::Shape os = batch;
+  os.push_back(M);
+  os.push_back(w.shape(1));
+  return mx::array(
+      os,
+      mx::float32,
+      std::make_shared<CpuGatherQuantizedMatmul>(stream, group_size, bits),
+      {xc, w, scales, *biases, ic});
 }
 
 }  // namespace mlxr

@@ -19,6 +19,18 @@ std::optional<mlx::core::array> cpu_quantized_matmul(
     int group_size,
     int bits);
 
+// gather_qmm (expert stacks w [E, N, ·], per-row expert ids) through the kernel, or nullopt.
+std::optional<mlx::core::array> cpu_gather_qmm(
+    const mlx::core::array& x,
+    const mlx::core::array& w,
+    const mlx::core::array& scales,
+    const std::optional<mlx::core::array>& biases,
+    const std::optional<mlx::core::array>& lhs_indices,
+    const std::optional<mlx::core::array>& rhs_indices,
+    bool transpose,
+    int group_size,
+    int bits);
+
 // Turns the kernel on (the default) or off (MLX's own path everywhere), for comparisons.
 void set_cpu_qmm_enabled(bool on);
 

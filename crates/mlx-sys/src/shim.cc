@@ -533,6 +533,10 @@ ArrPtr gather_qmm(
     int32_t group_size,
     int32_t bits,
     bool sorted) {
+  if (auto out = cpu_gather_qmm(x.a, w.a, scales.a, opt(biases), opt(lhs), opt(rhs), transpose,
+                                group_size, bits)) {
+    return wrap(std::move(*out));
+  }
   return wrap(mx::gather_qmm(
       x.a, w.a, scales.a, opt(biases), opt(lhs), opt(rhs), transpose, group_size, bits,
       "affine", std::nullopt, sorted));

@@ -9,6 +9,13 @@ thread_local! {
     static KERNEL_RUNS: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
 }
 
+/// The kernel's counters are per process: the tests take turns so each sees its own.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn max_diff(a: &Array, b: &Array) -> f32 {
     let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
     assert_eq!(a.len(), b.len());
@@ -45,6 +52,7 @@ fn products(x: &Array, w: &Array, group: i32, bits: i32) -> (Array, Array, Array
 
 #[test]
 fn the_kernel_matches_mlx_on_every_supported_shape() {
+    let _one = serial();
     let mut case = 0u64;
     let before = mlx::quantized_kernel_counts();
     for bits in [4, 8] {
@@ -94,8 +102,7 @@ fn the_kernel_matches_mlx_on_every_supported_shape() {
             }
         }
     }
-    // Both of the kernel's paths answered (the counts are per process; tests run in threads,
-    // so only growth is checked).
+    // Both of the kernel's paths answered.
     let after = KERNEL_RUNS.with(|c| c.get());
     assert!(after.0 > before.0, "the packed-rows path never ran");
     assert!(after.1 > before.1, "the sgemm path never ran");
@@ -103,6 +110,7 @@ fn the_kernel_matches_mlx_on_every_supported_shape() {
 
 #[test]
 fn batched_and_strided_inputs_go_through_the_kernel_too() {
+    let _one = serial();
     let x = random::normal(
         &[2, 3, 256],
         Dtype::F32,
@@ -141,6 +149,8 @@ fn batched_and_strided_inputs_go_through_the_kernel_too() {
 
 #[test]
 fn shapes_it_does_not_cover_fall_back_to_mlx() {
+    let _one = serial();
+    let before = mlx::quantized_kernel_counts();
     // 2-bit, and a k that is not a whole number of packed units: MLX's path, same answer.
     let x = random::normal(
         &[2, 96],
@@ -162,4 +172,99 @@ fn shapes_it_does_not_cover_fall_back_to_mlx() {
         let (ours, theirs, _) = products(&x, &w, group, bits);
         assert!(max_diff(&ours, &theirs) < 1e-5);
     }
+    assert_eq!(
+        mlx::quantized_kernel_counts(),
+        before,
+        "the kernel took a shape it does not cover"
+    );
+}
+
+/// (ours, MLX's) gather_qmm of x against the quantized stack w [E, N, K] with expert ids idx.
+fn gathered(
+    x: &Array,
+    w: &Array,
+    idx: &Array,
+    group: i32,
+    bits: i32,
+    sorted: bool,
+) -> (Array, Array) {
+    let q = w.quantize(group, bits).unwrap();
+    mlx::eval(&[&q.weight, &q.scales, &q.biases]).unwrap();
+    mlx::set_quantized_kernel(true);
+    let ours = x.gather_qmm(&q, None, Some(idx), true, sorted).unwrap();
+    ours.eval().unwrap();
+    mlx::set_quantized_kernel(false);
+    let theirs = x.gather_qmm(&q, None, Some(idx), true, sorted).unwrap();
+    theirs.eval().unwrap();
+    mlx::set_quantized_kernel(true);
+    (ours, theirs)
+}
+
+#[test]
+fn expert_gathers_match_mlx() {
+    let _one = serial();
+    let before = mlx::quantized_kernel_counts();
+    let (e, n, k) = (6, 40, 256);
+    let w = random::normal(
+        &[e, n, k],
+        Dtype::F32,
+        0.0,
+        0.05,
+        Some(&random::key(11).unwrap()),
+    )
+    .unwrap();
+    for (bits, group) in [(4, 64), (8, 32), (4, 128)] {
+        // Decode-like: one token, top-3 experts, x broadcast over them ([T, 1, 1, K], ids [T, k]).
+        let x = random::normal(
+            &[1, 1, 1, k],
+            Dtype::F32,
+            0.0,
+            1.0,
+            Some(&random::key(12).unwrap()),
+        )
+        .unwrap();
+        let idx = Array::from_slice(&[4u32, 0, 5], &[1, 3]).unwrap();
+        let (ours, theirs) = gathered(&x, &w, &idx, group, bits, false);
+        assert_eq!(ours.shape(), vec![1, 3, 1, n]);
+        assert!(max_diff(&ours, &theirs) < 1e-3, "bits {bits} group {group}");
+        // Prefill-like: 48 rows sorted by expert (runs long enough for the sgemm path), one row
+        // each ([B, 1, K], ids [B]); and the same ids unsorted.
+        let ids: Vec<u32> = (0..48).map(|i| [0u32, 0, 2, 2, 2, 5][i % 6]).collect();
+        let mut sorted_ids = ids.clone();
+        sorted_ids.sort();
+        let x = random::normal(
+            &[48, 1, k],
+            Dtype::F32,
+            0.0,
+            1.0,
+            Some(&random::key(13).unwrap()),
+        )
+        .unwrap();
+        for (list, sorted) in [(&sorted_ids, true), (&ids, false)] {
+            let idx = Array::from_slice(list, &[48]).unwrap();
+            let (ours, theirs) = gathered(&x, &w, &idx, group, bits, sorted);
+            assert_eq!(ours.shape(), vec![48, 1, n]);
+            assert!(
+                max_diff(&ours, &theirs) < 1e-3,
+                "bits {bits} group {group} sorted {sorted}"
+            );
+        }
+        // Two rows per block.
+        let x = random::normal(
+            &[3, 2, k],
+            Dtype::F32,
+            0.0,
+            1.0,
+            Some(&random::key(14).unwrap()),
+        )
+        .unwrap();
+        let idx = Array::from_slice(&[1i32, 1, 3], &[3]).unwrap();
+        let (ours, theirs) = gathered(&x, &w, &idx, group, bits, false);
+        assert!(max_diff(&ours, &theirs) < 1e-3);
+    }
+    let after = mlx::quantized_kernel_counts();
+    assert!(
+        after.0 > before.0 && after.1 > before.1,
+        "the kernel did not answer: {before:?} -> {after:?}"
+    );
 }

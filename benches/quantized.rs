@@ -1,0 +1,128 @@
+//! Quantized models on the CPU: `cargo bench --bench quantized`.
+//!
+//! The benchmark model (target/bench-model, ~120M float32, tied embeddings) quantized by
+//! `mlx_lm convert -q` (MLX affine, 4 and 8 bits, group 64; and 4-bit with groups 32 and 128),
+//! run by `mlx-runner generate` and `mlx_lm generate` one after the other (same MLX, same
+//! machine, OpenBLAS preloaded into the peer): prefill and decode tokens/s, medians, ratio. Ours
+//! goes through mlx-runner's CPU kernel for quantized matmuls (crates/mlx-sys/src/qmm_cpu.cc);
+//! `MLX_RUNNER_QMM=mlx` runs ours with MLX's own kernel instead, for comparison;
+//! `BENCH_QUANT_ALL=1` adds 4-bit with groups 32 and 128.
+//!
+//! The memory roofline: the bytes a decode step must read (every weight file byte: each
+//! quantized matrix is read once per token, the tied embedding as the output head) over the
+//! read bandwidth, measured here by summing a 1 GiB buffer with all cores.
+
+mod common;
+use common::{bench_model, corpus_prompt, median, ours_generate, peer_generate, peer_python, root};
+
+use std::path::Path;
+use std::process::Command;
+
+const ROUNDS: usize = 3;
+const TOKENS: &str = "64";
+
+/// Read bandwidth in bytes/s: the best of a few passes summing a 1 GiB buffer, split across
+/// the cores.
+fn read_bandwidth() -> f64 {
+    let n = (1usize << 30) / 8;
+    let buf: Vec<u64> = (0..n as u64).collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let start = std::time::Instant::now();
+        let total: u64 = std::thread::scope(|s| {
+            let chunk = n.div_ceil(threads);
+            let handles: Vec<_> = buf
+                .chunks(chunk)
+                .map(|c| s.spawn(move || c.iter().fold(0u64, |a, &x| a.wrapping_add(x))))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .fold(0, u64::wrapping_add)
+        });
+        std::hint::black_box(total);
+        best = best.max((n * 8) as f64 / start.elapsed().as_secs_f64());
+    }
+    best
+}
+
+fn weight_bytes(model: &Path) -> u64 {
+    std::fs::read_dir(model)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        .map(|e| e.metadata().unwrap().len())
+        .sum()
+}
+
+fn quantized(python: &Path, base: &Path, bits: u32, group: u32) -> Option<std::path::PathBuf> {
+    let dir = root().join(format!("target/bench-model-q{bits}-g{group}"));
+    if !dir.join("config.json").exists() {
+        let ok = Command::new(python)
+            .args(["-m", "mlx_lm", "convert", "--hf-path"])
+            .arg(base)
+            .arg("--mlx-path")
+            .arg(&dir)
+            .args([
+                "-q",
+                "--q-bits",
+                &bits.to_string(),
+                "--q-group-size",
+                &group.to_string(),
+            ])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !ok {
+            eprintln!("mlx_lm convert failed for {bits}-bit group {group}");
+            return None;
+        }
+    }
+    Some(dir)
+}
+
+fn main() {
+    let Some(python) = peer_python() else {
+        return;
+    };
+    let Some(base) = bench_model(&python) else {
+        return;
+    };
+    let prompt = corpus_prompt(1300);
+    let bandwidth = read_bandwidth();
+    println!(
+        "read bandwidth: {:.1} GB/s (1 GiB summed on all cores, best of 5)\n",
+        bandwidth / 1e9
+    );
+    println!("~120M gemma4-shaped model quantized by mlx_lm convert, ~300-token prompt, {TOKENS} new tokens; medians of {ROUNDS}\n");
+    println!("| quantization | weights MB | ours prefill | mlx-lm prefill | ratio | ours decode | mlx-lm decode | ratio | roofline tok/s | decode / roofline |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    let mut configs = vec![(4, 64), (8, 64)];
+    if std::env::var_os("BENCH_QUANT_ALL").is_some() {
+        configs.extend([(4, 32), (4, 128)]);
+    }
+    for (bits, group) in configs {
+        let Some(model) = quantized(&python, &base, bits, group) else {
+            continue;
+        };
+        let (mut op, mut od, mut pp, mut pd) = (vec![], vec![], vec![], vec![]);
+        for _ in 0..ROUNDS {
+            let (p, d) = ours_generate(&model, &prompt, TOKENS);
+            op.push(p);
+            od.push(d);
+            let (p, d) = peer_generate(&python, &model, &prompt, TOKENS);
+            pp.push(p);
+            pd.push(d);
+        }
+        let (op, od, pp, pd) = (median(op), median(od), median(pp), median(pd));
+        let bytes = weight_bytes(&model);
+        let roof = bandwidth / bytes as f64;
+        println!(
+            "| {bits}-bit, group {group} | {:.0} | {op:.1} | {pp:.1} | {:.1}x | {od:.1} | {pd:.1} | {:.1}x | {roof:.0} | {:.0}% |",
+            bytes as f64 / 1e6,
+            op / pp,
+            od / pd,
+            100.0 * od / roof
+        );
+    }
+}
