@@ -52,64 +52,72 @@ class Pool {
   }
 
   ~Pool() {
-    {
-      std::lock_guard<std::mutex> l(m_);
-      stop_ = true;
-      ++generation_;
-    }
-    cv_.notify_all();
+    stop_.store(true);
+    bump();
     for (auto& t : workers_) t.join();
   }
 
   size_t size() const { return workers_.size() + 1; }
 
   // Runs f(part) for part in [0, size()), the caller taking part 0; returns when all are done.
+  // A decode step makes ~100 calls of tens of microseconds each: workers spin briefly on the
+  // generation counter before sleeping, so handing out work costs far less than a wake-up.
   void run(const std::function<void(size_t)>& f) {
     if (workers_.empty()) {
       f(0);
       return;
     }
     std::lock_guard<std::mutex> one(run_m_);
-    {
-      std::lock_guard<std::mutex> l(m_);
-      task_ = &f;
-      pending_ = workers_.size();
-      ++generation_;
-    }
-    cv_.notify_all();
+    task_ = &f;
+    pending_.store(workers_.size());
+    bump();
     f(0);
-    std::unique_lock<std::mutex> l(m_);
-    done_cv_.wait(l, [&] { return pending_ == 0; });
+    for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
+      if (spin > 1000) std::this_thread::yield();
+    }
     task_ = nullptr;
   }
 
  private:
   void work(size_t part) {
+    // The generation the pool started at, not whatever it is by the time this thread runs: a
+    // first call may already have been handed out.
     uint64_t seen = 0;
     for (;;) {
-      const std::function<void(size_t)>* task;
-      {
-        std::unique_lock<std::mutex> l(m_);
-        cv_.wait(l, [&] { return generation_ != seen; });
-        seen = generation_;
-        if (stop_) return;
-        task = task_;
+      uint64_t g;
+      for (int spin = 0;; ++spin) {
+        g = generation_.load(std::memory_order_acquire);
+        if (g != seen) break;
+        if (spin < 20000) {
+          _mm_pause();
+        } else {
+          // Asleep until the next call: the predicate is read under the mutex that bump()
+          // takes after changing it, so no wake-up is lost.
+          std::unique_lock<std::mutex> l(sleep_m_);
+          sleep_cv_.wait(l, [&] { return generation_.load() != seen; });
+          spin = 0;
+        }
       }
-      (*task)(part);
-      {
-        std::lock_guard<std::mutex> l(m_);
-        if (--pending_ == 0) done_cv_.notify_one();
-      }
+      seen = g;
+      if (stop_.load()) return;
+      (*task_)(part);
+      pending_.fetch_sub(1, std::memory_order_acq_rel);
     }
   }
 
+  void bump() {
+    generation_.fetch_add(1, std::memory_order_release);
+    { std::lock_guard<std::mutex> l(sleep_m_); }
+    sleep_cv_.notify_all();
+  }
+
   std::vector<std::thread> workers_;
-  std::mutex m_, run_m_;
-  std::condition_variable cv_, done_cv_;
+  std::mutex run_m_, sleep_m_;
+  std::condition_variable sleep_cv_;
   const std::function<void(size_t)>* task_ = nullptr;
-  size_t pending_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  std::atomic<size_t> pending_{0};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
 };
 
 Pool& pool() {
@@ -166,15 +174,20 @@ __attribute__((target("avx2,fma"))) void qmv_rows(
     for (int r = 0; r < R; ++r) tot[r] = _mm256_setzero_ps();
     for (int u = 0; u < units; ++u) {
       __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + u * 8));
-      __m256 acc[R];
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      // Independent chains per row: one FMA chain would wait on its own latency every step.
+      constexpr int A = R == 1 ? 4 : (R == 2 ? 2 : 1);
+      __m256 acc[R][A];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < A; ++c) acc[r][c] = _mm256_setzero_ps();
 #pragma GCC unroll 8
       for (int j = 0; j < P; ++j) {
         __m256 qj = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q, BITS * j), mask));
         for (int r = 0; r < R; ++r)
-          acc[r] = _mm256_fmadd_ps(
-              qj, _mm256_loadu_ps(xt + (size_t)r * s.K + (size_t)(u * P + j) * 8), acc[r]);
+          acc[r][j % A] = _mm256_fmadd_ps(
+              qj, _mm256_loadu_ps(xt + (size_t)r * s.K + (size_t)(u * P + j) * 8), acc[r][j % A]);
       }
+      for (int r = 0; r < R; ++r)
+        for (int c = 1; c < A; ++c) acc[r][0] = _mm256_add_ps(acc[r][0], acc[r][c]);
       // The scale of each lane's group.
       const int first = u * UNIT;
       __m256 sv;
@@ -185,7 +198,7 @@ __attribute__((target("avx2,fma"))) void qmv_rows(
         float a = sr[first / s.group], b = sr[(first + UNIT / 2) / s.group];
         sv = _mm256_setr_ps(a, a, a, a, b, b, b, b);
       }
-      for (int r = 0; r < R; ++r) tot[r] = _mm256_fmadd_ps(acc[r], sv, tot[r]);
+      for (int r = 0; r < R; ++r) tot[r] = _mm256_fmadd_ps(acc[r][0], sv, tot[r]);
     }
     for (int r = 0; r < R; ++r) {
       float bias = 0;
@@ -267,9 +280,15 @@ void qmv(
     return;
   }
   const int groups = s.K / s.group;
-  std::vector<float> xt((size_t)s.M * s.K), xsum((size_t)s.M * groups);
+  // Reused between calls (the stream's thread makes them one at a time).
+  thread_local std::vector<float> xt_buf, xsum_buf;
+  xt_buf.resize((size_t)s.M * s.K);
+  xsum_buf.resize((size_t)s.M * groups);
+  // Plain pointers: inside the lambda below a thread-local would name the worker's own copy.
+  float* const xt = xt_buf.data();
+  float* const xsum = xsum_buf.data();
   for (int m = 0; m < s.M; ++m) {
-    permute_x(x + (size_t)m * s.K, xt.data() + (size_t)m * s.K, s);
+    permute_x(x + (size_t)m * s.K, xt + (size_t)m * s.K, s);
     for (int g = 0; g < groups; ++g) {
       float t = 0;
       for (int k = g * s.group; k < (g + 1) * s.group; ++k) t += x[(size_t)m * s.K + k];
@@ -280,8 +299,8 @@ void qmv(
     int n0 = (int)(s.N * part / parts), n1 = (int)(s.N * (part + 1) / parts);
     for (int m = 0; m < s.M; m += 4) {
       int rows = std::min(4, s.M - m);
-      const float* xr = xt.data() + (size_t)m * s.K;
-      const float* xs = xsum.data() + (size_t)m * groups;
+      const float* xr = xt + (size_t)m * s.K;
+      const float* xs = xsum + (size_t)m * groups;
       float* o = out + (size_t)m * s.N;
       if (s.bits == 4)
         qmv_block<4>(xr, xs, w, sc, bi, o, s, rows, n0, n1);
