@@ -93,6 +93,8 @@ pub struct StreamError {
 pub struct RunnerError {
     pub status: u16,
     pub message: String,
+    /// The request never reached the runner (its process is gone, or going).
+    pub unreachable: bool,
 }
 
 impl RunnerError {
@@ -100,6 +102,7 @@ impl RunnerError {
         RunnerError {
             status,
             message: message.into(),
+            unreachable: false,
         }
     }
 }
@@ -151,10 +154,10 @@ pub async fn complete(
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body)))
         .map_err(|e| RunnerError::new(500, e.to_string()))?;
-    let resp = client
-        .request(http)
-        .await
-        .map_err(|e| RunnerError::new(500, format!("the runner did not answer: {e}")))?;
+    let resp = client.request(http).await.map_err(|e| RunnerError {
+        unreachable: true,
+        ..RunnerError::new(500, format!("the runner did not answer: {e}"))
+    })?;
     let code = resp.status().as_u16();
     if code != 200 {
         let body = resp

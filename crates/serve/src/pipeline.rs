@@ -253,17 +253,34 @@ pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Runnin
         format: input.format.clone(),
     };
     let ka = keep_alive(app, input.keep_alive);
-    let lease = app.sched.acquire(&target(m), ka).await?;
-    let load_duration = started.elapsed();
-    let chunks = client::complete(&app.sched.client, lease.runner.port, &req)
-        .await
-        .map_err(|e| {
-            let mut msg = e.message;
-            if !lease.runner.alive() {
-                msg = format!("the runner exited: {}", lease.runner.last_error());
+    // A runner that died a moment ago may not be known dead yet: when the request cannot
+    // reach it, wait for its death to be noticed and start a new one, once.
+    let mut attempt = 0;
+    let (lease, chunks, load_duration) = loop {
+        let lease = app.sched.acquire(&target(m), ka).await?;
+        let load_duration = started.elapsed();
+        match client::complete(&app.sched.client, lease.runner.port, &req).await {
+            Ok(chunks) => break (lease, chunks, load_duration),
+            Err(e) if e.unreachable && attempt == 0 => {
+                attempt += 1;
+                let deadline = Instant::now() + Duration::from_secs(2);
+                while lease.runner.alive() && Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                if lease.runner.alive() {
+                    return Err(ApiError::new(500, e.message));
+                }
+                tracing::warn!(model = %m.display(), "the runner died; starting a new one");
             }
-            ApiError::new(e.status, msg)
-        })?;
+            Err(e) => {
+                let mut msg = e.message;
+                if !lease.runner.alive() {
+                    msg = format!("the runner exited: {}", lease.runner.last_error());
+                }
+                return Err(ApiError::new(e.status, msg));
+            }
+        }
+    };
     tracing::debug!(
         model = %m.display(),
         prepare_us = started.elapsed().as_micros() as u64,
