@@ -147,7 +147,8 @@ def _():
     assert "You are terse." in info.modelfile, info.modelfile
     assert "temperature" in info.parameters, info.parameters
     r = client.generate(model="terse", prompt="Hi", think=False)
-    assert r.eval_count == 3
+    # The stored num_predict applies (a random model may also end early on its EOS).
+    assert r.eval_count == 3 or (r.done_reason == "stop" and r.eval_count < 3), r
     files = {}
     for name in sorted(os.listdir(FIXTURE)):
         if name == "golden.safetensors":
@@ -160,7 +161,8 @@ def _():
     assert done.status == "success", done
     details = client.show("uploaded").details
     assert details.quantization_level.upper() in ("Q8", "INT8", "Q8_0"), details
-    assert client.generate(model="uploaded", prompt="Hi", options={"num_predict": 4}).eval_count == 4
+    r = client.generate(model="uploaded", prompt="Hi", options={"num_predict": 4})
+    assert r.eval_count == 4 or (r.done_reason == "stop" and r.eval_count < 4), r
     client.delete("uploaded")
     client.delete("terse")
 
