@@ -21,18 +21,11 @@ impl Serve {
         let dir = tempfile::tempdir().unwrap();
         let models = dir.path().join("models");
         for (name, fix) in [("gem", "gemma4_e2b_like"), ("glm", "glm4_moe_lite")] {
-            let mf = dir.path().join(format!("Modelfile.{name}"));
-            std::fs::write(&mf, format!("FROM {}\n", fixture(fix).display())).unwrap();
-            let out = binary()
-                .env("MLX_RUNNER_MODELS", &models)
-                .args(["create", name, "-f"])
-                .arg(&mf)
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
+            create(
+                dir.path(),
+                &models,
+                name,
+                &format!("FROM {}\n", fixture(fix).display()),
             );
         }
         Self::on(dir, models, env)
@@ -112,19 +105,7 @@ impl Serve {
 
     /// Creates `name` in serve's store from a Modelfile's text.
     pub fn create(&self, name: &str, modelfile: &str) {
-        let mf = self.dir.path().join(format!("Modelfile.{name}"));
-        std::fs::write(&mf, modelfile).unwrap();
-        let out = binary()
-            .env("MLX_RUNNER_MODELS", &self.models)
-            .args(["create", name, "-f"])
-            .arg(&mf)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        create(self.dir.path(), &self.models, name, modelfile);
     }
 
     /// The runner processes serve has spawned.
@@ -142,6 +123,23 @@ impl Drop for Serve {
             let _ = self.child.wait();
         }
     }
+}
+
+/// `mlx-runner create name` into the store `models` from a Modelfile written in `dir`.
+fn create(dir: &std::path::Path, models: &std::path::Path, name: &str, modelfile: &str) {
+    let mf = dir.join(format!("Modelfile.{name}"));
+    std::fs::write(&mf, modelfile).unwrap();
+    let out = binary()
+        .env("MLX_RUNNER_MODELS", models)
+        .args(["create", name, "-f"])
+        .arg(&mf)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 pub fn children_of(pid: u32) -> Vec<u32> {

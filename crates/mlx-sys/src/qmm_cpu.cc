@@ -366,6 +366,23 @@ void qmm(
 // Rows of x from which dequantize + sgemm beats reading packed weights per row.
 constexpr int SGEMM_ROWS = 16;
 
+// One product x [M, K] · dequantize(w)ᵀ by whichever path suits its rows, counted.
+void product(
+    const float* x,
+    const uint32_t* w,
+    const float* sc,
+    const float* bi,
+    float* out,
+    const Shape& s) {
+  if (s.M >= SGEMM_ROWS && sgemm() != nullptr) {
+    qmm(x, w, sc, bi, out, s);
+    g_sgemm_path.fetch_add(1);
+  } else {
+    qmv(x, w, sc, bi, out, s);
+    g_rows_path.fetch_add(1);
+  }
+}
+
 // `a` (2-D) as a row-major buffer: its own data when it is one, else a copy into `tmp`.
 template <typename T>
 const T* dense_2d(const mx::array& a, std::vector<T>& tmp) {
@@ -412,13 +429,7 @@ class CpuQuantizedMatmul : public mx::Primitive {
       const float* sp = dense_2d(sc, scc);
       const float* bp = dense_2d(bi, bic);
       float* op = out.data<float>();
-      if (s.M >= SGEMM_ROWS && sgemm() != nullptr) {
-        qmm(xp, wp, sp, bp, op, s);
-        g_sgemm_path.fetch_add(1);
-      } else {
-        qmv(xp, wp, sp, bp, op, s);
-        g_rows_path.fetch_add(1);
-      }
+      product(xp, wp, sp, bp, op, s);
     });
   }
 
@@ -484,13 +495,7 @@ class CpuGatherQuantizedMatmul : public mx::Primitive {
         } else {
           Shape s{run * M, N, K, bits, group};
           const float* xb = xp + (size_t)b * M * K;
-          if (s.M >= SGEMM_ROWS && sgemm() != nullptr) {
-            qmm(xb, wp + e * words, sp + e * groups, bp + e * groups, o, s);
-            g_sgemm_path.fetch_add(1);
-          } else {
-            qmv(xb, wp + e * words, sp + e * groups, bp + e * groups, o, s);
-            g_rows_path.fetch_add(1);
-          }
+          product(xb, wp + e * words, sp + e * groups, bp + e * groups, o, s);
         }
         b += run;
       }
