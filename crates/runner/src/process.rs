@@ -22,17 +22,22 @@ enum Exit {
 }
 
 async fn signals() -> Exit {
+    Exit::Signal(termination().await)
+}
+
+/// Resolves with the name of the first SIGTERM or SIGINT; never, when the handlers cannot be
+/// installed (the runner then still stops when its parent dies).
+pub async fn termination() -> &'static str {
     use tokio::signal::unix::{signal, SignalKind};
     let (Ok(mut term), Ok(mut int)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
     ) else {
-        // Without signal handlers the runner still stops when its parent dies.
         return std::future::pending().await;
     };
     tokio::select! {
-        _ = term.recv() => Exit::Signal("SIGTERM"),
-        _ = int.recv() => Exit::Signal("SIGINT"),
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
     }
 }
 

@@ -184,26 +184,12 @@ pub async fn run(cfg: ServeConfig) -> anyhow::Result<()> {
             let _ = stop_rx.await;
         },
     ));
-    signal().await;
-    tracing::info!("stopping: unloading models");
+    let why = runner::process::termination().await;
+    tracing::info!("{why}: stopping, unloading models");
     sched.shutdown().await;
     let _ = stop_tx.send(());
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     Ok(())
-}
-
-async fn signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
 }
 
 #[cfg(test)]

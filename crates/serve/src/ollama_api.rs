@@ -264,29 +264,16 @@ async fn respond(run: Running, kind: Kind, stream: bool) -> Response {
     }
     // Not streaming: one answer once the completion ends.
     let mut run = run;
-    let (mut content, mut thinking, mut calls, mut lps) =
-        (String::new(), String::new(), Vec::new(), Vec::new());
-    while let Some(ev) = run.events.next().await {
-        match ev {
-            Event::Piece { parsed, logprobs } => {
-                content.push_str(&parsed.content);
-                thinking.push_str(&parsed.thinking);
-                calls.extend(parsed.tool_calls);
-                lps.extend(logprobs);
-            }
-            Event::Done(s) => {
-                let mut o = piece(&content, &thinking, &calls, &lps, true);
-                o.insert("done_reason".into(), s.done_reason.into());
-                metrics(&mut o, &run, &s);
-                return axum::Json(Value::Object(o)).into_response();
-            }
-            Event::Error(e) => return error(&e),
+    let events = std::mem::replace(&mut run.events, Box::pin(futures::stream::empty()));
+    match pipeline::collect(events).await {
+        Ok((all, lps, s)) => {
+            let mut o = piece(&all.content, &all.thinking, &all.tool_calls, &lps, true);
+            o.insert("done_reason".into(), s.done_reason.into());
+            metrics(&mut o, &run, &s);
+            axum::Json(Value::Object(o)).into_response()
         }
+        Err(e) => error(&e),
     }
-    error(&ApiError::new(
-        500,
-        "the completion ended without an answer",
-    ))
 }
 
 async fn complete(app: Arc<App>, v: Value, kind: Kind) -> Result<Response, ApiError> {

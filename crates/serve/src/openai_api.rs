@@ -411,53 +411,38 @@ async fn complete(app: Arc<App>, v: Value, kind: Kind) -> Result<Response, ApiEr
             ))
             .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response()));
     }
-    let mut events = run.events;
-    let (mut content, mut thinking, mut calls, mut lps) =
-        (String::new(), String::new(), Vec::new(), Vec::new());
-    while let Some(ev) = events.next().await {
-        match ev {
-            Event::Piece { parsed, logprobs } => {
-                content.push_str(&parsed.content);
-                thinking.push_str(&parsed.thinking);
-                calls.extend(parsed.tool_calls);
-                lps.extend(logprobs);
+    let (all, lps, s) = pipeline::collect(run.events).await?;
+    let (content, thinking, calls) = (all.content, all.thinking, all.tool_calls);
+    let reason = if s.done_reason == "stop" && !calls.is_empty() {
+        "tool_calls"
+    } else {
+        s.done_reason
+    };
+    let mut choice = match kind {
+        Kind::Chat => {
+            let mut msg = json!({"role": "assistant", "content": content});
+            if !thinking.is_empty() {
+                msg["reasoning"] = thinking.into();
             }
-            Event::Error(e) => return Err(e),
-            Event::Done(s) => {
-                let reason = if s.done_reason == "stop" && !calls.is_empty() {
-                    "tool_calls"
-                } else {
-                    s.done_reason
-                };
-                let mut choice = match kind {
-                    Kind::Chat => {
-                        let mut msg = json!({"role": "assistant", "content": content});
-                        if !thinking.is_empty() {
-                            msg["reasoning"] = thinking.clone().into();
-                        }
-                        if !calls.is_empty() {
-                            msg["tool_calls"] = calls
-                                .iter()
-                                .enumerate()
-                                .map(|(i, c)| tool_call(c, i))
-                                .collect();
-                        }
-                        json!({"index": 0, "message": msg, "finish_reason": reason})
-                    }
-                    Kind::Text => json!({"index": 0, "text": content, "finish_reason": reason}),
-                };
-                choice["logprobs"] = if lps.is_empty() {
-                    Value::Null
-                } else {
-                    logprobs(&lps)
-                };
-                let mut o = with_choices(json!([choice]));
-                o["usage"] = usage(&s);
-                return Ok(axum::Json(o).into_response());
+            if !calls.is_empty() {
+                msg["tool_calls"] = calls
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| tool_call(c, i))
+                    .collect();
             }
+            json!({"index": 0, "message": msg, "finish_reason": reason})
         }
-    }
-    Err(ApiError::new(500, "the completion ended without an answer"))
+        Kind::Text => json!({"index": 0, "text": content, "finish_reason": reason}),
+    };
+    choice["logprobs"] = if lps.is_empty() {
+        Value::Null
+    } else {
+        logprobs(&lps)
+    };
+    let mut o = with_choices(json!([choice]));
+    o["usage"] = usage(&s);
+    Ok(axum::Json(o).into_response())
 }
 
 /// A stream fed by a task through a small channel: the task ends when the client goes away.

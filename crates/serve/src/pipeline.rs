@@ -297,6 +297,26 @@ pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Runnin
     })
 }
 
+/// A whole answer, for a request that does not stream: every piece joined, and the summary.
+pub async fn collect(
+    mut events: std::pin::Pin<Box<dyn Stream<Item = Event> + Send>>,
+) -> Result<(Parsed, Vec<TokenLogprob>, Summary), ApiError> {
+    let (mut all, mut lps) = (Parsed::default(), Vec::new());
+    while let Some(ev) = events.next().await {
+        match ev {
+            Event::Piece { parsed, logprobs } => {
+                all.content.push_str(&parsed.content);
+                all.thinking.push_str(&parsed.thinking);
+                all.tool_calls.extend(parsed.tool_calls);
+                lps.extend(logprobs);
+            }
+            Event::Done(s) => return Ok((all, lps, s)),
+            Event::Error(e) => return Err(e),
+        }
+    }
+    Err(ApiError::new(500, "the completion ended without an answer"))
+}
+
 /// The runner's chunks as parsed events; the lease lives as long as the stream.
 fn events(
     chunks: impl Stream<Item = Result<Chunk, client::RunnerError>> + Send + 'static,
