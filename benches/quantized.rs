@@ -5,7 +5,7 @@
 //! run by `mlx-runner generate` and `mlx_lm generate` one after the other (same MLX, same
 //! machine, OpenBLAS preloaded into the peer): prefill and decode tokens/s, medians, ratio. Ours
 //! goes through mlx-runner's CPU kernel for quantized matmuls (crates/mlx-sys/src/qmm_cpu.cc);
-//! `MLX_RUNNER_QMM=mlx` runs ours with MLX's own kernel instead, for comparison;
+//! `MLX_RUNNER_KERNELS=mlx` runs ours with MLX's own kernels instead, for comparison;
 //! `BENCH_QUANT_ALL=1` adds 4-bit with groups 32 and 128.
 //!
 //! The memory roofline: the bytes a decode step must read (every weight file byte: each
@@ -159,11 +159,15 @@ fn breakdown(dir: &Path) {
         t
     };
     let (mut steps, mut builds, mut ours, mut theirs) = (vec![], vec![], vec![], vec![]);
+    let mut ops = vec![];
     for i in 0..14 {
         let start = std::time::Instant::now();
         let h = model.forward(&next, &mut caches).unwrap();
         let picked = model.logits(&h).unwrap().argmax(-1, false).unwrap();
         let built = ms(start);
+        if i == 5 {
+            ops = mlx::graph_ops(&[&picked]);
+        }
         picked.eval().unwrap();
         let step = ms(start);
         next = picked
@@ -202,6 +206,14 @@ fn breakdown(dir: &Path) {
         "largest matrix {:?}: {:.1} GB/s read by the kernel (median of 20)",
         big.weight.shape(),
         median(rates)
+    );
+    println!(
+        "\nOps one decode step dispatches: {} ({})",
+        ops.iter().map(|(_, n)| n).sum::<usize>(),
+        ops.iter()
+            .map(|(name, n)| format!("{name} {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     println!("\nWhere a one-row decode step of {} goes ({} quantized matrices; in-process, medians of 10)\n", dir.display(), mats.len());
     println!("| part | ms |");

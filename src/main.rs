@@ -517,9 +517,10 @@ fn raise_open_file_limit() {
 
 fn main() {
     raise_open_file_limit();
-    // MLX's own quantized matmul instead of ours (comparisons, bisecting).
-    if std::env::var("MLX_RUNNER_QMM").as_deref() == Ok("mlx") {
+    // MLX's own kernels and op graphs instead of ours on the CPU (comparisons, bisecting).
+    if std::env::var("MLX_RUNNER_KERNELS").as_deref() == Ok("mlx") {
         mlx::set_quantized_kernel(false);
+        mlx::fast::set_fused_kernels(false);
     }
     let cli = Cli::parse();
     let result = match cli.command {

@@ -41,6 +41,9 @@ fn run() -> Result<(), String> {
         "src/lib.rs",
         "src/qmm_cpu.h",
         "src/qmm_cpu.cc",
+        "src/cpu_common.h",
+        "src/fused_cpu.h",
+        "src/fused_cpu.cc",
     ] {
         println!("cargo:rerun-if-changed={f}");
     }
@@ -67,6 +70,7 @@ fn run() -> Result<(), String> {
     build
         .file("src/shim.cc")
         .file("src/qmm_cpu.cc")
+        .file("src/fused_cpu.cc")
         .include(&include)
         .include(&manifest)
         .std("c++20")

@@ -226,6 +226,8 @@ pub mod ffi {
             bits: i32,
         ) -> Result<UniquePtr<Arr>>;
         /// Turns mlx-runner's CPU quantized-matmul kernel on (the default) or off.
+        /// Primitives still to run in the graphs behind `v`, one `name count` line per kind.
+        fn graph_ops(v: &ArrVec) -> String;
         fn set_quantized_kernel(on: bool);
         /// Products the kernel computed, by path (dequantize + sgemm when true).
         fn quantized_kernel_count(sgemm_path: bool) -> u64;
@@ -279,6 +281,11 @@ pub mod ffi {
             mask: *const Arr,
             sinks: *const Arr,
         ) -> Result<UniquePtr<Arr>>;
+        fn gelu_tanh(x: &Arr) -> Result<UniquePtr<Arr>>;
+        /// Turns mlx-runner's fused CPU kernels (RMS norm, RoPE, attention, GELU) on or off.
+        fn set_fused_kernels(on: bool);
+        /// Evaluations of one fused kernel: 0 RMS norm, 1 RoPE, 2 attention, 3 GELU.
+        fn fused_kernel_count(kind: u8) -> u64;
 
         // random
         fn random_key(seed: u64) -> Result<UniquePtr<Arr>>;

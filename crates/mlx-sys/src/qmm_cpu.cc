@@ -12,6 +12,7 @@
 // 4- and 8-bit weights, group sizes 32/64/128, on the CPU stream; everything else stays MLX's.
 
 #include "mlx-sys/src/qmm_cpu.h"
+#include "mlx-sys/src/cpu_common.h"
 
 #include <dlfcn.h>
 #include <immintrin.h>
@@ -40,91 +41,6 @@ std::atomic<bool> g_enabled{true};
 // Products computed by each path (tests check that the kernel, not MLX, answered).
 std::atomic<uint64_t> g_rows_path{0}, g_sgemm_path{0};
 
-// ---- a persistent pool: the caller and (cores - 1) workers ------------------------------------
-
-class Pool {
- public:
-  Pool() {
-    unsigned n = std::max(1u, std::thread::hardware_concurrency());
-    for (unsigned i = 1; i < n; ++i) {
-      workers_.emplace_back([this, i] { work(i); });
-    }
-  }
-
-  ~Pool() {
-    stop_.store(true);
-    bump();
-    for (auto& t : workers_) t.join();
-  }
-
-  size_t size() const { return workers_.size() + 1; }
-
-  // Runs f(part) for part in [0, size()), the caller taking part 0; returns when all are done.
-  // A decode step makes ~100 calls of tens of microseconds each: workers spin briefly on the
-  // generation counter before sleeping, so handing out work costs far less than a wake-up.
-  void run(const std::function<void(size_t)>& f) {
-    if (workers_.empty()) {
-      f(0);
-      return;
-    }
-    std::lock_guard<std::mutex> one(run_m_);
-    task_ = &f;
-    pending_.store(workers_.size());
-    bump();
-    f(0);
-    for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
-      if (spin > 1000) std::this_thread::yield();
-    }
-    task_ = nullptr;
-  }
-
- private:
-  void work(size_t part) {
-    // The generation the pool started at, not whatever it is by the time this thread runs: a
-    // first call may already have been handed out.
-    uint64_t seen = 0;
-    for (;;) {
-      uint64_t g;
-      for (int spin = 0;; ++spin) {
-        g = generation_.load(std::memory_order_acquire);
-        if (g != seen) break;
-        if (spin < 20000) {
-          _mm_pause();
-        } else {
-          // Asleep until the next call: the predicate is read under the mutex that bump()
-          // takes after changing it, so no wake-up is lost.
-          std::unique_lock<std::mutex> l(sleep_m_);
-          sleep_cv_.wait(l, [&] { return generation_.load() != seen; });
-          spin = 0;
-        }
-      }
-      seen = g;
-      if (stop_.load()) return;
-      (*task_)(part);
-      pending_.fetch_sub(1, std::memory_order_acq_rel);
-    }
-  }
-
-  void bump() {
-    generation_.fetch_add(1, std::memory_order_release);
-    { std::lock_guard<std::mutex> l(sleep_m_); }
-    sleep_cv_.notify_all();
-  }
-
-  std::vector<std::thread> workers_;
-  std::mutex run_m_, sleep_m_;
-  std::condition_variable sleep_cv_;
-  const std::function<void(size_t)>* task_ = nullptr;
-  std::atomic<size_t> pending_{0};
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<bool> stop_{false};
-};
-
-Pool& pool() {
-  static Pool p;
-  return p;
-}
-
 // ---- the kernels ----------------------------------------------------------------------------
 
 struct Shape {
@@ -140,14 +56,6 @@ void permute_x(const float* x, float* xt, const Shape& s) {
   for (int u = 0; u < units; ++u)
     for (int j = 0; j < P; ++j)
       for (int l = 0; l < 8; ++l) xt[(u * P + j) * 8 + l] = x[u * unit + l * P + j];
-}
-
-__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
 }
 
 // Output rows [n0, n1) for R (1..4) rows of x starting at m0.
@@ -236,11 +144,6 @@ void qmv_scalar(
     }
     out[(size_t)m * s.N + n] = acc;
   }
-}
-
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
 }
 
 template <int BITS>
@@ -383,19 +286,6 @@ void product(
   }
 }
 
-// `a` (2-D) as a row-major buffer: its own data when it is one, else a copy into `tmp`.
-template <typename T>
-const T* dense_2d(const mx::array& a, std::vector<T>& tmp) {
-  if (a.flags().row_contiguous) return a.data<T>();
-  const auto rows = a.shape(0), cols = a.shape(1);
-  const auto s0 = a.strides()[0], s1 = a.strides()[1];
-  tmp.resize((size_t)rows * cols);
-  const T* src = a.data<T>();
-  for (int i = 0; i < rows; ++i)
-    for (int j = 0; j < cols; ++j) tmp[(size_t)i * cols + j] = src[i * s0 + j * s1];
-  return tmp.data();
-}
-
 class CpuQuantizedMatmul : public mx::Primitive {
  public:
   CpuQuantizedMatmul(mx::Stream stream, int group, int bits)
@@ -420,14 +310,15 @@ class CpuQuantizedMatmul : public mx::Primitive {
                   bi = mx::array::unsafe_weak_copy(inputs[3]),
                   out = mx::array::unsafe_weak_copy(out),
                   s]() mutable {
-      // Weights are row-contiguous as loaded; a view that is not is copied (x always is: it
-      // goes through mx::contiguous).
+      // Weights are row-contiguous as loaded and x nearly always is; a view that is not is
+      // copied here rather than by a Contiguous op in the graph, which would cost a dispatch
+      // every time.
       std::vector<uint32_t> wc;
-      std::vector<float> scc, bic;
-      const float* xp = x.data<float>();
-      const uint32_t* wp = dense_2d(w, wc);
-      const float* sp = dense_2d(sc, scc);
-      const float* bp = dense_2d(bi, bic);
+      std::vector<float> xc, scc, bic;
+      const float* xp = dense(x, xc);
+      const uint32_t* wp = dense(w, wc);
+      const float* sp = dense(sc, scc);
+      const float* bp = dense(bi, bic);
       float* op = out.data<float>();
       product(xp, wp, sp, bp, op, s);
     });
@@ -563,7 +454,7 @@ std::optional<mx::array> cpu_quantized_matmul(
       shape,
       mx::float32,
       std::make_shared<CpuQuantizedMatmul>(stream, group_size, bits),
-      {mx::contiguous(x, false, stream), w, scales, *biases});
+      {x, w, scales, *biases});
 }
 
 std::optional<mx::array> cpu_gather_qmm(

@@ -2,10 +2,15 @@
 #include "mlx-sys/src/shim.h"
 #include "mlx-sys/src/lib.rs.h"
 #include "mlx-sys/src/qmm_cpu.h"
+#include "mlx-sys/src/fused_cpu.h"
 
 #include <dlfcn.h>
 
+#include "mlx/primitives.h"
+
 #include <cstring>
+#include <map>
+#include <unordered_set>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -149,6 +154,24 @@ void init_thread() {
 
 void synchronize() {
   mx::synchronize();
+}
+
+rust::String graph_ops(const ArrVec& v) {
+  std::map<std::string, size_t> counts;
+  std::unordered_set<std::uintptr_t> seen;
+  std::vector<mx::array> todo(v.v.begin(), v.v.end());
+  while (!todo.empty()) {
+    auto a = std::move(todo.back());
+    todo.pop_back();
+    if (a.is_available() || !a.has_primitive() || !seen.insert(a.id()).second) continue;
+    // Siblings (outputs of one multi-output primitive) are one run of it.
+    for (auto& s : a.siblings()) seen.insert(s.id());
+    counts[a.primitive().name()] += 1;
+    for (auto& in : a.inputs()) todo.push_back(in);
+  }
+  std::string out;
+  for (auto& [name, n] : counts) out += name + " " + std::to_string(n) + "\n";
+  return rust::String(out);
 }
 
 // --- memory ----------------------------------------------------------------------------------
@@ -545,6 +568,7 @@ ArrPtr gather_qmm(
 // --- fast --------------------------------------------------------------------------------------
 
 ArrPtr rms_norm(const Arr& x, const Arr* w, float eps) {
+  if (auto out = cpu_rms_norm(x.a, opt(w), eps)) return wrap(std::move(*out));
   return wrap(mx::fast::rms_norm(x.a, opt(w), eps));
 }
 
@@ -562,6 +586,8 @@ ArrPtr rope(
     int32_t offset,
     const Arr* freqs) {
   std::optional<float> b = has_base ? std::optional<float>(base) : std::nullopt;
+  if (auto out = cpu_rope(x.a, dims, traditional, b, scale, mx::array(offset, mx::int32), opt(freqs)))
+    return wrap(std::move(*out));
   return wrap(mx::fast::rope(x.a, dims, traditional, b, scale, offset, opt(freqs)));
 }
 
@@ -575,6 +601,8 @@ ArrPtr rope_dynamic(
     const Arr& offset,
     const Arr* freqs) {
   std::optional<float> b = has_base ? std::optional<float>(base) : std::nullopt;
+  if (auto out = cpu_rope(x.a, dims, traditional, b, scale, offset.a, opt(freqs)))
+    return wrap(std::move(*out));
   return wrap(mx::fast::rope(x.a, dims, traditional, b, scale, offset.a, opt(freqs)));
 }
 
@@ -586,8 +614,33 @@ ArrPtr sdpa(
     rust::Str mask_mode,
     const Arr* mask,
     const Arr* sinks) {
+  const bool causal = mask_mode == "causal";
+  if ((causal && !mask) || (mask_mode == "array" && mask) || (mask_mode.empty() && !mask)) {
+    if (auto out = cpu_sdpa(q.a, k.a, v.a, scale, causal, opt(mask), opt(sinks)))
+      return wrap(std::move(*out));
+  }
   return wrap(mx::fast::scaled_dot_product_attention(
       q.a, k.a, v.a, scale, std::string(mask_mode), opt(mask), opt(sinks)));
+}
+
+ArrPtr gelu_tanh(const Arr& x) {
+  if (auto out = cpu_gelu_tanh(x.a)) return wrap(std::move(*out));
+  // The graph the kernel stands for, in the input's dtype.
+  auto t = x.a.dtype();
+  const auto& a = x.a;
+  auto inner = mx::multiply(
+      mx::add(a, mx::multiply(mx::power(a, mx::array(3.0f, t)), mx::array(0.044715f, t))),
+      mx::array(0.7978845608028654f, t));
+  return wrap(mx::multiply(
+      mx::multiply(a, mx::array(0.5f, t)), mx::add(mx::tanh(inner), mx::array(1.0f, t))));
+}
+
+void set_fused_kernels(bool on) {
+  set_fused_cpu_enabled(on);
+}
+
+uint64_t fused_kernel_count(uint8_t kind) {
+  return fused_cpu_count(static_cast<FusedKind>(kind));
 }
 
 // --- random ------------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ void set_default_device(bool gpu);
 bool default_device_is_gpu();
 void init_thread();
 void synchronize();
+// Primitives still to run in the graphs behind `v`, one line per kind: "name count".
+rust::String graph_ops(const ArrVec& v);
 
 // --- memory ----------------------------------------------------------------------------------
 size_t active_memory();
@@ -187,6 +189,11 @@ ArrPtr sdpa(
     rust::Str mask_mode,
     const Arr* mask,
     const Arr* sinks);
+
+// 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³))).
+ArrPtr gelu_tanh(const Arr& x);
+void set_fused_kernels(bool on);
+uint64_t fused_kernel_count(uint8_t kind);
 
 // --- random ------------------------------------------------------------------------------------
 ArrPtr random_key(uint64_t seed);

@@ -1,4 +1,8 @@
-//! MLX's fused kernels: RMS norm, rotary embeddings, scaled dot-product attention.
+//! Fused kernels: RMS norm, rotary embeddings, scaled dot-product attention, tanh-GELU.
+//!
+//! On the GPU these are MLX's own. MLX's CPU backend has none: it builds each from a graph of
+//! small ops. There, for float32, mlx-runner's kernels (`crates/mlx-sys/src/fused_cpu.cc`) run
+//! each as one op computing the same formula; [`set_fused_kernels`] switches back to MLX's graphs.
 
 use crate::ops::ptr;
 use crate::{Array, Result};
@@ -117,4 +121,34 @@ pub fn scaled_dot_product_attention(
     Ok(Array::from_raw(unsafe {
         ffi::sdpa(q.arr(), k.arr(), v.arr(), scale, mode, ptr(arr), ptr(sinks))?
     }))
+}
+
+/// `0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))`, the tanh approximation of GELU.
+pub fn gelu_tanh(x: &Array) -> Result<Array> {
+    Ok(Array::from_raw(ffi::gelu_tanh(x.arr())?))
+}
+
+/// Turns mlx-runner's fused CPU kernels on (the default) or off: off, RMS norm, RoPE, attention
+/// and GELU are MLX's op graphs (for comparisons and the kernels' exactness tests). Applies to
+/// graphs built after the call.
+pub fn set_fused_kernels(on: bool) {
+    ffi::set_fused_kernels(on)
+}
+
+/// How many times each fused CPU kernel has run in this process.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FusedCounts {
+    pub rms_norm: u64,
+    pub rope: u64,
+    pub sdpa: u64,
+    pub gelu_tanh: u64,
+}
+
+pub fn fused_kernel_counts() -> FusedCounts {
+    FusedCounts {
+        rms_norm: ffi::fused_kernel_count(0),
+        rope: ffi::fused_kernel_count(1),
+        sdpa: ffi::fused_kernel_count(2),
+        gelu_tanh: ffi::fused_kernel_count(3),
+    }
 }

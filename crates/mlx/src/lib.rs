@@ -26,7 +26,7 @@ pub use fast::SdpaMask;
 pub use index::Ix;
 pub use ops::{concatenate, stack, where_, Quantized};
 pub use runtime::{
-    async_eval, blas_library, default_device, eval, gpu_available, init_thread, openblas_config,
-    quantized_kernel_counts, set_default_device, set_quantized_kernel, synchronize, version,
-    Device,
+    async_eval, blas_library, default_device, eval, gpu_available, graph_ops, init_thread,
+    openblas_config, quantized_kernel_counts, set_default_device, set_quantized_kernel,
+    synchronize, version, Device,
 };

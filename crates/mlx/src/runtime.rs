@@ -72,6 +72,20 @@ pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     Ok(ffi::async_eval_all(&pack(arrays.iter().copied()))?)
 }
 
+/// The primitives still to run in the graphs behind `arrays`, by kind, most frequent first:
+/// what an evaluation of them will dispatch (for benchmarks and step breakdowns).
+pub fn graph_ops(arrays: &[&Array]) -> Vec<(String, usize)> {
+    let mut ops: Vec<(String, usize)> = ffi::graph_ops(&pack(arrays.iter().copied()))
+        .lines()
+        .filter_map(|l| {
+            let (name, n) = l.rsplit_once(' ')?;
+            Some((name.to_string(), n.parse().ok()?))
+        })
+        .collect();
+    ops.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    ops
+}
+
 /// Turns mlx-runner's CPU kernel for affine-quantized matmuls on (the default) or off: off,
 /// every quantized matmul is MLX's own (for comparisons and the kernel's exactness tests).
 /// Applies to graphs built after the call.

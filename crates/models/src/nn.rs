@@ -149,12 +149,7 @@ impl Embedding {
 
 /// `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))` (gelu_pytorch_tanh).
 pub fn gelu_tanh(x: &Array) -> Result<Array> {
-    const C: f64 = 0.797_884_560_802_865_4; // √(2/π)
-    let inner = x
-        .add(&x.power_scalar(3.0)?.multiply_scalar(0.044715)?)?
-        .multiply_scalar(C)?;
-    Ok(x.multiply_scalar(0.5)?
-        .multiply(&inner.tanh()?.add_scalar(1.0)?)?)
+    Ok(mlx::fast::gelu_tanh(x)?)
 }
 
 /// `x · sigmoid(x)`.

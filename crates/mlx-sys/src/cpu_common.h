@@ -1,0 +1,138 @@
+// What the CPU kernels (qmm_cpu.cc, fused_cpu.cc) share: one persistent thread pool, the
+// AVX2 check, a horizontal sum, and reading a strided array densely.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "mlx/array.h"
+
+namespace mlxr {
+
+// The caller and (cores - 1) workers.
+class Pool {
+ public:
+  Pool() {
+    unsigned n = std::max(1u, std::thread::hardware_concurrency());
+    for (unsigned i = 1; i < n; ++i) {
+      workers_.emplace_back([this, i] { work(i); });
+    }
+  }
+
+  ~Pool() {
+    stop_.store(true);
+    bump();
+    for (auto& t : workers_) t.join();
+  }
+
+  size_t size() const { return workers_.size() + 1; }
+
+  // Runs f(part) for part in [0, size()), the caller taking part 0; returns when all are done.
+  // A decode step makes ~100 calls of tens of microseconds each: workers spin briefly on the
+  // generation counter before sleeping, so handing out work costs far less than a wake-up.
+  void run(const std::function<void(size_t)>& f) {
+    if (workers_.empty()) {
+      f(0);
+      return;
+    }
+    std::lock_guard<std::mutex> one(run_m_);
+    task_ = &f;
+    pending_.store(workers_.size());
+    bump();
+    f(0);
+    for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
+      if (spin > 1000) std::this_thread::yield();
+    }
+    task_ = nullptr;
+  }
+
+ private:
+  void work(size_t part) {
+    // The generation the pool started at, not whatever it is by the time this thread runs: a
+    // first call may already have been handed out.
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t g;
+      for (int spin = 0;; ++spin) {
+        g = generation_.load(std::memory_order_acquire);
+        if (g != seen) break;
+        if (spin < 20000) {
+          _mm_pause();
+        } else {
+          // Asleep until the next call: the predicate is read under the mutex that bump()
+          // takes after changing it, so no wake-up is lost.
+          std::unique_lock<std::mutex> l(sleep_m_);
+          sleep_cv_.wait(l, [&] { return generation_.load() != seen; });
+          spin = 0;
+        }
+      }
+      seen = g;
+      if (stop_.load()) return;
+      (*task_)(part);
+      pending_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  void bump() {
+    generation_.fetch_add(1, std::memory_order_release);
+    { std::lock_guard<std::mutex> l(sleep_m_); }
+    sleep_cv_.notify_all();
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex run_m_, sleep_m_;
+  std::condition_variable sleep_cv_;
+  const std::function<void(size_t)>* task_ = nullptr;
+  std::atomic<size_t> pending_{0};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
+};
+
+inline Pool& pool() {
+  static Pool p;
+  return p;
+}
+
+
+inline bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+
+// `a` as row-major data: its own buffer when it is one, else a copy into `tmp`.
+template <typename T>
+const T* dense(const mlx::core::array& a, std::vector<T>& tmp) {
+  if (a.flags().row_contiguous) return a.data<T>();
+  tmp.resize(a.size());
+  const int nd = a.ndim();
+  const T* src = a.data<T>();
+  std::vector<int> idx(nd, 0);
+  int64_t off = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    tmp[i] = src[off];
+    for (int d = nd - 1; d >= 0; --d) {
+      off += a.strides()[d];
+      if (++idx[d] < a.shape(d)) break;
+      off -= a.strides()[d] * a.shape(d);
+      idx[d] = 0;
+    }
+  }
+  return tmp.data();
+}
+
+}  // namespace mlxr

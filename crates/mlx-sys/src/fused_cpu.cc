@@ -1,0 +1,524 @@
+// Fused CPU kernels for RMS norm, RoPE, attention and tanh-GELU, registered as MLX primitives.
+//
+// MLX's CPU backend has no kernels for its `fast` ops: each falls back to a graph of small ops
+// (an RMS norm is ~10, a RoPE ~20, attention ~15, and every scalar operand adds a Broadcast).
+// A one-token decode step of a small model is ~2000 such ops at a few microseconds of dispatch
+// each, which is more than its matrix products cost. Each kernel here is one op that reads its
+// inputs once. They take float32 on the CPU stream and compute what MLX's fallback graphs
+// compute (same formulas, float32 throughout); anything else is left to MLX.
+
+#include "mlx-sys/src/fused_cpu.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "mlx-sys/src/cpu_common.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+
+namespace mx = mlx::core;
+
+namespace mlxr {
+
+namespace {
+
+std::atomic<bool> g_enabled{true};
+std::atomic<uint64_t> g_counts[4] = {};
+
+void count(FusedKind k) { g_counts[static_cast<int>(k)].fetch_add(1, std::memory_order_relaxed); }
+
+bool on_cpu() { return g_enabled.load() && mx::default_device() == mx::Device::cpu; }
+
+// The plumbing every kernel shares: allocate the output, register the buffers with the CPU
+// stream's encoder and run `Op::run` there, in stream order, as MLX's own CPU ops do.
+template <class Op>
+class Fused : public mx::Primitive {
+ public:
+  Fused(mx::Stream s, typename Op::Params p) : mx::Primitive(s), p_(p) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    std::vector<mx::array> ins;
+    for (auto& a : inputs) {
+      enc.set_input_array(a);
+      ins.push_back(mx::array::unsafe_weak_copy(a));
+    }
+    enc.set_output_array(out);
+    enc.dispatch([ins = std::move(ins), out = mx::array::unsafe_weak_copy(out), p = p_]() mutable {
+      Op::run(p, ins, out);
+      count(Op::kind);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string("[mlx-runner] ") + Op::name + " has no GPU path");
+  }
+
+  const char* name() const override { return Op::name; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const Fused*>(&other);
+    return o && o->p_ == p_;
+  }
+
+ private:
+  typename Op::Params p_;
+};
+
+template <class Op>
+mx::array make(const mx::Shape& shape, typename Op::Params p, std::vector<mx::array> inputs) {
+  auto stream = mx::default_stream(mx::Device::cpu);
+  return mx::array(shape, mx::float32, std::make_shared<Fused<Op>>(stream, p), std::move(inputs));
+}
+
+// Splits rows [0, n) over the pool when there are enough of them to pay for it.
+template <class F>
+void for_rows(size_t n, size_t min_per_part, const F& f) {
+  auto& p = pool();
+  const size_t parts = std::min(p.size(), std::max<size_t>(1, n / min_per_part));
+  if (parts == 1) {
+    f(0, n);
+    return;
+  }
+  p.run([&](size_t part) {
+    if (part >= parts) return;
+    f(n * part / parts, n * (part + 1) / parts);
+  });
+}
+
+// ---- RMS norm: x · rsqrt(mean(x²) + eps) · w over the last axis ------------------------------
+
+__attribute__((target("avx2,fma"))) float sum_squares_avx(const float* x, int n) {
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float s = hsum(acc);
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+float sum_squares(const float* x, int n) {
+  if (has_avx2()) return sum_squares_avx(x, n);
+  float s = 0;
+  for (int i = 0; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+struct RmsNormOp {
+  struct Params {
+    float eps;
+    bool has_w;
+    bool operator==(const Params&) const = default;
+  };
+  static constexpr const char* name = "MlxrCpuRmsNorm";
+  static constexpr FusedKind kind = FusedKind::RmsNorm;
+
+  static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
+    std::vector<float> xt, wt;
+    const float* x = dense(in[0], xt);
+    const float* w = p.has_w ? dense(in[1], wt) : nullptr;
+    const int d = in[0].shape(-1);
+    const size_t rows = in[0].size() / d;
+    float* o = out.data<float>();
+    for_rows(rows, 64, [&](size_t r0, size_t r1) {
+      for (size_t r = r0; r < r1; ++r) {
+        const float* xr = x + r * d;
+        float* orow = o + r * d;
+        // MLX: mean as the sum times 1/d, plus eps, then rsqrt, all in float32.
+        const float inv = 1.0f / std::sqrt(sum_squares(xr, d) * (1.0f / d) + p.eps);
+        if (w) {
+          for (int i = 0; i < d; ++i) orow[i] = (xr[i] * inv) * w[i];
+        } else {
+          for (int i = 0; i < d; ++i) orow[i] = xr[i] * inv;
+        }
+      }
+    });
+  }
+};
+
+// ---- RoPE over x [B, ..., T, D] at positions offset[b] + t ------------------------------------
+
+struct RopeOp {
+  struct Params {
+    int dims;
+    bool traditional;
+    float base;
+    float scale;
+    bool has_freqs;
+    bool operator==(const Params&) const = default;
+  };
+  static constexpr const char* name = "MlxrCpuRope";
+  static constexpr FusedKind kind = FusedKind::Rope;
+
+  static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
+    const mx::array& xa = in[0];
+    const int B = xa.shape(0), T = xa.shape(-2), D = xa.shape(-1);
+    const int N = (int)(xa.size() / ((size_t)B * T * D));
+    // 3-D and 4-D inputs are read through their strides (a transposed [B, T, N, D] is the
+    // usual case); others, or a strided last axis, are copied first.
+    std::vector<float> xt;
+    const float* x;
+    int64_t sb, sh, stt;
+    if ((xa.ndim() == 3 || xa.ndim() == 4) && xa.strides().back() == 1) {
+      x = xa.data<float>();
+      sb = xa.strides()[0];
+      sh = xa.ndim() == 4 ? xa.strides()[1] : 0;
+      stt = xa.strides()[xa.ndim() - 2];
+    } else {
+      x = dense(xa, xt);
+      sb = (int64_t)N * T * D;
+      sh = (int64_t)T * D;
+      stt = D;
+    }
+    const int32_t* off = in[1].data<int32_t>();
+    const int64_t off_stride = in[1].ndim() == 1 ? in[1].strides()[0] : 0;
+    const bool per_batch = in[1].size() > 1;
+    const int half = p.dims / 2;
+    // The inverse wavelengths exactly as MLX's fallback forms them, in float32.
+    std::vector<float> inv(half);
+    if (p.has_freqs) {
+      std::vector<float> ft;
+      const float* f = dense(in[2], ft);
+      for (int i = 0; i < half; ++i) inv[i] = 1.0f / f[i];
+    } else {
+      const float c = std::log(p.base) / half;
+      for (int i = 0; i < half; ++i) inv[i] = std::exp(static_cast<float>(-i) * c);
+    }
+    float* o = out.data<float>();
+    std::vector<float> cs(half), sn(half);
+    for (int b = 0; b < B; ++b) {
+      const float offset = static_cast<float>(per_batch ? off[b * off_stride] : off[0]);
+      for (int t = 0; t < T; ++t) {
+        const float pos = (static_cast<float>(t) + offset) * p.scale;
+        for (int i = 0; i < half; ++i) {
+          const float theta = pos * inv[i];
+          cs[i] = std::cos(theta);
+          sn[i] = std::sin(theta);
+        }
+        for (int n = 0; n < N; ++n) {
+          const float* xr = x + b * sb + n * sh + t * stt;
+          float* orow = o + (((size_t)b * N + n) * T + t) * D;
+          if (p.traditional) {
+            for (int i = 0; i < half; ++i) {
+              const float x1 = xr[2 * i], x2 = xr[2 * i + 1];
+              orow[2 * i] = x1 * cs[i] - x2 * sn[i];
+              orow[2 * i + 1] = x1 * sn[i] + x2 * cs[i];
+            }
+          } else {
+            for (int i = 0; i < half; ++i) {
+              const float x1 = xr[i], x2 = xr[i + half];
+              orow[i] = x1 * cs[i] - x2 * sn[i];
+              orow[i + half] = x1 * sn[i] + x2 * cs[i];
+            }
+          }
+          std::memcpy(orow + p.dims, xr + p.dims, sizeof(float) * (D - p.dims));
+        }
+      }
+    }
+  }
+};
+
+// ---- attention for a few queries: softmax(q kᵀ · scale + mask) v -----------------------------
+//
+// One work item is a key range of one (batch, kv head): every query head of its group and every
+// query row is computed against each key block while it is in cache, so K and V are read once
+// per step. When there are fewer (batch, kv head) pairs than threads, the keys are split and
+// the partial softmax states merged (each part keeps its running max, sum and weighted V sum).
+
+__attribute__((target("avx2,fma"))) float dot_avx(const float* a, const float* b, int n) {
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+__attribute__((target("avx2,fma"))) void axpy_avx(float a, const float* x, float* y, int n) {
+  const __m256 av = _mm256_set1_ps(a);
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+float dot(const float* a, const float* b, int n) {
+  if (has_avx2()) return dot_avx(a, b, n);
+  float s = 0;
+  for (int i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void axpy(float a, const float* x, float* y, int n) {
+  if (has_avx2()) return axpy_avx(a, x, y, n);
+  for (int i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// The most query rows (per batch and head) the kernel takes: decode and draft verification.
+// Longer prompts are compute-bound, where MLX's matmul-based graph (BLAS) is faster.
+constexpr int kMaxQueries = 16;
+constexpr int kKeyBlock = 64;
+
+struct SdpaOp {
+  struct Params {
+    float scale;
+    bool causal;
+    bool has_mask;
+    bool bool_mask;
+    bool has_sinks;
+    bool operator==(const Params&) const = default;
+  };
+  static constexpr const char* name = "MlxrCpuSdpa";
+  static constexpr FusedKind kind = FusedKind::Sdpa;
+
+  static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
+    const mx::array &q = in[0], &k = in[1], &v = in[2];
+    const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
+    const int Hk = k.shape(1), S = k.shape(2), Dv = v.shape(3);
+    const int rep = Hq / Hk, nq = rep * L;
+    // K and V are read in place (cache views are strided); only their last axis must be dense.
+    std::vector<float> kt, vt;
+    const float* kp = k.strides()[3] == 1 ? k.data<float>() : dense(k, kt);
+    const float* vp = v.strides()[3] == 1 ? v.data<float>() : dense(v, vt);
+    const auto ks = k.strides()[3] == 1 ? k.strides() : mx::Strides{(int64_t)Hk * S * D, (int64_t)S * D, D, 1};
+    const auto vs = v.strides()[3] == 1 ? v.strides() : mx::Strides{(int64_t)Hk * S * Dv, (int64_t)S * Dv, Dv, 1};
+    const mx::array* mask = p.has_mask ? &in[3] : nullptr;
+    std::vector<float> sink_t;
+    const float* sinks = p.has_sinks ? dense(in[p.has_mask ? 4 : 3], sink_t) : nullptr;
+
+    // Queries scaled first, as MLX does, grouped by kv head: [B, Hk, rep·L, D].
+    std::vector<float> qs((size_t)B * Hq * L * D);
+    {
+      const float* qp = q.data<float>();
+      const auto& st = q.strides();
+      size_t at = 0;
+      for (int b = 0; b < B; ++b)
+        for (int h = 0; h < Hq; ++h)
+          for (int i = 0; i < L; ++i)
+            for (int d = 0; d < D; ++d)
+              qs[at++] = p.scale * qp[b * st[0] + h * st[1] + i * st[2] + d * st[3]];
+    }
+
+    const int groups = B * Hk;
+    auto& pl = pool();
+    int parts = 1;
+    if (groups < (int)pl.size()) {
+      parts = std::min<int>((pl.size() + groups - 1) / groups, std::max(1, S / (4 * kKeyBlock)));
+    }
+    const int items = groups * parts;
+    // Per item and query row: running max, running sum, then the weighted sum of V rows.
+    const size_t state = 2 + Dv;
+    std::vector<float> st((size_t)items * nq * state);
+    const float lowest = std::numeric_limits<float>::lowest();
+
+    auto work = [&](int item) {
+      const int g = item / parts, part = item % parts;
+      const int b = g / Hk, hk = g % Hk;
+      const int j0 = (int)((int64_t)S * part / parts), j1 = (int)((int64_t)S * (part + 1) / parts);
+      float* my = st.data() + (size_t)item * nq * state;
+      for (int r = 0; r < nq; ++r) {
+        const int h = hk * rep + r / L;
+        my[r * state] = (sinks && part == 0) ? sinks[h] : -std::numeric_limits<float>::infinity();
+        my[r * state + 1] = (sinks && part == 0) ? 1.0f : 0.0f;
+        std::fill(my + r * state + 2, my + (r + 1) * state, 0.0f);
+      }
+      const float* qg = qs.data() + (size_t)(b * Hq + hk * rep) * L * D;
+      const float* kb = kp + b * ks[0] + hk * ks[1];
+      const float* vb = vp + b * vs[0] + hk * vs[1];
+      float sc[kKeyBlock];
+      for (int j = j0; j < j1; j += kKeyBlock) {
+        const int n = std::min(kKeyBlock, j1 - j);
+        for (int r = 0; r < nq; ++r) {
+          const int h = hk * rep + r / L, i = r % L;
+          // Lower-right aligned: query i sees keys up to S - L + i.
+          const int last = p.causal ? S - L + i : S - 1;
+          float bmax = lowest;
+          for (int c = 0; c < n; ++c) {
+            const int jj = j + c;
+            float s;
+            if (jj > last) {
+              s = lowest;
+            } else {
+              s = dot(qg + (size_t)r * D, kb + jj * ks[2], D);
+              if (mask) {
+                const auto& ms = mask->strides();
+                const int64_t mo = b * ms[0] + h * ms[1] + i * ms[2] + jj * ms[3];
+                if (p.bool_mask) {
+                  if (!mask->data<bool>()[mo]) s = lowest;
+                } else {
+                  s += mask->data<float>()[mo];
+                }
+              }
+            }
+            sc[c] = s;
+            bmax = std::max(bmax, s);
+          }
+          float* sr = my + r * state;
+          const float m = std::max(sr[0], bmax);
+          const float corr = std::exp(sr[0] - m);
+          float sum = sr[1] * corr;
+          float* acc = sr + 2;
+          if (corr != 1.0f)
+            for (int d = 0; d < Dv; ++d) acc[d] *= corr;
+          for (int c = 0; c < n; ++c) {
+            const float e = std::exp(sc[c] - m);
+            sum += e;
+            if (e != 0.0f) axpy(e, vb + (j + c) * vs[2], acc, Dv);
+          }
+          sr[0] = m;
+          sr[1] = sum;
+        }
+      }
+    };
+    if (items == 1) {
+      work(0);
+    } else {
+      pl.run([&](size_t t) {
+        for (int it = (int)t; it < items; it += (int)pl.size()) work(it);
+      });
+    }
+
+    // Merge the parts of each (batch, kv head) and write [B, Hq, L, Dv].
+    float* o = out.data<float>();
+    std::vector<float> acc(Dv);
+    for (int g = 0; g < groups; ++g) {
+      const int b = g / Hk, hk = g % Hk;
+      for (int r = 0; r < nq; ++r) {
+        const int h = hk * rep + r / L, i = r % L;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int part = 0; part < parts; ++part)
+          m = std::max(m, st[((size_t)(g * parts + part) * nq + r) * state]);
+        float sum = 0;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int part = 0; part < parts; ++part) {
+          const float* sr = st.data() + ((size_t)(g * parts + part) * nq + r) * state;
+          if (sr[1] == 0.0f) continue;
+          const float c = std::exp(sr[0] - m);
+          sum += sr[1] * c;
+          axpy(c, sr + 2, acc.data(), Dv);
+        }
+        float* orow = o + (((size_t)b * Hq + h) * L + i) * Dv;
+        const float inv = 1.0f / sum;
+        for (int d = 0; d < Dv; ++d) orow[d] = acc[d] * inv;
+      }
+    }
+  }
+};
+
+// ---- tanh-approximated GELU: 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³))) -------------------
+
+struct GeluTanhOp {
+  struct Params {
+    bool operator==(const Params&) const = default;
+  };
+  static constexpr const char* name = "MlxrCpuGeluTanh";
+  static constexpr FusedKind kind = FusedKind::GeluTanh;
+
+  static void run(const Params&, std::vector<mx::array>& in, mx::array& out) {
+    std::vector<float> xt;
+    const float* x = dense(in[0], xt);
+    float* o = out.data<float>();
+    constexpr float c = 0.7978845608028654f;
+    for_rows(in[0].size(), 4096, [&](size_t i0, size_t i1) {
+      for (size_t i = i0; i < i1; ++i) {
+        const float v = x[i];
+        o[i] = (0.5f * v) * (std::tanh((v + (v * v * v) * 0.044715f) * c) + 1.0f);
+      }
+    });
+  }
+};
+
+bool is_f32(const mx::array& a) { return a.dtype() == mx::float32; }
+
+}  // namespace
+
+void set_fused_cpu_enabled(bool on) { g_enabled.store(on); }
+
+uint64_t fused_cpu_count(FusedKind kind) { return g_counts[static_cast<int>(kind)].load(); }
+
+std::optional<mx::array> cpu_rms_norm(
+    const mx::array& x,
+    const std::optional<mx::array>& w,
+    float eps) {
+  if (!on_cpu() || !is_f32(x) || x.ndim() == 0 || x.size() == 0) return std::nullopt;
+  if (w && (!is_f32(*w) || w->ndim() != 1 || w->size() != (size_t)x.shape(-1))) return std::nullopt;
+  std::vector<mx::array> in{x};
+  if (w) in.push_back(*w);
+  return make<RmsNormOp>(x.shape(), {eps, w.has_value()}, std::move(in));
+}
+
+std::optional<mx::array> cpu_rope(
+    const mx::array& x,
+    int dims,
+    bool traditional,
+    std::optional<float> base,
+    float scale,
+    const mx::array& offset,
+    const std::optional<mx::array>& freqs) {
+  if (!on_cpu() || !is_f32(x) || x.ndim() < 3 || x.size() == 0) return std::nullopt;
+  if (dims <= 0 || dims % 2 != 0 || dims > x.shape(-1) || base.has_value() == freqs.has_value())
+    return std::nullopt;
+  if (offset.dtype() != mx::int32 || offset.ndim() > 1 ||
+      (offset.size() != 1 && offset.size() != (size_t)x.shape(0)))
+    return std::nullopt;
+  if (freqs && (!is_f32(*freqs) || freqs->ndim() != 1 || freqs->shape(0) != dims / 2))
+    return std::nullopt;
+  std::vector<mx::array> in{x, offset};
+  if (freqs) in.push_back(*freqs);
+  return make<RopeOp>(
+      x.shape(), {dims, traditional, base.value_or(1.0f), scale, freqs.has_value()}, std::move(in));
+}
+
+std::optional<mx::array> cpu_sdpa(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    float scale,
+    bool causal,
+    const std::optional<mx::array>& mask,
+    const std::optional<mx::array>& sinks) {
+  if (!on_cpu() || !is_f32(q) || !is_f32(k) || !is_f32(v)) return std::nullopt;
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) return std::nullopt;
+  const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
+  const int Hk = k.shape(1), S = k.shape(2);
+  if (L == 0 || L > kMaxQueries || S < L || Hk == 0 || Hq % Hk != 0 || k.shape(0) != B ||
+      v.shape(0) != B || k.shape(3) != D || v.shape(1) != Hk || v.shape(2) != S)
+    return std::nullopt;
+  if (causal && mask) return std::nullopt;
+  std::vector<mx::array> in{q, k, v};
+  bool bool_mask = false;
+  if (mask) {
+    if (mask->ndim() > 4) return std::nullopt;
+    bool_mask = mask->dtype() == mx::bool_;
+    if (!bool_mask && !is_f32(*mask)) return std::nullopt;
+    mx::Shape full{B, Hq, L, S};
+    for (int d = 1; d <= (int)mask->ndim(); ++d) {
+      const int m = mask->shape(-d);
+      if (m != 1 && m != full[4 - d]) return std::nullopt;
+    }
+    in.push_back(mx::broadcast_to(*mask, full));
+  }
+  if (sinks) {
+    if (!is_f32(*sinks) || sinks->ndim() != 1 || sinks->shape(0) != Hq) return std::nullopt;
+    in.push_back(*sinks);
+  }
+  return make<SdpaOp>(
+      {B, Hq, L, (int)v.shape(3)},
+      {scale, causal, mask.has_value(), bool_mask, sinks.has_value()},
+      std::move(in));
+}
+
+std::optional<mx::array> cpu_gelu_tanh(const mx::array& x) {
+  if (!on_cpu() || !is_f32(x) || x.size() == 0) return std::nullopt;
+  return make<GeluTanhOp>(x.shape(), {}, {x});
+}
+
+}  // namespace mlxr

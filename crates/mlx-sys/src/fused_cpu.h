@@ -1,0 +1,47 @@
+// Fused CPU kernels for the ops MLX's CPU backend builds out of many small ops (fused_cpu.cc).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "mlx/mlx.h"
+
+namespace mlxr {
+
+// The kinds, for the counters tests read.
+enum class FusedKind : uint8_t { RmsNorm = 0, Rope = 1, Sdpa = 2, GeluTanh = 3 };
+
+// Each returns the fused primitive's output, or nullopt when it does not apply (not the CPU, not
+// float32, a shape it does not take): the caller then builds MLX's own graph.
+std::optional<mlx::core::array> cpu_rms_norm(
+    const mlx::core::array& x,
+    const std::optional<mlx::core::array>& w,
+    float eps);
+
+std::optional<mlx::core::array> cpu_rope(
+    const mlx::core::array& x,
+    int dims,
+    bool traditional,
+    std::optional<float> base,
+    float scale,
+    const mlx::core::array& offset,
+    const std::optional<mlx::core::array>& freqs);
+
+std::optional<mlx::core::array> cpu_sdpa(
+    const mlx::core::array& q,
+    const mlx::core::array& k,
+    const mlx::core::array& v,
+    float scale,
+    bool causal,
+    const std::optional<mlx::core::array>& mask,
+    const std::optional<mlx::core::array>& sinks);
+
+std::optional<mlx::core::array> cpu_gelu_tanh(const mlx::core::array& x);
+
+// Turns the fused kernels on (the default) or off (MLX's own graphs everywhere).
+void set_fused_cpu_enabled(bool on);
+
+// Evaluations of each kind so far.
+uint64_t fused_cpu_count(FusedKind kind);
+
+}  // namespace mlxr

@@ -1,0 +1,281 @@
+//! mlx-runner's fused CPU kernels (crates/mlx-sys/src/fused_cpu.cc) against the op graphs MLX
+//! builds for the same calls: RMS norm, RoPE (both layouts, partial rotation, base or explicit
+//! wavelengths, scalar and per-batch offsets), attention (grouped heads, causal, boolean and
+//! additive masks, sinks, strided cache views, key splits across threads) and tanh-GELU, on
+//! contiguous and transposed inputs. Each case also checks that the kernel, not MLX, answered.
+
+use mlx::fast::{self, FusedCounts, RopeFreqs, SdpaMask};
+use mlx::{random, Array, Dtype};
+
+/// The switch and counters are per process: the tests take turns.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn normal(shape: &[i32], seed: u64) -> Array {
+    random::normal(
+        shape,
+        Dtype::F32,
+        0.0,
+        1.0,
+        Some(&random::key(seed).unwrap()),
+    )
+    .unwrap()
+}
+
+/// Runs `f` with the kernels on and off; returns (ours, MLX's) and how many kernel runs each
+/// kind gained with them on.
+fn both(f: impl Fn() -> Array) -> (Vec<f32>, Vec<f32>, Vec<i32>, FusedCounts) {
+    let before = fast::fused_kernel_counts();
+    fast::set_fused_kernels(true);
+    let ours = f();
+    ours.eval().unwrap();
+    let after = fast::fused_kernel_counts();
+    fast::set_fused_kernels(false);
+    let theirs = f();
+    theirs.eval().unwrap();
+    fast::set_fused_kernels(true);
+    assert_eq!(
+        fast::fused_kernel_counts(),
+        after,
+        "switched off, MLX answers"
+    );
+    assert_eq!(ours.shape(), theirs.shape());
+    let gained = FusedCounts {
+        rms_norm: after.rms_norm - before.rms_norm,
+        rope: after.rope - before.rope,
+        sdpa: after.sdpa - before.sdpa,
+        gelu_tanh: after.gelu_tanh - before.gelu_tanh,
+    };
+    (
+        ours.to_vec::<f32>().unwrap(),
+        theirs.to_vec::<f32>().unwrap(),
+        ours.shape(),
+        gained,
+    )
+}
+
+fn assert_close(ours: &[f32], theirs: &[f32], tol: f32, what: &str) {
+    assert_eq!(ours.len(), theirs.len(), "{what}");
+    for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
+        assert!(
+            (a - b).abs() <= tol * b.abs().max(1.0),
+            "{what}: element {i}: ours {a}, MLX {b}"
+        );
+    }
+}
+
+#[test]
+fn rms_norm_matches_mlx() {
+    let _one = serial();
+    for (case, shape) in [vec![1, 768], vec![3, 5, 17], vec![130, 64], vec![2, 1, 7]]
+        .into_iter()
+        .enumerate()
+    {
+        let d = *shape.last().unwrap();
+        let x = normal(&shape, case as u64);
+        let w = normal(&[d], 100 + case as u64);
+        for weight in [Some(&w), None] {
+            let (ours, theirs, _, ran) = both(|| fast::rms_norm(&x, weight, 1e-6).unwrap());
+            assert_close(&ours, &theirs, 1e-5, &format!("rms_norm {shape:?}"));
+            assert_eq!(ran.rms_norm, 1, "the kernel ran for {shape:?}");
+        }
+    }
+    // A transposed (non-contiguous) input.
+    let x = normal(&[16, 9], 7).t().unwrap();
+    let w = normal(&[16], 8);
+    let (ours, theirs, _, ran) = both(|| fast::rms_norm(&x, Some(&w), 1e-5).unwrap());
+    assert_close(&ours, &theirs, 1e-5, "rms_norm of a transposed input");
+    assert_eq!(ran.rms_norm, 1);
+}
+
+#[test]
+fn rope_matches_mlx() {
+    let _one = serial();
+    let wavelengths = Array::from_slice(
+        &[
+            1.0f32,
+            10.0,
+            1e4,
+            f32::INFINITY,
+            f32::INFINITY,
+            3.5,
+            700.0,
+            2.0,
+        ],
+        &[8],
+    )
+    .unwrap();
+    let mut case = 0;
+    for traditional in [false, true] {
+        for (shape, dims) in [
+            (vec![1, 4, 1, 32], 32),
+            (vec![2, 3, 5, 16], 8),
+            (vec![1, 2, 9, 24], 16),
+            (vec![3, 7, 32], 32),
+        ] {
+            for custom in [false, true] {
+                let half = dims / 2;
+                let freqs = if custom {
+                    RopeFreqs::Custom(&wavelengths)
+                } else {
+                    RopeFreqs::Base(10000.0)
+                };
+                if custom && half != 8 {
+                    continue;
+                }
+                case += 1;
+                let x = normal(&shape, case);
+                for (offset, scale) in [(0, 1.0), (37, 1.0), (1000, 0.25)] {
+                    let (ours, theirs, _, ran) =
+                        both(|| fast::rope(&x, dims, traditional, freqs, scale, offset).unwrap());
+                    let what = format!("rope {shape:?} dims {dims} traditional {traditional} custom {custom} offset {offset}");
+                    assert_close(&ours, &theirs, 2e-5, &what);
+                    assert_eq!(ran.rope, 1, "{what}");
+                }
+            }
+        }
+    }
+    // [B, L, H, D] transposed to [B, H, L, D], as attention feeds it; per-batch offsets.
+    let x = normal(&[2, 6, 3, 16], 99).transpose(&[0, 2, 1, 3]).unwrap();
+    let offsets = Array::from_slice(&[5i32, 120], &[2]).unwrap();
+    let (ours, theirs, _, ran) =
+        both(|| fast::rope_dynamic(&x, 16, false, RopeFreqs::Base(500.0), 1.0, &offsets).unwrap());
+    assert_close(
+        &ours,
+        &theirs,
+        2e-5,
+        "rope of a transposed input, per-batch offsets",
+    );
+    assert_eq!(ran.rope, 1);
+}
+
+fn attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: SdpaMask<'_>,
+    sinks: Option<&Array>,
+) -> (Vec<f32>, Vec<f32>, FusedCounts) {
+    let (ours, theirs, _, ran) =
+        both(|| fast::scaled_dot_product_attention(q, k, v, scale, mask, sinks).unwrap());
+    (ours, theirs, ran)
+}
+
+#[test]
+fn attention_matches_mlx() {
+    let _one = serial();
+    let mut seed = 1000;
+    let mut next = || {
+        seed += 1;
+        seed
+    };
+    // (batch, query heads, kv heads, queries, keys, head dim, value dim)
+    for (b, hq, hk, l, s, d, dv) in [
+        (1, 4, 4, 1, 1, 16, 16),
+        (1, 8, 2, 1, 37, 32, 32),
+        (1, 8, 1, 3, 300, 64, 64),
+        (2, 4, 2, 16, 40, 24, 24),
+        (1, 6, 1, 2, 513, 40, 32),
+        (3, 2, 2, 5, 9, 8, 12),
+    ] {
+        let q = normal(&[b, hq, l, d], next());
+        let k = normal(&[b, hk, s, d], next());
+        let v = normal(&[b, hk, s, dv], next());
+        let what = format!("sdpa B{b} Hq{hq} Hk{hk} L{l} S{s} D{d} Dv{dv}");
+        for (name, mask) in [("none", SdpaMask::None), ("causal", SdpaMask::Causal)] {
+            let (ours, theirs, ran) = attention(&q, &k, &v, 0.125, mask, None);
+            assert_close(&ours, &theirs, 1e-5, &format!("{what} mask {name}"));
+            assert_eq!(ran.sdpa, 1, "{what} mask {name}");
+        }
+        // A boolean window mask [L, S] broadcast over batch and heads: keys more than 4 behind
+        // each query are hidden.
+        let allowed: Vec<bool> = (0..l)
+            .flat_map(|i| (0..s).map(move |j| j <= s - l + i && j + 4 >= s - l + i))
+            .collect();
+        let window = Array::from_slice(&allowed, &[l, s]).unwrap();
+        let (ours, theirs, ran) = attention(&q, &k, &v, 1.0, SdpaMask::Array(&window), None);
+        assert_close(&ours, &theirs, 1e-5, &format!("{what} bool mask"));
+        assert_eq!(ran.sdpa, 1);
+        // An additive mask per batch and head.
+        let additive = normal(&[b, hq, l, s], next());
+        let (ours, theirs, ran) = attention(&q, &k, &v, 0.3, SdpaMask::Array(&additive), None);
+        assert_close(&ours, &theirs, 1e-5, &format!("{what} additive mask"));
+        assert_eq!(ran.sdpa, 1);
+        // Sinks.
+        let sinks = normal(&[hq], next());
+        let (ours, theirs, ran) = attention(&q, &k, &v, 0.5, SdpaMask::Causal, Some(&sinks));
+        assert_close(&ours, &theirs, 1e-5, &format!("{what} sinks"));
+        assert_eq!(ran.sdpa, 1);
+    }
+}
+
+#[test]
+fn attention_reads_strided_cache_views() {
+    let _one = serial();
+    // A cache buffer [B, Hk, 64, D] of which 23 steps are filled, and queries transposed from
+    // [B, L, H, D]: the way a decode step reads them.
+    let buf_k = normal(&[1, 2, 64, 32], 1);
+    let buf_v = normal(&[1, 2, 64, 32], 2);
+    let k = buf_k.slice_axis(2, 0, Some(23)).unwrap();
+    let v = buf_v.slice_axis(2, 0, Some(23)).unwrap();
+    let q = normal(&[1, 2, 4, 32], 3).transpose(&[0, 2, 1, 3]).unwrap();
+    let (ours, theirs, ran) = attention(&q, &k, &v, 0.2, SdpaMask::Causal, None);
+    assert_close(&ours, &theirs, 1e-5, "strided views");
+    assert_eq!(ran.sdpa, 1);
+    // A transposed key layout (last axis strided) is copied, not misread.
+    let kt = normal(&[1, 2, 32, 23], 4).transpose(&[0, 1, 3, 2]).unwrap();
+    let (ours, theirs, ran) = attention(&q, &kt, &v, 0.2, SdpaMask::None, None);
+    assert_close(&ours, &theirs, 1e-5, "keys with a strided last axis");
+    assert_eq!(ran.sdpa, 1);
+}
+
+#[test]
+fn attention_leaves_long_prompts_and_other_dtypes_to_mlx() {
+    let _one = serial();
+    let q = normal(&[1, 2, 17, 16], 1);
+    let k = normal(&[1, 2, 17, 16], 2);
+    let (ours, theirs, ran) = attention(&q, &k, &k, 1.0, SdpaMask::Causal, None);
+    assert_close(&ours, &theirs, 0.0, "17 queries");
+    assert_eq!(ran.sdpa, 0, "17 queries go to MLX's graph");
+    let h = q
+        .astype(Dtype::F16)
+        .unwrap()
+        .slice_axis(2, 0, Some(1))
+        .unwrap();
+    let kh = k.astype(Dtype::F16).unwrap();
+    let before = fast::fused_kernel_counts();
+    fast::scaled_dot_product_attention(&h, &kh, &kh, 1.0, SdpaMask::None, None)
+        .unwrap()
+        .eval()
+        .unwrap();
+    fast::rms_norm(&kh, None, 1e-6).unwrap().eval().unwrap();
+    assert_eq!(fast::fused_kernel_counts(), before, "float16 goes to MLX");
+    // Shapes MLX refuses are still refused, with MLX's message.
+    let bad = normal(&[1, 3, 1, 16], 5);
+    let err = fast::scaled_dot_product_attention(&bad, &k, &k, 1.0, SdpaMask::None, None)
+        .map(|a| a.eval())
+        .unwrap_err();
+    assert!(err.to_string().contains("n_heads"), "{err}");
+}
+
+#[test]
+fn gelu_matches_mlx() {
+    let _one = serial();
+    for (case, shape) in [vec![1, 7], vec![3, 2048], vec![64, 1000]]
+        .into_iter()
+        .enumerate()
+    {
+        let x = normal(&shape, case as u64).multiply_scalar(3.0).unwrap();
+        let (ours, theirs, _, ran) = both(|| fast::gelu_tanh(&x).unwrap());
+        assert_close(&ours, &theirs, 1e-5, &format!("gelu {shape:?}"));
+        assert_eq!(ran.gelu_tanh, 1);
+    }
+    let x = normal(&[40, 30], 9).t().unwrap();
+    let (ours, theirs, _, ran) = both(|| fast::gelu_tanh(&x).unwrap());
+    assert_close(&ours, &theirs, 1e-5, "gelu of a transposed input");
+    assert_eq!(ran.gelu_tanh, 1);
+}
