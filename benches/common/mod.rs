@@ -1,7 +1,7 @@
 //! What the benchmarks share: paths, medians, the peer's Python and the benchmark model.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 pub fn root() -> PathBuf {
@@ -320,4 +320,31 @@ pub fn corpus_prompt(chars: usize) -> String {
         .unwrap_or(text.len());
     let corpus = text[start..end].replace('\n', " ");
     corpus.repeat(4).chars().take(chars).collect()
+}
+
+/// The bench model quantized by `mlx_lm convert -q` (affine, `bits`, `group`), made once into
+/// target/bench-model-q{bits}-g{group}.
+pub fn quantized_model(python: &Path, base: &Path, bits: u32, group: u32) -> Option<PathBuf> {
+    let dir = root().join(format!("target/bench-model-q{bits}-g{group}"));
+    if !dir.join("config.json").exists() {
+        let ok = Command::new(python)
+            .args(["-m", "mlx_lm", "convert", "--hf-path"])
+            .arg(base)
+            .arg("--mlx-path")
+            .arg(&dir)
+            .args([
+                "-q",
+                "--q-bits",
+                &bits.to_string(),
+                "--q-group-size",
+                &group.to_string(),
+            ])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !ok {
+            eprintln!("mlx_lm convert failed for {bits}-bit group {group}");
+            return None;
+        }
+    }
+    Some(dir)
 }

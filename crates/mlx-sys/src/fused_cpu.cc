@@ -1,4 +1,5 @@
-// Fused CPU kernels for RMS norm, RoPE, attention and tanh-GELU, registered as MLX primitives.
+// Fused CPU kernels for RMS norm, RoPE, attention and tanh-GELU, and a few-row float32 matmul,
+// registered as MLX primitives.
 //
 // MLX's CPU backend has no kernels for its `fast` ops: each falls back to a graph of small ops
 // (an RMS norm is ~10, a RoPE ~20, attention ~15, and every scalar operand adds a Broadcast).
@@ -26,7 +27,7 @@ namespace mlxr {
 namespace {
 
 std::atomic<bool> g_enabled{true};
-std::atomic<uint64_t> g_counts[4] = {};
+std::atomic<uint64_t> g_counts[5] = {};
 
 void count(FusedKind k) { g_counts[static_cast<int>(k)].fetch_add(1, std::memory_order_relaxed); }
 
@@ -436,6 +437,109 @@ struct GeluTanhOp {
   }
 };
 
+// ---- few rows times a float32 weight matrix: x [M, K] @ W [K, N] -----------------------------
+//
+// A decode step reads every weight once, so this is a read of W at memory speed. Each thread
+// owns a column range; four rows of W stream at a time into that range of the (L1/L2-resident)
+// output rows, so W is read exactly once whatever M is (up to kMaxRows; MLX's sgemm, which is
+// compute-bound there anyway, takes more).
+
+constexpr int kMaxRows = 8;
+
+template <int R>
+__attribute__((target("avx2,fma"))) void gemv_rows_avx(
+    const float* x, int K, const float* w, int N, float* y, int n0, int n1) {
+  // y[r, n0:n1] = sum_k x[r, k] w[k, n0:n1]
+  for (int r = 0; r < R; ++r) std::fill(y + (size_t)r * N + n0, y + (size_t)r * N + n1, 0.0f);
+  const int nv = n0 + (n1 - n0) / 8 * 8;
+  int k = 0;
+  for (; k + 4 <= K; k += 4) {
+    const float* w0 = w + (size_t)k * N;
+    const float* w1 = w0 + N;
+    const float* w2 = w1 + N;
+    const float* w3 = w2 + N;
+    __m256 b[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) b[r][j] = _mm256_set1_ps(x[(size_t)r * K + k + j]);
+    for (int n = n0; n < nv; n += 8) {
+      const __m256 v0 = _mm256_loadu_ps(w0 + n), v1 = _mm256_loadu_ps(w1 + n);
+      const __m256 v2 = _mm256_loadu_ps(w2 + n), v3 = _mm256_loadu_ps(w3 + n);
+      for (int r = 0; r < R; ++r) {
+        float* yr = y + (size_t)r * N + n;
+        __m256 acc = _mm256_loadu_ps(yr);
+        acc = _mm256_fmadd_ps(b[r][0], v0, acc);
+        acc = _mm256_fmadd_ps(b[r][1], v1, acc);
+        acc = _mm256_fmadd_ps(b[r][2], v2, acc);
+        acc = _mm256_fmadd_ps(b[r][3], v3, acc);
+        _mm256_storeu_ps(yr, acc);
+      }
+    }
+    for (int n = nv; n < n1; ++n)
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + (size_t)r * K + k;
+        y[(size_t)r * N + n] += xr[0] * w0[n] + xr[1] * w1[n] + xr[2] * w2[n] + xr[3] * w3[n];
+      }
+  }
+  for (; k < K; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int n = n0; n < n1; ++n) y[(size_t)r * N + n] += x[(size_t)r * K + k] * w[(size_t)k * N + n];
+}
+
+void gemv_rows_scalar(const float* x, int M, int K, const float* w, int N, float* y, int n0, int n1) {
+  for (int r = 0; r < M; ++r) {
+    float* yr = y + (size_t)r * N;
+    std::fill(yr + n0, yr + n1, 0.0f);
+    for (int k = 0; k < K; ++k) {
+      const float xv = x[(size_t)r * K + k];
+      const float* wk = w + (size_t)k * N;
+      for (int n = n0; n < n1; ++n) yr[n] += xv * wk[n];
+    }
+  }
+}
+
+void gemv_rows(const float* x, int M, int K, const float* w, int N, float* y, int n0, int n1) {
+  if (!has_avx2()) return gemv_rows_scalar(x, M, K, w, N, y, n0, n1);
+  // Rows in groups of up to four share each pass over W's columns [n0, n1).
+  for (int m = 0; m < M;) {
+    const int r = std::min(4, M - m);
+    const float* xm = x + (size_t)m * K;
+    float* ym = y + (size_t)m * N;
+    switch (r) {
+      case 1: gemv_rows_avx<1>(xm, K, w, N, ym, n0, n1); break;
+      case 2: gemv_rows_avx<2>(xm, K, w, N, ym, n0, n1); break;
+      case 3: gemv_rows_avx<3>(xm, K, w, N, ym, n0, n1); break;
+      default: gemv_rows_avx<4>(xm, K, w, N, ym, n0, n1); break;
+    }
+    m += r;
+  }
+}
+
+struct MatmulOp {
+  struct Params {
+    bool operator==(const Params&) const = default;
+  };
+  static constexpr const char* name = "MlxrCpuMatmul";
+  static constexpr FusedKind kind = FusedKind::Matmul;
+
+  static void run(const Params&, std::vector<mx::array>& in, mx::array& out) {
+    std::vector<float> xt, wt;
+    const float* x = dense(in[0], xt);
+    const float* w = dense(in[1], wt);
+    const int K = in[1].shape(0), N = in[1].shape(1);
+    const int M = (int)(in[0].size() / K);
+    float* y = out.data<float>();
+    auto& pl = pool();
+    // Column ranges in whole 8-lane vectors; small outputs stay on one thread.
+    const int parts = N >= 512 ? (int)pl.size() : 1;
+    if (parts == 1) return gemv_rows(x, M, K, w, N, y, 0, N);
+    pl.run([&](size_t part) {
+      const int n0 = (int)((int64_t)N / 8 * part / parts) * 8;
+      const int n1 = part + 1 == (size_t)parts ? N : (int)((int64_t)N / 8 * (part + 1) / parts) * 8;
+      gemv_rows(x, M, K, w, N, y, n0, n1);
+    });
+  }
+};
+
 bool is_f32(const mx::array& a) { return a.dtype() == mx::float32; }
 
 }  // namespace
@@ -514,6 +618,19 @@ std::optional<mx::array> cpu_sdpa(
       {B, Hq, L, (int)v.shape(3)},
       {scale, causal, mask.has_value(), bool_mask, sinks.has_value()},
       std::move(in));
+}
+
+std::optional<mx::array> cpu_matmul(const mx::array& x, const mx::array& w) {
+  if (!on_cpu() || !is_f32(x) || !is_f32(w) || x.ndim() < 1 || w.ndim() != 2 || x.size() == 0 ||
+      w.size() == 0)
+    return std::nullopt;
+  // Only a weight as loaded (evaluated, row-major) and a few rows of x.
+  if (!w.is_available() || !w.flags().row_contiguous || x.shape(-1) != w.shape(0) ||
+      x.size() / x.shape(-1) > (size_t)kMaxRows)
+    return std::nullopt;
+  auto shape = x.shape();
+  shape.back() = w.shape(1);
+  return make<MatmulOp>(shape, {}, {x, w});
 }
 
 std::optional<mx::array> cpu_gelu_tanh(const mx::array& x) {

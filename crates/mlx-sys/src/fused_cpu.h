@@ -9,7 +9,7 @@
 namespace mlxr {
 
 // The kinds, for the counters tests read.
-enum class FusedKind : uint8_t { RmsNorm = 0, Rope = 1, Sdpa = 2, GeluTanh = 3 };
+enum class FusedKind : uint8_t { RmsNorm = 0, Rope = 1, Sdpa = 2, GeluTanh = 3, Matmul = 4 };
 
 // Each returns the fused primitive's output, or nullopt when it does not apply (not the CPU, not
 // float32, a shape it does not take): the caller then builds MLX's own graph.
@@ -37,6 +37,9 @@ std::optional<mlx::core::array> cpu_sdpa(
     const std::optional<mlx::core::array>& sinks);
 
 std::optional<mlx::core::array> cpu_gelu_tanh(const mlx::core::array& x);
+
+// x [..., K] @ w [K, N] for a few rows of x and a loaded (evaluated, row-major) float32 w.
+std::optional<mlx::core::array> cpu_matmul(const mlx::core::array& x, const mlx::core::array& w);
 
 // Turns the fused kernels on (the default) or off (MLX's own graphs everywhere).
 void set_fused_cpu_enabled(bool on);

@@ -284,7 +284,7 @@ pub mod ffi {
         fn gelu_tanh(x: &Arr) -> Result<UniquePtr<Arr>>;
         /// Turns mlx-runner's fused CPU kernels (RMS norm, RoPE, attention, GELU) on or off.
         fn set_fused_kernels(on: bool);
-        /// Evaluations of one fused kernel: 0 RMS norm, 1 RoPE, 2 attention, 3 GELU.
+        /// Evaluations of one fused kernel: 0 RMS norm, 1 RoPE, 2 attention, 3 GELU, 4 few-row matmul.
         fn fused_kernel_count(kind: u8) -> u64;
 
         // random

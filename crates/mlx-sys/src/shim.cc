@@ -499,7 +499,10 @@ ArrPtr topk(const Arr& a, int32_t k, int32_t axis) { return wrap(mx::topk(a.a, k
 
 // --- linear algebra and quantization ---------------------------------------------------------
 
-ArrPtr matmul(const Arr& a, const Arr& b) { return wrap(mx::matmul(a.a, b.a)); }
+ArrPtr matmul(const Arr& a, const Arr& b) {
+  if (auto out = cpu_matmul(a.a, b.a)) return wrap(std::move(*out));
+  return wrap(mx::matmul(a.a, b.a));
+}
 
 ArrPtr addmm(const Arr& c, const Arr& a, const Arr& b, float alpha, float beta) {
   return wrap(mx::addmm(c.a, a.a, b.a, alpha, beta));

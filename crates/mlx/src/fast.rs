@@ -3,6 +3,8 @@
 //! On the GPU these are MLX's own. MLX's CPU backend has none: it builds each from a graph of
 //! small ops. There, for float32, mlx-runner's kernels (`crates/mlx-sys/src/fused_cpu.cc`) run
 //! each as one op computing the same formula; [`set_fused_kernels`] switches back to MLX's graphs.
+//! The same switch covers the CPU kernel behind [`Array::matmul`] for a few rows of float32
+//! activations times a loaded weight (a decode step's products).
 
 use crate::ops::ptr;
 use crate::{Array, Result};
@@ -142,6 +144,8 @@ pub struct FusedCounts {
     pub rope: u64,
     pub sdpa: u64,
     pub gelu_tanh: u64,
+    /// Few-row float32 matmuls against a loaded weight (`x @ W`, `Array::matmul`).
+    pub matmul: u64,
 }
 
 pub fn fused_kernel_counts() -> FusedCounts {
@@ -150,5 +154,6 @@ pub fn fused_kernel_counts() -> FusedCounts {
         rope: ffi::fused_kernel_count(1),
         sdpa: ffi::fused_kernel_count(2),
         gelu_tanh: ffi::fused_kernel_count(3),
+        matmul: ffi::fused_kernel_count(4),
     }
 }

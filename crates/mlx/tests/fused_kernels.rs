@@ -48,6 +48,7 @@ fn both(f: impl Fn() -> Array) -> (Vec<f32>, Vec<f32>, Vec<i32>, FusedCounts) {
         rope: after.rope - before.rope,
         sdpa: after.sdpa - before.sdpa,
         gelu_tanh: after.gelu_tanh - before.gelu_tanh,
+        matmul: after.matmul - before.matmul,
     };
     (
         ours.to_vec::<f32>().unwrap(),
@@ -278,4 +279,47 @@ fn gelu_matches_mlx() {
     let (ours, theirs, _, ran) = both(|| fast::gelu_tanh(&x).unwrap());
     assert_close(&ours, &theirs, 1e-5, "gelu of a transposed input");
     assert_eq!(ran.gelu_tanh, 1);
+}
+
+#[test]
+fn few_row_matmul_matches_mlx() {
+    let _one = serial();
+    for (case, (rows, k, n)) in [
+        (vec![1], 768, 3072),
+        (vec![1, 1], 64, 5),
+        (vec![3], 37, 1000),
+        (vec![1, 4], 256, 513),
+        (vec![2, 3], 130, 2048),
+        (vec![8], 96, 40),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut xs = rows.clone();
+        xs.push(k);
+        let x = normal(&xs, case as u64);
+        // A weight as a model holds it: evaluated, row-major.
+        let w = normal(&[k, n], 50 + case as u64);
+        w.eval().unwrap();
+        let (ours, theirs, shape, ran) = both(|| x.matmul(&w).unwrap());
+        let mut want = rows.clone();
+        want.push(n);
+        assert_eq!(shape, want);
+        assert_close(&ours, &theirs, 1e-4, &format!("matmul {xs:?} x [{k}, {n}]"));
+        assert_eq!(ran.matmul, 1, "{xs:?}");
+    }
+    // A transposed x is read through a copy; nine rows, an unevaluated or transposed weight go
+    // to MLX.
+    let w = normal(&[24, 33], 9);
+    w.eval().unwrap();
+    let x = normal(&[24, 2], 10).t().unwrap();
+    let (ours, theirs, _, ran) = both(|| x.matmul(&w).unwrap());
+    assert_close(&ours, &theirs, 1e-4, "transposed x");
+    assert_eq!(ran.matmul, 1);
+    let nine = normal(&[9, 24], 11);
+    let (_, _, _, ran) = both(|| nine.matmul(&w).unwrap());
+    assert_eq!(ran.matmul, 0, "nine rows");
+    let wt = normal(&[33, 24], 12).t().unwrap();
+    let (_, _, _, ran) = both(|| x.matmul(&wt).unwrap());
+    assert_eq!(ran.matmul, 0, "a transposed view");
 }

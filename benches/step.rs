@@ -1,0 +1,203 @@
+//! Where a one-token decode step goes, part by part: `cargo bench --bench step`.
+//!
+//! In-process, on the bench model in float32 and quantized to 4 bits (group 64): the whole
+//! step (forward, output head, greedy pick, evaluated and read back), building its graph, the
+//! ops it dispatches, every matrix product of the model alone, and the rest. Each is measured
+//! with mlx-runner's CPU kernels (quantized matmul, fused RMS norm / RoPE / attention / GELU)
+//! and with MLX's own kernels and op graphs, alternating step by step, medians of 10.
+//! `BENCH_STEP_MODEL=dir` measures another model directory instead.
+
+mod common;
+use common::{bench_model, median, peer_python, quantized_model};
+
+use mlx::Array;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+const STEPS: usize = 10;
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+fn kernels(on: bool) {
+    mlx::set_quantized_kernel(on);
+    mlx::fast::set_fused_kernels(on);
+}
+
+/// The model's matrices, laid out as the model holds them on the CPU (dense ones as `Wᵀ`).
+enum Mat {
+    Quantized(mlx::Quantized),
+    Dense(Array),
+}
+
+impl Mat {
+    fn inputs(&self) -> i32 {
+        match self {
+            Mat::Quantized(q) => q.weight.shape()[1] * (32 / q.bits),
+            Mat::Dense(wt) => wt.shape()[0],
+        }
+    }
+    fn apply(&self, x: &Array) -> Array {
+        match self {
+            Mat::Quantized(q) => x.quantized_matmul(q, true).unwrap(),
+            Mat::Dense(wt) => x.matmul(wt).unwrap(),
+        }
+    }
+}
+
+fn matrices(dir: &Path) -> Vec<Mat> {
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let (group, bits) = (
+        cfg["quantization"]["group_size"].as_i64().unwrap_or(64) as i32,
+        cfg["quantization"]["bits"].as_i64().unwrap_or(4) as i32,
+    );
+    let mut arrays = std::collections::HashMap::new();
+    for f in std::fs::read_dir(dir).unwrap() {
+        let f = f.unwrap().path();
+        if f.extension().is_some_and(|e| e == "safetensors") {
+            arrays.extend(mlx::io::load_safetensors(&f).unwrap().arrays);
+        }
+    }
+    let names: Vec<String> = arrays.keys().cloned().collect();
+    let mut mats = vec![];
+    for name in names {
+        let Some(base) = name.strip_suffix(".weight") else {
+            continue;
+        };
+        if let Some(scales) = arrays.get(&format!("{base}.scales")) {
+            mats.push(Mat::Quantized(mlx::Quantized {
+                weight: arrays[&name].clone(),
+                scales: scales.clone(),
+                biases: arrays[&format!("{base}.biases")].clone(),
+                group_size: group,
+                bits,
+            }));
+        } else {
+            let w = &arrays[&name];
+            // Matrices only (norm scales are vectors); the embedding is the tied output head.
+            if w.ndim() == 2 && w.shape().iter().all(|&d| d > 1) {
+                let wt = w.t().unwrap().contiguous().unwrap();
+                wt.eval().unwrap();
+                mats.push(Mat::Dense(wt));
+            }
+        }
+    }
+    mats
+}
+
+struct Row {
+    step: f64,
+    build: f64,
+    products: f64,
+    ops: usize,
+}
+
+fn measure(dir: &Path) -> (Row, Row, String) {
+    let m = models::load(dir, models::DtypeChoice::Auto).unwrap();
+    let model = &*m.model;
+    let mats = matrices(dir);
+    let inputs: Vec<Array> = mats
+        .iter()
+        .map(|m| mlx::random::normal(&[1, m.inputs()], mlx::Dtype::F32, 0.0, 1.0, None).unwrap())
+        .collect();
+    mlx::eval(&inputs.iter().collect::<Vec<_>>()).unwrap();
+    let mut caches = model.make_caches();
+    let ids: Vec<i32> = (0..64).map(|i| (i * 13 % 30000) + 10).collect();
+    model
+        .forward(&Array::from_slice(&ids, &[1, 64]).unwrap(), &mut caches)
+        .unwrap()
+        .eval()
+        .unwrap();
+    let mut next = Array::from_slice(&[42i32], &[1, 1]).unwrap();
+    let mut rows: [Vec<(f64, f64, f64)>; 2] = [vec![], vec![]];
+    let mut ops = [0usize; 2];
+    let mut ours_ops = String::new();
+    for i in 0..(STEPS + 2) * 2 {
+        let on = i % 2 == 0;
+        kernels(on);
+        let start = Instant::now();
+        let h = model.forward(&next, &mut caches).unwrap();
+        let picked = model.logits(&h).unwrap().argmax(-1, false).unwrap();
+        let build = ms(start);
+        let graph = mlx::graph_ops(&[&picked]);
+        let start = Instant::now();
+        let token = picked.to_vec::<u32>().unwrap()[0];
+        let step = ms(start) + build;
+        ops[on as usize] = graph.iter().map(|(_, n)| n).sum();
+        if on {
+            ours_ops = graph
+                .iter()
+                .map(|(name, n)| format!("{name} {n}"))
+                .collect::<Vec<_>>()
+                .join(", ");
+        }
+        next = Array::from_slice(&[token as i32], &[1, 1]).unwrap();
+        let start = Instant::now();
+        let outs: Vec<Array> = mats.iter().zip(&inputs).map(|(m, x)| m.apply(x)).collect();
+        mlx::eval(&outs.iter().collect::<Vec<_>>()).unwrap();
+        let products = ms(start);
+        if i >= 4 {
+            rows[on as usize].push((step, build, products));
+        }
+    }
+    kernels(true);
+    let row = |r: &Vec<(f64, f64, f64)>, ops| Row {
+        step: median(r.iter().map(|x| x.0).collect()),
+        build: median(r.iter().map(|x| x.1).collect()),
+        products: median(r.iter().map(|x| x.2).collect()),
+        ops,
+    };
+    (row(&rows[1], ops[1]), row(&rows[0], ops[0]), ours_ops)
+}
+
+fn main() {
+    mlx::init_thread().unwrap();
+    let dirs: Vec<PathBuf> = match std::env::var_os("BENCH_STEP_MODEL") {
+        Some(d) => vec![d.into()],
+        None => {
+            let Some(python) = peer_python() else {
+                return;
+            };
+            let Some(base) = bench_model(&python) else {
+                return;
+            };
+            let q4 = quantized_model(&python, &base, 4, 64);
+            std::iter::once(base).chain(q4).collect()
+        }
+    };
+    for dir in dirs {
+        let (ours, mlx, ours_ops) = measure(&dir);
+        println!(
+            "\nA one-token decode step of {} after a 64-token prompt (in-process, medians of {STEPS})\n",
+            dir.display()
+        );
+        println!("| part (ms) | mlx-runner's kernels | MLX's kernels and op graphs |");
+        println!("|---|---|---|");
+        println!(
+            "| whole step: forward, head, greedy pick, read back | {:.2} | {:.2} |",
+            ours.step, mlx.step
+        );
+        println!(
+            "| of which building the graph | {:.2} | {:.2} |",
+            ours.build, mlx.build
+        );
+        println!(
+            "| every matrix product of the model alone | {:.2} | {:.2} |",
+            ours.products, mlx.products
+        );
+        println!(
+            "| the rest: attention, norms, RoPE, elementwise, dispatch, sync | {:.2} | {:.2} |",
+            ours.step - ours.build - ours.products,
+            mlx.step - mlx.build - mlx.products
+        );
+        println!("| ops dispatched | {} | {} |", ours.ops, mlx.ops);
+        println!(
+            "| decode tok/s | {:.1} | {:.1} |",
+            1e3 / ours.step,
+            1e3 / mlx.step
+        );
+        println!("\nOps with mlx-runner's kernels: {ours_ops}");
+    }
+}
