@@ -15,10 +15,9 @@
 //! Where a decode step goes, part by part: `cargo bench --bench step`.
 
 mod common;
-use common::{bench_model, corpus_prompt, median, ours_generate, peer_generate, peer_python, root};
+use common::{bench_model, corpus_prompt, median, ours_generate, peer_generate, peer_python};
 
 use std::path::Path;
-use std::process::Command;
 
 const ROUNDS: usize = 3;
 const TOKENS: &str = "64";

@@ -29,19 +29,36 @@ fn kernels(on: bool) {
 enum Mat {
     Quantized(mlx::Quantized),
     Dense(Array),
+    /// An expert stack `[E, out, in]` of which a token reads `k` experts.
+    Experts(mlx::Quantized, i32),
+    /// A stack of per-head matrices `[H, out, in]` (MLA's split `kv_b_proj`), all read.
+    Heads(mlx::Quantized),
 }
 
 impl Mat {
-    fn inputs(&self) -> i32 {
+    fn input(&self) -> Array {
+        let normal =
+            |shape: &[i32]| mlx::random::normal(shape, mlx::Dtype::F32, 0.0, 1.0, None).unwrap();
         match self {
-            Mat::Quantized(q) => q.weight.shape()[1] * (32 / q.bits),
-            Mat::Dense(wt) => wt.shape()[0],
+            Mat::Quantized(q) | Mat::Experts(q, _) => {
+                normal(&[1, q.weight.shape()[q.weight.ndim() - 1] * (32 / q.bits)])
+            }
+            Mat::Heads(q) => normal(&[q.weight.shape()[0], 1, q.weight.shape()[2] * (32 / q.bits)]),
+            Mat::Dense(wt) => normal(&[1, wt.shape()[0]]),
         }
     }
     fn apply(&self, x: &Array) -> Array {
         match self {
-            Mat::Quantized(q) => x.quantized_matmul(q, true).unwrap(),
+            Mat::Quantized(q) | Mat::Heads(q) => x.quantized_matmul(q, true).unwrap(),
             Mat::Dense(wt) => x.matmul(wt).unwrap(),
+            Mat::Experts(q, k) => {
+                let ids: Vec<u32> = (0..*k as u32).collect();
+                let idx = Array::from_slice(&ids, &[1, *k]).unwrap();
+                x.reshape(&[1, 1, -1])
+                    .unwrap()
+                    .gather_qmm(q, None, Some(&idx), true, false)
+                    .unwrap()
+            }
         }
     }
 }
@@ -53,6 +70,11 @@ fn matrices(dir: &Path) -> Vec<Mat> {
         cfg["quantization"]["group_size"].as_i64().unwrap_or(64) as i32,
         cfg["quantization"]["bits"].as_i64().unwrap_or(4) as i32,
     );
+    let text = cfg.get("text_config").unwrap_or(&cfg);
+    let top_k = ["num_experts_per_tok", "top_k_experts"]
+        .iter()
+        .find_map(|k| text[k].as_i64())
+        .unwrap_or(1) as i32;
     let mut arrays = std::collections::HashMap::new();
     for f in std::fs::read_dir(dir).unwrap() {
         let f = f.unwrap().path();
@@ -61,19 +83,29 @@ fn matrices(dir: &Path) -> Vec<Mat> {
         }
     }
     let names: Vec<String> = arrays.keys().cloned().collect();
+    let untied = names.iter().any(|n| n.ends_with("lm_head.weight"));
     let mut mats = vec![];
     for name in names {
         let Some(base) = name.strip_suffix(".weight") else {
             continue;
         };
+        // Embedding tables are looked up, one row per token, unless one is the tied head.
+        if base.ends_with("embed_tokens_per_layer") || (untied && base.ends_with("embed_tokens")) {
+            continue;
+        }
         if let Some(scales) = arrays.get(&format!("{base}.scales")) {
-            mats.push(Mat::Quantized(mlx::Quantized {
+            let q = mlx::Quantized {
                 weight: arrays[&name].clone(),
                 scales: scales.clone(),
                 biases: arrays[&format!("{base}.biases")].clone(),
                 group_size: group,
                 bits,
-            }));
+            };
+            mats.push(match q.weight.ndim() {
+                2 => Mat::Quantized(q),
+                _ if base.contains("switch") || base.contains("experts") => Mat::Experts(q, top_k),
+                _ => Mat::Heads(q),
+            });
         } else {
             let w = &arrays[&name];
             // Matrices only (norm scales are vectors); the embedding is the tied output head.
@@ -98,18 +130,25 @@ fn measure(dir: &Path) -> (Row, Row, String) {
     let m = models::load(dir, models::DtypeChoice::Auto).unwrap();
     let model = &*m.model;
     let mats = matrices(dir);
-    let inputs: Vec<Array> = mats
-        .iter()
-        .map(|m| mlx::random::normal(&[1, m.inputs()], mlx::Dtype::F32, 0.0, 1.0, None).unwrap())
-        .collect();
+    let inputs: Vec<Array> = mats.iter().map(Mat::input).collect();
     mlx::eval(&inputs.iter().collect::<Vec<_>>()).unwrap();
     let mut caches = model.make_caches();
     let ids: Vec<i32> = (0..64).map(|i| (i * 13 % 30000) + 10).collect();
-    model
+    let start = Instant::now();
+    let h = model
         .forward(&Array::from_slice(&ids, &[1, 64]).unwrap(), &mut caches)
-        .unwrap()
-        .eval()
         .unwrap();
+    let prefill_ops = mlx::graph_ops(&[&h]);
+    h.eval().unwrap();
+    eprintln!(
+        "prefill of 64 tokens: {:.1} ms; ops: {}",
+        ms(start),
+        prefill_ops
+            .iter()
+            .map(|(name, n)| format!("{name} {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     let mut next = Array::from_slice(&[42i32], &[1, 1]).unwrap();
     let mut rows: [Vec<(f64, f64, f64)>; 2] = [vec![], vec![]];
     let mut ops = [0usize; 2];

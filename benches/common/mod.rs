@@ -247,7 +247,7 @@ pub fn peer_server(
 }
 
 /// The number just before `unit` on the line that starts with `label`.
-fn rate(text: &str, label: &str, unit: &str) -> Option<f64> {
+pub fn rate(text: &str, label: &str, unit: &str) -> Option<f64> {
     let line = text.lines().find(|l| l.contains(label))?;
     let at = line.find(label)? + label.len();
     let rest = &line[at..];
@@ -347,4 +347,32 @@ pub fn quantized_model(python: &Path, base: &Path, bits: u32, group: u32) -> Opt
         }
     }
     Some(dir)
+}
+
+/// Runs `cmd` to completion: (stdout + stderr, the child's peak resident memory in bytes), read
+/// from `wait4`'s rusage, so each child is measured alone (a measure both sides share).
+pub fn output_with_peak_rss(cmd: &mut Command) -> (String, u64) {
+    use std::io::Read;
+    use std::process::Stdio;
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut out = child.stdout.take().unwrap();
+    let mut err = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    let mut text = String::new();
+    let _ = err.read_to_string(&mut text);
+    text = reader.join().unwrap() + &text;
+    let mut status = 0;
+    // SAFETY: rusage is plain data written by the kernel; the pid is our own unwaited child.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let pid = child.id() as libc::pid_t;
+    unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    (text, usage.ru_maxrss as u64 * 1024)
 }

@@ -466,7 +466,9 @@ impl<'a> Vb<'a> {
                     message: "stored quantized, but the quantization block excludes this module"
                         .into(),
                 })?;
-        let weight = self.w.raw(&wname)?;
+        // Kept, so that loading materialises the packed codes too: the first forward pass then
+        // finds them in memory (and the CPU kernels find them contiguous).
+        let weight = self.w.keep(self.w.raw(&wname)?);
         let scales = self.get_unchecked("scales")?;
         let biases = self.get_unchecked("biases")?;
         let mut expect_w: Vec<i32> = lead.to_vec();

@@ -1,0 +1,138 @@
+//! Real shapes, 4-bit, on the CPU: `cargo bench --bench real_shapes`.
+//!
+//! Random weights with the real dimensions of gemma4 E2B (35 layers, per-layer embeddings, 20
+//! KV-shared layers, 262144-token vocabulary, double-wide MLPs) and of GLM4-MoE-Lite
+//! (GLM-4.7-Flash's widths, MLA, 64 experts with 4 active and a shared one, 154880-token
+//! vocabulary; 4 layers instead of 47 so it fits here), quantized by mlx-lm to 4 bits, group 64
+//! (benches/make_real_shape_models.py writes them into target/real-*-q4 once). Each round runs
+//! `mlx-runner generate` and `mlx_lm generate` (same MLX, OpenBLAS preloaded into the peer) on
+//! the same prompt: prefill and decode tokens/s and the process's peak resident memory
+//! (`wait4`), medians of the rounds, and the ratios. mlx-lm on the CPU goes through MLX's own
+//! quantized kernels; mlx-runner through its own (crates/mlx-sys/src/qmm_cpu.cc).
+//! `BENCH_REAL=e2b` or `glm` runs one model; `BENCH_REAL_ROUNDS=n` sets the rounds (3).
+
+mod common;
+use common::{median, output_with_peak_rss, peer_python, rate, root, system_openblas};
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const TOKENS: &str = "8";
+const PROMPT: &str =
+    "The history of the printing press begins in the fifteenth century, when movable \
+                      type made books cheap enough for ordinary readers, and within fifty years \
+                      presses were running in more than two hundred cities.";
+
+struct Run {
+    prefill: f64,
+    decode: f64,
+    rss: f64,
+}
+
+fn model(python: &Path, which: &str) -> Option<PathBuf> {
+    let dir = root().join(format!("target/real-{which}-q4"));
+    if !dir.join("config.json").exists() {
+        let ok = Command::new(python)
+            .arg(root().join("benches/make_real_shape_models.py"))
+            .arg(which)
+            .arg(&dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("could not write {}", dir.display());
+            return None;
+        }
+    }
+    Some(dir)
+}
+
+fn ours(dir: &Path) -> Run {
+    let (text, rss) = output_with_peak_rss(
+        Command::new(env!("CARGO_BIN_EXE_mlx-runner"))
+            .args(["generate", "--model"])
+            .arg(dir)
+            .args(["--prompt", PROMPT, "-n", TOKENS]),
+    );
+    Run {
+        prefill: rate(&text, "prompt:", "tok/s").unwrap_or(f64::NAN),
+        decode: rate(&text, "generated:", "tok/s").unwrap_or(f64::NAN),
+        rss: rss as f64 / 1e9,
+    }
+}
+
+fn peer(python: &Path, dir: &Path) -> Run {
+    let mut cmd = Command::new(python);
+    cmd.args(["-m", "mlx_lm", "generate", "--model"])
+        .arg(dir)
+        .args(["--prompt", PROMPT, "-m", TOKENS, "--ignore-chat-template"]);
+    if let Some(lib) = system_openblas() {
+        cmd.env("LD_PRELOAD", lib);
+    }
+    let (text, rss) = output_with_peak_rss(&mut cmd);
+    Run {
+        prefill: rate(&text, "Prompt:", "tokens-per-sec").unwrap_or(f64::NAN),
+        decode: rate(&text, "Generation:", "tokens-per-sec").unwrap_or(f64::NAN),
+        rss: rss as f64 / 1e9,
+    }
+}
+
+fn medians(runs: &[Run]) -> Run {
+    Run {
+        prefill: median(runs.iter().map(|r| r.prefill).collect()),
+        decode: median(runs.iter().map(|r| r.decode).collect()),
+        rss: median(runs.iter().map(|r| r.rss).collect()),
+    }
+}
+
+fn main() {
+    let Some(python) = peer_python() else {
+        return;
+    };
+    let rounds: usize = std::env::var("BENCH_REAL_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    let only = std::env::var("BENCH_REAL").ok();
+    let mut rows = vec![];
+    for (which, name) in [
+        ("e2b", "gemma4 E2B shape"),
+        ("glm", "GLM4-MoE-Lite shape, 4 layers"),
+    ] {
+        if only.as_deref().is_some_and(|o| o != which) {
+            continue;
+        }
+        let Some(dir) = model(&python, which) else {
+            continue;
+        };
+        let (mut o, mut p) = (vec![], vec![]);
+        for round in 0..rounds {
+            o.push(ours(&dir));
+            p.push(peer(&python, &dir));
+            let (a, b) = (o.last().unwrap(), p.last().unwrap());
+            eprintln!(
+                "{which} round {round}: ours prefill {:.2} decode {:.2} rss {:.2} GB | mlx-lm prefill {:.2} decode {:.2} rss {:.2} GB",
+                a.prefill, a.decode, a.rss, b.prefill, b.decode, b.rss
+            );
+        }
+        rows.push((name, medians(&o), medians(&p)));
+    }
+    println!("\n4-bit (group 64) random weights, ~40-token prompt, {TOKENS} new tokens; medians of {rounds}\n");
+    println!("| model | | prefill tok/s | decode tok/s | peak RSS GB |");
+    println!("|---|---|---|---|---|");
+    for (name, o, p) in rows {
+        println!(
+            "| {name} | mlx-runner | {:.2} | {:.2} | {:.2} |",
+            o.prefill, o.decode, o.rss
+        );
+        println!(
+            "| | mlx-lm | {:.2} | {:.2} | {:.2} |",
+            p.prefill, p.decode, p.rss
+        );
+        println!(
+            "| | ratio | {:.1}x | {:.1}x | {:.2} |",
+            o.prefill / p.prefill,
+            o.decode / p.decode,
+            o.rss / p.rss
+        );
+    }
+}
