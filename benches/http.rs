@@ -13,7 +13,7 @@ use common::{median, peer_server, root, runner, stream_ours, stream_peer};
 use std::path::Path;
 use std::process::Command;
 
-const ROUNDS: usize = 3;
+const ROUNDS: usize = 5;
 const TOKENS: usize = 48;
 
 /// (time to first text in seconds, decode tokens/s) for one streamed request.
