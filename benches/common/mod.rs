@@ -351,6 +351,8 @@ pub fn quantized_model(python: &Path, base: &Path, bits: u32, group: u32) -> Opt
 
 /// Runs `cmd` to completion: (stdout + stderr, the child's peak resident memory in bytes), read
 /// from `wait4`'s rusage, so each child is measured alone (a measure both sides share).
+// The child is reaped by `wait4` (which also reports its rusage), not by `Child::wait`.
+#[allow(clippy::zombie_processes)]
 pub fn output_with_peak_rss(cmd: &mut Command) -> (String, u64) {
     use std::io::Read;
     use std::process::Stdio;
