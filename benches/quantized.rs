@@ -77,6 +77,8 @@ fn main() {
     if std::env::var_os("BENCH_QUANT_ALL").is_some() {
         configs.extend([(4, 32), (4, 128)]);
     }
+    // mlx-lm's 4-bit group-64 medians, the peer of the store's q4 row below.
+    let mut peer_q4 = None;
     for (bits, group) in configs {
         let Some(model) = common::quantized_model(&python, &base, bits, group) else {
             continue;
@@ -91,10 +93,60 @@ fn main() {
             pd.push(d);
         }
         let (op, od, pp, pd) = (median(op), median(od), median(pp), median(pd));
+        if (bits, group) == (4, 64) {
+            peer_q4 = Some((pp, pd));
+        }
         let bytes = weight_bytes(&model);
         let roof = bandwidth / bytes as f64;
         println!(
             "| {bits}-bit, group {group} | {:.0} | {op:.1} | {pp:.1} | {:.1}x | {od:.1} | {pd:.1} | {:.1}x | {roof:.0} | {:.0}% |",
+            bytes as f64 / 1e6,
+            op / pp,
+            od / pd,
+            100.0 * od / roof
+        );
+    }
+    // Our own format: the float32 bench model imported by `create --quantize q4` into a store
+    // (ollama's layout and mixed precision: some tensors stay at 8 bits), against mlx-lm on its
+    // own 4-bit conversion of the same model.
+    if let Some((pp, pd)) = peer_q4 {
+        let work = tempfile::tempdir().unwrap();
+        let modelfile = work.path().join("Modelfile");
+        std::fs::write(&modelfile, format!("FROM {}\n", base.display())).unwrap();
+        let store = work.path().join("models");
+        let created = std::process::Command::new(env!("CARGO_BIN_EXE_mlx-runner"))
+            .env("MLX_RUNNER_MODELS", &store)
+            .args(["create", "bench-q4", "-f"])
+            .arg(&modelfile)
+            .args(["--quantize", "q4"])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !created {
+            eprintln!("mlx-runner create --quantize q4 failed");
+            return;
+        }
+        let (mut op, mut od) = (vec![], vec![]);
+        for _ in 0..ROUNDS {
+            let (p, d) = common::ours_generate_env(
+                Path::new("bench-q4"),
+                &prompt,
+                TOKENS,
+                &[("MLX_RUNNER_MODELS", store.as_os_str())],
+            );
+            op.push(p);
+            od.push(d);
+        }
+        let (op, od) = (median(op), median(od));
+        // The blobs that hold tensors (the store keeps config and tokenizer as small blobs).
+        let bytes: u64 = std::fs::read_dir(store.join("blobs"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.metadata().unwrap().len())
+            .filter(|&n| n > 1 << 20)
+            .sum();
+        let roof = bandwidth / bytes as f64;
+        println!(
+            "| `create --quantize q4` (ours; mlx-lm on its 4-bit g64) | {:.0} | {op:.1} | {pp:.1} | {:.1}x | {od:.1} | {pd:.1} | {:.1}x | {roof:.0} | {:.0}% |",
             bytes as f64 / 1e6,
             op / pp,
             od / pd,

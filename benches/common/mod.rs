@@ -272,10 +272,21 @@ pub fn system_openblas() -> Option<&'static str> {
 
 /// `mlx-runner generate` on `model`: (prefill tok/s, decode tok/s).
 pub fn ours_generate(model: &std::path::Path, prompt: &str, tokens: &str) -> (f64, f64) {
+    ours_generate_env(model, prompt, tokens, &[])
+}
+
+/// [`ours_generate`] with extra environment (a model store, say).
+pub fn ours_generate_env(
+    model: &std::path::Path,
+    prompt: &str,
+    tokens: &str,
+    env: &[(&str, &std::ffi::OsStr)],
+) -> (f64, f64) {
     let out = Command::new(env!("CARGO_BIN_EXE_mlx-runner"))
         .args(["generate", "--model"])
         .arg(model)
         .args(["--prompt", prompt, "-n", tokens])
+        .envs(env.iter().copied())
         .output()
         .expect("run mlx-runner");
     let err = String::from_utf8_lossy(&out.stderr);

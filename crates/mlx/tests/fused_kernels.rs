@@ -275,6 +275,15 @@ fn gelu_matches_mlx() {
         assert_close(&ours, &theirs, 1e-5, &format!("gelu {shape:?}"));
         assert_eq!(ran.gelu_tanh, 1);
     }
+    // The tails, zero, tiny values and both vector and scalar lanes (19 values).
+    let tails = [
+        -100.0f32, -50.0, -10.0, -5.0, -3.0, -1e-6, 0.0, 1e-6, 0.5, 1.0, 3.0, 5.0, 10.0, 50.0,
+        100.0, -0.7, 0.7, -2.5, 2.5,
+    ];
+    let x = Array::from_slice(&tails, &[19]).unwrap();
+    let (ours, theirs, _, ran) = both(|| fast::gelu_tanh(&x).unwrap());
+    assert_close(&ours, &theirs, 1e-5, "gelu tails");
+    assert_eq!(ran.gelu_tanh, 1);
     let x = normal(&[40, 30], 9).t().unwrap();
     let (ours, theirs, _, ran) = both(|| fast::gelu_tanh(&x).unwrap());
     assert_close(&ours, &theirs, 1e-5, "gelu of a transposed input");
