@@ -440,6 +440,13 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_avx(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+void gelu_scalar(const float* x, float* o, size_t i0, size_t i1) {
+  for (size_t i = i0; i < i1; ++i) {
+    const float v = x[i];
+    o[i] = v / (1.0f + std::exp(-2.0f * kGeluC * (v + 0.044715f * v * v * v)));
+  }
+}
+
 __attribute__((target("avx2,fma"))) void gelu_avx(const float* x, float* o, size_t i0, size_t i1) {
   size_t i = i0;
   const __m256 c = _mm256_set1_ps(-2.0f * kGeluC), k = _mm256_set1_ps(0.044715f);
@@ -450,17 +457,7 @@ __attribute__((target("avx2,fma"))) void gelu_avx(const float* x, float* o, size
     const __m256 e = exp_avx(_mm256_mul_ps(inner, c));
     _mm256_storeu_ps(o + i, _mm256_div_ps(v, _mm256_add_ps(one, e)));
   }
-  for (; i < i1; ++i) {
-    const float v = x[i];
-    o[i] = v / (1.0f + std::exp(-2.0f * kGeluC * (v + 0.044715f * v * v * v)));
-  }
-}
-
-void gelu_scalar(const float* x, float* o, size_t i0, size_t i1) {
-  for (size_t i = i0; i < i1; ++i) {
-    const float v = x[i];
-    o[i] = v / (1.0f + std::exp(-2.0f * kGeluC * (v + 0.044715f * v * v * v)));
-  }
+  gelu_scalar(x, o, i, i1);
 }
 
 struct GeluTanhOp {
