@@ -417,7 +417,7 @@ class CpuQuantizedMatmul : public mx::Primitive {
   int group_, bits_;
 };
 
-// x [B, M, K] (contiguous), w [E, N, K·bits/32], scales and biases [E, N, K/group],
+// x [B, M, K], w [E, N, K·bits/32], scales and biases [E, N, K/group],
 // idx [B] (uint32) → out [B, M, N]: row block b times expert idx[b]. With one row per block,
 // consecutive blocks of the same expert (MLX sorts them for prefill) are one matrix product,
 // so an expert's weights are read once per run rather than once per token.
@@ -443,8 +443,10 @@ class CpuGatherQuantizedMatmul : public mx::Primitive {
                   idx = mx::array::unsafe_weak_copy(inputs[4]),
                   out = mx::array::unsafe_weak_copy(out),
                   B, M, K, E, N, group = group_, bits = bits_]() mutable {
-      const float* xp = x.data<float>();
-      const uint32_t* ip = idx.data<uint32_t>();
+      std::vector<float> xd;
+      std::vector<uint32_t> id;
+      const float* xp = dense(x, xd);
+      const uint32_t* ip = dense(idx, id);
       float* op = out.data<float>();
       const size_t words = (size_t)N * (K / per_word(bits)), groups = (size_t)N * (K / group);
       // Expert stacks are contiguous as loaded; a view that is not is copied.
@@ -558,9 +560,12 @@ std::optional<mx::array> cpu_gather_qmm(
   mx::Shape xs = batch;
   xs.push_back(M);
   xs.push_back(K);
-  auto xc = mx::contiguous(mx::broadcast_to(x, xs, stream), false, stream);
-  auto ic = mx::contiguous(
-      mx::astype(mx::broadcast_to(*rhs_indices, batch, stream), mx::uint32, stream), false, stream);
+  // Broadcast views; the kernel reads them densely itself (a Contiguous op each would cost a
+  // dispatch every call). Ids are uint32 already when they come from argpartition/argsort.
+  auto xc = mx::broadcast_to(x, xs, stream);
+  auto ids = rhs_indices->dtype() == mx::uint32 ? *rhs_indices
+                                                : mx::astype(*rhs_indices, mx::uint32, stream);
+  auto ic = mx::broadcast_to(ids, batch, stream);
   mx::Shape os = batch;
   os.push_back(M);
   os.push_back(w.shape(1));
