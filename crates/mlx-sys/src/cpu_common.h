@@ -1,5 +1,6 @@
 // What the CPU kernels (qmm_cpu.cc, fused_cpu.cc) share: one persistent thread pool, the
-// AVX2 check, a horizontal sum, and reading a strided array densely.
+// AVX2 check, a horizontal sum, reading a strided array densely, and the MLX primitive that
+// runs a kernel on the CPU stream.
 #pragma once
 
 #include <immintrin.h>
@@ -12,7 +13,13 @@
 #include <thread>
 #include <vector>
 
+#include <stdexcept>
+#include <string>
+
+#include "mlx/allocator.h"
 #include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
 
 namespace mlxr {
 
@@ -137,6 +144,51 @@ const T* dense(const mlx::core::array& a, std::vector<T>& tmp) {
     }
   }
   return tmp.data();
+}
+
+// An MLX primitive for a CPU kernel `Op` (a `Params` struct with ==, a `name` and a static
+// `run(params, inputs, output)`): allocates the float32 output, registers the buffers with the
+// CPU stream's encoder and runs `Op::run` there, in stream order, as MLX's own CPU ops do.
+template <class Op>
+class CpuPrimitive : public mlx::core::Primitive {
+ public:
+  CpuPrimitive(mlx::core::Stream s, typename Op::Params p) : mlx::core::Primitive(s), p_(p) {}
+
+  void eval_cpu(const std::vector<mlx::core::array>& inputs, std::vector<mlx::core::array>& outputs) override {
+    auto& out = outputs[0];
+    out.set_data(mlx::core::allocator::malloc(out.nbytes()));
+    auto& enc = mlx::core::cpu::get_command_encoder(stream());
+    std::vector<mlx::core::array> ins;
+    for (auto& a : inputs) {
+      enc.set_input_array(a);
+      ins.push_back(mlx::core::array::unsafe_weak_copy(a));
+    }
+    enc.set_output_array(out);
+    enc.dispatch([ins = std::move(ins), out = mlx::core::array::unsafe_weak_copy(out), p = p_]() mutable {
+      Op::run(p, ins, out);
+    });
+  }
+
+  void eval_gpu(const std::vector<mlx::core::array>&, std::vector<mlx::core::array>&) override {
+    throw std::runtime_error(std::string("[mlx-runner] ") + Op::name + " has no GPU path");
+  }
+
+  const char* name() const override { return Op::name; }
+
+  bool is_equivalent(const mlx::core::Primitive& other) const override {
+    auto* o = dynamic_cast<const CpuPrimitive*>(&other);
+    return o && o->p_ == p_;
+  }
+
+ private:
+  typename Op::Params p_;
+};
+
+// The output of `Op` on `inputs`, on the CPU stream.
+template <class Op>
+mlx::core::array make(const mlx::core::Shape& shape, typename Op::Params p, std::vector<mlx::core::array> inputs) {
+  auto stream = mlx::core::default_stream(mlx::core::Device::cpu);
+  return mlx::core::array(shape, mlx::core::float32, std::make_shared<CpuPrimitive<Op>>(stream, p), std::move(inputs));
 }
 
 }  // namespace mlxr

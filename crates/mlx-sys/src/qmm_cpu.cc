@@ -28,10 +28,6 @@
 #include <thread>
 #include <vector>
 
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
-#include "mlx/primitives.h"
-
 namespace mx = mlx::core;
 
 namespace mlxr {
@@ -364,130 +360,72 @@ void product(
   }
 }
 
-class CpuQuantizedMatmul : public mx::Primitive {
- public:
-  CpuQuantizedMatmul(mx::Stream stream, int group, int bits)
-      : mx::Primitive(stream), group_(group), bits_(bits) {}
+// x [..., K] @ dequantize(w)ᵀ, w [N, K·bits/32], scales and biases [N, K/group].
+struct QuantizedMatmulOp {
+  struct Params {
+    int group, bits;
+    bool operator==(const Params&) const = default;
+  };
+  static constexpr const char* name = "MlxrCpuQuantizedMatmul";
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    const auto& w = inputs[1];
-    Shape s{
-        (int)(inputs[0].size() / inputs[0].shape(-1)),
-        (int)w.shape(0),
-        (int)inputs[0].shape(-1),
-        bits_,
-        group_};
-    enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
-                  w = mx::array::unsafe_weak_copy(inputs[1]),
-                  sc = mx::array::unsafe_weak_copy(inputs[2]),
-                  bi = mx::array::unsafe_weak_copy(inputs[3]),
-                  out = mx::array::unsafe_weak_copy(out),
-                  s]() mutable {
-      // Weights are row-contiguous as loaded and x nearly always is; a view that is not is
-      // copied here rather than by a Contiguous op in the graph, which would cost a dispatch
-      // every time.
-      std::vector<uint32_t> wc;
-      std::vector<float> xc, scc, bic;
-      const float* xp = dense(x, xc);
-      const uint32_t* wp = dense(w, wc);
-      const float* sp = dense(sc, scc);
-      const float* bp = dense(bi, bic);
-      float* op = out.data<float>();
-      product(xp, wp, sp, bp, op, s);
-    });
+  static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
+    const auto &x = in[0], &w = in[1];
+    const Shape s{(int)(x.size() / x.shape(-1)), (int)w.shape(0), (int)x.shape(-1), p.bits, p.group};
+    // Weights are row-contiguous as loaded and x nearly always is; a view that is not is
+    // copied here rather than by a Contiguous op in the graph, which would cost a dispatch
+    // every time.
+    std::vector<uint32_t> wc;
+    std::vector<float> xc, scc, bic;
+    product(dense(x, xc), dense(w, wc), dense(in[2], scc), dense(in[3], bic), out.data<float>(), s);
   }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[mlx-runner] the CPU quantized matmul has no GPU path");
-  }
-
-  const char* name() const override { return "MlxrCpuQuantizedMatmul"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const CpuQuantizedMatmul*>(&other);
-    return o && o->group_ == group_ && o->bits_ == bits_;
-  }
-
- private:
-  int group_, bits_;
 };
 
 // x [B, M, K], w [E, N, K·bits/32], scales and biases [E, N, K/group],
 // idx [B] (uint32) → out [B, M, N]: row block b times expert idx[b]. With one row per block,
 // consecutive blocks of the same expert (MLX sorts them for prefill) are one matrix product,
 // so an expert's weights are read once per run rather than once per token.
-class CpuGatherQuantizedMatmul : public mx::Primitive {
- public:
-  CpuGatherQuantizedMatmul(mx::Stream stream, int group, int bits)
-      : mx::Primitive(stream), group_(group), bits_(bits) {}
+struct GatherQuantizedMatmulOp {
+  struct Params {
+    int group, bits;
+    bool operator==(const Params&) const = default;
+  };
+  static constexpr const char* name = "MlxrCpuGatherQuantizedMatmul";
 
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    const auto& x = inputs[0];
-    const auto& w = inputs[1];
-    const int B = (int)inputs[4].size(), M = (int)x.shape(-2), K = (int)x.shape(-1);
+  static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
+    const auto &x = in[0], &w = in[1], &idx = in[4];
+    const int B = (int)idx.size(), M = (int)x.shape(-2), K = (int)x.shape(-1);
     const int E = (int)w.shape(0), N = (int)w.shape(1);
-    enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
-                  w = mx::array::unsafe_weak_copy(inputs[1]),
-                  sc = mx::array::unsafe_weak_copy(inputs[2]),
-                  bi = mx::array::unsafe_weak_copy(inputs[3]),
-                  idx = mx::array::unsafe_weak_copy(inputs[4]),
-                  out = mx::array::unsafe_weak_copy(out),
-                  B, M, K, E, N, group = group_, bits = bits_]() mutable {
-      std::vector<float> xd;
-      std::vector<uint32_t> id;
-      const float* xp = dense(x, xd);
-      const uint32_t* ip = dense(idx, id);
-      float* op = out.data<float>();
-      const size_t words = (size_t)N * (K / per_word(bits)), groups = (size_t)N * (K / group);
-      // Expert stacks are contiguous as loaded; a view that is not is copied.
-      std::vector<uint32_t> wc;
-      std::vector<float> scc, bic;
-      const uint32_t* wp = dense(w, wc);
-      const float* sp = dense(sc, scc);
-      const float* bp = dense(bi, bic);
-      int b = 0;
-      while (b < B) {
-        const uint32_t e = ip[b];
-        int run = 1;
-        if (M == 1)
-          while (b + run < B && ip[b + run] == e) ++run;
-        float* o = op + (size_t)b * M * N;
-        if (e >= (uint32_t)E) {
-          // An expert id past the stack: zeros, as no expert contributes.
-          std::memset(o, 0, sizeof(float) * (size_t)run * M * N);
-        } else {
-          Shape s{run * M, N, K, bits, group};
-          const float* xb = xp + (size_t)b * M * K;
-          product(xb, wp + e * words, sp + e * groups, bp + e * groups, o, s);
-        }
-        b += run;
+    const int group = p.group, bits = p.bits;
+    std::vector<float> xd;
+    std::vector<uint32_t> id;
+    const float* xp = dense(x, xd);
+    const uint32_t* ip = dense(idx, id);
+    float* op = out.data<float>();
+    const size_t words = (size_t)N * (K / per_word(bits)), groups = (size_t)N * (K / group);
+    // Expert stacks are contiguous as loaded; a view that is not is copied.
+    std::vector<uint32_t> wc;
+    std::vector<float> scc, bic;
+    const uint32_t* wp = dense(w, wc);
+    const float* sp = dense(in[2], scc);
+    const float* bp = dense(in[3], bic);
+    int b = 0;
+    while (b < B) {
+      const uint32_t e = ip[b];
+      int run = 1;
+      if (M == 1)
+        while (b + run < B && ip[b + run] == e) ++run;
+      float* o = op + (size_t)b * M * N;
+      if (e >= (uint32_t)E) {
+        // An expert id past the stack: zeros, as no expert contributes.
+        std::memset(o, 0, sizeof(float) * (size_t)run * M * N);
+      } else {
+        Shape s{run * M, N, K, bits, group};
+        const float* xb = xp + (size_t)b * M * K;
+        product(xb, wp + e * words, sp + e * groups, bp + e * groups, o, s);
       }
-    });
+      b += run;
+    }
   }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[mlx-runner] the CPU gather quantized matmul has no GPU path");
-  }
-
-  const char* name() const override { return "MlxrCpuGatherQuantizedMatmul"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const CpuGatherQuantizedMatmul*>(&other);
-    return o && o->group_ == group_ && o->bits_ == bits_;
-  }
-
- private:
-  int group_, bits_;
 };
 
 // The checks both products share: the CPU, float32 activations, supported bits and groups,
@@ -535,7 +473,7 @@ std::optional<mx::array> cpu_quantized_matmul(
   return mx::array(
       shape,
       mx::float32,
-      std::make_shared<CpuQuantizedMatmul>(stream, group_size, bits),
+      std::make_shared<CpuPrimitive<QuantizedMatmulOp>>(stream, QuantizedMatmulOp::Params{group_size, bits}),
       {x, w, scales, *biases});
 }
 
@@ -572,7 +510,8 @@ std::optional<mx::array> cpu_gather_qmm(
   return mx::array(
       os,
       mx::float32,
-      std::make_shared<CpuGatherQuantizedMatmul>(stream, group_size, bits),
+      std::make_shared<CpuPrimitive<GatherQuantizedMatmulOp>>(
+          stream, GatherQuantizedMatmulOp::Params{group_size, bits}),
       {xc, w, scales, *biases, ic});
 }
 
