@@ -10,11 +10,10 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
-#include <thread>
-#include <vector>
-
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "mlx/allocator.h"
 #include "mlx/array.h"
@@ -111,6 +110,22 @@ inline Pool& pool() {
   return p;
 }
 
+
+// Runs f(r0, r1) over rows [0, n) split across the pool, in at most one part per
+// `min_per_part` rows: small jobs stay on the calling thread.
+template <class F>
+void for_rows(size_t n, size_t min_per_part, const F& f) {
+  auto& p = pool();
+  const size_t parts = std::min(p.size(), std::max<size_t>(1, n / min_per_part));
+  if (parts == 1) {
+    f(0, n);
+    return;
+  }
+  p.run([&](size_t part) {
+    if (part >= parts) return;
+    f(n * part / parts, n * (part + 1) / parts);
+  });
+}
 
 inline bool has_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");

@@ -46,41 +46,38 @@ mx::array fused(const mx::Shape& shape, typename Op::Params p, std::vector<mx::a
   return make<Counted<Op>>(shape, p, std::move(inputs));
 }
 
-// Splits rows [0, n) over the pool when there are enough of them to pay for it.
-template <class F>
-void for_rows(size_t n, size_t min_per_part, const F& f) {
-  auto& p = pool();
-  const size_t parts = std::min(p.size(), std::max<size_t>(1, n / min_per_part));
-  if (parts == 1) {
-    f(0, n);
-    return;
-  }
-  p.run([&](size_t part) {
-    if (part >= parts) return;
-    f(n * part / parts, n * (part + 1) / parts);
-  });
+// ---- vector helpers ---------------------------------------------------------------------------
+
+__attribute__((target("avx2,fma"))) float dot_avx(const float* a, const float* b, int n) {
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+__attribute__((target("avx2,fma"))) void axpy_avx(float a, const float* x, float* y, int n) {
+  const __m256 av = _mm256_set1_ps(a);
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+float dot(const float* a, const float* b, int n) {
+  if (has_avx2()) return dot_avx(a, b, n);
+  float s = 0;
+  for (int i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void axpy(float a, const float* x, float* y, int n) {
+  if (has_avx2()) return axpy_avx(a, x, y, n);
+  for (int i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
 // ---- RMS norm: x · rsqrt(mean(x²) + eps) · w over the last axis ------------------------------
-
-__attribute__((target("avx2,fma"))) float sum_squares_avx(const float* x, int n) {
-  __m256 acc = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 v = _mm256_loadu_ps(x + i);
-    acc = _mm256_fmadd_ps(v, v, acc);
-  }
-  float s = hsum(acc);
-  for (; i < n; ++i) s += x[i] * x[i];
-  return s;
-}
-
-float sum_squares(const float* x, int n) {
-  if (has_avx2()) return sum_squares_avx(x, n);
-  float s = 0;
-  for (int i = 0; i < n; ++i) s += x[i] * x[i];
-  return s;
-}
 
 struct RmsNormOp {
   struct Params {
@@ -103,7 +100,7 @@ struct RmsNormOp {
         const float* xr = x + r * d;
         float* orow = o + r * d;
         // MLX: mean as the sum times 1/d, plus eps, then rsqrt, all in float32.
-        const float inv = 1.0f / std::sqrt(sum_squares(xr, d) * (1.0f / d) + p.eps);
+        const float inv = 1.0f / std::sqrt(dot(xr, xr, d) * (1.0f / d) + p.eps);
         if (w) {
           for (int i = 0; i < d; ++i) orow[i] = (xr[i] * inv) * w[i];
         } else {
@@ -202,35 +199,6 @@ struct RopeOp {
 // query row is computed against each key block while it is in cache, so K and V are read once
 // per step. When there are fewer (batch, kv head) pairs than threads, the keys are split and
 // the partial softmax states merged (each part keeps its running max, sum and weighted V sum).
-
-__attribute__((target("avx2,fma"))) float dot_avx(const float* a, const float* b, int n) {
-  __m256 acc = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-__attribute__((target("avx2,fma"))) void axpy_avx(float a, const float* x, float* y, int n) {
-  const __m256 av = _mm256_set1_ps(a);
-  int i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += a * x[i];
-}
-
-float dot(const float* a, const float* b, int n) {
-  if (has_avx2()) return dot_avx(a, b, n);
-  float s = 0;
-  for (int i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-void axpy(float a, const float* x, float* y, int n) {
-  if (has_avx2()) return axpy_avx(a, x, y, n);
-  for (int i = 0; i < n; ++i) y[i] += a * x[i];
-}
 
 // The most query rows (per batch and head) the kernel takes: decode and draft verification.
 // Longer prompts are compute-bound, where MLX's matmul-based graph (BLAS) is faster.
@@ -348,13 +316,9 @@ struct SdpaOp {
         }
       }
     };
-    if (items == 1) {
-      work(0);
-    } else {
-      pl.run([&](size_t t) {
-        for (int it = (int)t; it < items; it += (int)pl.size()) work(it);
-      });
-    }
+    for_rows(items, 1, [&](size_t i0, size_t i1) {
+      for (size_t it = i0; it < i1; ++it) work((int)it);
+    });
 
     // Merge the parts of each (batch, kv head) and write [B, Hq, L, Dv].
     float* o = out.data<float>();
@@ -542,14 +506,9 @@ struct MatmulOp {
     const int K = in[1].shape(0), N = in[1].shape(1);
     const int M = (int)(in[0].size() / K);
     float* y = out.data<float>();
-    auto& pl = pool();
-    // Column ranges in whole 8-lane vectors; small outputs stay on one thread.
-    const int parts = N >= 512 ? (int)pl.size() : 1;
-    if (parts == 1) return gemv_rows(x, M, K, w, N, y, 0, N);
-    pl.run([&](size_t part) {
-      const int n0 = (int)((int64_t)N / 8 * part / parts) * 8;
-      const int n1 = part + 1 == (size_t)parts ? N : (int)((int64_t)N / 8 * (part + 1) / parts) * 8;
-      gemv_rows(x, M, K, w, N, y, n0, n1);
+    // Column ranges in whole 8-lane vectors, at least 32 of them (256 columns) per thread.
+    for_rows((N + 7) / 8, 32, [&](size_t v0, size_t v1) {
+      gemv_rows(x, M, K, w, N, y, (int)v0 * 8, std::min(N, (int)v1 * 8));
     });
   }
 };

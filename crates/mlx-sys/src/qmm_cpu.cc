@@ -181,12 +181,9 @@ void qmv(
     const float* bi,
     float* out,
     const Shape& s) {
-  auto& p = pool();
-  const size_t parts = p.size();
   if (!has_avx2()) {
-    p.run([&](size_t part) {
-      int n0 = (int)(s.N * part / parts), n1 = (int)(s.N * (part + 1) / parts);
-      for (int m = 0; m < s.M; ++m) qmv_scalar(x, w, sc, bi, out, s, m, n0, n1);
+    for_rows(s.N, 1, [&](size_t n0, size_t n1) {
+      for (int m = 0; m < s.M; ++m) qmv_scalar(x, w, sc, bi, out, s, m, (int)n0, (int)n1);
     });
     return;
   }
@@ -206,17 +203,16 @@ void qmv(
       xsum[(size_t)m * groups + g] = t;
     }
   }
-  p.run([&](size_t part) {
-    int n0 = (int)(s.N * part / parts), n1 = (int)(s.N * (part + 1) / parts);
+  for_rows(s.N, 1, [&](size_t n0, size_t n1) {
     for (int m = 0; m < s.M; m += 4) {
       int rows = std::min(4, s.M - m);
       const float* xr = xt + (size_t)m * s.K;
       const float* xs = xsum + (size_t)m * groups;
       float* o = out + (size_t)m * s.N;
       if (s.bits == 4)
-        qmv_block<4>(xr, xs, w, sc, bi, o, s, rows, n0, n1);
+        qmv_block<4>(xr, xs, w, sc, bi, o, s, rows, (int)n0, (int)n1);
       else
-        qmv_block<8>(xr, xs, w, sc, bi, o, s, rows, n0, n1);
+        qmv_block<8>(xr, xs, w, sc, bi, o, s, rows, (int)n0, (int)n1);
     }
   });
 }
@@ -317,16 +313,14 @@ void qmm(
   // K_TILE is a multiple of every group size and packing unit.
   const int kt = std::min(s.K, K_TILE);
   const int block = std::max(16, std::min(s.N, (int)(TILE_BYTES / (sizeof(float) * kt))));
-  auto& p = pool();
-  const size_t parts = p.size();
   std::vector<float> buf((size_t)block * kt);
   for (int n0 = 0; n0 < s.N; n0 += block) {
     const int n1 = std::min(s.N, n0 + block), rows = n1 - n0;
     for (int k0 = 0; k0 < s.K; k0 += kt) {
       const int k1 = std::min(s.K, k0 + kt), cols = k1 - k0;
-      p.run([&](size_t part) {
-        int a = n0 + (int)(rows * part / parts), b = n0 + (int)(rows * (part + 1) / parts);
-        float* dst = buf.data() + (size_t)(a - n0) * cols;
+      for_rows(rows, 1, [&](size_t r0, size_t r1) {
+        const int a = n0 + (int)r0, b = n0 + (int)r1;
+        float* dst = buf.data() + r0 * cols;
         if (has_avx2()) {
           dequantize_rows_avx(w, sc, bi, dst, s, a, b, k0, k1);
         } else {
@@ -469,12 +463,7 @@ std::optional<mx::array> cpu_quantized_matmul(
   if (!fits) return std::nullopt;
   auto shape = x.shape();
   shape.back() = w.shape(0);
-  auto stream = mx::default_stream(mx::default_device());
-  return mx::array(
-      shape,
-      mx::float32,
-      std::make_shared<CpuPrimitive<QuantizedMatmulOp>>(stream, QuantizedMatmulOp::Params{group_size, bits}),
-      {x, w, scales, *biases});
+  return make<QuantizedMatmulOp>(shape, {group_size, bits}, {x, w, scales, *biases});
 }
 
 std::optional<mx::array> cpu_gather_qmm(
@@ -491,7 +480,7 @@ std::optional<mx::array> cpu_gather_qmm(
                     w.ndim() == 3 && x.ndim() >= 2 && !lhs_indices && rhs_indices &&
                     mx::issubdtype(rhs_indices->dtype(), mx::integer);
   if (!fits) return std::nullopt;
-  auto stream = mx::default_stream(mx::default_device());
+  auto stream = mx::default_stream(mx::Device::cpu);
   const int M = x.shape(-2), K = x.shape(-1);
   mx::Shape xb(x.shape().begin(), x.shape().end() - 2);
   mx::Shape batch = mx::broadcast_shapes(xb, rhs_indices->shape());
@@ -507,12 +496,7 @@ std::optional<mx::array> cpu_gather_qmm(
   mx::Shape os = batch;
   os.push_back(M);
   os.push_back(w.shape(1));
-  return mx::array(
-      os,
-      mx::float32,
-      std::make_shared<CpuPrimitive<GatherQuantizedMatmulOp>>(
-          stream, GatherQuantizedMatmulOp::Params{group_size, bits}),
-      {xc, w, scales, *biases, ic});
+  return make<GatherQuantizedMatmulOp>(os, {group_size, bits}, {xc, w, scales, *biases, ic});
 }
 
 }  // namespace mlxr
