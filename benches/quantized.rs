@@ -127,14 +127,14 @@ fn main() {
         }
         let (mut op, mut od) = (vec![], vec![]);
         for _ in 0..ROUNDS {
-            let (p, d) = common::ours_generate_env(
+            let g = common::ours_run(
                 Path::new("bench-q4"),
                 &prompt,
                 TOKENS,
                 &[("MLX_RUNNER_MODELS", store.as_os_str())],
             );
-            op.push(p);
-            od.push(d);
+            op.push(g.prefill);
+            od.push(g.decode);
         }
         let (op, od) = (median(op), median(od));
         // The blobs that hold tensors (the store keeps config and tokenizer as small blobs).

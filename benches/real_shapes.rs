@@ -12,7 +12,7 @@
 //! `BENCH_REAL=e2b` or `glm` runs one model; `BENCH_REAL_ROUNDS=n` sets the rounds (3).
 
 mod common;
-use common::{median, output_with_peak_rss, peer_python, rate, root, system_openblas};
+use common::{median, ours_run, peer_python, peer_run, root, Generation};
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -22,12 +22,6 @@ const PROMPT: &str =
     "The history of the printing press begins in the fifteenth century, when movable \
                       type made books cheap enough for ordinary readers, and within fifty years \
                       presses were running in more than two hundred cities.";
-
-struct Run {
-    prefill: f64,
-    decode: f64,
-    rss: f64,
-}
 
 fn model(python: &Path, which: &str) -> Option<PathBuf> {
     let dir = root().join(format!("target/real-{which}-q4"));
@@ -46,42 +40,16 @@ fn model(python: &Path, which: &str) -> Option<PathBuf> {
     Some(dir)
 }
 
-fn ours(dir: &Path) -> Run {
-    let (text, rss) = output_with_peak_rss(
-        Command::new(env!("CARGO_BIN_EXE_mlx-runner"))
-            .args(["generate", "--model"])
-            .arg(dir)
-            .args(["--prompt", PROMPT, "-n", TOKENS]),
-    );
-    Run {
-        prefill: rate(&text, "prompt:", "tok/s").unwrap_or(f64::NAN),
-        decode: rate(&text, "generated:", "tok/s").unwrap_or(f64::NAN),
-        rss: rss as f64 / 1e9,
-    }
-}
-
-fn peer(python: &Path, dir: &Path) -> Run {
-    let mut cmd = Command::new(python);
-    cmd.args(["-m", "mlx_lm", "generate", "--model"])
-        .arg(dir)
-        .args(["--prompt", PROMPT, "-m", TOKENS, "--ignore-chat-template"]);
-    if let Some(lib) = system_openblas() {
-        cmd.env("LD_PRELOAD", lib);
-    }
-    let (text, rss) = output_with_peak_rss(&mut cmd);
-    Run {
-        prefill: rate(&text, "Prompt:", "tokens-per-sec").unwrap_or(f64::NAN),
-        decode: rate(&text, "Generation:", "tokens-per-sec").unwrap_or(f64::NAN),
-        rss: rss as f64 / 1e9,
-    }
-}
-
-fn medians(runs: &[Run]) -> Run {
-    Run {
+fn medians(runs: &[Generation]) -> Generation {
+    Generation {
         prefill: median(runs.iter().map(|r| r.prefill).collect()),
         decode: median(runs.iter().map(|r| r.decode).collect()),
-        rss: median(runs.iter().map(|r| r.rss).collect()),
+        peak_rss: median(runs.iter().map(|r| r.peak_rss as f64).collect()) as u64,
     }
+}
+
+fn gb(bytes: u64) -> f64 {
+    bytes as f64 / 1e9
 }
 
 fn main() {
@@ -106,12 +74,12 @@ fn main() {
         };
         let (mut o, mut p) = (vec![], vec![]);
         for round in 0..rounds {
-            o.push(ours(&dir));
-            p.push(peer(&python, &dir));
+            o.push(ours_run(&dir, PROMPT, TOKENS, &[]));
+            p.push(peer_run(&python, &dir, PROMPT, TOKENS));
             let (a, b) = (o.last().unwrap(), p.last().unwrap());
             eprintln!(
                 "{which} round {round}: ours prefill {:.2} decode {:.2} rss {:.2} GB | mlx-lm prefill {:.2} decode {:.2} rss {:.2} GB",
-                a.prefill, a.decode, a.rss, b.prefill, b.decode, b.rss
+                a.prefill, a.decode, gb(a.peak_rss), b.prefill, b.decode, gb(b.peak_rss)
             );
         }
         rows.push((name, medians(&o), medians(&p)));
@@ -122,17 +90,21 @@ fn main() {
     for (name, o, p) in rows {
         println!(
             "| {name} | mlx-runner | {:.2} | {:.2} | {:.2} |",
-            o.prefill, o.decode, o.rss
+            o.prefill,
+            o.decode,
+            gb(o.peak_rss)
         );
         println!(
             "| | mlx-lm | {:.2} | {:.2} | {:.2} |",
-            p.prefill, p.decode, p.rss
+            p.prefill,
+            p.decode,
+            gb(p.peak_rss)
         );
         println!(
             "| | ratio | {:.1}x | {:.1}x | {:.2} |",
             o.prefill / p.prefill,
             o.decode / p.decode,
-            o.rss / p.rss
+            gb(o.peak_rss) / gb(p.peak_rss)
         );
     }
 }

@@ -270,30 +270,38 @@ pub fn system_openblas() -> Option<&'static str> {
     .find(|p| std::path::Path::new(p).exists())
 }
 
-/// `mlx-runner generate` on `model`: (prefill tok/s, decode tok/s).
-pub fn ours_generate(model: &std::path::Path, prompt: &str, tokens: &str) -> (f64, f64) {
-    ours_generate_env(model, prompt, tokens, &[])
+/// One `generate` run: prefill and decode tokens/s, and the process's peak resident memory.
+pub struct Generation {
+    pub prefill: f64,
+    pub decode: f64,
+    pub peak_rss: u64,
 }
 
-/// [`ours_generate`] with extra environment (a model store, say).
-pub fn ours_generate_env(
+/// `mlx-runner generate` on `model`: (prefill tok/s, decode tok/s).
+pub fn ours_generate(model: &std::path::Path, prompt: &str, tokens: &str) -> (f64, f64) {
+    let g = ours_run(model, prompt, tokens, &[]);
+    (g.prefill, g.decode)
+}
+
+/// `mlx-runner generate` on `model`, with extra environment (a model store, say).
+pub fn ours_run(
     model: &std::path::Path,
     prompt: &str,
     tokens: &str,
     env: &[(&str, &std::ffi::OsStr)],
-) -> (f64, f64) {
-    let out = Command::new(env!("CARGO_BIN_EXE_mlx-runner"))
-        .args(["generate", "--model"])
-        .arg(model)
-        .args(["--prompt", prompt, "-n", tokens])
-        .envs(env.iter().copied())
-        .output()
-        .expect("run mlx-runner");
-    let err = String::from_utf8_lossy(&out.stderr);
-    (
-        rate(&err, "prompt:", "tok/s").unwrap_or(f64::NAN),
-        rate(&err, "generated:", "tok/s").unwrap_or(f64::NAN),
-    )
+) -> Generation {
+    let (_, err, peak_rss) = output_with_peak_rss(
+        Command::new(env!("CARGO_BIN_EXE_mlx-runner"))
+            .args(["generate", "--model"])
+            .arg(model)
+            .args(["--prompt", prompt, "-n", tokens])
+            .envs(env.iter().copied()),
+    );
+    Generation {
+        prefill: rate(&err, "prompt:", "tok/s").unwrap_or(f64::NAN),
+        decode: rate(&err, "generated:", "tok/s").unwrap_or(f64::NAN),
+        peak_rss,
+    }
 }
 
 /// `mlx_lm generate` (the peer) on `model`: (prefill tok/s, decode tok/s).
@@ -303,6 +311,17 @@ pub fn peer_generate(
     prompt: &str,
     tokens: &str,
 ) -> (f64, f64) {
+    let g = peer_run(python, model, prompt, tokens);
+    (g.prefill, g.decode)
+}
+
+/// `mlx_lm generate` (the peer) on `model`, OpenBLAS preloaded.
+pub fn peer_run(
+    python: &std::path::Path,
+    model: &std::path::Path,
+    prompt: &str,
+    tokens: &str,
+) -> Generation {
     let mut peer = Command::new(python);
     peer.args(["-m", "mlx_lm", "generate", "--model"])
         .arg(model)
@@ -310,13 +329,13 @@ pub fn peer_generate(
     if let Some(lib) = system_openblas() {
         peer.env("LD_PRELOAD", lib);
     }
-    let out = peer.output().expect("run mlx_lm");
-    let text =
-        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    (
-        rate(&text, "Prompt:", "tokens-per-sec").unwrap_or(f64::NAN),
-        rate(&text, "Generation:", "tokens-per-sec").unwrap_or(f64::NAN),
-    )
+    let (out, err, peak_rss) = output_with_peak_rss(&mut peer);
+    let text = out + &err;
+    Generation {
+        prefill: rate(&text, "Prompt:", "tokens-per-sec").unwrap_or(f64::NAN),
+        decode: rate(&text, "Generation:", "tokens-per-sec").unwrap_or(f64::NAN),
+        peak_rss,
+    }
 }
 
 /// The fixture generator's English corpus, repeated, cut at `chars` characters: a prompt of
@@ -360,11 +379,11 @@ pub fn quantized_model(python: &Path, base: &Path, bits: u32, group: u32) -> Opt
     Some(dir)
 }
 
-/// Runs `cmd` to completion: (stdout + stderr, the child's peak resident memory in bytes), read
-/// from `wait4`'s rusage, so each child is measured alone (a measure both sides share).
+/// Runs `cmd` to completion: (stdout, stderr, the child's peak resident memory in bytes), the
+/// last read from `wait4`'s rusage, so each child is measured alone (a measure both sides share).
 // The child is reaped by `wait4` (which also reports its rusage), not by `Child::wait`.
 #[allow(clippy::zombie_processes)]
-pub fn output_with_peak_rss(cmd: &mut Command) -> (String, u64) {
+pub fn output_with_peak_rss(cmd: &mut Command) -> (String, String, u64) {
     use std::io::Read;
     use std::process::Stdio;
     let mut child = cmd
@@ -379,13 +398,13 @@ pub fn output_with_peak_rss(cmd: &mut Command) -> (String, u64) {
         let _ = out.read_to_string(&mut s);
         s
     });
-    let mut text = String::new();
-    let _ = err.read_to_string(&mut text);
-    text = reader.join().unwrap() + &text;
+    let mut stderr = String::new();
+    let _ = err.read_to_string(&mut stderr);
+    let stdout = reader.join().unwrap();
     let mut status = 0;
     // SAFETY: rusage is plain data written by the kernel; the pid is our own unwaited child.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     let pid = child.id() as libc::pid_t;
     unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
-    (text, usage.ru_maxrss as u64 * 1024)
+    (stdout, stderr, usage.ru_maxrss as u64 * 1024)
 }
