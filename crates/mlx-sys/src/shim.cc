@@ -579,6 +579,24 @@ ArrPtr layer_norm(const Arr& x, const Arr* w, const Arr* b, float eps) {
   return wrap(mx::fast::layer_norm(x.a, opt(w), opt(b), eps));
 }
 
+namespace {
+// RoPE at an array offset (MLX's integer-offset overload wraps its offset the same way).
+ArrPtr rope_at(
+    const mx::array& x,
+    int32_t dims,
+    bool traditional,
+    float base,
+    bool has_base,
+    float scale,
+    const mx::array& offset,
+    const Arr* freqs) {
+  std::optional<float> b = has_base ? std::optional<float>(base) : std::nullopt;
+  if (auto out = cpu_rope(x, dims, traditional, b, scale, offset, opt(freqs)))
+    return wrap(std::move(*out));
+  return wrap(mx::fast::rope(x, dims, traditional, b, scale, offset, opt(freqs)));
+}
+}  // namespace
+
 ArrPtr rope(
     const Arr& x,
     int32_t dims,
@@ -588,10 +606,7 @@ ArrPtr rope(
     float scale,
     int32_t offset,
     const Arr* freqs) {
-  std::optional<float> b = has_base ? std::optional<float>(base) : std::nullopt;
-  if (auto out = cpu_rope(x.a, dims, traditional, b, scale, mx::array(offset, mx::int32), opt(freqs)))
-    return wrap(std::move(*out));
-  return wrap(mx::fast::rope(x.a, dims, traditional, b, scale, offset, opt(freqs)));
+  return rope_at(x.a, dims, traditional, base, has_base, scale, mx::array(offset, mx::int32), freqs);
 }
 
 ArrPtr rope_dynamic(
@@ -603,10 +618,7 @@ ArrPtr rope_dynamic(
     float scale,
     const Arr& offset,
     const Arr* freqs) {
-  std::optional<float> b = has_base ? std::optional<float>(base) : std::nullopt;
-  if (auto out = cpu_rope(x.a, dims, traditional, b, scale, offset.a, opt(freqs)))
-    return wrap(std::move(*out));
-  return wrap(mx::fast::rope(x.a, dims, traditional, b, scale, offset.a, opt(freqs)));
+  return rope_at(x.a, dims, traditional, base, has_base, scale, offset.a, freqs);
 }
 
 ArrPtr sdpa(
