@@ -4,12 +4,12 @@ the fixture tokenizer. Usage: python benches/make_bench_model.py OUT_DIR
 """
 import json
 import os
-import shutil
 import sys
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import gemma4_text
+from padded_tokenizer import write_padded_tokenizer
 
 CONFIG = {
     "model_type": "gemma4_text",
@@ -59,17 +59,7 @@ def main():
     mx.save_safetensors(os.path.join(out, "model.safetensors"), params, metadata={"format": "mlx"})
     json.dump(CONFIG, open(os.path.join(out, "config.json"), "w"), indent=2)
     fixture = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "models", "gemma4_31b_like")
-    for f in ("tokenizer_config.json", "generation_config.json"):
-        shutil.copy(os.path.join(fixture, f), os.path.join(out, f))
-    # The fixture tokenizer, padded with unused special tokens to the model's vocabulary so
-    # that every id a random model emits decodes (real gemma vocabularies are large too).
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_file(os.path.join(fixture, "tokenizer.json"))
-    pad = [AddedToken(f"<unused{i}>", special=True) for i in range(CONFIG["vocab_size"] - tok.get_vocab_size())]
-    tok.add_special_tokens(pad)
-    assert tok.get_vocab_size() == CONFIG["vocab_size"]
-    tok.save(os.path.join(out, "tokenizer.json"))
+    write_padded_tokenizer(fixture, out, CONFIG["vocab_size"])
     n = sum(v.size for v in params.values())
     print(f"wrote {out}: {n / 1e6:.1f}M parameters")
 

@@ -15,13 +15,12 @@ every matrix a token touches is read, which is what decode speed depends on.
 """
 import json
 import os
-import shutil
 import sys
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import quantize_model
+from padded_tokenizer import write_padded_tokenizer
 
 GROUP, BITS = 64, 4
 
@@ -137,7 +136,7 @@ def main():
             params[k] = mx.ones(v.shape) + 0.05 * mx.random.normal(v.shape)
         elif v.ndim >= 1:
             params[k] = mx.random.normal(v.shape) * (v.shape[-1] ** -0.5)
-    # Shards of about 1 GB, written one at a time so peak memory stays near one shard.
+    # Shards of about 1 GB, as published checkpoints come (the loaders read the index).
     shards, cur, size = [], {}, 0
     for k in sorted(params):
         cur[k] = params[k]
@@ -153,28 +152,17 @@ def main():
         mx.eval(shard)
         mx.save_safetensors(os.path.join(out, name), shard, metadata={"format": "mlx"})
         index.update({k: name for k in shard})
-        del shard
-        shards[n] = None
     json.dump(
         {"metadata": {}, "weight_map": index},
         open(os.path.join(out, "model.safetensors.index.json"), "w"),
         indent=2,
     )
     json.dump(qconfig, open(os.path.join(out, "config.json"), "w"), indent=2)
-    # The fixture model's tokenizer, padded with unused special tokens to the full vocabulary
-    # so that every id a random model emits decodes.
-    from tokenizers import AddedToken, Tokenizer
-
     here = os.path.dirname(os.path.abspath(__file__))
     fixture = os.path.join(
         here, "..", "tests", "fixtures", "models", {"e2b": "gemma4_e2b_like", "glm": "glm4_moe_lite"}[which]
     )
-    for f in ("tokenizer_config.json", "generation_config.json"):
-        shutil.copy(os.path.join(fixture, f), os.path.join(out, f))
-    tok = Tokenizer.from_file(os.path.join(fixture, "tokenizer.json"))
-    pad = [AddedToken(f"<unused{i}>", special=True) for i in range(config["vocab_size"] - tok.get_vocab_size())]
-    tok.add_special_tokens(pad)
-    tok.save(os.path.join(out, "tokenizer.json"))
+    write_padded_tokenizer(fixture, out, config["vocab_size"])
     print(f"wrote {out}")
 
 
