@@ -131,8 +131,8 @@ pub fn gelu_tanh(x: &Array) -> Result<Array> {
 }
 
 /// Turns mlx-runner's fused CPU kernels on (the default) or off: off, RMS norm, RoPE, attention
-/// and GELU are MLX's op graphs (for comparisons and the kernels' exactness tests). Applies to
-/// graphs built after the call.
+/// and GELU are MLX's op graphs and few-row matmuls MLX's own (for comparisons and the kernels'
+/// exactness tests). Applies to graphs built after the call.
 pub fn set_fused_kernels(on: bool) {
     ffi::set_fused_kernels(on)
 }
