@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <condition_variable>
 #include <functional>
@@ -22,13 +23,20 @@
 
 namespace mlxr {
 
-// The caller and (cores - 1) workers.
+// The caller and (cores - 1) workers, sharing each job's chunks through an atomic counter.
+//
+// A job's chunks are claimed one at a time by whoever is running, so a worker that wakes late
+// (or loses its core to the engine's main thread for a while) only does fewer of them; the
+// caller never waits for a worker that has not joined, only for one still inside a chunk. On
+// this project's 2-core machines the engine's main thread, MLX's stream thread and the worker
+// share two cores, and a static half each made the stream thread wait in sched_yield for the
+// preempted worker's half (4-5% of a 4-bit decode's samples, `perf record`).
 class Pool {
  public:
   Pool() {
     unsigned n = std::max(1u, std::thread::hardware_concurrency());
     for (unsigned i = 1; i < n; ++i) {
-      workers_.emplace_back([this, i] { work(i); });
+      workers_.emplace_back([this] { work(); });
     }
   }
 
@@ -40,27 +48,47 @@ class Pool {
 
   size_t size() const { return workers_.size() + 1; }
 
-  // Runs f(part) for part in [0, size()), the caller taking part 0; returns when all are done.
-  // A decode step makes ~100 calls of tens of microseconds each: workers spin briefly on the
-  // generation counter before sleeping, so handing out work costs far less than a wake-up.
-  void run(const std::function<void(size_t)>& f) {
-    if (workers_.empty()) {
-      f(0);
+  // Runs f(chunk) for every chunk in [0, chunks), on the caller and whichever workers join;
+  // returns when all are done.
+  void run(size_t chunks, const std::function<void(size_t)>& f) {
+    if (workers_.empty() || chunks <= 1) {
+      for (size_t c = 0; c < chunks; ++c) f(c);
       return;
     }
     std::lock_guard<std::mutex> one(run_m_);
     task_ = &f;
-    pending_.store(workers_.size());
+    chunks_ = chunks;
+    next_.store(0, std::memory_order_relaxed);
+    // Open, no one inside. Release: a worker whose join reads it sees the job above.
+    state_.store(0, std::memory_order_release);
     bump();
-    f(0);
-    for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
+    drain();
+    // Close the job to late joiners, then wait for those inside (each finishing one chunk).
+    state_.fetch_or(kClosed, std::memory_order_acq_rel);
+    for (int spin = 0; (state_.load(std::memory_order_acquire) & ~kClosed) != 0; ++spin) {
       if (spin > 1000) std::this_thread::yield();
     }
     task_ = nullptr;
   }
 
  private:
-  void work(size_t part) {
+  static constexpr uint32_t kClosed = 1u << 30;
+
+  void drain() {
+    for (size_t c; (c = next_.fetch_add(1, std::memory_order_relaxed)) < chunks_;) (*task_)(c);
+  }
+
+  // Joins the open job, if any, and takes chunks until none are left.
+  void join() {
+    uint32_t s = state_.load(std::memory_order_acquire);
+    do {
+      if (s & kClosed) return;
+    } while (!state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel));
+    drain();
+    state_.fetch_sub(1, std::memory_order_release);
+  }
+
+  void work() {
     // The generation the pool started at, not whatever it is by the time this thread runs: a
     // first call may already have been handed out.
     uint64_t seen = 0;
@@ -70,9 +98,9 @@ class Pool {
         g = generation_.load(std::memory_order_acquire);
         if (g != seen) break;
         // Long enough to span the few small ops between two products of a decode step, short
-        // enough not to take a core from MLX's stream thread and the caller for long: on this
-        // 2-core machine 2000 pauses gave a 4-bit decode step of 6.0-6.3 ms against 7.0-7.4 ms
-        // with 20000 and 7.6-9.1 ms with 200-500 (`cargo bench --bench step`).
+        // enough not to take a core from MLX's stream thread and the caller for long: on a
+        // 2-core Zen 4 machine 2000 pauses gave a 4-bit decode step of 6.0-6.3 ms against
+        // 7.0-7.4 ms with 20000 and 7.6-9.1 ms with 200-500 (`cargo bench --bench step`).
         if (spin < 2000) {
           _mm_pause();
         } else {
@@ -85,8 +113,7 @@ class Pool {
       }
       seen = g;
       if (stop_.load()) return;
-      (*task_)(part);
-      pending_.fetch_sub(1, std::memory_order_acq_rel);
+      join();
     }
   }
 
@@ -100,7 +127,10 @@ class Pool {
   std::mutex run_m_, sleep_m_;
   std::condition_variable sleep_cv_;
   const std::function<void(size_t)>* task_ = nullptr;
-  std::atomic<size_t> pending_{0};
+  size_t chunks_ = 0;
+  std::atomic<size_t> next_{0};
+  // kClosed once the caller has finished, plus the number of workers inside the job.
+  std::atomic<uint32_t> state_{kClosed};
   std::atomic<uint64_t> generation_{0};
   std::atomic<bool> stop_{false};
 };
@@ -110,21 +140,19 @@ inline Pool& pool() {
   return p;
 }
 
-
-// Runs f(r0, r1) over rows [0, n) split across the pool, in at most one part per
-// `min_per_part` rows: small jobs stay on the calling thread.
+// Runs f(r0, r1) over rows [0, n) in chunks of at least `min_per_chunk` rows, a few per thread
+// so that whoever is running takes the next one; small jobs stay on the calling thread.
 template <class F>
-void for_rows(size_t n, size_t min_per_part, const F& f) {
+void for_rows(size_t n, size_t min_per_chunk, const F& f) {
   auto& p = pool();
-  const size_t parts = std::min(p.size(), std::max<size_t>(1, n / min_per_part));
-  if (parts == 1) {
+  constexpr size_t kChunksPerThread = 8;
+  const size_t chunks =
+      std::min(p.size() * kChunksPerThread, std::max<size_t>(1, n / min_per_chunk));
+  if (chunks == 1 || p.size() == 1) {
     f(0, n);
     return;
   }
-  p.run([&](size_t part) {
-    if (part >= parts) return;
-    f(n * part / parts, n * (part + 1) / parts);
-  });
+  p.run(chunks, [&](size_t c) { f(n * c / chunks, n * (c + 1) / chunks); });
 }
 
 inline bool has_avx2() {
@@ -138,6 +166,61 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
   lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
   return _mm_cvtss_f32(lo);
+}
+
+// tanh-approximated GELU: 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³))), shared by the GELU op and
+// the fused quantized GeGLU so that both give the same values.
+//
+// Computed as x · sigmoid(2y) = x / (1 + exp(−2y)), the same function: one exponential, no
+// cancellation in 1 + tanh(y) for very negative x. The AVX2 exponential is the usual range
+// reduction to 2^n · e^r with a degree-6 polynomial (relative error ~1e-7); libm's tanhf was
+// a twentieth of a 4-bit decode step.
+
+inline constexpr float kGeluC = 0.7978845608028654f;
+
+__attribute__((target("avx2,fma"))) inline __m256 exp_avx(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(
+      _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline void gelu_scalar(const float* x, float* o, size_t i0, size_t i1) {
+  for (size_t i = i0; i < i1; ++i) {
+    const float v = x[i];
+    o[i] = v / (1.0f + std::exp(-2.0f * kGeluC * (v + 0.044715f * v * v * v)));
+  }
+}
+
+// Every element goes through the vector code, the last few in a padded block: the value of an
+// element does not depend on where a call's range starts or ends (the fused GeGLU's column
+// chunks get what one GELU over the whole array gives).
+__attribute__((target("avx2,fma"))) inline __m256 gelu_v(__m256 v) {
+  const __m256 c = _mm256_set1_ps(-2.0f * kGeluC), k = _mm256_set1_ps(0.044715f);
+  const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(v, v), v), k, v);
+  const __m256 e = exp_avx(_mm256_mul_ps(inner, c));
+  return _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+__attribute__((target("avx2,fma"))) inline void gelu_avx(const float* x, float* o, size_t i0, size_t i1) {
+  size_t i = i0;
+  for (; i + 8 <= i1; i += 8) _mm256_storeu_ps(o + i, gelu_v(_mm256_loadu_ps(x + i)));
+  if (i < i1) {
+    float in[8] = {}, res[8];
+    std::copy(x + i, x + i1, in);
+    _mm256_storeu_ps(res, gelu_v(_mm256_loadu_ps(in)));
+    std::copy(res, res + (i1 - i), o + i);
+  }
 }
 
 // `a` as row-major data: its own buffer when it is one, else a copy into `tmp`.

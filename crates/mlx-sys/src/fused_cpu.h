@@ -9,7 +9,14 @@
 namespace mlxr {
 
 // The kinds, for the counters tests read.
-enum class FusedKind : uint8_t { RmsNorm = 0, Rope = 1, Sdpa = 2, GeluTanh = 3, Matmul = 4 };
+enum class FusedKind : uint8_t {
+  RmsNorm = 0,
+  Rope = 1,
+  Sdpa = 2,
+  GeluTanh = 3,
+  Matmul = 4,
+  Softcap = 5,
+};
 
 // Each returns the fused primitive's output, or nullopt when it does not apply (not the CPU, not
 // float32, a shape it does not take): the caller then builds MLX's own graph.
@@ -17,6 +24,13 @@ std::optional<mlx::core::array> cpu_rms_norm(
     const mlx::core::array& x,
     const std::optional<mlx::core::array>& w,
     float eps);
+
+// residual + rms_norm(x, w, eps), residual of x's shape.
+std::optional<mlx::core::array> cpu_rms_norm_residual(
+    const mlx::core::array& x,
+    const std::optional<mlx::core::array>& w,
+    float eps,
+    const mlx::core::array& residual);
 
 std::optional<mlx::core::array> cpu_rope(
     const mlx::core::array& x,
@@ -38,11 +52,17 @@ std::optional<mlx::core::array> cpu_sdpa(
 
 std::optional<mlx::core::array> cpu_gelu_tanh(const mlx::core::array& x);
 
+// cap · tanh(x / cap): logit soft-capping.
+std::optional<mlx::core::array> cpu_softcap(const mlx::core::array& x, float cap);
+
 // x [..., K] @ w [K, N] for a few rows of x and a loaded (evaluated, row-major) float32 w.
 std::optional<mlx::core::array> cpu_matmul(const mlx::core::array& x, const mlx::core::array& w);
 
 // Turns the fused kernels on (the default) or off (MLX's own graphs everywhere).
 void set_fused_cpu_enabled(bool on);
+
+// Whether the fused kernels are on.
+bool fused_cpu_enabled();
 
 // Evaluations of each kind so far.
 uint64_t fused_cpu_count(FusedKind kind);

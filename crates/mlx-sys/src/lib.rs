@@ -225,6 +225,19 @@ pub mod ffi {
             group_size: i32,
             bits: i32,
         ) -> Result<UniquePtr<Arr>>;
+        /// `gelu_tanh(x @ dequantize(gate)ᵀ) * (x @ dequantize(up)ᵀ)`, one op on the CPU.
+        #[allow(clippy::too_many_arguments)]
+        fn quantized_geglu(
+            x: &Arr,
+            gate_w: &Arr,
+            gate_scales: &Arr,
+            gate_biases: &Arr,
+            up_w: &Arr,
+            up_scales: &Arr,
+            up_biases: &Arr,
+            group_size: i32,
+            bits: i32,
+        ) -> Result<UniquePtr<Arr>>;
         /// Turns mlx-runner's CPU quantized-matmul kernel on (the default) or off.
         /// Primitives still to run in the graphs behind `v`, one `name count` line per kind.
         fn graph_ops(v: &ArrVec) -> String;
@@ -246,6 +259,13 @@ pub mod ffi {
 
         // fast
         unsafe fn rms_norm(x: &Arr, w: *const Arr, eps: f32) -> Result<UniquePtr<Arr>>;
+        /// `residual + rms_norm(x, w, eps)`, one op on the CPU.
+        unsafe fn rms_norm_residual(
+            x: &Arr,
+            w: *const Arr,
+            eps: f32,
+            residual: &Arr,
+        ) -> Result<UniquePtr<Arr>>;
         unsafe fn layer_norm(
             x: &Arr,
             w: *const Arr,
@@ -282,9 +302,12 @@ pub mod ffi {
             sinks: *const Arr,
         ) -> Result<UniquePtr<Arr>>;
         fn gelu_tanh(x: &Arr) -> Result<UniquePtr<Arr>>;
+        /// `cap · tanh(x / cap)`.
+        fn softcap(x: &Arr, cap: f32) -> Result<UniquePtr<Arr>>;
         /// Turns mlx-runner's fused CPU kernels (RMS norm, RoPE, attention, GELU) on or off.
         fn set_fused_kernels(on: bool);
-        /// Evaluations of one fused kernel: 0 RMS norm, 1 RoPE, 2 attention, 3 GELU, 4 few-row matmul.
+        /// Evaluations of one fused kernel: 0 RMS norm, 1 RoPE, 2 attention, 3 GELU, 4 few-row matmul,
+        /// 5 soft-capping.
         fn fused_kernel_count(kind: u8) -> u64;
 
         // random

@@ -13,6 +13,7 @@
 
 #include "mlx-sys/src/qmm_cpu.h"
 #include "mlx-sys/src/cpu_common.h"
+#include "mlx-sys/src/fused_cpu.h"
 
 #include <dlfcn.h>
 #include <immintrin.h>
@@ -78,16 +79,25 @@ __attribute__((target("avx2,fma"))) void qmv_rows(
   constexpr int UNIT = 8 * P;
   const int units = s.K / UNIT, words = s.K / P, groups = s.K / s.group;
   const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+  // Units per group as a shift (groups and units are powers of two; no division per unit).
+  const int unit_shift = s.group >= UNIT ? __builtin_ctz(s.group / UNIT) : 0;
   for (int n = n0; n < n1; ++n) {
     const uint32_t* wr = w + (size_t)n * words;
     const float* sr = scales + (size_t)n * groups;
     const float* br = biases + (size_t)n * groups;
+    // The scales and biases are two more streams beside the packed words; a few rows ahead
+    // of use they arrive before they are needed.
+    _mm_prefetch(reinterpret_cast<const char*>(sr + 4 * groups), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(br + 4 * groups), _MM_HINT_T0);
     __m256 tot[R];
     for (int r = 0; r < R; ++r) tot[r] = _mm256_setzero_ps();
     for (int u = 0; u < units; ++u) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr + u * 8) + 2048, _MM_HINT_T0);
       __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + u * 8));
-      // Independent chains per row: one FMA chain would wait on its own latency every step.
-      constexpr int A = R == 1 ? 4 : (R == 2 ? 2 : 1);
+      // Independent chains per row: one FMA chain would wait on its own latency every step;
+      // more than two per row cost more in the adds that join them than they gain (one row
+      // over a decode step's matrices: 21.7 GB/s with two, 21.0 with four, 20.5 with one).
+      constexpr int A = R <= 2 ? 2 : 1;
       __m256 acc[R][A];
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < A; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -105,21 +115,24 @@ __attribute__((target("avx2,fma"))) void qmv_rows(
       for (int r = 0; r < R; ++r)
         for (int c = 1; c < A; ++c) acc[r][0] = _mm256_add_ps(acc[r][0], acc[r][c]);
       // The scale of each lane's group.
-      const int first = u * UNIT;
       __m256 sv;
       if (s.group >= UNIT) {
-        sv = _mm256_set1_ps(sr[first / s.group]);
+        sv = _mm256_set1_ps(sr[u >> unit_shift]);
       } else {
         // group == 32 with 4-bit: lanes 0-3 and 4-7 are two groups.
-        float a = sr[first / s.group], b = sr[(first + UNIT / 2) / s.group];
+        const float a = sr[2 * u], b = sr[2 * u + 1];
         sv = _mm256_setr_ps(a, a, a, a, b, b, b, b);
       }
       for (int r = 0; r < R; ++r) tot[r] = _mm256_fmadd_ps(acc[r][0], sv, tot[r]);
     }
     for (int r = 0; r < R; ++r) {
-      float bias = 0;
       const float* xs = xsum + (size_t)r * groups;
-      for (int g = 0; g < groups; ++g) bias += br[g] * xs[g];
+      __m256 bv = _mm256_setzero_ps();
+      int g = 0;
+      for (; g + 8 <= groups; g += 8)
+        bv = _mm256_fmadd_ps(_mm256_loadu_ps(br + g), _mm256_loadu_ps(xs + g), bv);
+      float bias = hsum(bv);
+      for (; g < groups; ++g) bias += br[g] * xs[g];
       out[(size_t)r * s.N + n] = hsum(tot[r]) + bias;
     }
   }
@@ -174,6 +187,54 @@ void qmv_block(
   }
 }
 
+// x permuted for the packed layout (permute_x) and its per-group sums, shared by every product
+// of one call with the same x.
+struct PreparedX {
+  const float* xt;
+  const float* xsum;
+};
+
+PreparedX prepare_x(const float* x, const Shape& s) {
+  const int groups = s.K / s.group;
+  // Reused between calls (the stream's thread makes them one at a time).
+  thread_local std::vector<float> xt_buf, xsum_buf;
+  xt_buf.resize((size_t)s.M * s.K);
+  xsum_buf.resize((size_t)s.M * groups);
+  for (int m = 0; m < s.M; ++m) {
+    permute_x(x + (size_t)m * s.K, xt_buf.data() + (size_t)m * s.K, s);
+    for (int g = 0; g < groups; ++g) {
+      float t = 0;
+      for (int k = g * s.group; k < (g + 1) * s.group; ++k) t += x[(size_t)m * s.K + k];
+      xsum_buf[(size_t)m * groups + g] = t;
+    }
+  }
+  // Plain pointers: inside a pool job a thread-local would name the worker's own copy.
+  return {xt_buf.data(), xsum_buf.data()};
+}
+
+// Output rows [n0, n1) of every row of x (AVX2 only).
+void qmv_range(
+    const PreparedX& px,
+    const uint32_t* w,
+    const float* sc,
+    const float* bi,
+    float* out,
+    const Shape& s,
+    int n0,
+    int n1) {
+  const int groups = s.K / s.group;
+  for (int m = 0; m < s.M; m += 4) {
+    int rows = std::min(4, s.M - m);
+    const float* xr = px.xt + (size_t)m * s.K;
+    const float* xs = px.xsum + (size_t)m * groups;
+    float* o = out + (size_t)m * s.N;
+    if (s.bits == 4)
+      qmv_block<4>(xr, xs, w, sc, bi, o, s, rows, n0, n1);
+    else
+      qmv_block<8>(xr, xs, w, sc, bi, o, s, rows, n0, n1);
+  }
+}
+
 void qmv(
     const float* x,
     const uint32_t* w,
@@ -187,33 +248,9 @@ void qmv(
     });
     return;
   }
-  const int groups = s.K / s.group;
-  // Reused between calls (the stream's thread makes them one at a time).
-  thread_local std::vector<float> xt_buf, xsum_buf;
-  xt_buf.resize((size_t)s.M * s.K);
-  xsum_buf.resize((size_t)s.M * groups);
-  // Plain pointers: inside the lambda below a thread-local would name the worker's own copy.
-  float* const xt = xt_buf.data();
-  float* const xsum = xsum_buf.data();
-  for (int m = 0; m < s.M; ++m) {
-    permute_x(x + (size_t)m * s.K, xt + (size_t)m * s.K, s);
-    for (int g = 0; g < groups; ++g) {
-      float t = 0;
-      for (int k = g * s.group; k < (g + 1) * s.group; ++k) t += x[(size_t)m * s.K + k];
-      xsum[(size_t)m * groups + g] = t;
-    }
-  }
+  const PreparedX px = prepare_x(x, s);
   for_rows(s.N, 1, [&](size_t n0, size_t n1) {
-    for (int m = 0; m < s.M; m += 4) {
-      int rows = std::min(4, s.M - m);
-      const float* xr = xt + (size_t)m * s.K;
-      const float* xs = xsum + (size_t)m * groups;
-      float* o = out + (size_t)m * s.N;
-      if (s.bits == 4)
-        qmv_block<4>(xr, xs, w, sc, bi, o, s, rows, (int)n0, (int)n1);
-      else
-        qmv_block<8>(xr, xs, w, sc, bi, o, s, rows, (int)n0, (int)n1);
-    }
+    qmv_range(px, w, sc, bi, out, s, (int)n0, (int)n1);
   });
 }
 
@@ -374,6 +411,65 @@ struct QuantizedMatmulOp {
   }
 };
 
+// gelu_tanh(x @ dequantize(gate)ᵀ) ⊙ (x @ dequantize(up)ᵀ): gemma4's MLP before its down
+// projection, in one op instead of four (two products, the GELU, the product of the two), and
+// for few rows one pass over the pool: each chunk of output columns computes its gate and up
+// values and combines them while they are in cache. The values are the unfused kernels' own
+// (the same products, the same GELU, one float32 multiply).
+struct QuantizedGegluOp {
+  struct Params {
+    int group, bits;
+    bool operator==(const Params&) const = default;
+  };
+  static constexpr const char* name = "MlxrCpuQuantizedGeglu";
+
+  static void combine(const float* g, const float* u, float* o, size_t n) {
+    if (has_avx2()) {
+      gelu_avx(g, o, 0, n);
+    } else {
+      gelu_scalar(g, o, 0, n);
+    }
+    for (size_t i = 0; i < n; ++i) o[i] *= u[i];
+  }
+
+  static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
+    const auto& x = in[0];
+    const Shape s{(int)(x.size() / x.shape(-1)), (int)in[1].shape(0), (int)x.shape(-1), p.bits, p.group};
+    std::vector<float> xc, gsc, gbc, usc, ubc;
+    std::vector<uint32_t> gwc, uwc;
+    const float* xp = dense(x, xc);
+    const uint32_t* gw = dense(in[1], gwc);
+    const float* gs = dense(in[2], gsc);
+    const float* gb = dense(in[3], gbc);
+    const uint32_t* uw = dense(in[4], uwc);
+    const float* us = dense(in[5], usc);
+    const float* ub = dense(in[6], ubc);
+    float* o = out.data<float>();
+    const size_t total = (size_t)s.M * s.N;
+    std::vector<float> up(total);
+    if (s.M >= SGEMM_ROWS || !has_avx2()) {
+      std::vector<float> gate(total);
+      product(xp, gw, gs, gb, gate.data(), s);
+      product(xp, uw, us, ub, up.data(), s);
+      for_rows(total, 1 << 14, [&](size_t i0, size_t i1) {
+        combine(gate.data() + i0, up.data() + i0, o + i0, i1 - i0);
+      });
+      return;
+    }
+    const PreparedX px = prepare_x(xp, s);
+    std::vector<float> gate(total);
+    for_rows(s.N, 1, [&](size_t n0, size_t n1) {
+      qmv_range(px, gw, gs, gb, gate.data(), s, (int)n0, (int)n1);
+      qmv_range(px, uw, us, ub, up.data(), s, (int)n0, (int)n1);
+      for (int m = 0; m < s.M; ++m) {
+        const size_t at = (size_t)m * s.N + n0;
+        combine(gate.data() + at, up.data() + at, o + at, n1 - n0);
+      }
+    });
+    g_rows_path.fetch_add(2);
+  }
+};
+
 // x [B, M, K], w [E, N, K·bits/32], scales and biases [E, N, K/group],
 // idx [B] (uint32) → out [B, M, N]: row block b times expert idx[b]. With one row per block,
 // consecutive blocks of the same expert (MLX sorts them for prefill) are one matrix product,
@@ -419,6 +515,39 @@ struct GatherQuantizedMatmulOp {
       }
       b += run;
     }
+  }
+};
+
+// dequantize(w): w [..., N, K·bits/32], scales and biases [..., N, K/group] → [..., N, K]. A
+// quantized embedding lookup (a gather of rows, then this) is one op here where MLX's CPU
+// graph for it is ~20 (shifts, masks, broadcasts, a concatenation) every decode step.
+struct DequantizeOp {
+  struct Params {
+    int group, bits;
+    bool operator==(const Params&) const = default;
+  };
+  static constexpr const char* name = "MlxrCpuDequantize";
+
+  static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
+    const auto& w = in[0];
+    const int K = (int)w.shape(-1) * per_word(p.bits);
+    const int N = (int)(w.size() / w.shape(-1));
+    const Shape s{1, N, K, p.bits, p.group};
+    std::vector<uint32_t> wc;
+    std::vector<float> scc, bic;
+    const uint32_t* wp = dense(w, wc);
+    const float* sp = dense(in[1], scc);
+    const float* bp = dense(in[2], bic);
+    float* o = out.data<float>();
+    // Rows of at least 16 KB of output per chunk: a lookup of a few rows stays on this thread.
+    for_rows(N, std::max(1, 4096 / K), [&](size_t n0, size_t n1) {
+      float* dst = o + n0 * K;
+      if (has_avx2()) {
+        dequantize_rows_avx(wp, sp, bp, dst, s, (int)n0, (int)n1, 0, K);
+      } else {
+        dequantize_rows(wp, sp, bp, dst, s, (int)n0, (int)n1, 0, K);
+      }
+    });
   }
 };
 
@@ -497,6 +626,48 @@ std::optional<mx::array> cpu_gather_qmm(
   os.push_back(M);
   os.push_back(w.shape(1));
   return make<GatherQuantizedMatmulOp>(os, {group_size, bits}, {xc, w, scales, *biases, ic});
+}
+
+std::optional<mx::array> cpu_dequantize(
+    const mx::array& w,
+    const mx::array& scales,
+    const std::optional<mx::array>& biases,
+    int group_size,
+    int bits) {
+  const bool fits = g_enabled.load() && mx::default_device() == mx::Device::cpu && biases &&
+                    (bits == 4 || bits == 8) &&
+                    (group_size == 32 || group_size == 64 || group_size == 128) &&
+                    w.dtype() == mx::uint32 && scales.dtype() == mx::float32 &&
+                    biases->dtype() == mx::float32 && w.ndim() >= 1 && w.size() > 0 &&
+                    scales.shape() == biases->shape() && scales.ndim() == w.ndim() &&
+                    std::equal(w.shape().begin(), w.shape().end() - 1, scales.shape().begin()) &&
+                    (size_t)w.shape(-1) * (32 / bits) == (size_t)scales.shape(-1) * group_size;
+  if (!fits) return std::nullopt;
+  auto shape = w.shape();
+  shape.back() = w.shape(-1) * (32 / bits);
+  return make<DequantizeOp>(shape, {group_size, bits}, {w, scales, *biases});
+}
+
+std::optional<mx::array> cpu_quantized_geglu(
+    const mx::array& x,
+    const mx::array& gate_w,
+    const mx::array& gate_scales,
+    const mx::array& gate_biases,
+    const mx::array& up_w,
+    const mx::array& up_scales,
+    const mx::array& up_biases,
+    int group_size,
+    int bits) {
+  const bool fits = fused_cpu_enabled() &&
+                    kernel_applies(x, gate_w, gate_scales, gate_biases, true, group_size, bits) &&
+                    kernel_applies(x, up_w, up_scales, up_biases, true, group_size, bits) &&
+                    gate_w.ndim() == 2 && gate_scales.ndim() == 2 &&
+                    up_w.shape() == gate_w.shape() && up_scales.shape() == gate_scales.shape();
+  if (!fits) return std::nullopt;
+  auto shape = x.shape();
+  shape.back() = gate_w.shape(0);
+  return make<QuantizedGegluOp>(
+      shape, {group_size, bits}, {x, gate_w, gate_scales, gate_biases, up_w, up_scales, up_biases});
 }
 
 }  // namespace mlxr

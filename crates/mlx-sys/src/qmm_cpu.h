@@ -31,6 +31,27 @@ std::optional<mlx::core::array> cpu_gather_qmm(
     int group_size,
     int bits);
 
+// dequantize(w, scales, biases) through the kernel, or nullopt (then MLX's dequantize).
+std::optional<mlx::core::array> cpu_dequantize(
+    const mlx::core::array& w,
+    const mlx::core::array& scales,
+    const std::optional<mlx::core::array>& biases,
+    int group_size,
+    int bits);
+
+// gelu_tanh(x @ dequantize(gate)ᵀ) ⊙ (x @ dequantize(up)ᵀ) in one op, or nullopt (the caller
+// then composes it from the unfused ops). Needs both the quantized and the fused kernels on.
+std::optional<mlx::core::array> cpu_quantized_geglu(
+    const mlx::core::array& x,
+    const mlx::core::array& gate_w,
+    const mlx::core::array& gate_scales,
+    const mlx::core::array& gate_biases,
+    const mlx::core::array& up_w,
+    const mlx::core::array& up_scales,
+    const mlx::core::array& up_biases,
+    int group_size,
+    int bits);
+
 // Turns the kernel on (the default) or off (MLX's own path everywhere), for comparisons.
 void set_cpu_qmm_enabled(bool on);
 

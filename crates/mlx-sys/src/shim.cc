@@ -522,6 +522,9 @@ ArrPtr dequantize(
     const Arr* biases,
     int32_t group_size,
     int32_t bits) {
+  if (auto out = cpu_dequantize(w.a, scales.a, opt(biases), group_size, bits)) {
+    return wrap(std::move(*out));
+  }
   return wrap(mx::dequantize(w.a, scales.a, opt(biases), group_size, bits, "affine"));
 }
 
@@ -538,6 +541,26 @@ ArrPtr quantized_matmul(
   }
   return wrap(mx::quantized_matmul(
       x.a, w.a, scales.a, opt(biases), transpose, group_size, bits, "affine"));
+}
+
+ArrPtr quantized_geglu(
+    const Arr& x,
+    const Arr& gate_w,
+    const Arr& gate_scales,
+    const Arr& gate_biases,
+    const Arr& up_w,
+    const Arr& up_scales,
+    const Arr& up_biases,
+    int32_t group_size,
+    int32_t bits) {
+  if (auto out = cpu_quantized_geglu(x.a, gate_w.a, gate_scales.a, gate_biases.a, up_w.a,
+                                     up_scales.a, up_biases.a, group_size, bits)) {
+    return wrap(std::move(*out));
+  }
+  // The ops the fused kernel stands for, each through its own kernel where that applies.
+  auto gate = quantized_matmul(x, gate_w, gate_scales, &gate_biases, true, group_size, bits);
+  auto up = quantized_matmul(x, up_w, up_scales, &up_biases, true, group_size, bits);
+  return wrap(mx::multiply(gelu_tanh(*gate)->a, up->a));
 }
 
 void set_quantized_kernel(bool on) {
@@ -573,6 +596,11 @@ ArrPtr gather_qmm(
 ArrPtr rms_norm(const Arr& x, const Arr* w, float eps) {
   if (auto out = cpu_rms_norm(x.a, opt(w), eps)) return wrap(std::move(*out));
   return wrap(mx::fast::rms_norm(x.a, opt(w), eps));
+}
+
+ArrPtr rms_norm_residual(const Arr& x, const Arr* w, float eps, const Arr& residual) {
+  if (auto out = cpu_rms_norm_residual(x.a, opt(w), eps, residual.a)) return wrap(std::move(*out));
+  return wrap(mx::add(residual.a, rms_norm(x, w, eps)->a));
 }
 
 ArrPtr layer_norm(const Arr& x, const Arr* w, const Arr* b, float eps) {
@@ -648,6 +676,13 @@ ArrPtr gelu_tanh(const Arr& x) {
       mx::array(0.7978845608028654f, t));
   return wrap(mx::multiply(
       mx::multiply(a, mx::array(0.5f, t)), mx::add(mx::tanh(inner), mx::array(1.0f, t))));
+}
+
+ArrPtr softcap(const Arr& x, float cap) {
+  if (auto out = cpu_softcap(x.a, cap)) return wrap(std::move(*out));
+  // The graph the kernel stands for, in the input's dtype.
+  auto c = mx::array(cap, x.a.dtype());
+  return wrap(mx::multiply(mx::tanh(mx::divide(x.a, c)), c));
 }
 
 void set_fused_kernels(bool on) {

@@ -146,6 +146,16 @@ ArrPtr quantized_matmul(
     bool transpose,
     int32_t group_size,
     int32_t bits);
+ArrPtr quantized_geglu(
+    const Arr& x,
+    const Arr& gate_w,
+    const Arr& gate_scales,
+    const Arr& gate_biases,
+    const Arr& up_w,
+    const Arr& up_scales,
+    const Arr& up_biases,
+    int32_t group_size,
+    int32_t bits);
 void set_quantized_kernel(bool on);
 uint64_t quantized_kernel_count(bool sgemm_path);
 ArrPtr gather_qmm(
@@ -162,6 +172,7 @@ ArrPtr gather_qmm(
 
 // --- fast --------------------------------------------------------------------------------------
 ArrPtr rms_norm(const Arr& x, const Arr* w, float eps);
+ArrPtr rms_norm_residual(const Arr& x, const Arr* w, float eps, const Arr& residual);
 ArrPtr layer_norm(const Arr& x, const Arr* w, const Arr* b, float eps);
 ArrPtr rope(
     const Arr& x,
@@ -192,6 +203,7 @@ ArrPtr sdpa(
 
 // 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³))).
 ArrPtr gelu_tanh(const Arr& x);
+ArrPtr softcap(const Arr& x, float cap);
 void set_fused_kernels(bool on);
 uint64_t fused_kernel_count(uint8_t kind);
 

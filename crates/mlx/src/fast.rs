@@ -19,6 +19,20 @@ pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array> {
     }))
 }
 
+/// `residual + rms_norm(x, weight, eps)` (a post-norm block's residual update), one op on the
+/// CPU with the same values as the two it stands for. `residual` has `x`'s shape.
+pub fn rms_norm_residual(
+    x: &Array,
+    weight: Option<&Array>,
+    eps: f32,
+    residual: &Array,
+) -> Result<Array> {
+    // SAFETY: the pointer is null or points at an array that outlives the call.
+    Ok(Array::from_raw(unsafe {
+        ffi::rms_norm_residual(x.arr(), ptr(weight), eps, residual.arr())?
+    }))
+}
+
 pub fn layer_norm(
     x: &Array,
     weight: Option<&Array>,
@@ -130,6 +144,11 @@ pub fn gelu_tanh(x: &Array) -> Result<Array> {
     Ok(Array::from_raw(ffi::gelu_tanh(x.arr())?))
 }
 
+/// `cap · tanh(x / cap)`: soft-capping (gemma4's final logits).
+pub fn softcap(x: &Array, cap: f32) -> Result<Array> {
+    Ok(Array::from_raw(ffi::softcap(x.arr(), cap)?))
+}
+
 /// Turns mlx-runner's fused CPU kernels on (the default) or off: off, RMS norm, RoPE, attention
 /// and GELU are MLX's op graphs and few-row matmuls MLX's own (for comparisons and the kernels'
 /// exactness tests). Applies to graphs built after the call.
@@ -146,6 +165,7 @@ pub struct FusedCounts {
     pub gelu_tanh: u64,
     /// Few-row float32 matmuls against a loaded weight (`x @ W`, `Array::matmul`).
     pub matmul: u64,
+    pub softcap: u64,
 }
 
 pub fn fused_kernel_counts() -> FusedCounts {
@@ -155,5 +175,6 @@ pub fn fused_kernel_counts() -> FusedCounts {
         sdpa: ffi::fused_kernel_count(2),
         gelu_tanh: ffi::fused_kernel_count(3),
         matmul: ffi::fused_kernel_count(4),
+        softcap: ffi::fused_kernel_count(5),
     }
 }

@@ -465,6 +465,29 @@ impl Array {
         }))
     }
 
+    /// `gelu_tanh(self @ gateᵀ) * (self @ upᵀ)` for two quantized matrices of one shape and
+    /// format (a GeGLU's gate and up projections): one op on the CPU, the same values as the
+    /// three ops it stands for.
+    pub fn quantized_geglu(&self, gate: &Quantized, up: &Quantized) -> Result<Array> {
+        if gate.group_size != up.group_size || gate.bits != up.bits {
+            return Err(Error::Mlx(format!(
+                "quantized_geglu: gate ({} bits, group {}) and up ({} bits, group {}) differ",
+                gate.bits, gate.group_size, up.bits, up.group_size
+            )));
+        }
+        Ok(Array::from_raw(ffi::quantized_geglu(
+            self.arr(),
+            gate.weight.arr(),
+            gate.scales.arr(),
+            gate.biases.arr(),
+            up.weight.arr(),
+            up.scales.arr(),
+            up.biases.arr(),
+            gate.group_size,
+            gate.bits,
+        )?))
+    }
+
     /// [`Array::gather_mm`] with quantized matrices.
     pub fn gather_qmm(
         &self,

@@ -49,6 +49,7 @@ fn both(f: impl Fn() -> Array) -> (Vec<f32>, Vec<f32>, Vec<i32>, FusedCounts) {
         sdpa: after.sdpa - before.sdpa,
         gelu_tanh: after.gelu_tanh - before.gelu_tanh,
         matmul: after.matmul - before.matmul,
+        softcap: after.softcap - before.softcap,
     };
     (
         ours.to_vec::<f32>().unwrap(),
@@ -331,4 +332,69 @@ fn few_row_matmul_matches_mlx() {
     let wt = normal(&[33, 24], 12).t().unwrap();
     let (_, _, _, ran) = both(|| x.matmul(&wt).unwrap());
     assert_eq!(ran.matmul, 0, "a transposed view");
+}
+
+#[test]
+fn rms_norm_with_a_residual_matches_mlx() {
+    let _one = serial();
+    for (case, shape) in [vec![1, 1, 768], vec![3, 5, 17], vec![130, 64]]
+        .into_iter()
+        .enumerate()
+    {
+        let d = *shape.last().unwrap();
+        let x = normal(&shape, 200 + case as u64);
+        let h = normal(&shape, 210 + case as u64);
+        let w = normal(&[d], 220 + case as u64);
+        for weight in [Some(&w), None] {
+            let (ours, theirs, got, ran) =
+                both(|| fast::rms_norm_residual(&x, weight, 1e-6, &h).unwrap());
+            assert_eq!(got, shape);
+            assert_close(
+                &ours,
+                &theirs,
+                1e-5,
+                &format!("rms_norm_residual {shape:?}"),
+            );
+            assert_eq!(ran.rms_norm, 1, "one op for {shape:?}");
+            // The unfused kernel and an add: the same float32 operations in the same order, so
+            // equal, not just close.
+            let unfused = h.add(&fast::rms_norm(&x, weight, 1e-6).unwrap()).unwrap();
+            let unfused = unfused.to_vec::<f32>().unwrap();
+            assert!(
+                ours == unfused,
+                "rms_norm_residual {shape:?} differs from norm + add"
+            );
+        }
+    }
+    // A residual of another shape is MLX's broadcasting add after the kernel's norm.
+    let x = normal(&[4, 32], 230);
+    let row = normal(&[32], 231);
+    let (ours, theirs, got, _) = both(|| fast::rms_norm_residual(&x, None, 1e-6, &row).unwrap());
+    assert_eq!(got, vec![4, 32]);
+    assert_close(&ours, &theirs, 1e-6, "broadcast residual");
+}
+
+#[test]
+fn softcap_matches_mlx() {
+    let _one = serial();
+    // Logit-like values, plus the far tails where tanh is ±1 in float32.
+    let mut v: Vec<f32> = (0..4099).map(|i| (i as f32 - 2049.0) * 0.037).collect();
+    v.extend([0.0, -0.0, 1e-7, -3e-5, 1e4, -1e4, 600.0, -600.0]);
+    let x = Array::from_slice(&v, &[v.len() as i32]).unwrap();
+    for cap in [30.0f32, 15.0, 1.0] {
+        let (ours, theirs, got, ran) = both(|| fast::softcap(&x, cap).unwrap());
+        assert_eq!(got, vec![v.len() as i32]);
+        assert_close(&ours, &theirs, 1e-6, &format!("softcap {cap}"));
+        assert_eq!(ran.softcap, 1);
+        assert!(ours.iter().all(|y| y.abs() <= cap), "within ±cap");
+    }
+    // A batch of rows, transposed: read through a copy.
+    let x = normal(&[64, 3], 240)
+        .multiply_scalar(20.0)
+        .unwrap()
+        .t()
+        .unwrap();
+    let (ours, theirs, _, ran) = both(|| fast::softcap(&x, 30.0).unwrap());
+    assert_close(&ours, &theirs, 1e-6, "transposed softcap");
+    assert_eq!(ran.softcap, 1);
 }

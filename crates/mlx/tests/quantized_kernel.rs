@@ -44,9 +44,10 @@ fn products(x: &Array, w: &Array, group: i32, bits: i32) -> (Array, Array, Array
     mlx::set_quantized_kernel(false);
     let theirs = x.quantized_matmul(&q, true).unwrap();
     theirs.eval().unwrap();
-    mlx::set_quantized_kernel(true);
+    // MLX's own dequantization, not the kernel's.
     let dense = x.matmul(&q.dequantize().unwrap().t().unwrap()).unwrap();
     dense.eval().unwrap();
+    mlx::set_quantized_kernel(true);
     (ours, theirs, dense)
 }
 
@@ -269,4 +270,145 @@ fn expert_gathers_match_mlx() {
         after.0 > before.0 && after.1 > before.1,
         "the kernel did not answer: {before:?} -> {after:?}"
     );
+}
+
+fn ops_of(a: &Array) -> Vec<String> {
+    mlx::graph_ops(&[a])
+        .into_iter()
+        .map(|(name, _)| name)
+        .collect()
+}
+
+#[test]
+fn dequantization_matches_mlx() {
+    let _one = serial();
+    let mut case = 100u64;
+    for bits in [4, 8] {
+        for group in [32, 64, 128] {
+            // A matrix, an expert stack, and rows gathered from a table (an embedding lookup).
+            for shape in [vec![7, 256], vec![3, 5, 384], vec![40, 128]] {
+                let k = *shape.last().unwrap();
+                if k % group != 0 {
+                    continue;
+                }
+                let w = random::normal(
+                    &shape,
+                    Dtype::F32,
+                    0.0,
+                    0.05,
+                    Some(&random::key(case).unwrap()),
+                )
+                .unwrap();
+                case += 1;
+                let q = w.quantize(group, bits).unwrap();
+                let ids = Array::from_slice(&[2i32, 0, 2, 1], &[2, 2]).unwrap();
+                let rows = |q: &mlx::Quantized| mlx::Quantized {
+                    weight: q.weight.take(&ids, 0).unwrap(),
+                    scales: q.scales.take(&ids, 0).unwrap(),
+                    biases: q.biases.take(&ids, 0).unwrap(),
+                    group_size: q.group_size,
+                    bits: q.bits,
+                };
+                for table in [q.clone(), rows(&q)] {
+                    mlx::set_quantized_kernel(true);
+                    let ours = table.dequantize().unwrap();
+                    assert!(ops_of(&ours).contains(&"MlxrCpuDequantize".to_string()));
+                    ours.eval().unwrap();
+                    mlx::set_quantized_kernel(false);
+                    let theirs = table.dequantize().unwrap();
+                    assert!(!ops_of(&theirs).contains(&"MlxrCpuDequantize".to_string()));
+                    theirs.eval().unwrap();
+                    mlx::set_quantized_kernel(true);
+                    assert_eq!(ours.shape(), theirs.shape());
+                    // scale·q + bias as one FMA against MLX's product then sum: an ulp apart.
+                    let d = max_diff(&ours, &theirs);
+                    assert!(
+                        d <= 1e-6 * scale_of(&theirs),
+                        "bits {bits} group {group} {shape:?}: {d}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn geglu_is_the_ops_it_fuses() {
+    let _one = serial();
+    let gelu_mul = |x: &Array, g: &mlx::Quantized, u: &mlx::Quantized| {
+        mlx::fast::gelu_tanh(&x.quantized_matmul(g, true).unwrap())
+            .unwrap()
+            .multiply(&x.quantized_matmul(u, true).unwrap())
+            .unwrap()
+    };
+    let mut case = 300u64;
+    for (bits, group) in [(4, 64), (8, 32), (4, 32), (8, 128)] {
+        for (rows, n, k) in [(1, 96, 256), (3, 33, 512), (16, 40, 256), (37, 24, 384)] {
+            if k % group != 0 {
+                continue;
+            }
+            let normal = |shape: &[i32], sd: f32, seed: u64| {
+                random::normal(
+                    shape,
+                    Dtype::F32,
+                    0.0,
+                    f64::from(sd),
+                    Some(&random::key(seed).unwrap()),
+                )
+                .unwrap()
+            };
+            let x = normal(&[1, rows, k], 1.0, case);
+            let g = normal(&[n, k], 0.05, case + 1)
+                .quantize(group, bits)
+                .unwrap();
+            let u = normal(&[n, k], 0.05, case + 2)
+                .quantize(group, bits)
+                .unwrap();
+            case += 3;
+            let fused = x.quantized_geglu(&g, &u).unwrap();
+            assert_eq!(
+                ops_of(&fused)
+                    .iter()
+                    .filter(|o| o.contains("Quantized"))
+                    .count(),
+                1,
+                "one op for {rows}x{k} @ {n}"
+            );
+            assert_eq!(fused.shape(), vec![1, rows, n]);
+            // With the kernels on, the unfused ops compute the very same values.
+            let unfused = gelu_mul(&x, &g, &u);
+            assert_eq!(
+                fused.to_vec::<f32>().unwrap(),
+                unfused.to_vec::<f32>().unwrap(),
+                "bits {bits} group {group} {rows}x{k} @ {n}"
+            );
+            // And MLX's own ops, kernels off, within float tolerance.
+            mlx::set_quantized_kernel(false);
+            mlx::fast::set_fused_kernels(false);
+            let off = x.quantized_geglu(&g, &u).unwrap();
+            let theirs = gelu_mul(&x, &g, &u);
+            let off_ops = ops_of(&off);
+            mlx::set_quantized_kernel(true);
+            mlx::fast::set_fused_kernels(true);
+            assert!(
+                !off_ops.iter().any(|o| o.starts_with("Mlxr")),
+                "{off_ops:?}"
+            );
+            assert_eq!(max_diff(&off, &theirs), 0.0);
+            let tol = 2e-5 * scale_of(&theirs) * (k as f32).sqrt();
+            let d = max_diff(&fused, &theirs);
+            assert!(
+                d <= tol,
+                "bits {bits} group {group} {rows}x{k} @ {n}: {d} > {tol}"
+            );
+        }
+    }
+    // Gate and up of different formats are refused with a clear error.
+    let w = random::normal(&[8, 256], Dtype::F32, 0.0, 0.05, None).unwrap();
+    let x = random::normal(&[1, 256], Dtype::F32, 0.0, 1.0, None).unwrap();
+    let err = x
+        .quantized_geglu(&w.quantize(64, 4).unwrap(), &w.quantize(64, 8).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("differ"), "{err}");
 }

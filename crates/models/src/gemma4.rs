@@ -5,10 +5,10 @@
 //! the model. The model holds weights only; caches are passed in (one per non-shared layer).
 
 use crate::config::JsonFile;
-use crate::nn::{gelu_tanh, norm, Embedding, Experts, Linear, Rope};
+use crate::nn::{add_norm, gelu_tanh, norm, Embedding, Experts, Linear, Rope};
 use crate::packed::{
-    all_single, check_rows, join_rows, rows_as_tokens, single_row, spans, time_slice,
-    tokens_as_rows,
+    all_single, check_rows, heads_first, heads_joined, join_rows, rows_as_tokens, single_row,
+    spans, time_slice, tokens_as_rows,
 };
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
@@ -406,7 +406,7 @@ impl Attention {
 
     /// [`Attention::q_heads`] as `[B, H, L, d]`.
     fn project_q(&self, x: &Array, eps: f32) -> Result<Array> {
-        Ok(self.q_heads(x, eps)?.transpose(&[0, 2, 1, 3])?)
+        heads_first(&self.q_heads(x, eps)?)
     }
 
     pub(crate) fn queries(&self, x: &Array, rope: &Rope, offset: usize, eps: f32) -> Result<Array> {
@@ -429,10 +429,7 @@ impl Attention {
     /// Attention of `[B, H, L, d]` queries over keys and values, before the output projection:
     /// `[B, L, H·d]`.
     fn attend(&self, q: &Array, k: &Array, v: &Array, mask: &AttnMask) -> Result<Array> {
-        let o = self.scores(q, k, v, mask)?;
-        let s = q.shape();
-        Ok(o.transpose(&[0, 2, 1, 3])?
-            .reshape(&[s[0], s[2], self.heads * self.head_dim])?)
+        heads_joined(&self.scores(q, k, v, mask)?)
     }
 
     pub(crate) fn output(&self, q: &Array, k: &Array, v: &Array, mask: &AttnMask) -> Result<Array> {
@@ -457,7 +454,15 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Array) -> Result<Array> {
-        let a = gelu_tanh(&self.gate.forward(x)?)?.multiply(&self.up.forward(x)?)?;
+        let a = match (&self.gate, &self.up) {
+            // One op for the two products and the gate, where the two are quantized alike.
+            (Linear::Quantized(g), Linear::Quantized(u))
+                if g.bits == u.bits && g.group_size == u.group_size =>
+            {
+                x.quantized_geglu(g, u)?
+            }
+            _ => gelu_tanh(&self.gate.forward(x)?)?.multiply(&self.up.forward(x)?)?,
+        };
         self.down.forward(&a)
     }
 }
@@ -608,7 +613,8 @@ impl DecoderLayer {
         })
     }
 
-    pub(crate) fn feed_forward(&self, h: &Array, eps: f32) -> Result<Array> {
+    /// `h` plus the feed-forward block of `h`.
+    pub(crate) fn feed_forward_residual(&self, h: &Array, eps: f32) -> Result<Array> {
         let dense = self.mlp.forward(&norm(h, Some(&self.pre_ffn_norm), eps)?)?;
         let f = match &self.moe {
             None => dense,
@@ -617,7 +623,7 @@ impl DecoderLayer {
                 norm(&dense, Some(post1), eps)?.add(&norm(&experts, Some(post2), eps)?)?
             }
         };
-        norm(&f, Some(&self.post_ffn_norm), eps)
+        add_norm(h, &f, Some(&self.post_ffn_norm), eps)
     }
 }
 
@@ -879,7 +885,7 @@ impl CausalLm for Gemma4 {
                 let kv = match layer.spec.shared_from {
                     None => {
                         let (k, v) = layer.attn.kv_heads(&x, eps)?;
-                        let (k, v) = (k.transpose(&[0, 2, 1, 3])?, v.transpose(&[0, 2, 1, 3])?);
+                        let (k, v) = (heads_first(&k)?, heads_first(&v)?);
                         Some(
                             spans
                                 .iter()
@@ -948,8 +954,8 @@ impl CausalLm for Gemma4 {
                 join_rows(&outs)?
             };
             let a = layer.attn.o_proj.forward(&joined)?;
-            h = h.add(&norm(&a, Some(&layer.post_attn_norm), eps)?)?;
-            h = h.add(&layer.feed_forward(&h, eps)?)?;
+            h = add_norm(&h, &a, Some(&layer.post_attn_norm), eps)?;
+            h = layer.feed_forward_residual(&h, eps)?;
             if let (Some(pl), Some(all)) = (&layer.ple, &ple) {
                 let this = all.index(&[Ix::full(), Ix::full(), Ix::At(i as i32)])?;
                 let g = gelu_tanh(&pl.gate.forward(&h)?)?.multiply(&this)?;
@@ -966,10 +972,7 @@ impl CausalLm for Gemma4 {
             None => self.embed.as_linear(hidden)?,
         };
         Ok(match self.cfg.final_logit_softcapping {
-            Some(c) if c > 0.0 => logits
-                .divide_scalar(f64::from(c))?
-                .tanh()?
-                .multiply_scalar(f64::from(c))?,
+            Some(c) if c > 0.0 => mlx::fast::softcap(&logits, c)?,
             _ => logits,
         })
     }

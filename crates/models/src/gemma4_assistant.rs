@@ -8,7 +8,7 @@
 
 use crate::config::JsonFile;
 use crate::gemma4::{DecoderLayer, Gemma4, Gemma4Config, LayerKind, LayerSpec, SharedKv};
-use crate::nn::{norm, Embedding, Linear, Rope};
+use crate::nn::{add_norm, norm, Embedding, Linear, Rope};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
 use cache::AttnMask;
@@ -243,8 +243,8 @@ impl Gemma4Assistant {
             } else {
                 mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 1)?
             };
-            z = z.add(&norm(&a, Some(&layer.post_attn_norm), eps)?)?;
-            z = z.add(&layer.feed_forward(&z, eps)?)?;
+            z = add_norm(&z, &a, Some(&layer.post_attn_norm), eps)?;
+            z = layer.feed_forward_residual(&z, eps)?;
             z = z.multiply(&layer.layer_scalar)?;
         }
         let n = norm(&z, Some(&self.norm), eps)?;

@@ -162,6 +162,11 @@ pub fn norm(x: &Array, w: Option<&Array>, eps: f32) -> Result<Array> {
     Ok(rms_norm(x, w, eps)?)
 }
 
+/// `residual + norm(x, w, eps)`: a post-norm block's residual update, one op.
+pub fn add_norm(residual: &Array, x: &Array, w: Option<&Array>, eps: f32) -> Result<Array> {
+    Ok(mlx::fast::rms_norm_residual(x, w, eps, residual)?)
+}
+
 /// How one kind of layer rotates its queries and keys.
 pub struct Rope {
     dims: i32,

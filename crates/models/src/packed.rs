@@ -89,11 +89,34 @@ pub(crate) fn all_single(rows: &[PackedRow<'_>]) -> bool {
     rows.len() > 1 && rows.iter().all(|r| r.len == 1)
 }
 
-/// `[1, T, H, D]` per-token heads as `[T, H, 1, D]`: one sequence per batch row.
+/// `[1, T, H, D]` per-token heads as `[T, H, 1, D]`: one sequence per batch row. With one
+/// token per row the two layouts are the same memory, so this is one reshape, not a reshape
+/// and a transpose (an op fewer per projection of a decode step).
 pub(crate) fn tokens_as_rows(x: &Array) -> Result<Array> {
     let s = x.shape();
-    Ok(x.reshape(&[s[1], 1, s[2], s[3]])?
-        .transpose(&[0, 2, 1, 3])?)
+    Ok(x.reshape(&[s[1], s[2], 1, s[3]])?)
+}
+
+/// `[B, L, H, D]` as `[B, H, L, D]`. For one position (a decode step) the two are the same
+/// memory and this is a reshape, which costs nothing to evaluate; otherwise a transpose.
+pub(crate) fn heads_first(x: &Array) -> Result<Array> {
+    let s = x.shape();
+    Ok(if s[1] == 1 {
+        x.reshape(&[s[0], s[2], 1, s[3]])?
+    } else {
+        x.transpose(&[0, 2, 1, 3])?
+    })
+}
+
+/// `[B, H, L, D]` as `[B, L, H·D]`: [`heads_first`] undone and the heads joined.
+pub(crate) fn heads_joined(x: &Array) -> Result<Array> {
+    let s = x.shape();
+    Ok(if s[2] == 1 {
+        x.reshape(&[s[0], 1, s[1] * s[3]])?
+    } else {
+        x.transpose(&[0, 2, 1, 3])?
+            .reshape(&[s[0], s[2], s[1] * s[3]])?
+    })
 }
 
 /// Per-row `[1, H, 1, D]` attention outputs as `[1, T, H·D]`.
