@@ -84,18 +84,23 @@ struct RmsNormOp {
     float eps;
     bool has_w;
     // Adds a residual of x's shape to the normalised x (a post-norm block's `h + norm(a)`),
-    // saving the Add op: the same float32 sum, computed after the same rounded product.
+    // saving the Add op: the same float32 sum, computed after the same rounded product; and
+    // then multiplies by a one-element scale (gemma4's layer scalar), saving a Broadcast and
+    // a Multiply.
     bool has_residual;
+    bool has_scale;
     bool operator==(const Params&) const = default;
   };
   static constexpr const char* name = "MlxrCpuRmsNorm";
   static constexpr FusedKind kind = FusedKind::RmsNorm;
 
   static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
-    std::vector<float> xt, wt, rt;
-    const float* x = dense(in[0], xt);
-    const float* w = p.has_w ? dense(in[1], wt) : nullptr;
-    const float* res = p.has_residual ? dense(in.back(), rt) : nullptr;
+    std::vector<float> xt, wt, rt, st;
+    size_t at = 0;
+    const float* x = dense(in[at++], xt);
+    const float* w = p.has_w ? dense(in[at++], wt) : nullptr;
+    const float* res = p.has_residual ? dense(in[at++], rt) : nullptr;
+    const float scale = p.has_scale ? dense(in[at++], st)[0] : 1.0f;
     const int d = in[0].shape(-1);
     const size_t rows = in[0].size() / d;
     float* o = out.data<float>();
@@ -113,6 +118,9 @@ struct RmsNormOp {
         if (res) {
           const float* rr = res + r * d;
           for (int i = 0; i < d; ++i) orow[i] = rr[i] + orow[i];
+        }
+        if (p.has_scale) {
+          for (int i = 0; i < d; ++i) orow[i] = orow[i] * scale;
         }
       }
     });
@@ -571,21 +579,24 @@ std::optional<mx::array> cpu_rms_norm(
   if (w && (!is_f32(*w) || w->ndim() != 1 || w->size() != (size_t)x.shape(-1))) return std::nullopt;
   std::vector<mx::array> in{x};
   if (w) in.push_back(*w);
-  return fused<RmsNormOp>(x.shape(), {eps, w.has_value(), false}, std::move(in));
+  return fused<RmsNormOp>(x.shape(), {eps, w.has_value(), false, false}, std::move(in));
 }
 
 std::optional<mx::array> cpu_rms_norm_residual(
     const mx::array& x,
     const std::optional<mx::array>& w,
     float eps,
-    const mx::array& residual) {
+    const mx::array& residual,
+    const std::optional<mx::array>& scale) {
   if (!on_cpu() || !is_f32(x) || x.ndim() == 0 || x.size() == 0) return std::nullopt;
   if (w && (!is_f32(*w) || w->ndim() != 1 || w->size() != (size_t)x.shape(-1))) return std::nullopt;
   if (!is_f32(residual) || residual.shape() != x.shape()) return std::nullopt;
+  if (scale && (!is_f32(*scale) || scale->size() != 1)) return std::nullopt;
   std::vector<mx::array> in{x};
   if (w) in.push_back(*w);
   in.push_back(residual);
-  return fused<RmsNormOp>(x.shape(), {eps, w.has_value(), true}, std::move(in));
+  if (scale) in.push_back(*scale);
+  return fused<RmsNormOp>(x.shape(), {eps, w.has_value(), true, scale.has_value()}, std::move(in));
 }
 
 std::optional<mx::array> cpu_rope(

@@ -25,12 +25,13 @@ std::optional<mlx::core::array> cpu_rms_norm(
     const std::optional<mlx::core::array>& w,
     float eps);
 
-// residual + rms_norm(x, w, eps), residual of x's shape.
+// (residual + rms_norm(x, w, eps)) · scale, residual of x's shape, scale one element.
 std::optional<mlx::core::array> cpu_rms_norm_residual(
     const mlx::core::array& x,
     const std::optional<mlx::core::array>& w,
     float eps,
-    const mlx::core::array& residual);
+    const mlx::core::array& residual,
+    const std::optional<mlx::core::array>& scale);
 
 std::optional<mlx::core::array> cpu_rope(
     const mlx::core::array& x,

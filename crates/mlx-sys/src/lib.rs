@@ -259,12 +259,13 @@ pub mod ffi {
 
         // fast
         unsafe fn rms_norm(x: &Arr, w: *const Arr, eps: f32) -> Result<UniquePtr<Arr>>;
-        /// `residual + rms_norm(x, w, eps)`, one op on the CPU.
+        /// `(residual + rms_norm(x, w, eps)) · scale`, one op on the CPU.
         unsafe fn rms_norm_residual(
             x: &Arr,
             w: *const Arr,
             eps: f32,
             residual: &Arr,
+            scale: *const Arr,
         ) -> Result<UniquePtr<Arr>>;
         unsafe fn layer_norm(
             x: &Arr,

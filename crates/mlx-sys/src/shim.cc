@@ -598,9 +598,12 @@ ArrPtr rms_norm(const Arr& x, const Arr* w, float eps) {
   return wrap(mx::fast::rms_norm(x.a, opt(w), eps));
 }
 
-ArrPtr rms_norm_residual(const Arr& x, const Arr* w, float eps, const Arr& residual) {
-  if (auto out = cpu_rms_norm_residual(x.a, opt(w), eps, residual.a)) return wrap(std::move(*out));
-  return wrap(mx::add(residual.a, rms_norm(x, w, eps)->a));
+ArrPtr rms_norm_residual(const Arr& x, const Arr* w, float eps, const Arr& residual, const Arr* scale) {
+  if (auto out = cpu_rms_norm_residual(x.a, opt(w), eps, residual.a, opt(scale))) {
+    return wrap(std::move(*out));
+  }
+  auto sum = mx::add(residual.a, rms_norm(x, w, eps)->a);
+  return wrap(scale ? mx::multiply(sum, scale->a) : sum);
 }
 
 ArrPtr layer_norm(const Arr& x, const Arr* w, const Arr* b, float eps) {

@@ -172,7 +172,7 @@ ArrPtr gather_qmm(
 
 // --- fast --------------------------------------------------------------------------------------
 ArrPtr rms_norm(const Arr& x, const Arr* w, float eps);
-ArrPtr rms_norm_residual(const Arr& x, const Arr* w, float eps, const Arr& residual);
+ArrPtr rms_norm_residual(const Arr& x, const Arr* w, float eps, const Arr& residual, const Arr* scale);
 ArrPtr layer_norm(const Arr& x, const Arr* w, const Arr* b, float eps);
 ArrPtr rope(
     const Arr& x,

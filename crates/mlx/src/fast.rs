@@ -19,17 +19,19 @@ pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array> {
     }))
 }
 
-/// `residual + rms_norm(x, weight, eps)` (a post-norm block's residual update), one op on the
-/// CPU with the same values as the two it stands for. `residual` has `x`'s shape.
+/// `(residual + rms_norm(x, weight, eps)) · scale` (a post-norm block's residual update, and
+/// gemma4's layer scalar): one op on the CPU with the same values as the ops it stands for.
+/// `residual` has `x`'s shape; `scale` is one element.
 pub fn rms_norm_residual(
     x: &Array,
     weight: Option<&Array>,
     eps: f32,
     residual: &Array,
+    scale: Option<&Array>,
 ) -> Result<Array> {
-    // SAFETY: the pointer is null or points at an array that outlives the call.
+    // SAFETY: the pointers are null or point at arrays that outlive the call.
     Ok(Array::from_raw(unsafe {
-        ffi::rms_norm_residual(x.arr(), ptr(weight), eps, residual.arr())?
+        ffi::rms_norm_residual(x.arr(), ptr(weight), eps, residual.arr(), ptr(scale))?
     }))
 }
 

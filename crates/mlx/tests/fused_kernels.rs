@@ -345,31 +345,33 @@ fn rms_norm_with_a_residual_matches_mlx() {
         let x = normal(&shape, 200 + case as u64);
         let h = normal(&shape, 210 + case as u64);
         let w = normal(&[d], 220 + case as u64);
+        let scalar = Array::from_slice(&[0.37f32], &[1]).unwrap();
         for weight in [Some(&w), None] {
-            let (ours, theirs, got, ran) =
-                both(|| fast::rms_norm_residual(&x, weight, 1e-6, &h).unwrap());
-            assert_eq!(got, shape);
-            assert_close(
-                &ours,
-                &theirs,
-                1e-5,
-                &format!("rms_norm_residual {shape:?}"),
-            );
-            assert_eq!(ran.rms_norm, 1, "one op for {shape:?}");
-            // The unfused kernel and an add: the same float32 operations in the same order, so
-            // equal, not just close.
-            let unfused = h.add(&fast::rms_norm(&x, weight, 1e-6).unwrap()).unwrap();
-            let unfused = unfused.to_vec::<f32>().unwrap();
-            assert!(
-                ours == unfused,
-                "rms_norm_residual {shape:?} differs from norm + add"
-            );
+            for scale in [None, Some(&scalar)] {
+                let what = format!("rms_norm_residual {shape:?} scale {}", scale.is_some());
+                let (ours, theirs, got, ran) =
+                    both(|| fast::rms_norm_residual(&x, weight, 1e-6, &h, scale).unwrap());
+                assert_eq!(got, shape);
+                assert_close(&ours, &theirs, 1e-5, &what);
+                assert_eq!(ran.rms_norm, 1, "one op: {what}");
+                // The unfused kernel, an add and a multiply: the same float32 operations in the
+                // same order, so equal, not just close.
+                let mut unfused = h.add(&fast::rms_norm(&x, weight, 1e-6).unwrap()).unwrap();
+                if let Some(s) = scale {
+                    unfused = unfused.multiply(s).unwrap();
+                }
+                assert!(
+                    ours == unfused.to_vec::<f32>().unwrap(),
+                    "{what}: not norm + add"
+                );
+            }
         }
     }
     // A residual of another shape is MLX's broadcasting add after the kernel's norm.
     let x = normal(&[4, 32], 230);
     let row = normal(&[32], 231);
-    let (ours, theirs, got, _) = both(|| fast::rms_norm_residual(&x, None, 1e-6, &row).unwrap());
+    let (ours, theirs, got, _) =
+        both(|| fast::rms_norm_residual(&x, None, 1e-6, &row, None).unwrap());
     assert_eq!(got, vec![4, 32]);
     assert_close(&ours, &theirs, 1e-6, "broadcast residual");
 }

@@ -5,10 +5,10 @@
 //! the model. The model holds weights only; caches are passed in (one per non-shared layer).
 
 use crate::config::JsonFile;
-use crate::nn::{add_norm, gelu_tanh, norm, Embedding, Experts, Linear, Rope};
+use crate::nn::{add_norm, add_norm_scaled, gelu_tanh, norm, Embedding, Experts, Linear, Rope};
 use crate::packed::{
     all_single, check_rows, heads_first, heads_joined, join_rows, rows_as_tokens, single_row,
-    spans, time_slice, tokens_as_rows,
+    spans, time_slice,
 };
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
@@ -332,6 +332,29 @@ impl Gemma4Config {
 // Blocks
 // ------------------------------------------------------------------------------------------
 
+/// How a layer lays out the heads of its projections `[B, L, n·d]`.
+#[derive(Clone, Copy)]
+enum HeadLayout {
+    /// `[B, n, L, d]`: one sequence per batch row.
+    HeadsFirst,
+    /// `[T, n, 1, d]` from `[1, T, n·d]`: every token its own sequence (a batched decode step).
+    TokenRows,
+}
+
+impl HeadLayout {
+    /// `y` split into RMS-normalised heads. The norm runs over `d` wherever the heads sit, so
+    /// for one position per sequence this is a reshape straight from the projection and the
+    /// norm (two ops); for longer ones the norm reads contiguous rows before the transpose.
+    fn heads(self, y: &Array, n: i32, d: i32, w: Option<&Array>, eps: f32) -> Result<Array> {
+        let s = y.shape();
+        match self {
+            HeadLayout::TokenRows => norm(&y.reshape(&[s[1], n, 1, d])?, w, eps),
+            HeadLayout::HeadsFirst if s[1] == 1 => norm(&y.reshape(&[s[0], n, 1, d])?, w, eps),
+            HeadLayout::HeadsFirst => heads_first(&norm(&y.reshape(&[s[0], s[1], n, d])?, w, eps)?),
+        }
+    }
+}
+
 pub(crate) struct Attention {
     q_proj: Linear,
     k_proj: Option<Linear>,
@@ -372,9 +395,9 @@ impl Attention {
         })
     }
 
-    /// Normalised `[B, L, H, d]` keys and values of this layer's own projections, not yet
+    /// Normalised keys and values of this layer's own projections in `layout`, not yet
     /// rotated (each row of a packed batch rotates at its own offset).
-    fn kv_heads(&self, x: &Array, eps: f32) -> Result<(Array, Array)> {
+    fn kv_heads(&self, x: &Array, eps: f32, layout: HeadLayout) -> Result<(Array, Array)> {
         let (k_proj, k_norm) = match (&self.k_proj, &self.k_norm) {
             (Some(p), Some(n)) => (p, n),
             _ => {
@@ -383,30 +406,33 @@ impl Attention {
                 ))
             }
         };
-        let s = x.shape();
-        let shape = [s[0], s[1], self.kv_heads, self.head_dim];
-        let k_raw = k_proj.forward(x)?.reshape(&shape)?;
+        let k_raw = k_proj.forward(x)?;
         // k_eq_v: the raw key projection, taken before k_norm, doubles as the values.
         let v_raw = match &self.v_proj {
-            Some(v) => v.forward(x)?.reshape(&shape)?,
+            Some(v) => v.forward(x)?,
             None => k_raw.clone(),
         };
-        Ok((norm(&k_raw, Some(k_norm), eps)?, norm(&v_raw, None, eps)?))
+        let (n, d) = (self.kv_heads, self.head_dim);
+        Ok((
+            layout.heads(&k_raw, n, d, Some(k_norm), eps)?,
+            layout.heads(&v_raw, n, d, None, eps)?,
+        ))
     }
 
-    /// Normalised `[B, L, H, d]` queries, not yet rotated.
-    fn q_heads(&self, x: &Array, eps: f32) -> Result<Array> {
-        let s = x.shape();
-        let q = self
-            .q_proj
-            .forward(x)?
-            .reshape(&[s[0], s[1], self.heads, self.head_dim])?;
-        norm(&q, Some(&self.q_norm), eps)
+    /// Normalised queries in `layout`, not yet rotated.
+    fn q_heads(&self, x: &Array, eps: f32, layout: HeadLayout) -> Result<Array> {
+        layout.heads(
+            &self.q_proj.forward(x)?,
+            self.heads,
+            self.head_dim,
+            Some(&self.q_norm),
+            eps,
+        )
     }
 
-    /// [`Attention::q_heads`] as `[B, H, L, d]`.
+    /// Normalised `[B, H, L, d]` queries, not yet rotated.
     fn project_q(&self, x: &Array, eps: f32) -> Result<Array> {
-        heads_first(&self.q_heads(x, eps)?)
+        self.q_heads(x, eps, HeadLayout::HeadsFirst)
     }
 
     pub(crate) fn queries(&self, x: &Array, rope: &Rope, offset: usize, eps: f32) -> Result<Array> {
@@ -613,8 +639,13 @@ impl DecoderLayer {
         })
     }
 
-    /// `h` plus the feed-forward block of `h`.
-    pub(crate) fn feed_forward_residual(&self, h: &Array, eps: f32) -> Result<Array> {
+    /// `h` plus the feed-forward block of `h`, times `scale` if given.
+    pub(crate) fn feed_forward_residual(
+        &self,
+        h: &Array,
+        eps: f32,
+        scale: Option<&Array>,
+    ) -> Result<Array> {
         let dense = self.mlp.forward(&norm(h, Some(&self.pre_ffn_norm), eps)?)?;
         let f = match &self.moe {
             None => dense,
@@ -623,7 +654,10 @@ impl DecoderLayer {
                 norm(&dense, Some(post1), eps)?.add(&norm(&experts, Some(post2), eps)?)?
             }
         };
-        add_norm(h, &f, Some(&self.post_ffn_norm), eps)
+        match scale {
+            Some(s) => add_norm_scaled(h, &f, Some(&self.post_ffn_norm), eps, s),
+            None => add_norm(h, &f, Some(&self.post_ffn_norm), eps),
+        }
     }
 }
 
@@ -858,13 +892,14 @@ impl CausalLm for Gemma4 {
             let x = norm(&h, Some(&layer.input_norm), eps)?;
             // The projections run once over every row's tokens; attention per row.
             let (q_rows, new_kv): (Vec<Array>, Option<Vec<(Array, Array)>>) = if single {
-                let q =
-                    rope.apply_rows(&tokens_as_rows(&layer.attn.q_heads(&x, eps)?)?, &offsets)?;
+                let q = rope.apply_rows(
+                    &layer.attn.q_heads(&x, eps, HeadLayout::TokenRows)?,
+                    &offsets,
+                )?;
                 let kv = match layer.spec.shared_from {
                     None => {
-                        let (k, v) = layer.attn.kv_heads(&x, eps)?;
-                        let k = rope.apply_rows(&tokens_as_rows(&k)?, &offsets)?;
-                        let v = tokens_as_rows(&v)?;
+                        let (k, v) = layer.attn.kv_heads(&x, eps, HeadLayout::TokenRows)?;
+                        let k = rope.apply_rows(&k, &offsets)?;
                         Some(
                             k.split(n as i32, 0)?
                                 .into_iter()
@@ -884,8 +919,7 @@ impl CausalLm for Gemma4 {
                     .collect::<Result<Vec<_>>>()?;
                 let kv = match layer.spec.shared_from {
                     None => {
-                        let (k, v) = layer.attn.kv_heads(&x, eps)?;
-                        let (k, v) = (heads_first(&k)?, heads_first(&v)?);
+                        let (k, v) = layer.attn.kv_heads(&x, eps, HeadLayout::HeadsFirst)?;
                         Some(
                             spans
                                 .iter()
@@ -955,13 +989,17 @@ impl CausalLm for Gemma4 {
             };
             let a = layer.attn.o_proj.forward(&joined)?;
             h = add_norm(&h, &a, Some(&layer.post_attn_norm), eps)?;
-            h = layer.feed_forward_residual(&h, eps)?;
-            if let (Some(pl), Some(all)) = (&layer.ple, &ple) {
-                let this = all.index(&[Ix::full(), Ix::full(), Ix::At(i as i32)])?;
-                let g = gelu_tanh(&pl.gate.forward(&h)?)?.multiply(&this)?;
-                h = h.add(&norm(&pl.proj.forward(&g)?, Some(&pl.post_norm), eps)?)?;
-            }
-            h = h.multiply(&layer.layer_scalar)?;
+            // The layer scalar rides on the layer's last residual update.
+            let scalar = &layer.layer_scalar;
+            h = match (&layer.ple, &ple) {
+                (Some(pl), Some(all)) => {
+                    let h = layer.feed_forward_residual(&h, eps, None)?;
+                    let this = all.index(&[Ix::full(), Ix::full(), Ix::At(i as i32)])?;
+                    let g = gelu_tanh(&pl.gate.forward(&h)?)?.multiply(&this)?;
+                    add_norm_scaled(&h, &pl.proj.forward(&g)?, Some(&pl.post_norm), eps, scalar)?
+                }
+                _ => layer.feed_forward_residual(&h, eps, Some(scalar))?,
+            };
         }
         norm(&h, Some(&self.norm), eps)
     }

@@ -244,8 +244,7 @@ impl Gemma4Assistant {
                 mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 1)?
             };
             z = add_norm(&z, &a, Some(&layer.post_attn_norm), eps)?;
-            z = layer.feed_forward_residual(&z, eps)?;
-            z = z.multiply(&layer.layer_scalar)?;
+            z = layer.feed_forward_residual(&z, eps, Some(&layer.layer_scalar))?;
         }
         let n = norm(&z, Some(&self.norm), eps)?;
         let logits = match &self.centroid {

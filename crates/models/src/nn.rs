@@ -164,7 +164,24 @@ pub fn norm(x: &Array, w: Option<&Array>, eps: f32) -> Result<Array> {
 
 /// `residual + norm(x, w, eps)`: a post-norm block's residual update, one op.
 pub fn add_norm(residual: &Array, x: &Array, w: Option<&Array>, eps: f32) -> Result<Array> {
-    Ok(mlx::fast::rms_norm_residual(x, w, eps, residual)?)
+    Ok(mlx::fast::rms_norm_residual(x, w, eps, residual, None)?)
+}
+
+/// [`add_norm`] times a one-element `scale`, still one op.
+pub fn add_norm_scaled(
+    residual: &Array,
+    x: &Array,
+    w: Option<&Array>,
+    eps: f32,
+    scale: &Array,
+) -> Result<Array> {
+    Ok(mlx::fast::rms_norm_residual(
+        x,
+        w,
+        eps,
+        residual,
+        Some(scale),
+    )?)
 }
 
 /// How one kind of layer rotates its queries and keys.

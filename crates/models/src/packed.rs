@@ -89,16 +89,8 @@ pub(crate) fn all_single(rows: &[PackedRow<'_>]) -> bool {
     rows.len() > 1 && rows.iter().all(|r| r.len == 1)
 }
 
-/// `[1, T, H, D]` per-token heads as `[T, H, 1, D]`: one sequence per batch row. With one
-/// token per row the two layouts are the same memory, so this is one reshape, not a reshape
-/// and a transpose (an op fewer per projection of a decode step).
-pub(crate) fn tokens_as_rows(x: &Array) -> Result<Array> {
-    let s = x.shape();
-    Ok(x.reshape(&[s[1], s[2], 1, s[3]])?)
-}
-
 /// `[B, L, H, D]` as `[B, H, L, D]`. For one position (a decode step) the two are the same
-/// memory and this is a reshape, which costs nothing to evaluate; otherwise a transpose.
+/// memory and this is a reshape, a cheaper op than a transpose; otherwise a transpose.
 pub(crate) fn heads_first(x: &Array) -> Result<Array> {
     let s = x.shape();
     Ok(if s[1] == 1 {
