@@ -140,18 +140,21 @@ inline Pool& pool() {
   return p;
 }
 
-// Runs f(r0, r1) over rows [0, n) in chunks of at least `min_per_chunk` rows, a few per thread
-// so that whoever is running takes the next one; small jobs stay on the calling thread.
+// Runs f(r0, r1) over rows [0, n) in chunks of at least `min_per_chunk` rows, up to a few per
+// thread so that whoever is running takes the next one; small jobs stay on the calling thread.
+// Where there is room for more chunks than threads their count is a multiple of the threads,
+// so that equal chunks still split evenly when every thread runs throughout. Kernels whose
+// chunks are strided slices (column ranges) ask for one chunk per thread.
 template <class F>
-void for_rows(size_t n, size_t min_per_chunk, const F& f) {
+void for_rows(size_t n, size_t min_per_chunk, const F& f, size_t chunks_per_thread = 8) {
   auto& p = pool();
-  constexpr size_t kChunksPerThread = 8;
-  const size_t chunks =
-      std::min(p.size() * kChunksPerThread, std::max<size_t>(1, n / min_per_chunk));
-  if (chunks == 1 || p.size() == 1) {
+  const size_t most = n / std::max<size_t>(1, min_per_chunk);
+  if (most < 2 || p.size() == 1) {
     f(0, n);
     return;
   }
+  const size_t chunks =
+      most < p.size() ? most : p.size() * std::min(chunks_per_thread, most / p.size());
   p.run(chunks, [&](size_t c) { f(n * c / chunks, n * (c + 1) / chunks); });
 }
 

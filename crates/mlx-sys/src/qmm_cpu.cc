@@ -187,6 +187,13 @@ void qmv_block(
   }
 }
 
+// Output rows per pool chunk: enough that a chunk reads ~32 KB of packed weights, so that
+// claiming it (an atomic both cores contend for) is small beside the work.
+int rows_per_chunk(const Shape& s) {
+  const size_t row_bytes = (size_t)s.K * s.bits / 8 + (size_t)(s.K / s.group) * 8;
+  return (int)std::max<size_t>(1, (32u << 10) / row_bytes);
+}
+
 // x permuted for the packed layout (permute_x) and its per-group sums, shared by every product
 // of one call with the same x.
 struct PreparedX {
@@ -249,7 +256,7 @@ void qmv(
     return;
   }
   const PreparedX px = prepare_x(x, s);
-  for_rows(s.N, 1, [&](size_t n0, size_t n1) {
+  for_rows(s.N, rows_per_chunk(s), [&](size_t n0, size_t n1) {
     qmv_range(px, w, sc, bi, out, s, (int)n0, (int)n1);
   });
 }
@@ -458,7 +465,7 @@ struct QuantizedGegluOp {
     }
     const PreparedX px = prepare_x(xp, s);
     std::vector<float> gate(total);
-    for_rows(s.N, 1, [&](size_t n0, size_t n1) {
+    for_rows(s.N, rows_per_chunk(s), [&](size_t n0, size_t n1) {
       qmv_range(px, gw, gs, gb, gate.data(), s, (int)n0, (int)n1);
       qmv_range(px, uw, us, ub, up.data(), s, (int)n0, (int)n1);
       for (int m = 0; m < s.M; ++m) {
