@@ -363,6 +363,16 @@ struct SdpaOp {
   }
 };
 
+// An element-wise kernel f(x, o, i0, i1) over `in`'s elements into `out`, split over the pool
+// in ranges of at least 16K elements.
+template <class F>
+void elementwise(const mx::array& in, mx::array& out, const F& f) {
+  std::vector<float> xt;
+  const float* x = dense(in, xt);
+  float* o = out.data<float>();
+  for_rows(in.size(), 1 << 14, [&](size_t i0, size_t i1) { f(x, o, i0, i1); });
+}
+
 // ---- tanh-approximated GELU (gelu_avx / gelu_scalar in cpu_common.h) ---------------------
 
 struct GeluTanhOp {
@@ -373,12 +383,8 @@ struct GeluTanhOp {
   static constexpr FusedKind kind = FusedKind::GeluTanh;
 
   static void run(const Params&, std::vector<mx::array>& in, mx::array& out) {
-    std::vector<float> xt;
-    const float* x = dense(in[0], xt);
-    float* o = out.data<float>();
-    const bool avx = has_avx2();
-    for_rows(in[0].size(), 1 << 14, [&](size_t i0, size_t i1) {
-      if (avx) {
+    elementwise(in[0], out, [](const float* x, float* o, size_t i0, size_t i1) {
+      if (has_avx2()) {
         gelu_avx(x, o, i0, i1);
       } else {
         gelu_scalar(x, o, i0, i1);
@@ -449,15 +455,11 @@ struct SoftcapOp {
   static constexpr FusedKind kind = FusedKind::Softcap;
 
   static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
-    std::vector<float> xt;
-    const float* x = dense(in[0], xt);
-    float* o = out.data<float>();
-    const bool avx = has_avx2();
-    for_rows(in[0].size(), 1 << 14, [&](size_t i0, size_t i1) {
-      if (avx) {
-        softcap_avx(x, o, p.cap, i0, i1);
+    elementwise(in[0], out, [cap = p.cap](const float* x, float* o, size_t i0, size_t i1) {
+      if (has_avx2()) {
+        softcap_avx(x, o, cap, i0, i1);
       } else {
-        for (size_t i = i0; i < i1; ++i) o[i] = tanh_scalar(x[i] / p.cap) * p.cap;
+        for (size_t i = i0; i < i1; ++i) o[i] = tanh_scalar(x[i] / cap) * cap;
       }
     });
   }
