@@ -24,7 +24,7 @@ namespace mlxr {
 namespace {
 
 std::atomic<bool> g_enabled{true};
-std::atomic<uint64_t> g_counts[6] = {};
+std::atomic<uint64_t> g_counts[7] = {};
 
 void count(FusedKind k) { g_counts[static_cast<int>(k)].fetch_add(1, std::memory_order_relaxed); }
 
@@ -465,6 +465,32 @@ struct SoftcapOp {
   }
 };
 
+// ---- SwiGLU's product: silu(g) ⊙ u -----------------------------------------------------------
+//
+// GLM's MLPs and experts; MLX's graph is a sigmoid and two products.
+
+struct SiluMulOp {
+  struct Params {
+    bool operator==(const Params&) const = default;
+  };
+  static constexpr const char* name = "MlxrCpuSiluMul";
+  static constexpr FusedKind kind = FusedKind::SiluMul;
+
+  static void run(const Params&, std::vector<mx::array>& in, mx::array& out) {
+    std::vector<float> gt, ut;
+    const float* g = dense(in[0], gt);
+    const float* u = dense(in[1], ut);
+    float* o = out.data<float>();
+    for_rows(in[0].size(), 1 << 14, [&](size_t i0, size_t i1) {
+      if (has_avx2()) {
+        silu_mul_avx(g, u, o, i0, i1);
+      } else {
+        silu_mul_scalar(g, u, o, i0, i1);
+      }
+    });
+  }
+};
+
 // ---- few rows times a float32 weight matrix: x [M, K] @ W [K, N] -----------------------------
 //
 // A decode step reads every weight once, so this is a read of W at memory speed. Each thread
@@ -680,6 +706,13 @@ std::optional<mx::array> cpu_matmul(const mx::array& x, const mx::array& w) {
 std::optional<mx::array> cpu_gelu_tanh(const mx::array& x) {
   if (!on_cpu() || !is_f32(x) || x.size() == 0) return std::nullopt;
   return fused<GeluTanhOp>(x.shape(), {}, {x});
+}
+
+std::optional<mx::array> cpu_silu_mul(const mx::array& g, const mx::array& u) {
+  if (!on_cpu() || !is_f32(g) || !is_f32(u) || g.size() == 0 || g.shape() != u.shape()) {
+    return std::nullopt;
+  }
+  return fused<SiluMulOp>(g.shape(), {}, {g, u});
 }
 
 std::optional<mx::array> cpu_softcap(const mx::array& x, float cap) {

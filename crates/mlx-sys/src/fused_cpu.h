@@ -16,6 +16,7 @@ enum class FusedKind : uint8_t {
   GeluTanh = 3,
   Matmul = 4,
   Softcap = 5,
+  SiluMul = 6,
 };
 
 // Each returns the fused primitive's output, or nullopt when it does not apply (not the CPU, not
@@ -55,6 +56,9 @@ std::optional<mlx::core::array> cpu_gelu_tanh(const mlx::core::array& x);
 
 // cap · tanh(x / cap): logit soft-capping.
 std::optional<mlx::core::array> cpu_softcap(const mlx::core::array& x, float cap);
+
+// silu(g) ⊙ u for g and u of one shape.
+std::optional<mlx::core::array> cpu_silu_mul(const mlx::core::array& g, const mlx::core::array& u);
 
 // x [..., K] @ w [K, N] for a few rows of x and a loaded (evaluated, row-major) float32 w.
 std::optional<mlx::core::array> cpu_matmul(const mlx::core::array& x, const mlx::core::array& w);

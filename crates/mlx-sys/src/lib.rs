@@ -225,9 +225,10 @@ pub mod ffi {
             group_size: i32,
             bits: i32,
         ) -> Result<UniquePtr<Arr>>;
-        /// `gelu_tanh(x @ dequantize(gate)ᵀ) * (x @ dequantize(up)ᵀ)`, one op on the CPU.
+        /// `act(x @ dequantize(gate)ᵀ) * (x @ dequantize(up)ᵀ)`, act 0 gelu_tanh, 1 silu; one
+        /// op on the CPU.
         #[allow(clippy::too_many_arguments)]
-        fn quantized_geglu(
+        fn quantized_glu(
             x: &Arr,
             gate_w: &Arr,
             gate_scales: &Arr,
@@ -237,6 +238,7 @@ pub mod ffi {
             up_biases: &Arr,
             group_size: i32,
             bits: i32,
+            act: u8,
         ) -> Result<UniquePtr<Arr>>;
         /// Turns mlx-runner's CPU quantized-matmul kernel on (the default) or off.
         /// Primitives still to run in the graphs behind `v`, one `name count` line per kind.
@@ -305,10 +307,12 @@ pub mod ffi {
         fn gelu_tanh(x: &Arr) -> Result<UniquePtr<Arr>>;
         /// `cap · tanh(x / cap)`.
         fn softcap(x: &Arr, cap: f32) -> Result<UniquePtr<Arr>>;
+        /// `silu(g) * u`.
+        fn silu_mul(g: &Arr, u: &Arr) -> Result<UniquePtr<Arr>>;
         /// Turns mlx-runner's fused CPU kernels (RMS norm, RoPE, attention, GELU) on or off.
         fn set_fused_kernels(on: bool);
         /// Evaluations of one fused kernel: 0 RMS norm, 1 RoPE, 2 attention, 3 GELU, 4 few-row matmul,
-        /// 5 soft-capping.
+        /// 5 soft-capping, 6 silu(g) · u.
         fn fused_kernel_count(kind: u8) -> u64;
 
         // random

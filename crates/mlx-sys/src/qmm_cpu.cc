@@ -418,19 +418,29 @@ struct QuantizedMatmulOp {
   }
 };
 
-// gelu_tanh(x @ dequantize(gate)ᵀ) ⊙ (x @ dequantize(up)ᵀ): gemma4's MLP before its down
-// projection, in one op instead of four (two products, the GELU, the product of the two), and
-// for few rows one pass over the pool: each chunk of output columns computes its gate and up
-// values and combines them while they are in cache. The values are the unfused kernels' own
-// (the same products, the same GELU, one float32 multiply).
-struct QuantizedGegluOp {
+// act(x @ dequantize(gate)ᵀ) ⊙ (x @ dequantize(up)ᵀ) with act gelu_tanh (gemma4's GeGLU) or
+// silu (GLM's SwiGLU): an MLP before its down projection, in one op instead of four or five (two
+// products, the activation, the products with up), and for few rows one pass over the pool:
+// each chunk of output columns computes its gate and up values and combines them while they
+// are in cache. The values are the unfused kernels' own (the same products, the same
+// activation kernel).
+struct QuantizedGluOp {
   struct Params {
     int group, bits;
+    GluAct act;
     bool operator==(const Params&) const = default;
   };
-  static constexpr const char* name = "MlxrCpuQuantizedGeglu";
+  static constexpr const char* name = "MlxrCpuQuantizedGlu";
 
-  static void combine(const float* g, const float* u, float* o, size_t n) {
+  static void combine(GluAct act, const float* g, const float* u, float* o, size_t n) {
+    if (act == GluAct::Silu) {
+      if (has_avx2()) {
+        silu_mul_avx(g, u, o, 0, n);
+      } else {
+        silu_mul_scalar(g, u, o, 0, n);
+      }
+      return;
+    }
     if (has_avx2()) {
       gelu_avx(g, o, 0, n);
     } else {
@@ -459,7 +469,7 @@ struct QuantizedGegluOp {
       product(xp, gw, gs, gb, gate.data(), s);
       product(xp, uw, us, ub, up.data(), s);
       for_rows(total, 1 << 14, [&](size_t i0, size_t i1) {
-        combine(gate.data() + i0, up.data() + i0, o + i0, i1 - i0);
+        combine(p.act, gate.data() + i0, up.data() + i0, o + i0, i1 - i0);
       });
       return;
     }
@@ -470,7 +480,7 @@ struct QuantizedGegluOp {
       qmv_range(px, uw, us, ub, up.data(), s, (int)n0, (int)n1);
       for (int m = 0; m < s.M; ++m) {
         const size_t at = (size_t)m * s.N + n0;
-        combine(gate.data() + at, up.data() + at, o + at, n1 - n0);
+        combine(p.act, gate.data() + at, up.data() + at, o + at, n1 - n0);
       }
     });
     g_rows_path.fetch_add(2);
@@ -655,7 +665,7 @@ std::optional<mx::array> cpu_dequantize(
   return make<DequantizeOp>(shape, {group_size, bits}, {w, scales, *biases});
 }
 
-std::optional<mx::array> cpu_quantized_geglu(
+std::optional<mx::array> cpu_quantized_glu(
     const mx::array& x,
     const mx::array& gate_w,
     const mx::array& gate_scales,
@@ -664,7 +674,8 @@ std::optional<mx::array> cpu_quantized_geglu(
     const mx::array& up_scales,
     const mx::array& up_biases,
     int group_size,
-    int bits) {
+    int bits,
+    GluAct act) {
   const bool fits = fused_cpu_enabled() &&
                     kernel_applies(x, gate_w, gate_scales, gate_biases, true, group_size, bits) &&
                     kernel_applies(x, up_w, up_scales, up_biases, true, group_size, bits) &&
@@ -673,8 +684,8 @@ std::optional<mx::array> cpu_quantized_geglu(
   if (!fits) return std::nullopt;
   auto shape = x.shape();
   shape.back() = gate_w.shape(0);
-  return make<QuantizedGegluOp>(
-      shape, {group_size, bits}, {x, gate_w, gate_scales, gate_biases, up_w, up_scales, up_biases});
+  return make<QuantizedGluOp>(
+      shape, {group_size, bits, act}, {x, gate_w, gate_scales, gate_biases, up_w, up_scales, up_biases});
 }
 
 }  // namespace mlxr

@@ -39,9 +39,12 @@ std::optional<mlx::core::array> cpu_dequantize(
     int group_size,
     int bits);
 
-// gelu_tanh(x @ dequantize(gate)ᵀ) ⊙ (x @ dequantize(up)ᵀ) in one op, or nullopt (the caller
-// then composes it from the unfused ops). Needs both the quantized and the fused kernels on.
-std::optional<mlx::core::array> cpu_quantized_geglu(
+// The activation of a gated MLP.
+enum class GluAct : uint8_t { Gelu = 0, Silu = 1 };
+
+// act(x @ dequantize(gate)ᵀ) ⊙ (x @ dequantize(up)ᵀ) in one op, or nullopt (the caller then
+// composes it from the unfused ops). Needs both the quantized and the fused kernels on.
+std::optional<mlx::core::array> cpu_quantized_glu(
     const mlx::core::array& x,
     const mlx::core::array& gate_w,
     const mlx::core::array& gate_scales,
@@ -50,7 +53,8 @@ std::optional<mlx::core::array> cpu_quantized_geglu(
     const mlx::core::array& up_scales,
     const mlx::core::array& up_biases,
     int group_size,
-    int bits);
+    int bits,
+    GluAct act);
 
 // Turns the kernel on (the default) or off (MLX's own path everywhere), for comparisons.
 void set_cpu_qmm_enabled(bool on);

@@ -543,7 +543,12 @@ ArrPtr quantized_matmul(
       x.a, w.a, scales.a, opt(biases), transpose, group_size, bits, "affine"));
 }
 
-ArrPtr quantized_geglu(
+ArrPtr silu_mul(const Arr& g, const Arr& u) {
+  if (auto out = cpu_silu_mul(g.a, u.a)) return wrap(std::move(*out));
+  return wrap(mx::multiply(mx::multiply(g.a, mx::sigmoid(g.a)), u.a));
+}
+
+ArrPtr quantized_glu(
     const Arr& x,
     const Arr& gate_w,
     const Arr& gate_scales,
@@ -552,14 +557,18 @@ ArrPtr quantized_geglu(
     const Arr& up_scales,
     const Arr& up_biases,
     int32_t group_size,
-    int32_t bits) {
-  if (auto out = cpu_quantized_geglu(x.a, gate_w.a, gate_scales.a, gate_biases.a, up_w.a,
-                                     up_scales.a, up_biases.a, group_size, bits)) {
+    int32_t bits,
+    uint8_t act) {
+  if (act > 1) throw std::invalid_argument("quantized_glu: unknown activation");
+  const auto a = static_cast<GluAct>(act);
+  if (auto out = cpu_quantized_glu(x.a, gate_w.a, gate_scales.a, gate_biases.a, up_w.a,
+                                   up_scales.a, up_biases.a, group_size, bits, a)) {
     return wrap(std::move(*out));
   }
   // The ops the fused kernel stands for, each through its own kernel where that applies.
   auto gate = quantized_matmul(x, gate_w, gate_scales, &gate_biases, true, group_size, bits);
   auto up = quantized_matmul(x, up_w, up_scales, &up_biases, true, group_size, bits);
+  if (a == GluAct::Silu) return silu_mul(*gate, *up);
   return wrap(mx::multiply(gelu_tanh(*gate)->a, up->a));
 }
 

@@ -146,7 +146,7 @@ ArrPtr quantized_matmul(
     bool transpose,
     int32_t group_size,
     int32_t bits);
-ArrPtr quantized_geglu(
+ArrPtr quantized_glu(
     const Arr& x,
     const Arr& gate_w,
     const Arr& gate_scales,
@@ -155,7 +155,8 @@ ArrPtr quantized_geglu(
     const Arr& up_scales,
     const Arr& up_biases,
     int32_t group_size,
-    int32_t bits);
+    int32_t bits,
+    uint8_t act);
 void set_quantized_kernel(bool on);
 uint64_t quantized_kernel_count(bool sgemm_path);
 ArrPtr gather_qmm(
@@ -204,6 +205,7 @@ ArrPtr sdpa(
 // 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³))).
 ArrPtr gelu_tanh(const Arr& x);
 ArrPtr softcap(const Arr& x, float cap);
+ArrPtr silu_mul(const Arr& g, const Arr& u);
 void set_fused_kernels(bool on);
 uint64_t fused_kernel_count(uint8_t kind);
 

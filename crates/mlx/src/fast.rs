@@ -151,6 +151,12 @@ pub fn softcap(x: &Array, cap: f32) -> Result<Array> {
     Ok(Array::from_raw(ffi::softcap(x.arr(), cap)?))
 }
 
+/// `silu(g) · u` (`g · sigmoid(g) · u`) for `g` and `u` of one shape: a SwiGLU's gate times its
+/// up projection.
+pub fn silu_mul(g: &Array, u: &Array) -> Result<Array> {
+    Ok(Array::from_raw(ffi::silu_mul(g.arr(), u.arr())?))
+}
+
 /// Turns mlx-runner's fused CPU kernels on (the default) or off: off, RMS norm, RoPE, attention
 /// and GELU are MLX's op graphs and few-row matmuls MLX's own (for comparisons and the kernels'
 /// exactness tests). Applies to graphs built after the call.
@@ -168,6 +174,7 @@ pub struct FusedCounts {
     /// Few-row float32 matmuls against a loaded weight (`x @ W`, `Array::matmul`).
     pub matmul: u64,
     pub softcap: u64,
+    pub silu_mul: u64,
 }
 
 pub fn fused_kernel_counts() -> FusedCounts {
@@ -178,5 +185,6 @@ pub fn fused_kernel_counts() -> FusedCounts {
         gelu_tanh: ffi::fused_kernel_count(3),
         matmul: ffi::fused_kernel_count(4),
         softcap: ffi::fused_kernel_count(5),
+        silu_mul: ffi::fused_kernel_count(6),
     }
 }

@@ -469,13 +469,28 @@ impl Array {
     /// format (a GeGLU's gate and up projections): one op on the CPU, the same values as the
     /// three ops it stands for.
     pub fn quantized_geglu(&self, gate: &Quantized, up: &Quantized) -> Result<Array> {
+        self.quantized_glu(gate, up, 0, "quantized_geglu")
+    }
+
+    /// `silu(self @ gateᵀ) * (self @ upᵀ)` (a SwiGLU's gate and up projections), likewise.
+    pub fn quantized_swiglu(&self, gate: &Quantized, up: &Quantized) -> Result<Array> {
+        self.quantized_glu(gate, up, 1, "quantized_swiglu")
+    }
+
+    fn quantized_glu(
+        &self,
+        gate: &Quantized,
+        up: &Quantized,
+        act: u8,
+        what: &str,
+    ) -> Result<Array> {
         if gate.group_size != up.group_size || gate.bits != up.bits {
             return Err(Error::Mlx(format!(
-                "quantized_geglu: gate ({} bits, group {}) and up ({} bits, group {}) differ",
+                "{what}: gate ({} bits, group {}) and up ({} bits, group {}) differ",
                 gate.bits, gate.group_size, up.bits, up.group_size
             )));
         }
-        Ok(Array::from_raw(ffi::quantized_geglu(
+        Ok(Array::from_raw(ffi::quantized_glu(
             self.arr(),
             gate.weight.arr(),
             gate.scales.arr(),
@@ -485,6 +500,7 @@ impl Array {
             up.biases.arr(),
             gate.group_size,
             gate.bits,
+            act,
         )?))
     }
 

@@ -50,6 +50,7 @@ fn both(f: impl Fn() -> Array) -> (Vec<f32>, Vec<f32>, Vec<i32>, FusedCounts) {
         gelu_tanh: after.gelu_tanh - before.gelu_tanh,
         matmul: after.matmul - before.matmul,
         softcap: after.softcap - before.softcap,
+        silu_mul: after.silu_mul - before.silu_mul,
     };
     (
         ours.to_vec::<f32>().unwrap(),
@@ -399,4 +400,34 @@ fn softcap_matches_mlx() {
     let (ours, theirs, _, ran) = both(|| fast::softcap(&x, 30.0).unwrap());
     assert_close(&ours, &theirs, 1e-6, "transposed softcap");
     assert_eq!(ran.softcap, 1);
+}
+
+#[test]
+fn silu_mul_matches_mlx() {
+    let _one = serial();
+    for (case, shape) in [vec![1, 1, 3072], vec![2, 3, 4, 1, 37], vec![5000]]
+        .into_iter()
+        .enumerate()
+    {
+        let g = normal(&shape, 250 + case as u64)
+            .multiply_scalar(4.0)
+            .unwrap();
+        let u = normal(&shape, 260 + case as u64);
+        let (ours, theirs, got, ran) = both(|| fast::silu_mul(&g, &u).unwrap());
+        assert_eq!(got, shape);
+        assert_close(&ours, &theirs, 1e-6, &format!("silu_mul {shape:?}"));
+        assert_eq!(ran.silu_mul, 1);
+    }
+    // The tails: silu(g) → 0 for very negative g, → g for large g.
+    let g = Array::from_slice(&[-1e4f32, -100.0, -88.0, 0.0, 88.0, 100.0, 1e4], &[7]).unwrap();
+    let u = Array::from_slice(&[2.0f32; 7], &[7]).unwrap();
+    let (ours, theirs, _, _) = both(|| fast::silu_mul(&g, &u).unwrap());
+    assert_close(&ours, &theirs, 1e-6, "silu_mul tails");
+    // Shapes that differ are MLX's broadcasting graph.
+    let row = normal(&[37], 270);
+    let g = normal(&[4, 37], 271);
+    let (ours, theirs, got, ran) = both(|| fast::silu_mul(&g, &row).unwrap());
+    assert_eq!(got, vec![4, 37]);
+    assert_close(&ours, &theirs, 1e-6, "broadcast");
+    assert_eq!(ran.silu_mul, 0);
 }

@@ -333,74 +333,87 @@ fn dequantization_matches_mlx() {
 }
 
 #[test]
-fn geglu_is_the_ops_it_fuses() {
+fn gated_mlps_are_the_ops_they_fuse() {
     let _one = serial();
-    let gelu_mul = |x: &Array, g: &mlx::Quantized, u: &mlx::Quantized| {
+    // (fused, unfused): gemma4's GeGLU and GLM's SwiGLU.
+    let geglu = |x: &Array, g: &mlx::Quantized, u: &mlx::Quantized| {
         mlx::fast::gelu_tanh(&x.quantized_matmul(g, true).unwrap())
             .unwrap()
             .multiply(&x.quantized_matmul(u, true).unwrap())
             .unwrap()
     };
+    let swiglu = |x: &Array, g: &mlx::Quantized, u: &mlx::Quantized| {
+        mlx::fast::silu_mul(
+            &x.quantized_matmul(g, true).unwrap(),
+            &x.quantized_matmul(u, true).unwrap(),
+        )
+        .unwrap()
+    };
+    type Fused = fn(&Array, &mlx::Quantized, &mlx::Quantized) -> mlx::Result<Array>;
+    type Unfused<'a> = &'a dyn Fn(&Array, &mlx::Quantized, &mlx::Quantized) -> Array;
+    let kinds: [(&str, Fused, Unfused); 2] = [
+        ("geglu", Array::quantized_geglu, &geglu),
+        ("swiglu", Array::quantized_swiglu, &swiglu),
+    ];
     let mut case = 300u64;
-    for (bits, group) in [(4, 64), (8, 32), (4, 32), (8, 128)] {
-        for (rows, n, k) in [(1, 96, 256), (3, 33, 512), (16, 40, 256), (37, 24, 384)] {
-            if k % group != 0 {
-                continue;
+    for (kind, fused_op, unfused_op) in kinds {
+        for (bits, group) in [(4, 64), (8, 32), (4, 32), (8, 128)] {
+            for (rows, n, k) in [(1, 96, 256), (3, 33, 512), (16, 40, 256), (37, 24, 384)] {
+                if k % group != 0 {
+                    continue;
+                }
+                let normal = |shape: &[i32], sd: f64, seed: u64| {
+                    random::normal(
+                        shape,
+                        Dtype::F32,
+                        0.0,
+                        sd,
+                        Some(&random::key(seed).unwrap()),
+                    )
+                    .unwrap()
+                };
+                let x = normal(&[1, rows, k], 1.0, case);
+                let g = normal(&[n, k], 0.05, case + 1)
+                    .quantize(group, bits)
+                    .unwrap();
+                let u = normal(&[n, k], 0.05, case + 2)
+                    .quantize(group, bits)
+                    .unwrap();
+                case += 3;
+                let what = format!("{kind} bits {bits} group {group} {rows}x{k} @ {n}");
+                let fused = fused_op(&x, &g, &u).unwrap();
+                assert_eq!(
+                    ops_of(&fused)
+                        .iter()
+                        .filter(|o| o.starts_with("Mlxr"))
+                        .count(),
+                    1,
+                    "one op: {what}"
+                );
+                assert_eq!(fused.shape(), vec![1, rows, n]);
+                // With the kernels on, the unfused ops compute the very same values.
+                assert_eq!(
+                    fused.to_vec::<f32>().unwrap(),
+                    unfused_op(&x, &g, &u).to_vec::<f32>().unwrap(),
+                    "{what}"
+                );
+                // And MLX's own ops, kernels off, within float tolerance.
+                mlx::set_quantized_kernel(false);
+                mlx::fast::set_fused_kernels(false);
+                let off = fused_op(&x, &g, &u).unwrap();
+                let theirs = unfused_op(&x, &g, &u);
+                let off_ops = ops_of(&off);
+                mlx::set_quantized_kernel(true);
+                mlx::fast::set_fused_kernels(true);
+                assert!(
+                    !off_ops.iter().any(|o| o.starts_with("Mlxr")),
+                    "{off_ops:?}"
+                );
+                assert_eq!(max_diff(&off, &theirs), 0.0, "{what}");
+                let tol = 2e-5 * scale_of(&theirs) * (k as f32).sqrt();
+                let d = max_diff(&fused, &theirs);
+                assert!(d <= tol, "{what}: {d} > {tol}");
             }
-            let normal = |shape: &[i32], sd: f32, seed: u64| {
-                random::normal(
-                    shape,
-                    Dtype::F32,
-                    0.0,
-                    f64::from(sd),
-                    Some(&random::key(seed).unwrap()),
-                )
-                .unwrap()
-            };
-            let x = normal(&[1, rows, k], 1.0, case);
-            let g = normal(&[n, k], 0.05, case + 1)
-                .quantize(group, bits)
-                .unwrap();
-            let u = normal(&[n, k], 0.05, case + 2)
-                .quantize(group, bits)
-                .unwrap();
-            case += 3;
-            let fused = x.quantized_geglu(&g, &u).unwrap();
-            assert_eq!(
-                ops_of(&fused)
-                    .iter()
-                    .filter(|o| o.contains("Quantized"))
-                    .count(),
-                1,
-                "one op for {rows}x{k} @ {n}"
-            );
-            assert_eq!(fused.shape(), vec![1, rows, n]);
-            // With the kernels on, the unfused ops compute the very same values.
-            let unfused = gelu_mul(&x, &g, &u);
-            assert_eq!(
-                fused.to_vec::<f32>().unwrap(),
-                unfused.to_vec::<f32>().unwrap(),
-                "bits {bits} group {group} {rows}x{k} @ {n}"
-            );
-            // And MLX's own ops, kernels off, within float tolerance.
-            mlx::set_quantized_kernel(false);
-            mlx::fast::set_fused_kernels(false);
-            let off = x.quantized_geglu(&g, &u).unwrap();
-            let theirs = gelu_mul(&x, &g, &u);
-            let off_ops = ops_of(&off);
-            mlx::set_quantized_kernel(true);
-            mlx::fast::set_fused_kernels(true);
-            assert!(
-                !off_ops.iter().any(|o| o.starts_with("Mlxr")),
-                "{off_ops:?}"
-            );
-            assert_eq!(max_diff(&off, &theirs), 0.0);
-            let tol = 2e-5 * scale_of(&theirs) * (k as f32).sqrt();
-            let d = max_diff(&fused, &theirs);
-            assert!(
-                d <= tol,
-                "bits {bits} group {group} {rows}x{k} @ {n}: {d} > {tol}"
-            );
         }
     }
     // Gate and up of different formats are refused with a clear error.

@@ -6,7 +6,7 @@
 //! the model. The model holds weights only; caches are passed in (one latent cache per layer).
 
 use crate::config::JsonFile;
-use crate::nn::{norm, silu, Embedding, Experts, Linear, Rope};
+use crate::nn::{norm, silu_mul, Embedding, Experts, Linear, Rope};
 use crate::packed::{check_rows, join_rows, single_row, spans, time_slice};
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
@@ -415,8 +415,16 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Array) -> Result<Array> {
-        self.down
-            .forward(&silu(&self.gate.forward(x)?)?.multiply(&self.up.forward(x)?)?)
+        let a = match (&self.gate, &self.up) {
+            // One op for the two products and the gate, where the two are quantized alike.
+            (Linear::Quantized(g), Linear::Quantized(u))
+                if g.bits == u.bits && g.group_size == u.group_size =>
+            {
+                x.quantized_swiglu(g, u)?
+            }
+            _ => silu_mul(&self.gate.forward(x)?, &self.up.forward(x)?)?,
+        };
+        self.down.forward(&a)
     }
 }
 
@@ -541,7 +549,7 @@ impl Moe {
         let xe = x.expand_dims_axes(&[-2, -3])?; // [B, L, 1, 1, H]
         let g = self.gate.forward(&xe, &idx, false)?;
         let u = self.up.forward(&xe, &idx, false)?;
-        let y = self.down.forward(&silu(&g)?.multiply(&u)?, &idx, false)?; // [B, L, k, 1, H]
+        let y = self.down.forward(&silu_mul(&g, &u)?, &idx, false)?; // [B, L, k, 1, H]
         let w = w.astype(x.dtype())?.expand_dims(-1)?;
         let routed = y.squeeze(-2)?.multiply(&w)?.sum(&[-2], false)?;
         Ok(routed.add(&self.shared.forward(x)?)?)

@@ -157,6 +157,11 @@ pub fn silu(x: &Array) -> Result<Array> {
     Ok(x.multiply(&x.sigmoid()?)?)
 }
 
+/// `silu(g) · u`, one op on the CPU.
+pub fn silu_mul(g: &Array, u: &Array) -> Result<Array> {
+    Ok(mlx::fast::silu_mul(g, u)?)
+}
+
 /// RMS norm with a learned scale (`None`: the no-scale variant).
 pub fn norm(x: &Array, w: Option<&Array>, eps: f32) -> Result<Array> {
     Ok(rms_norm(x, w, eps)?)
