@@ -251,6 +251,23 @@ inline void silu_mul_scalar(const float* g, const float* u, float* o, size_t i0,
   for (size_t i = i0; i < i1; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 
+// GELU and silu(g) ⊙ u over [i0, i1), with AVX2 where the CPU has it.
+inline void gelu_range(const float* x, float* o, size_t i0, size_t i1) {
+  if (has_avx2()) {
+    gelu_avx(x, o, i0, i1);
+  } else {
+    gelu_scalar(x, o, i0, i1);
+  }
+}
+
+inline void silu_mul_range(const float* g, const float* u, float* o, size_t i0, size_t i1) {
+  if (has_avx2()) {
+    silu_mul_avx(g, u, o, i0, i1);
+  } else {
+    silu_mul_scalar(g, u, o, i0, i1);
+  }
+}
+
 // `a` as row-major data: its own buffer when it is one, else a copy into `tmp`.
 template <typename T>
 const T* dense(const mlx::core::array& a, std::vector<T>& tmp) {

@@ -383,13 +383,7 @@ struct GeluTanhOp {
   static constexpr FusedKind kind = FusedKind::GeluTanh;
 
   static void run(const Params&, std::vector<mx::array>& in, mx::array& out) {
-    elementwise(in[0], out, [](const float* x, float* o, size_t i0, size_t i1) {
-      if (has_avx2()) {
-        gelu_avx(x, o, i0, i1);
-      } else {
-        gelu_scalar(x, o, i0, i1);
-      }
-    });
+    elementwise(in[0], out, gelu_range);
   }
 };
 
@@ -481,13 +475,7 @@ struct SiluMulOp {
     const float* g = dense(in[0], gt);
     const float* u = dense(in[1], ut);
     float* o = out.data<float>();
-    for_rows(in[0].size(), 1 << 14, [&](size_t i0, size_t i1) {
-      if (has_avx2()) {
-        silu_mul_avx(g, u, o, i0, i1);
-      } else {
-        silu_mul_scalar(g, u, o, i0, i1);
-      }
-    });
+    for_rows(in[0].size(), 1 << 14, [&](size_t i0, size_t i1) { silu_mul_range(g, u, o, i0, i1); });
   }
 };
 
@@ -605,28 +593,24 @@ std::optional<mx::array> cpu_rms_norm(
     const mx::array& x,
     const std::optional<mx::array>& w,
     float eps) {
-  if (!on_cpu() || !is_f32(x) || x.ndim() == 0 || x.size() == 0) return std::nullopt;
-  if (w && (!is_f32(*w) || w->ndim() != 1 || w->size() != (size_t)x.shape(-1))) return std::nullopt;
-  std::vector<mx::array> in{x};
-  if (w) in.push_back(*w);
-  return fused<RmsNormOp>(x.shape(), {eps, w.has_value(), false, false}, std::move(in));
+  return cpu_rms_norm_residual(x, w, eps, std::nullopt, std::nullopt);
 }
 
 std::optional<mx::array> cpu_rms_norm_residual(
     const mx::array& x,
     const std::optional<mx::array>& w,
     float eps,
-    const mx::array& residual,
+    const std::optional<mx::array>& residual,
     const std::optional<mx::array>& scale) {
   if (!on_cpu() || !is_f32(x) || x.ndim() == 0 || x.size() == 0) return std::nullopt;
   if (w && (!is_f32(*w) || w->ndim() != 1 || w->size() != (size_t)x.shape(-1))) return std::nullopt;
-  if (!is_f32(residual) || residual.shape() != x.shape()) return std::nullopt;
-  if (scale && (!is_f32(*scale) || scale->size() != 1)) return std::nullopt;
+  if (residual && (!is_f32(*residual) || residual->shape() != x.shape())) return std::nullopt;
+  if (scale && (!residual || !is_f32(*scale) || scale->size() != 1)) return std::nullopt;
   std::vector<mx::array> in{x};
-  if (w) in.push_back(*w);
-  in.push_back(residual);
-  if (scale) in.push_back(*scale);
-  return fused<RmsNormOp>(x.shape(), {eps, w.has_value(), true, scale.has_value()}, std::move(in));
+  for (const auto* a : {&w, &residual, &scale})
+    if (*a) in.push_back(**a);
+  return fused<RmsNormOp>(
+      x.shape(), {eps, w.has_value(), residual.has_value(), scale.has_value()}, std::move(in));
 }
 
 std::optional<mx::array> cpu_rope(

@@ -26,12 +26,13 @@ std::optional<mlx::core::array> cpu_rms_norm(
     const std::optional<mlx::core::array>& w,
     float eps);
 
-// (residual + rms_norm(x, w, eps)) · scale, residual of x's shape, scale one element.
+// (residual + rms_norm(x, w, eps)) · scale, residual of x's shape, scale one element (only with
+// a residual).
 std::optional<mlx::core::array> cpu_rms_norm_residual(
     const mlx::core::array& x,
     const std::optional<mlx::core::array>& w,
     float eps,
-    const mlx::core::array& residual,
+    const std::optional<mlx::core::array>& residual,
     const std::optional<mlx::core::array>& scale);
 
 std::optional<mlx::core::array> cpu_rope(

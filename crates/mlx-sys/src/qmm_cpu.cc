@@ -271,7 +271,7 @@ Sgemm sgemm() {
 
 // Rows [n0, n1) and columns [k0, k1) of w as float32, row-major [n1 - n0, k1 - k0]; k0 and k1
 // are whole groups.
-void dequantize_rows(
+void dequantize_rows_scalar(
     const uint32_t* w,
     const float* sc,
     const float* bi,
@@ -339,6 +339,24 @@ __attribute__((target("avx2,fma"))) void dequantize_rows_avx(
   }
 }
 
+// dequantize_rows_avx where the CPU has AVX2, else dequantize_rows_scalar.
+void dequantize_rows(
+    const uint32_t* w,
+    const float* sc,
+    const float* bi,
+    float* dst,
+    const Shape& s,
+    int n0,
+    int n1,
+    int k0,
+    int k1) {
+  if (has_avx2()) {
+    dequantize_rows_avx(w, sc, bi, dst, s, n0, n1, k0, k1);
+  } else {
+    dequantize_rows_scalar(w, sc, bi, dst, s, n0, n1, k0, k1);
+  }
+}
+
 // Many rows: tiles of dequantized weights through sgemm. A tile is up to K_TILE inputs by as
 // many weight rows as fit TILE_BYTES: big enough that sgemm's per-call cost (packing its
 // operands) is spread thin, small enough to stay in cache between the dequantization and the
@@ -364,12 +382,7 @@ void qmm(
       const int k1 = std::min(s.K, k0 + kt), cols = k1 - k0;
       for_rows(rows, 1, [&](size_t r0, size_t r1) {
         const int a = n0 + (int)r0, b = n0 + (int)r1;
-        float* dst = buf.data() + r0 * cols;
-        if (has_avx2()) {
-          dequantize_rows_avx(w, sc, bi, dst, s, a, b, k0, k1);
-        } else {
-          dequantize_rows(w, sc, bi, dst, s, a, b, k0, k1);
-        }
+        dequantize_rows(w, sc, bi, buf.data() + r0 * cols, s, a, b, k0, k1);
       });
       // Row-major (101), x[:, k0:k1] · tileᵀ (NoTrans 111, Trans 112) into out[:, n0:n1].
       sgemm()(101, 111, 112, s.M, rows, cols, 1.0f, x + k0, s.K, buf.data(), cols,
@@ -398,6 +411,20 @@ void product(
   }
 }
 
+// A quantized matrix's packed words, scales and biases as row-major data. Weights are
+// row-contiguous as loaded; a view that is not is copied here rather than by a Contiguous op in
+// the graph, which would cost a dispatch every time.
+struct DensePacked {
+  std::vector<uint32_t> wc;
+  std::vector<float> sc, bc;
+  const uint32_t* w;
+  const float* s;
+  const float* b;
+  DensePacked(const mx::array& w_, const mx::array& s_, const mx::array& b_)
+      : w(dense(w_, wc)), s(dense(s_, sc)), b(dense(b_, bc)) {}
+  DensePacked(const DensePacked&) = delete;
+};
+
 // x [..., K] @ dequantize(w)ᵀ, w [N, K·bits/32], scales and biases [N, K/group].
 struct QuantizedMatmulOp {
   struct Params {
@@ -409,12 +436,9 @@ struct QuantizedMatmulOp {
   static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
     const auto &x = in[0], &w = in[1];
     const Shape s{(int)(x.size() / x.shape(-1)), (int)w.shape(0), (int)x.shape(-1), p.bits, p.group};
-    // Weights are row-contiguous as loaded and x nearly always is; a view that is not is
-    // copied here rather than by a Contiguous op in the graph, which would cost a dispatch
-    // every time.
-    std::vector<uint32_t> wc;
-    std::vector<float> xc, scc, bic;
-    product(dense(x, xc), dense(w, wc), dense(in[2], scc), dense(in[3], bic), out.data<float>(), s);
+    std::vector<float> xc;
+    const DensePacked q(w, in[2], in[3]);
+    product(dense(x, xc), q.w, q.s, q.b, out.data<float>(), s);
   }
 };
 
@@ -433,51 +457,32 @@ struct QuantizedGluOp {
   static constexpr const char* name = "MlxrCpuQuantizedGlu";
 
   static void combine(GluAct act, const float* g, const float* u, float* o, size_t n) {
-    if (act == GluAct::Silu) {
-      if (has_avx2()) {
-        silu_mul_avx(g, u, o, 0, n);
-      } else {
-        silu_mul_scalar(g, u, o, 0, n);
-      }
-      return;
-    }
-    if (has_avx2()) {
-      gelu_avx(g, o, 0, n);
-    } else {
-      gelu_scalar(g, o, 0, n);
-    }
+    if (act == GluAct::Silu) return silu_mul_range(g, u, o, 0, n);
+    gelu_range(g, o, 0, n);
     for (size_t i = 0; i < n; ++i) o[i] *= u[i];
   }
 
   static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
     const auto& x = in[0];
     const Shape s{(int)(x.size() / x.shape(-1)), (int)in[1].shape(0), (int)x.shape(-1), p.bits, p.group};
-    std::vector<float> xc, gsc, gbc, usc, ubc;
-    std::vector<uint32_t> gwc, uwc;
+    std::vector<float> xc;
     const float* xp = dense(x, xc);
-    const uint32_t* gw = dense(in[1], gwc);
-    const float* gs = dense(in[2], gsc);
-    const float* gb = dense(in[3], gbc);
-    const uint32_t* uw = dense(in[4], uwc);
-    const float* us = dense(in[5], usc);
-    const float* ub = dense(in[6], ubc);
+    const DensePacked g(in[1], in[2], in[3]), u(in[4], in[5], in[6]);
     float* o = out.data<float>();
     const size_t total = (size_t)s.M * s.N;
-    std::vector<float> up(total);
+    std::vector<float> gate(total), up(total);
     if (s.M >= SGEMM_ROWS || !has_avx2()) {
-      std::vector<float> gate(total);
-      product(xp, gw, gs, gb, gate.data(), s);
-      product(xp, uw, us, ub, up.data(), s);
+      product(xp, g.w, g.s, g.b, gate.data(), s);
+      product(xp, u.w, u.s, u.b, up.data(), s);
       for_rows(total, 1 << 14, [&](size_t i0, size_t i1) {
         combine(p.act, gate.data() + i0, up.data() + i0, o + i0, i1 - i0);
       });
       return;
     }
     const PreparedX px = prepare_x(xp, s);
-    std::vector<float> gate(total);
     for_rows(s.N, rows_per_chunk(s), [&](size_t n0, size_t n1) {
-      qmv_range(px, gw, gs, gb, gate.data(), s, (int)n0, (int)n1);
-      qmv_range(px, uw, us, ub, up.data(), s, (int)n0, (int)n1);
+      qmv_range(px, g.w, g.s, g.b, gate.data(), s, (int)n0, (int)n1);
+      qmv_range(px, u.w, u.s, u.b, up.data(), s, (int)n0, (int)n1);
       for (int m = 0; m < s.M; ++m) {
         const size_t at = (size_t)m * s.N + n0;
         combine(p.act, gate.data() + at, up.data() + at, o + at, n1 - n0);
@@ -509,12 +514,7 @@ struct GatherQuantizedMatmulOp {
     const uint32_t* ip = dense(idx, id);
     float* op = out.data<float>();
     const size_t words = (size_t)N * (K / per_word(bits)), groups = (size_t)N * (K / group);
-    // Expert stacks are contiguous as loaded; a view that is not is copied.
-    std::vector<uint32_t> wc;
-    std::vector<float> scc, bic;
-    const uint32_t* wp = dense(w, wc);
-    const float* sp = dense(in[2], scc);
-    const float* bp = dense(in[3], bic);
+    const DensePacked q(w, in[2], in[3]);
     int b = 0;
     while (b < B) {
       const uint32_t e = ip[b];
@@ -528,7 +528,7 @@ struct GatherQuantizedMatmulOp {
       } else {
         Shape s{run * M, N, K, bits, group};
         const float* xb = xp + (size_t)b * M * K;
-        product(xb, wp + e * words, sp + e * groups, bp + e * groups, o, s);
+        product(xb, q.w + e * words, q.s + e * groups, q.b + e * groups, o, s);
       }
       b += run;
     }
@@ -550,26 +550,32 @@ struct DequantizeOp {
     const int K = (int)w.shape(-1) * per_word(p.bits);
     const int N = (int)(w.size() / w.shape(-1));
     const Shape s{1, N, K, p.bits, p.group};
-    std::vector<uint32_t> wc;
-    std::vector<float> scc, bic;
-    const uint32_t* wp = dense(w, wc);
-    const float* sp = dense(in[1], scc);
-    const float* bp = dense(in[2], bic);
+    const DensePacked q(w, in[1], in[2]);
     float* o = out.data<float>();
     // Rows of at least 16 KB of output per chunk: a lookup of a few rows stays on this thread.
     for_rows(N, std::max(1, 4096 / K), [&](size_t n0, size_t n1) {
-      float* dst = o + n0 * K;
-      if (has_avx2()) {
-        dequantize_rows_avx(wp, sp, bp, dst, s, (int)n0, (int)n1, 0, K);
-      } else {
-        dequantize_rows(wp, sp, bp, dst, s, (int)n0, (int)n1, 0, K);
-      }
+      dequantize_rows(q.w, q.s, q.b, o + n0 * K, s, (int)n0, (int)n1, 0, K);
     });
   }
 };
 
 // The checks both products share: the CPU, float32 activations, supported bits and groups,
 // packed sizes that agree.
+// What every kernel here reads: the kernels on, the CPU, supported bits and groups, uint32
+// words with float32 scales and biases of one shape and rank.
+bool packed_format_applies(
+    const mx::array& w,
+    const mx::array& scales,
+    const std::optional<mx::array>& biases,
+    int group_size,
+    int bits) {
+  return g_enabled.load() && mx::default_device() == mx::Device::cpu && biases &&
+         (bits == 4 || bits == 8) && (group_size == 32 || group_size == 64 || group_size == 128) &&
+         w.dtype() == mx::uint32 && scales.dtype() == mx::float32 &&
+         biases->dtype() == mx::float32 && scales.ndim() == w.ndim() &&
+         biases->shape() == scales.shape();
+}
+
 bool kernel_applies(
     const mx::array& x,
     const mx::array& w,
@@ -579,13 +585,10 @@ bool kernel_applies(
     int group_size,
     int bits) {
   const int K = x.ndim() >= 1 ? x.shape(-1) : 0;
-  return g_enabled.load() && mx::default_device() == mx::Device::cpu && transpose && biases &&
-         (bits == 4 || bits == 8) && (group_size == 32 || group_size == 64 || group_size == 128) &&
-         x.dtype() == mx::float32 && w.dtype() == mx::uint32 && scales.dtype() == mx::float32 &&
-         biases->dtype() == mx::float32 && x.ndim() >= 1 && x.size() > 0 && w.ndim() >= 2 &&
+  return packed_format_applies(w, scales, biases, group_size, bits) && transpose &&
+         x.dtype() == mx::float32 && x.ndim() >= 1 && x.size() > 0 && w.ndim() >= 2 &&
          K == w.shape(-1) * (32 / bits) && K % group_size == 0 && K % (256 / bits) == 0 &&
-         scales.ndim() == w.ndim() && scales.shape(-2) == w.shape(-2) &&
-         scales.shape(-1) == K / group_size && biases->shape() == scales.shape();
+         scales.shape(-2) == w.shape(-2) && scales.shape(-1) == K / group_size;
 }
 
 }  // namespace
@@ -651,12 +654,8 @@ std::optional<mx::array> cpu_dequantize(
     const std::optional<mx::array>& biases,
     int group_size,
     int bits) {
-  const bool fits = g_enabled.load() && mx::default_device() == mx::Device::cpu && biases &&
-                    (bits == 4 || bits == 8) &&
-                    (group_size == 32 || group_size == 64 || group_size == 128) &&
-                    w.dtype() == mx::uint32 && scales.dtype() == mx::float32 &&
-                    biases->dtype() == mx::float32 && w.ndim() >= 1 && w.size() > 0 &&
-                    scales.shape() == biases->shape() && scales.ndim() == w.ndim() &&
+  const bool fits = packed_format_applies(w, scales, biases, group_size, bits) &&
+                    w.ndim() >= 1 && w.size() > 0 &&
                     std::equal(w.shape().begin(), w.shape().end() - 1, scales.shape().begin()) &&
                     (size_t)w.shape(-1) * (32 / bits) == (size_t)scales.shape(-1) * group_size;
   if (!fits) return std::nullopt;

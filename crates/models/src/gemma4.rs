@@ -5,10 +5,9 @@
 //! the model. The model holds weights only; caches are passed in (one per non-shared layer).
 
 use crate::config::JsonFile;
-use crate::nn::{add_norm, add_norm_scaled, gelu_tanh, norm, Embedding, Experts, Linear, Rope};
+use crate::nn::{add_norm, gelu_tanh, norm, Embedding, Experts, Linear, Rope};
 use crate::packed::{
-    all_single, check_rows, heads_first, heads_joined, join_rows, rows_as_tokens, single_row,
-    spans, time_slice,
+    all_single, check_rows, heads_joined, join_rows, rows_as_tokens, single_row, spans, time_slice,
 };
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
@@ -350,7 +349,9 @@ impl HeadLayout {
         match self {
             HeadLayout::TokenRows => norm(&y.reshape(&[s[1], n, 1, d])?, w, eps),
             HeadLayout::HeadsFirst if s[1] == 1 => norm(&y.reshape(&[s[0], n, 1, d])?, w, eps),
-            HeadLayout::HeadsFirst => heads_first(&norm(&y.reshape(&[s[0], s[1], n, d])?, w, eps)?),
+            HeadLayout::HeadsFirst => {
+                Ok(norm(&y.reshape(&[s[0], s[1], n, d])?, w, eps)?.transpose(&[0, 2, 1, 3])?)
+            }
         }
     }
 }
@@ -654,10 +655,7 @@ impl DecoderLayer {
                 norm(&dense, Some(post1), eps)?.add(&norm(&experts, Some(post2), eps)?)?
             }
         };
-        match scale {
-            Some(s) => add_norm_scaled(h, &f, Some(&self.post_ffn_norm), eps, s),
-            None => add_norm(h, &f, Some(&self.post_ffn_norm), eps),
-        }
+        add_norm(h, &f, Some(&self.post_ffn_norm), eps, scale)
     }
 }
 
@@ -988,7 +986,7 @@ impl CausalLm for Gemma4 {
                 join_rows(&outs)?
             };
             let a = layer.attn.o_proj.forward(&joined)?;
-            h = add_norm(&h, &a, Some(&layer.post_attn_norm), eps)?;
+            h = add_norm(&h, &a, Some(&layer.post_attn_norm), eps, None)?;
             // The layer scalar rides on the layer's last residual update.
             let scalar = &layer.layer_scalar;
             h = match (&layer.ple, &ple) {
@@ -996,7 +994,13 @@ impl CausalLm for Gemma4 {
                     let h = layer.feed_forward_residual(&h, eps, None)?;
                     let this = all.index(&[Ix::full(), Ix::full(), Ix::At(i as i32)])?;
                     let g = gelu_tanh(&pl.gate.forward(&h)?)?.multiply(&this)?;
-                    add_norm_scaled(&h, &pl.proj.forward(&g)?, Some(&pl.post_norm), eps, scalar)?
+                    add_norm(
+                        &h,
+                        &pl.proj.forward(&g)?,
+                        Some(&pl.post_norm),
+                        eps,
+                        Some(scalar),
+                    )?
                 }
                 _ => layer.feed_forward_residual(&h, eps, Some(scalar))?,
             };

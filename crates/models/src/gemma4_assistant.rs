@@ -243,7 +243,7 @@ impl Gemma4Assistant {
             } else {
                 mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 1)?
             };
-            z = add_norm(&z, &a, Some(&layer.post_attn_norm), eps)?;
+            z = add_norm(&z, &a, Some(&layer.post_attn_norm), eps, None)?;
             z = layer.feed_forward_residual(&z, eps, Some(&layer.layer_scalar))?;
         }
         let n = norm(&z, Some(&self.norm), eps)?;

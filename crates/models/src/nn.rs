@@ -152,11 +152,6 @@ pub fn gelu_tanh(x: &Array) -> Result<Array> {
     Ok(mlx::fast::gelu_tanh(x)?)
 }
 
-/// `x · sigmoid(x)`.
-pub fn silu(x: &Array) -> Result<Array> {
-    Ok(x.multiply(&x.sigmoid()?)?)
-}
-
 /// `silu(g) · u`, one op on the CPU.
 pub fn silu_mul(g: &Array, u: &Array) -> Result<Array> {
     Ok(mlx::fast::silu_mul(g, u)?)
@@ -167,26 +162,16 @@ pub fn norm(x: &Array, w: Option<&Array>, eps: f32) -> Result<Array> {
     Ok(rms_norm(x, w, eps)?)
 }
 
-/// `residual + norm(x, w, eps)`: a post-norm block's residual update, one op.
-pub fn add_norm(residual: &Array, x: &Array, w: Option<&Array>, eps: f32) -> Result<Array> {
-    Ok(mlx::fast::rms_norm_residual(x, w, eps, residual, None)?)
-}
-
-/// [`add_norm`] times a one-element `scale`, still one op.
-pub fn add_norm_scaled(
+/// `(residual + norm(x, w, eps)) · scale`: a post-norm block's residual update, times a
+/// one-element scale if given (gemma4's layer scalar), one op.
+pub fn add_norm(
     residual: &Array,
     x: &Array,
     w: Option<&Array>,
     eps: f32,
-    scale: &Array,
+    scale: Option<&Array>,
 ) -> Result<Array> {
-    Ok(mlx::fast::rms_norm_residual(
-        x,
-        w,
-        eps,
-        residual,
-        Some(scale),
-    )?)
+    Ok(mlx::fast::rms_norm_residual(x, w, eps, residual, scale)?)
 }
 
 /// How one kind of layer rotates its queries and keys.

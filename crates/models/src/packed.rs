@@ -89,18 +89,9 @@ pub(crate) fn all_single(rows: &[PackedRow<'_>]) -> bool {
     rows.len() > 1 && rows.iter().all(|r| r.len == 1)
 }
 
-/// `[B, L, H, D]` as `[B, H, L, D]`. For one position (a decode step) the two are the same
-/// memory and this is a reshape, a cheaper op than a transpose; otherwise a transpose.
-pub(crate) fn heads_first(x: &Array) -> Result<Array> {
-    let s = x.shape();
-    Ok(if s[1] == 1 {
-        x.reshape(&[s[0], s[2], 1, s[3]])?
-    } else {
-        x.transpose(&[0, 2, 1, 3])?
-    })
-}
-
-/// `[B, H, L, D]` as `[B, L, H·D]`: [`heads_first`] undone and the heads joined.
+/// `[B, H, L, D]` as `[B, L, H·D]`: heads moved back after time and joined. For one position
+/// (a decode step) the two layouts are the same memory and this is a reshape, a cheaper op than
+/// a transpose and a reshape.
 pub(crate) fn heads_joined(x: &Array) -> Result<Array> {
     let s = x.shape();
     Ok(if s[2] == 1 {
