@@ -44,6 +44,7 @@ fn run() -> Result<(), String> {
         "src/cpu_common.h",
         "src/fused_cpu.h",
         "src/fused_cpu.cc",
+        "src/weight_arena.cc",
     ] {
         println!("cargo:rerun-if-changed={f}");
     }
@@ -71,6 +72,7 @@ fn run() -> Result<(), String> {
         .file("src/shim.cc")
         .file("src/qmm_cpu.cc")
         .file("src/fused_cpu.cc")
+        .file("src/weight_arena.cc")
         .include(&include)
         .include(&manifest)
         .std("c++20")

@@ -100,6 +100,8 @@ pub mod ffi {
         fn set_memory_limit(bytes: usize) -> usize;
         fn set_cache_limit(bytes: usize) -> usize;
         fn clear_cache();
+        fn move_to_huge_pages(v: &ArrVec) -> Result<usize>;
+        fn huge_page_bytes() -> usize;
 
         // construction and read-back
         fn from_bytes(data: &[u8], shape: &[i32], dtype: u8) -> Result<UniquePtr<Arr>>;

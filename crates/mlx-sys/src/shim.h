@@ -50,6 +50,10 @@ size_t memory_limit();
 size_t set_memory_limit(size_t bytes);
 size_t set_cache_limit(size_t bytes);
 void clear_cache();
+// Moves evaluated arrays into one huge-page region (weight_arena.cc); returns the bytes moved.
+size_t move_to_huge_pages(const ArrVec& v);
+// Bytes of those regions still mapped.
+size_t huge_page_bytes();
 
 // --- construction and read-back --------------------------------------------------------------
 ArrPtr from_bytes(rust::Slice<const uint8_t> data, I32s shape, uint8_t dtype);
