@@ -220,6 +220,110 @@ struct RopeOp {
 // Longer prompts are compute-bound, where MLX's matmul-based graph (BLAS) is faster.
 constexpr int kMaxQueries = 16;
 constexpr int kKeyBlock = 64;
+// Query rows computed together against a key block: each key and value row is loaded once for
+// all of them, and their dot products are independent FMA chains.
+constexpr int kTile = 4;
+
+// sc[t][c] = q_t · k_c for the R (1..kTile) query rows of a tile (rows of D floats from q) and
+// the n keys of a block (rows kstep apart from k). A row's dot product is two FMA chains over
+// 8-lane chunks, joined, reduced with the other rows' in one horizontal pass (absent rows are
+// zeros), then its scalar tail: the same operations for every R, so a query row's scores do not
+// depend on which rows share its tile (a verify step's rows equal one-row decode steps).
+template <int R>
+__attribute__((target("avx2,fma"))) void scores_avx(
+    const float* q, int D, const float* k, int64_t kstep, int n, float* sc) {
+  const int d16 = D / 16 * 16, d8 = D / 8 * 8;
+  for (int c = 0; c < n; ++c) {
+    const float* kc = k + c * kstep;
+    __m256 a[kTile][2];
+    #pragma GCC unroll 4
+    for (int t = 0; t < kTile; ++t) a[t][0] = a[t][1] = _mm256_setzero_ps();
+    for (int d = 0; d < d16; d += 16) {
+      const __m256 k0 = _mm256_loadu_ps(kc + d), k1 = _mm256_loadu_ps(kc + d + 8);
+      #pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) {
+        a[t][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + t * D + d), k0, a[t][0]);
+        a[t][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q + t * D + d + 8), k1, a[t][1]);
+      }
+    }
+    if (d8 > d16) {
+      const __m256 k0 = _mm256_loadu_ps(kc + d16);
+      #pragma GCC unroll 4
+      for (int t = 0; t < R; ++t)
+        a[t][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + t * D + d16), k0, a[t][0]);
+    }
+    const __m256 h = _mm256_hadd_ps(
+        _mm256_hadd_ps(_mm256_add_ps(a[0][0], a[0][1]), _mm256_add_ps(a[1][0], a[1][1])),
+        _mm256_hadd_ps(_mm256_add_ps(a[2][0], a[2][1]), _mm256_add_ps(a[3][0], a[3][1])));
+    alignas(16) float sums[4];
+    _mm_store_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    #pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      float x = sums[t];
+      for (int d = d8; d < D; ++d) x = std::fma(q[t * D + d], kc[d], x);
+      sc[t * kKeyBlock + c] = x;
+    }
+  }
+}
+
+// acc_t += Σ_c e[t][c] · v_c for the R rows of a tile. Value rows are read in order, one pass,
+// as the hardware prefetcher streams them best, and each is loaded once for all the rows; each
+// output element is the sequence fma(e_c, v_c[d], acc) in key order whatever R is.
+template <int R>
+__attribute__((target("avx2,fma"))) void values_avx(
+    const float* e, const float* v, int64_t vstep, int n, int Dv, float* const* acc) {
+  const int d8 = Dv / 8 * 8;
+  for (int c = 0; c < n; ++c) {
+    const float* vc = v + c * vstep;
+    __m256 w[R];
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) w[t] = _mm256_broadcast_ss(e + t * kKeyBlock + c);
+    for (int d = 0; d < d8; d += 8) {
+      const __m256 x = _mm256_loadu_ps(vc + d);
+#pragma GCC unroll 4
+      for (int t = 0; t < R; ++t)
+        _mm256_storeu_ps(acc[t] + d, _mm256_fmadd_ps(w[t], x, _mm256_loadu_ps(acc[t] + d)));
+    }
+    for (int d = d8; d < Dv; ++d)
+      for (int t = 0; t < R; ++t) acc[t][d] = std::fma(e[t * kKeyBlock + c], vc[d], acc[t][d]);
+  }
+}
+
+// The same without AVX2, one row at a time.
+void scores_scalar(int R, const float* q, int D, const float* k, int64_t kstep, int n, float* sc) {
+  for (int t = 0; t < R; ++t)
+    for (int c = 0; c < n; ++c) {
+      float x = 0;
+      for (int d = 0; d < D; ++d) x = std::fma(q[t * D + d], k[c * kstep + d], x);
+      sc[t * kKeyBlock + c] = x;
+    }
+}
+
+void values_scalar(int R, const float* e, const float* v, int64_t vstep, int n, int Dv, float* const* acc) {
+  for (int t = 0; t < R; ++t)
+    for (int c = 0; c < n; ++c)
+      for (int d = 0; d < Dv; ++d) acc[t][d] = std::fma(e[t * kKeyBlock + c], v[c * vstep + d], acc[t][d]);
+}
+
+void block_scores(int R, const float* q, int D, const float* k, int64_t kstep, int n, float* sc) {
+  if (!has_avx2()) return scores_scalar(R, q, D, k, kstep, n, sc);
+  switch (R) {
+    case 1: return scores_avx<1>(q, D, k, kstep, n, sc);
+    case 2: return scores_avx<2>(q, D, k, kstep, n, sc);
+    case 3: return scores_avx<3>(q, D, k, kstep, n, sc);
+    default: return scores_avx<4>(q, D, k, kstep, n, sc);
+  }
+}
+
+void block_values(int R, const float* e, const float* v, int64_t vstep, int n, int Dv, float* const* acc) {
+  if (!has_avx2()) return values_scalar(R, e, v, vstep, n, Dv, acc);
+  switch (R) {
+    case 1: return values_avx<1>(e, v, vstep, n, Dv, acc);
+    case 2: return values_avx<2>(e, v, vstep, n, Dv, acc);
+    case 3: return values_avx<3>(e, v, vstep, n, Dv, acc);
+    default: return values_avx<4>(e, v, vstep, n, Dv, acc);
+  }
+}
 
 struct SdpaOp {
   struct Params {
@@ -287,22 +391,26 @@ struct SdpaOp {
       const float* qg = qs.data() + (size_t)(b * Hq + hk * rep) * L * D;
       const float* kb = kp + b * ks[0] + hk * ks[1];
       const float* vb = vp + b * vs[0] + hk * vs[1];
-      float sc[kKeyBlock];
+      // Scores, then weights, of one tile of query rows against one key block.
+      alignas(32) float sc[kTile * kKeyBlock];
       for (int j = j0; j < j1; j += kKeyBlock) {
         const int n = std::min(kKeyBlock, j1 - j);
-        for (int r = 0; r < nq; ++r) {
-          const int h = hk * rep + r / L, i = r % L;
-          // Lower-right aligned: query i sees keys up to S - L + i.
-          const int last = p.causal ? S - L + i : S - 1;
-          float bmax = lowest;
-          for (int c = 0; c < n; ++c) {
-            const int jj = j + c;
-            float s;
-            if (jj > last) {
-              s = lowest;
-            } else {
-              s = dot(qg + (size_t)r * D, kb + jj * ks[2], D);
-              if (mask) {
+        for (int r0 = 0; r0 < nq; r0 += kTile) {
+          const int R = std::min(kTile, nq - r0);
+          block_scores(R, qg + (size_t)r0 * D, D, kb + j * ks[2], ks[2], n, sc);
+          float* acc[kTile];
+          for (int t = 0; t < R; ++t) {
+            const int r = r0 + t, h = hk * rep + r / L, i = r % L;
+            float* srow = sc + t * kKeyBlock;
+            // Lower-right aligned: query i sees keys up to S - L + i.
+            const int last = p.causal ? S - L + i : S - 1;
+            float bmax = lowest;
+            for (int c = 0; c < n; ++c) {
+              const int jj = j + c;
+              float s = srow[c];
+              if (jj > last) {
+                s = lowest;
+              } else if (mask) {
                 const auto& ms = mask->strides();
                 const int64_t mo = b * ms[0] + h * ms[1] + i * ms[2] + jj * ms[3];
                 if (p.bool_mask) {
@@ -311,24 +419,27 @@ struct SdpaOp {
                   s += mask->data<float>()[mo];
                 }
               }
+              srow[c] = s;
+              bmax = std::max(bmax, s);
             }
-            sc[c] = s;
-            bmax = std::max(bmax, s);
+            float* sr = my + r * state;
+            const float m = std::max(sr[0], bmax);
+            const float corr = std::exp(sr[0] - m);
+            float sum = sr[1] * corr;
+            acc[t] = sr + 2;
+            if (corr != 1.0f)
+              for (int d = 0; d < Dv; ++d) acc[t][d] *= corr;
+            for (int c = 0; c < n; ++c) {
+              // A hidden key weighs exp(lowest - m): 0 once any key is visible, as in MLX's
+              // softmax over the masked scores (uniform where every key is hidden).
+              const float e = std::exp(srow[c] - m);
+              srow[c] = e;
+              sum += e;
+            }
+            sr[0] = m;
+            sr[1] = sum;
           }
-          float* sr = my + r * state;
-          const float m = std::max(sr[0], bmax);
-          const float corr = std::exp(sr[0] - m);
-          float sum = sr[1] * corr;
-          float* acc = sr + 2;
-          if (corr != 1.0f)
-            for (int d = 0; d < Dv; ++d) acc[d] *= corr;
-          for (int c = 0; c < n; ++c) {
-            const float e = std::exp(sc[c] - m);
-            sum += e;
-            if (e != 0.0f) axpy(e, vb + (j + c) * vs[2], acc, Dv);
-          }
-          sr[0] = m;
-          sr[1] = sum;
+          block_values(R, sc, vb + j * vs[2], vs[2], n, Dv, acc);
         }
       }
     };

@@ -236,6 +236,48 @@ fn attention_reads_strided_cache_views() {
     assert_eq!(ran.sdpa, 1);
 }
 
+/// A query row's output is the same bits whichever rows it is computed with: the kernel takes
+/// query rows in tiles, and a verify step's rows must equal the one-row decode steps they
+/// replace (speculative decoding's greedy output is the plain one).
+#[test]
+fn attention_rows_do_not_depend_on_their_neighbours() {
+    let _one = serial();
+    fast::set_fused_kernels(true);
+    // 8 query heads on 2 kv heads, 5 query positions: 20 rows per kv head, tiles of mixed
+    // heads and positions; head dims with 16-, 8- and 1-lane tails; 3 key blocks.
+    let before = fast::fused_kernel_counts().sdpa;
+    for (d, dv) in [(128, 128), (40, 24), (19, 13)] {
+        let q = normal(&[1, 8, 5, d], 7);
+        let k = normal(&[1, 2, 150, d], 8);
+        let v = normal(&[1, 2, 150, dv], 9);
+        let all = fast::scaled_dot_product_attention(&q, &k, &v, 0.1, SdpaMask::None, None)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        for i in 0..5 {
+            let qi = q.slice_axis(2, i, Some(i + 1)).unwrap();
+            let one = fast::scaled_dot_product_attention(&qi, &k, &v, 0.1, SdpaMask::None, None)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap();
+            for h in 0..8 {
+                let row =
+                    |x: &[f32], at: usize| x[at * dv as usize..(at + 1) * dv as usize].to_vec();
+                assert_eq!(
+                    row(&one, h),
+                    row(&all, h * 5 + i as usize),
+                    "head {h}, position {i}, D {d}"
+                );
+            }
+        }
+    }
+    assert_eq!(
+        fast::fused_kernel_counts().sdpa - before,
+        18,
+        "the kernel answered"
+    );
+}
+
 #[test]
 fn attention_leaves_long_prompts_and_other_dtypes_to_mlx() {
     let _one = serial();
