@@ -111,6 +111,57 @@ fn the_kernel_matches_mlx_on_every_supported_shape() {
     assert!(after.1 > before.1, "the sgemm path never ran");
 }
 
+/// An output row is the same bits whichever rows it is computed with: one row of x takes the
+/// matrix's rows in pairs from the two halves of each chunk, so a row's partner (or none) moves
+/// with the matrix's height; a decode step must not change with it.
+#[test]
+fn an_output_row_does_not_depend_on_its_neighbours() {
+    let _one = serial();
+    mlx::set_quantized_kernel(true);
+    for bits in [4, 8] {
+        let x = random::normal(
+            &[1, 256],
+            Dtype::F32,
+            0.0,
+            1.0,
+            Some(&random::key(31).unwrap()),
+        )
+        .unwrap();
+        let w = random::normal(
+            &[301, 256],
+            Dtype::F32,
+            0.0,
+            1.0,
+            Some(&random::key(32).unwrap()),
+        )
+        .unwrap();
+        let q = w.quantize(64, bits).unwrap();
+        let all = x
+            .quantized_matmul(&q, true)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        for (from, to) in [(0, 1), (37, 90), (100, 301), (5, 6)] {
+            let part = mlx::Quantized {
+                weight: q.weight.slice_axis(0, from, Some(to)).unwrap(),
+                scales: q.scales.slice_axis(0, from, Some(to)).unwrap(),
+                biases: q.biases.slice_axis(0, from, Some(to)).unwrap(),
+                ..q.clone()
+            };
+            let some = x
+                .quantized_matmul(&part, true)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap();
+            assert_eq!(
+                some,
+                all[from as usize..to as usize],
+                "{bits}-bit rows {from}..{to}"
+            );
+        }
+    }
+}
+
 #[test]
 fn batched_and_strided_inputs_go_through_the_kernel_too() {
     let _one = serial();
