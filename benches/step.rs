@@ -116,6 +116,18 @@ fn matrices(dir: &Path) -> Vec<Mat> {
             }
         }
     }
+    // Where the model's own weights live after loading (models::Weights::materialize).
+    let held: Vec<&Array> = mats
+        .iter()
+        .flat_map(|m| match m {
+            Mat::Quantized(q) | Mat::Experts(q, _) | Mat::Heads(q) => {
+                vec![&q.weight, &q.scales, &q.biases]
+            }
+            Mat::Dense(wt) => vec![wt],
+        })
+        .collect();
+    mlx::eval(&held).unwrap();
+    mlx::memory::move_to_huge_pages(held).unwrap();
     mats
 }
 

@@ -51,6 +51,25 @@ fn weights_move_into_huge_pages_and_keep_working() {
     assert_eq!(row.shape(), vec![1, 1024]);
     row.eval().unwrap();
 
+    // A tensor over the 64 MB slabs the copy releases its source in: every slab arrives.
+    let large = random::normal(&[5000, 4200], Dtype::F32, 0.0, 1.0, None).unwrap();
+    large.eval().unwrap();
+    let sum = |a: &Array| a.sum_all(false).unwrap().to_vec::<f32>().unwrap()[0];
+    let (large_sum, large_tail) = (
+        sum(&large),
+        values(&large.slice_axis(0, 4999, None).unwrap()),
+    );
+    assert_eq!(
+        memory::move_to_huge_pages([&large]).unwrap(),
+        large.nbytes()
+    );
+    assert_eq!(sum(&large), large_sum);
+    assert_eq!(
+        values(&large.slice_axis(0, 4999, None).unwrap()),
+        large_tail
+    );
+    drop(large);
+
     // Moving again finds nothing left to move (the moved arrays own a region's slice, not an
     // MLX buffer).
     assert_eq!(memory::move_to_huge_pages([&big, &small]).unwrap(), 0);
