@@ -66,7 +66,7 @@ void permute_x(const float* x, float* xt, const Shape& s) {
 // Output rows n[0..W) for R (1..4) rows of x starting at m0. W = 2 (one row of x: decode)
 // reads two weight rows at once, each from its own half of a chunk: two streams the hardware
 // prefetcher follows side by side, and one load of x for both (a decode step's 71 matrices
-// from 2 MB pages, two cores: 21.3 against 20.2 GB/s, `perf`-free microbenchmark). Each
+// from 2 MB pages, two cores: 21.3 against 20.2 GB/s in a standalone microbenchmark). Each
 // output row's arithmetic is the same whichever W computes it.
 template <int BITS, int R, int W>
 __attribute__((target("avx2,fma"))) void qmv_rows(

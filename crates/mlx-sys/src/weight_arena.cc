@@ -22,7 +22,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -42,7 +41,6 @@ constexpr size_t kAlign = 64;
 // already in one is not moved again.
 std::mutex g_regions_m;
 std::vector<std::pair<uintptr_t, size_t>> g_regions;
-std::atomic<size_t> g_mapped{0};
 
 struct Region {
   void* base;
@@ -50,7 +48,6 @@ struct Region {
   Region(void* b, size_t l) : base(b), len(l) {
     std::lock_guard<std::mutex> lock(g_regions_m);
     g_regions.emplace_back(reinterpret_cast<uintptr_t>(b), l);
-    g_mapped.fetch_add(l);
   }
   ~Region() {
     {
@@ -58,7 +55,6 @@ struct Region {
       std::erase(g_regions, std::pair{reinterpret_cast<uintptr_t>(base), len});
     }
     munmap(base, len);
-    g_mapped.fetch_sub(len);
   }
 };
 
@@ -165,7 +161,10 @@ size_t move_to_huge_pages(const ArrVec& v) {
 }
 
 size_t huge_page_bytes() {
-  return g_mapped.load();
+  std::lock_guard<std::mutex> lock(g_regions_m);
+  size_t total = 0;
+  for (const auto& r : g_regions) total += r.second;
+  return total;
 }
 
 }  // namespace mlxr
