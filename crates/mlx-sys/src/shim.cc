@@ -280,8 +280,15 @@ void copy_to(const Arr& a, rust::Slice<uint8_t> out) {
   if (out.size() != a.a.nbytes()) {
     throw std::invalid_argument("[copy_to] output buffer has the wrong size");
   }
-  auto c = mx::contiguous(a.a);
+  // Evaluated (or waited for, when an async evaluation already has it) before anything is
+  // added to the graph: a Contiguous op on an array in flight would queue behind everything
+  // the stream was given since, so reading a token would wait for the next step's forward.
+  mx::array c = a.a;
   c.eval();
+  if (!c.flags().row_contiguous) {
+    c = mx::contiguous(c);
+    c.eval();
+  }
   if (out.size() > 0) {
     std::memcpy(out.data(), c.data<uint8_t>(), out.size());
   }

@@ -25,6 +25,25 @@ fn eval_and_async_eval_compute() {
 }
 
 #[test]
+fn reads_wait_for_arrays_in_flight_and_any_layout() {
+    // In flight: read once its own evaluation is done, while later work may still be queued.
+    let a = arr(&[1., 2., 3., 4., 5., 6.], &[2, 3]);
+    let token = a.multiply_scalar(2.0).unwrap();
+    mlx::async_eval(&[&token]).unwrap();
+    let later = token.matmul(&token.t().unwrap()).unwrap();
+    mlx::async_eval(&[&later]).unwrap();
+    assert_eq!(f32s(&token), vec![2., 4., 6., 8., 10., 12.]);
+    // Evaluated views that are not row-contiguous still read in row-major order.
+    let t = token.t().unwrap();
+    t.eval().unwrap();
+    assert_eq!(f32s(&t), vec![2., 8., 4., 10., 6., 12.]);
+    let b = arr(&[1., 2.], &[2, 1]).broadcast_to(&[2, 2]).unwrap();
+    b.eval().unwrap();
+    assert_eq!(f32s(&b), vec![1., 1., 2., 2.]);
+    assert_eq!(f32s(&later), vec![56., 128., 128., 308.]);
+}
+
+#[test]
 fn memory_counters_move() {
     let before = memory::active();
     let x = Array::zeros(&[1 << 20], Dtype::F32).unwrap();

@@ -768,9 +768,14 @@ pub fn step_together(
             }
             let slots: Vec<usize> = sampling.iter().map(|&(i, _)| gens[i].slot).collect();
             let s = ctx.sampler.sample(&slots, &logits)?;
-            mlx::async_eval(&s.arrays())?;
-            for (j, &(i, _)) in sampling.iter().enumerate() {
-                gens[i].pending = Some(s.row(j)?);
+            // Each row's slices go into this evaluation: left lazy, they would join the next
+            // step's graph, and reading a token would wait for that whole forward pass.
+            let rows = (0..sampling.len())
+                .map(|j| s.row(j))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            mlx::async_eval(&rows.iter().flat_map(Sampled::arrays).collect::<Vec<_>>())?;
+            for (j, (row, &(i, _))) in rows.into_iter().zip(&sampling).enumerate() {
+                gens[i].pending = Some(row);
                 gens[i].last_hidden = Some(last.slice_axis(1, j as i32, Some(j as i32 + 1))?);
             }
         }
