@@ -290,25 +290,32 @@ const T* dense(const mlx::core::array& a, std::vector<T>& tmp) {
 }
 
 // An MLX primitive for a CPU kernel `Op` (a `Params` struct with ==, a `name` and a static
-// `run(params, inputs, output)`): allocates the float32 output, registers the buffers with the
-// CPU stream's encoder and runs `Op::run` there, in stream order, as MLX's own CPU ops do.
+// `run(params, inputs, output)`, or `run_many(params, inputs, outputs)` for several outputs):
+// allocates the float32 outputs, registers the buffers with the CPU stream's encoder and runs
+// the kernel there, in stream order, as MLX's own CPU ops do.
 template <class Op>
 class CpuPrimitive : public mlx::core::Primitive {
  public:
   CpuPrimitive(mlx::core::Stream s, typename Op::Params p) : mlx::core::Primitive(s), p_(p) {}
 
   void eval_cpu(const std::vector<mlx::core::array>& inputs, std::vector<mlx::core::array>& outputs) override {
-    auto& out = outputs[0];
-    out.set_data(mlx::core::allocator::malloc(out.nbytes()));
     auto& enc = mlx::core::cpu::get_command_encoder(stream());
-    std::vector<mlx::core::array> ins;
+    std::vector<mlx::core::array> ins, outs;
     for (auto& a : inputs) {
       enc.set_input_array(a);
       ins.push_back(mlx::core::array::unsafe_weak_copy(a));
     }
-    enc.set_output_array(out);
-    enc.dispatch([ins = std::move(ins), out = mlx::core::array::unsafe_weak_copy(out), p = p_]() mutable {
-      Op::run(p, ins, out);
+    for (auto& out : outputs) {
+      out.set_data(mlx::core::allocator::malloc(out.nbytes()));
+      enc.set_output_array(out);
+      outs.push_back(mlx::core::array::unsafe_weak_copy(out));
+    }
+    enc.dispatch([ins = std::move(ins), outs = std::move(outs), p = p_]() mutable {
+      if constexpr (requires { Op::run_many(p, ins, outs); }) {
+        Op::run_many(p, ins, outs);
+      } else {
+        Op::run(p, ins, outs[0]);
+      }
     });
   }
 
@@ -332,6 +339,16 @@ template <class Op>
 mlx::core::array make(const mlx::core::Shape& shape, typename Op::Params p, std::vector<mlx::core::array> inputs) {
   auto stream = mlx::core::default_stream(mlx::core::Device::cpu);
   return mlx::core::array(shape, mlx::core::float32, std::make_shared<CpuPrimitive<Op>>(stream, p), std::move(inputs));
+}
+
+// The outputs of a several-output `Op` on `inputs` (siblings of one node), on the CPU stream.
+template <class Op>
+std::vector<mlx::core::array> make_many(
+    std::vector<mlx::core::Shape> shapes, typename Op::Params p, std::vector<mlx::core::array> inputs) {
+  auto stream = mlx::core::default_stream(mlx::core::Device::cpu);
+  std::vector<mlx::core::Dtype> dtypes(shapes.size(), mlx::core::float32);
+  return mlx::core::array::make_arrays(
+      std::move(shapes), dtypes, std::make_shared<CpuPrimitive<Op>>(stream, p), std::move(inputs));
 }
 
 }  // namespace mlxr

@@ -227,6 +227,15 @@ pub mod ffi {
             group_size: i32,
             bits: i32,
         ) -> Result<UniquePtr<Arr>>;
+        /// `x @ dequantize(w[i])ᵀ` for every matrix of one format; one op on the CPU.
+        fn quantized_matmuls(
+            x: &Arr,
+            w: &ArrVec,
+            scales: &ArrVec,
+            biases: &ArrVec,
+            group_size: i32,
+            bits: i32,
+        ) -> Result<UniquePtr<ArrVec>>;
         /// `act(x @ dequantize(gate)ᵀ) * (x @ dequantize(up)ᵀ)`, act 0 gelu_tanh, 1 silu; one
         /// op on the CPU.
         #[allow(clippy::too_many_arguments)]

@@ -24,6 +24,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -488,6 +489,51 @@ struct QuantizedMatmulOp {
   }
 };
 
+// x @ dequantize(w_i)ᵀ for several matrices of one format that read the same x (an attention
+// block's q, k and v projections): one op instead of one each, x prepared once, and for few
+// rows one pass over the pool across all of their rows, so the small k and v matrices do not
+// each pay a round of the pool and its tail. Each output row's arithmetic is the single
+// product's (a row does not depend on the rows it is computed beside).
+struct QuantizedMatmulsOp {
+  struct Params {
+    int group, bits;
+    bool operator==(const Params&) const = default;
+  };
+  static constexpr const char* name = "MlxrCpuQuantizedMatmuls";
+
+  static void run_many(const Params& p, std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+    const auto& x = in[0];
+    const int M = (int)(x.size() / x.shape(-1)), K = (int)x.shape(-1);
+    const size_t n = outs.size();
+    std::vector<float> xc;
+    const float* xp = dense(x, xc);
+    std::vector<std::unique_ptr<DensePacked>> qs;
+    std::vector<Shape> shapes;
+    for (size_t i = 0; i < n; ++i) {
+      qs.push_back(std::make_unique<DensePacked>(in[1 + 3 * i], in[2 + 3 * i], in[3 + 3 * i]));
+      shapes.push_back(Shape{M, (int)in[1 + 3 * i].shape(0), K, p.bits, p.group});
+    }
+    if (M >= SGEMM_ROWS || !has_avx2()) {
+      for (size_t i = 0; i < n; ++i)
+        product(xp, qs[i]->w, qs[i]->s, qs[i]->b, outs[i].data<float>(), shapes[i]);
+      return;
+    }
+    const PreparedX px = prepare_x(xp, shapes[0]);
+    // The matrices' rows end to end; a chunk of that joint range computes its part of each.
+    std::vector<int> start(n + 1, 0);
+    for (size_t i = 0; i < n; ++i) start[i + 1] = start[i] + shapes[i].N;
+    for_rows(start[n], rows_per_chunk(shapes[0]), [&](size_t n0, size_t n1) {
+      for (size_t i = 0; i < n; ++i) {
+        const int a = std::max((int)n0, start[i]), b = std::min((int)n1, start[i + 1]);
+        if (a < b)
+          qmv_range(px, qs[i]->w, qs[i]->s, qs[i]->b, outs[i].data<float>(), shapes[i],
+                    a - start[i], b - start[i]);
+      }
+    });
+    g_rows_path.fetch_add(n);
+  }
+};
+
 // act(x @ dequantize(gate)ᵀ) ⊙ (x @ dequantize(up)ᵀ) with act gelu_tanh (gemma4's GeGLU) or
 // silu (GLM's SwiGLU): an MLP before its down projection, in one op instead of four or five (two
 // products, the activation, the products with up), and for few rows one pass over the pool:
@@ -708,6 +754,29 @@ std::optional<mx::array> cpu_dequantize(
   auto shape = w.shape();
   shape.back() = w.shape(-1) * (32 / bits);
   return make<DequantizeOp>(shape, {group_size, bits}, {w, scales, *biases});
+}
+
+std::optional<std::vector<mx::array>> cpu_quantized_matmuls(
+    const mx::array& x,
+    const std::vector<mx::array>& ws,
+    const std::vector<mx::array>& scales,
+    const std::vector<mx::array>& biases,
+    int group_size,
+    int bits) {
+  if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size() || !fused_cpu_enabled())
+    return std::nullopt;
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::array> inputs{x};
+  for (size_t i = 0; i < ws.size(); ++i) {
+    if (!kernel_applies(x, ws[i], scales[i], biases[i], true, group_size, bits) || ws[i].ndim() != 2 ||
+        scales[i].ndim() != 2)
+      return std::nullopt;
+    auto shape = x.shape();
+    shape.back() = ws[i].shape(0);
+    shapes.push_back(std::move(shape));
+    inputs.insert(inputs.end(), {ws[i], scales[i], biases[i]});
+  }
+  return make_many<QuantizedMatmulsOp>(std::move(shapes), {group_size, bits}, std::move(inputs));
 }
 
 std::optional<mx::array> cpu_quantized_glu(

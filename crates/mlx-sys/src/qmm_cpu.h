@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "mlx/mlx.h"
 
@@ -36,6 +37,17 @@ std::optional<mlx::core::array> cpu_dequantize(
     const mlx::core::array& w,
     const mlx::core::array& scales,
     const std::optional<mlx::core::array>& biases,
+    int group_size,
+    int bits);
+
+// x @ dequantize(w_i)ᵀ for matrices of one format that share x, as one op with one output each,
+// or nullopt (the caller then multiplies them one by one). Needs the quantized and the fused
+// kernels on.
+std::optional<std::vector<mlx::core::array>> cpu_quantized_matmuls(
+    const mlx::core::array& x,
+    const std::vector<mlx::core::array>& ws,
+    const std::vector<mlx::core::array>& scales,
+    const std::vector<mlx::core::array>& biases,
     int group_size,
     int bits);
 

@@ -550,6 +550,27 @@ ArrPtr quantized_matmul(
       x.a, w.a, scales.a, opt(biases), transpose, group_size, bits, "affine"));
 }
 
+std::unique_ptr<ArrVec> quantized_matmuls(
+    const Arr& x,
+    const ArrVec& w,
+    const ArrVec& scales,
+    const ArrVec& biases,
+    int32_t group_size,
+    int32_t bits) {
+  if (w.v.size() != scales.v.size() || w.v.size() != biases.v.size()) {
+    throw std::invalid_argument("quantized_matmuls: weights, scales and biases differ in number");
+  }
+  if (auto outs = cpu_quantized_matmuls(x.a, w.v, scales.v, biases.v, group_size, bits)) {
+    return wrap_vec(std::move(*outs));
+  }
+  std::vector<mx::array> outs;
+  for (size_t i = 0; i < w.v.size(); ++i) {
+    Arr wi{w.v[i]}, si{scales.v[i]}, bi{biases.v[i]};
+    outs.push_back(quantized_matmul(x, wi, si, &bi, true, group_size, bits)->a);
+  }
+  return wrap_vec(std::move(outs));
+}
+
 ArrPtr silu_mul(const Arr& g, const Arr& u) {
   if (auto out = cpu_silu_mul(g.a, u.a)) return wrap(std::move(*out));
   return wrap(mx::multiply(mx::multiply(g.a, mx::sigmoid(g.a)), u.a));

@@ -150,6 +150,13 @@ ArrPtr quantized_matmul(
     bool transpose,
     int32_t group_size,
     int32_t bits);
+std::unique_ptr<ArrVec> quantized_matmuls(
+    const Arr& x,
+    const ArrVec& w,
+    const ArrVec& scales,
+    const ArrVec& biases,
+    int32_t group_size,
+    int32_t bits);
 ArrPtr quantized_glu(
     const Arr& x,
     const Arr& gate_w,

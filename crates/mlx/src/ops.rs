@@ -465,6 +465,33 @@ impl Array {
         }))
     }
 
+    /// `self @ wᵀ` for each of several quantized matrices of one format (bits and group size)
+    /// that read this same input, such as an attention block's q, k and v projections: one op
+    /// on the CPU (the input prepared once, one pass of the thread pool over all their rows),
+    /// the same values as one [`Array::quantized_matmul`] each.
+    pub fn quantized_matmuls(&self, ws: &[&Quantized]) -> Result<Vec<Array>> {
+        let Some(first) = ws.first() else {
+            return Ok(Vec::new());
+        };
+        if let Some(q) = ws
+            .iter()
+            .find(|q| q.group_size != first.group_size || q.bits != first.bits)
+        {
+            return Err(Error::Mlx(format!(
+                "quantized_matmuls: {} bits, group {} beside {} bits, group {}",
+                q.bits, q.group_size, first.bits, first.group_size
+            )));
+        }
+        unpack(ffi::quantized_matmuls(
+            self.arr(),
+            &pack(ws.iter().map(|q| &q.weight)),
+            &pack(ws.iter().map(|q| &q.scales)),
+            &pack(ws.iter().map(|q| &q.biases)),
+            first.group_size,
+            first.bits,
+        )?)
+    }
+
     /// `gelu_tanh(self @ gateᵀ) * (self @ upᵀ)` for two quantized matrices of one shape and
     /// format (a GeGLU's gate and up projections): one op on the CPU, the same values as the
     /// three ops it stands for.

@@ -476,3 +476,100 @@ fn gated_mlps_are_the_ops_they_fuse() {
         .to_string();
     assert!(err.contains("differ"), "{err}");
 }
+
+#[test]
+fn projections_of_one_input_are_the_products_they_fuse() {
+    let _one = serial();
+    let normal = |shape: &[i32], sd: f64, seed: u64| {
+        random::normal(
+            shape,
+            Dtype::F32,
+            0.0,
+            sd,
+            Some(&random::key(seed).unwrap()),
+        )
+        .unwrap()
+    };
+    let mut case = 500u64;
+    for (bits, group) in [(4, 64), (8, 32), (4, 32), (8, 128), (4, 128)] {
+        // Decode rows, a verify block, a prefill past the sgemm threshold; output widths of a
+        // query, key and value projection, odd ones among them.
+        for (rows, k, ns) in [
+            (1, 256, vec![64, 16, 16]),
+            (1, 512, vec![96, 33, 7]),
+            (3, 256, vec![40, 8]),
+            (4, 384, vec![24, 24, 24]),
+            (20, 256, vec![48, 16, 16]),
+        ] {
+            if k % group != 0 {
+                continue;
+            }
+            let x = normal(&[1, rows, k], 1.0, case);
+            let qs: Vec<mlx::Quantized> = ns
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    normal(&[n, k], 0.05, case + 1 + i as u64)
+                        .quantize(group, bits)
+                        .unwrap()
+                })
+                .collect();
+            case += 8;
+            let mut inputs = vec![&x];
+            inputs.extend(qs.iter().flat_map(|q| [&q.weight, &q.scales, &q.biases]));
+            mlx::eval(&inputs).unwrap();
+            let what = format!("bits {bits} group {group} {rows}x{k} @ {ns:?}");
+            let refs: Vec<&mlx::Quantized> = qs.iter().collect();
+            let fused = x.quantized_matmuls(&refs).unwrap();
+            assert_eq!(fused.len(), ns.len(), "{what}");
+            let fused_ops: Vec<String> = mlx::graph_ops(&fused.iter().collect::<Vec<_>>())
+                .into_iter()
+                .map(|(name, _)| name)
+                .collect();
+            assert_eq!(fused_ops, vec!["MlxrCpuQuantizedMatmuls"], "one op: {what}");
+            for ((out, q), &n) in fused.iter().zip(&qs).zip(&ns) {
+                assert_eq!(out.shape(), vec![1, rows, n], "{what}");
+                // The very values of the single product, whichever rows shared its chunks.
+                let single = x.quantized_matmul(q, true).unwrap();
+                assert_eq!(
+                    out.to_vec::<f32>().unwrap(),
+                    single.to_vec::<f32>().unwrap(),
+                    "{what}"
+                );
+                // And MLX's own, kernels off, within float tolerance.
+                mlx::set_quantized_kernel(false);
+                let theirs = x.quantized_matmul(q, true).unwrap();
+                theirs.eval().unwrap();
+                mlx::set_quantized_kernel(true);
+                let tol = 2e-5 * scale_of(&theirs) * (k as f32).sqrt();
+                let d = max_diff(out, &theirs);
+                assert!(d <= tol, "{what}: {d} > {tol}");
+            }
+            // Fused kernels off: one product each, the same values.
+            mlx::fast::set_fused_kernels(false);
+            let apart = x.quantized_matmuls(&refs).unwrap();
+            mlx::fast::set_fused_kernels(true);
+            let apart_ops = mlx::graph_ops(&apart.iter().collect::<Vec<_>>());
+            assert!(
+                apart_ops
+                    .iter()
+                    .all(|(name, _)| name != "MlxrCpuQuantizedMatmuls"),
+                "{apart_ops:?}"
+            );
+            for (a, f) in apart.iter().zip(&fused) {
+                assert_eq!(
+                    a.to_vec::<f32>().unwrap(),
+                    f.to_vec::<f32>().unwrap(),
+                    "{what}"
+                );
+            }
+        }
+    }
+    // Matrices of different formats are refused with a clear error; none is no output.
+    let w = random::normal(&[8, 256], Dtype::F32, 0.0, 0.05, None).unwrap();
+    let x = random::normal(&[1, 256], Dtype::F32, 0.0, 1.0, None).unwrap();
+    let (a, b) = (w.quantize(64, 4).unwrap(), w.quantize(64, 8).unwrap());
+    let err = x.quantized_matmuls(&[&a, &b]).unwrap_err().to_string();
+    assert!(err.contains("8 bits, group 64 beside 4 bits"), "{err}");
+    assert!(x.quantized_matmuls(&[]).unwrap().is_empty());
+}

@@ -5,7 +5,7 @@
 //! the model. The model holds weights only; caches are passed in (one per non-shared layer).
 
 use crate::config::JsonFile;
-use crate::nn::{add_norm, gelu_tanh, norm, Embedding, Experts, Linear, Rope};
+use crate::nn::{add_norm, forward_all, gelu_tanh, norm, Embedding, Experts, Linear, Rope};
 use crate::packed::{
     all_single, check_rows, heads_joined, join_rows, rows_as_tokens, single_row, spans, time_slice,
 };
@@ -396,39 +396,46 @@ impl Attention {
         })
     }
 
-    /// Normalised keys and values of this layer's own projections in `layout`, not yet
-    /// rotated (each row of a packed batch rotates at its own offset).
-    fn kv_heads(&self, x: &Array, eps: f32, layout: HeadLayout) -> Result<(Array, Array)> {
-        let (k_proj, k_norm) = match (&self.k_proj, &self.k_norm) {
-            (Some(p), Some(n)) => (p, n),
-            _ => {
-                return Err(ModelError::Invalid(
-                    "KV-shared layer asked for its own K/V".into(),
+    /// Normalised queries, and the keys and values of this layer's own projections (none in
+    /// a KV-shared layer), in `layout`, not yet rotated (each row of a packed batch rotates at
+    /// its own offset). The projections read `x` in one op where their formats allow.
+    fn qkv_heads(
+        &self,
+        x: &Array,
+        eps: f32,
+        layout: HeadLayout,
+    ) -> Result<(Array, Option<(Array, Array)>)> {
+        let mut layers = vec![&self.q_proj];
+        layers.extend(&self.k_proj);
+        layers.extend(&self.v_proj);
+        let mut raw = forward_all(x, &layers)?.into_iter();
+        let q_raw = raw
+            .next()
+            .ok_or_else(|| ModelError::Invalid("no query projection".into()))?;
+        let q = self.q_from(&q_raw, eps, layout)?;
+        let kv = match (raw.next(), &self.k_norm) {
+            (Some(k_raw), Some(k_norm)) => {
+                // k_eq_v: the raw key projection, taken before k_norm, doubles as the values.
+                let v_raw = raw.next().unwrap_or_else(|| k_raw.clone());
+                let (n, d) = (self.kv_heads, self.head_dim);
+                Some((
+                    layout.heads(&k_raw, n, d, Some(k_norm), eps)?,
+                    layout.heads(&v_raw, n, d, None, eps)?,
                 ))
             }
+            _ => None,
         };
-        let k_raw = k_proj.forward(x)?;
-        // k_eq_v: the raw key projection, taken before k_norm, doubles as the values.
-        let v_raw = match &self.v_proj {
-            Some(v) => v.forward(x)?,
-            None => k_raw.clone(),
-        };
-        let (n, d) = (self.kv_heads, self.head_dim);
-        Ok((
-            layout.heads(&k_raw, n, d, Some(k_norm), eps)?,
-            layout.heads(&v_raw, n, d, None, eps)?,
-        ))
+        Ok((q, kv))
+    }
+
+    /// Normalised queries in `layout` from the raw query projection.
+    fn q_from(&self, q_raw: &Array, eps: f32, layout: HeadLayout) -> Result<Array> {
+        layout.heads(q_raw, self.heads, self.head_dim, Some(&self.q_norm), eps)
     }
 
     /// Normalised queries in `layout`, not yet rotated.
     fn q_heads(&self, x: &Array, eps: f32, layout: HeadLayout) -> Result<Array> {
-        layout.heads(
-            &self.q_proj.forward(x)?,
-            self.heads,
-            self.head_dim,
-            Some(&self.q_norm),
-            eps,
-        )
+        self.q_from(&self.q_proj.forward(x)?, eps, layout)
     }
 
     /// Normalised `[B, H, L, d]` queries, not yet rotated.
@@ -890,13 +897,10 @@ impl CausalLm for Gemma4 {
             let x = norm(&h, Some(&layer.input_norm), eps)?;
             // The projections run once over every row's tokens; attention per row.
             let (q_rows, new_kv): (Vec<Array>, Option<Vec<(Array, Array)>>) = if single {
-                let q = rope.apply_rows(
-                    &layer.attn.q_heads(&x, eps, HeadLayout::TokenRows)?,
-                    &offsets,
-                )?;
-                let kv = match layer.spec.shared_from {
-                    None => {
-                        let (k, v) = layer.attn.kv_heads(&x, eps, HeadLayout::TokenRows)?;
+                let (q, kv) = layer.attn.qkv_heads(&x, eps, HeadLayout::TokenRows)?;
+                let q = rope.apply_rows(&q, &offsets)?;
+                let kv = match kv {
+                    Some((k, v)) => {
                         let k = rope.apply_rows(&k, &offsets)?;
                         Some(
                             k.split(n as i32, 0)?
@@ -905,33 +909,30 @@ impl CausalLm for Gemma4 {
                                 .collect(),
                         )
                     }
-                    Some(_) => None,
+                    None => None,
                 };
                 (q.split(n as i32, 0)?, kv)
             } else {
-                let q_all = layer.attn.project_q(&x, eps)?;
+                let (q_all, kv) = layer.attn.qkv_heads(&x, eps, HeadLayout::HeadsFirst)?;
                 let q = spans
                     .iter()
                     .zip(&offsets)
                     .map(|(&(at, l), &o)| rope.apply(&time_slice(&q_all, at, l)?, o))
                     .collect::<Result<Vec<_>>>()?;
-                let kv = match layer.spec.shared_from {
-                    None => {
-                        let (k, v) = layer.attn.kv_heads(&x, eps, HeadLayout::HeadsFirst)?;
-                        Some(
-                            spans
-                                .iter()
-                                .zip(&offsets)
-                                .map(|(&(at, l), &o)| {
-                                    Ok((
-                                        rope.apply(&time_slice(&k, at, l)?, o)?,
-                                        time_slice(&v, at, l)?,
-                                    ))
-                                })
-                                .collect::<Result<Vec<_>>>()?,
-                        )
-                    }
-                    Some(_) => None,
+                let kv = match kv {
+                    Some((k, v)) => Some(
+                        spans
+                            .iter()
+                            .zip(&offsets)
+                            .map(|(&(at, l), &o)| {
+                                Ok((
+                                    rope.apply(&time_slice(&k, at, l)?, o)?,
+                                    time_slice(&v, at, l)?,
+                                ))
+                            })
+                            .collect::<Result<Vec<_>>>()?,
+                    ),
+                    None => None,
                 };
                 (q, kv)
             };

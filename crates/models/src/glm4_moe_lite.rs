@@ -6,7 +6,7 @@
 //! the model. The model holds weights only; caches are passed in (one latent cache per layer).
 
 use crate::config::JsonFile;
-use crate::nn::{norm, silu_mul, Embedding, Experts, Linear, Rope};
+use crate::nn::{forward_all, norm, silu_mul, Embedding, Experts, Linear, Rope};
 use crate::packed::{check_rows, join_rows, single_row, spans, time_slice};
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
@@ -341,15 +341,25 @@ impl Mla {
         let s = x.shape();
         let (b, t_all) = (s[0], s[1]);
         let (nh, dn, dr, r) = (self.heads, self.nope, self.rope_dim, self.rank);
+        // The query's first projection and the compressed KV projection both read x: one op
+        // where their formats allow.
+        let first = match &self.q {
+            QueryProj::Lora { a, .. } => a,
+            QueryProj::Direct(p) => p,
+        };
+        let mut raw = forward_all(x, &[first, &self.kv_a])?.into_iter();
+        let (q_first, ckv) = match (raw.next(), raw.next()) {
+            (Some(q), Some(c)) => (q, c),
+            _ => return Err(ModelError::Invalid("MLA projections missing".into())),
+        };
         let q = match &self.q {
-            QueryProj::Lora { a, norm: n, b } => b.forward(&norm(&a.forward(x)?, Some(n), eps)?)?,
-            QueryProj::Direct(p) => p.forward(x)?,
+            QueryProj::Lora { norm: n, b, .. } => b.forward(&norm(&q_first, Some(n), eps)?)?,
+            QueryProj::Direct(_) => q_first,
         };
         let q = q
             .reshape(&[b, t_all, nh, dn + dr])?
             .transpose(&[0, 2, 1, 3])?;
         let qs = q.split_at(&[dn], -1)?;
-        let ckv = self.kv_a.forward(x)?;
         let parts = ckv.split_at(&[r], -1)?;
         if caches.len() > 1 && spans.iter().all(|&(_, l)| l == 1) {
             return self.decode_rows(&q, &parts, caches, rope, eps);

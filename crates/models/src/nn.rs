@@ -45,6 +45,29 @@ impl Linear {
     }
 }
 
+/// `x Wᵢᵀ` for several layers that read the same `x` (an attention block's q, k and v): one op
+/// when all are quantized in one format ([`Array::quantized_matmuls`]), else one product each.
+pub fn forward_all(x: &Array, layers: &[&Linear]) -> Result<Vec<Array>> {
+    let quantized: Option<Vec<&Quantized>> = layers
+        .iter()
+        .map(|l| match l {
+            Linear::Quantized(q) => Some(q),
+            Linear::Dense { .. } => None,
+        })
+        .collect();
+    match quantized {
+        Some(qs)
+            if qs.len() > 1
+                && qs
+                    .iter()
+                    .all(|q| q.bits == qs[0].bits && q.group_size == qs[0].group_size) =>
+        {
+            Ok(x.quantized_matmuls(&qs)?)
+        }
+        _ => layers.iter().map(|l| l.forward(x)).collect(),
+    }
+}
+
 /// Expert matrices `[E, out, in]` applied per token to its selected experts in one
 /// `gather_mm` / `gather_qmm` call (no loop over experts).
 pub enum Experts {
