@@ -10,7 +10,9 @@
 //!
 //! The memory roofline: the bytes a decode step must read (every weight file byte: each
 //! quantized matrix is read once per token, the tied embedding as the output head) over the
-//! read bandwidth, measured here by summing a 1 GiB buffer with all cores.
+//! read bandwidth, measured here by summing a 1 GiB buffer with all cores. This machine's
+//! bandwidth drifts from minute to minute, so it is measured again just before each of our
+//! runs, and the share of the roofline is the median of the rounds' own shares.
 //!
 //! Where a decode step goes, part by part: `cargo bench --bench step`.
 
@@ -65,11 +67,7 @@ fn main() {
         return;
     };
     let prompt = corpus_prompt(1300);
-    let bandwidth = read_bandwidth();
-    println!(
-        "read bandwidth: {:.1} GB/s (1 GiB summed on all cores, best of 5)\n",
-        bandwidth / 1e9
-    );
+    let mut bandwidths = vec![];
     println!("~120M gemma4-shaped model quantized by mlx_lm convert, ~300-token prompt, {TOKENS} new tokens; medians of {ROUNDS}\n");
     println!("| quantization | weights MB | ours prefill | mlx-lm prefill | ratio | ours decode | mlx-lm decode | ratio | roofline tok/s | decode / roofline |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
@@ -83,11 +81,16 @@ fn main() {
         let Some(model) = common::quantized_model(&python, &base, bits, group) else {
             continue;
         };
-        let (mut op, mut od, mut pp, mut pd) = (vec![], vec![], vec![], vec![]);
+        let bytes = weight_bytes(&model);
+        let (mut op, mut od, mut pp, mut pd, mut share) = (vec![], vec![], vec![], vec![], vec![]);
+        let mut row_bw = vec![];
         for _ in 0..ROUNDS {
+            let bandwidth = read_bandwidth();
+            row_bw.push(bandwidth);
             let (p, d) = ours_generate(&model, &prompt, TOKENS);
             op.push(p);
             od.push(d);
+            share.push(d / (bandwidth / bytes as f64));
             let (p, d) = peer_generate(&python, &model, &prompt, TOKENS);
             pp.push(p);
             pd.push(d);
@@ -96,14 +99,14 @@ fn main() {
         if (bits, group) == (4, 64) {
             peer_q4 = Some((pp, pd));
         }
-        let bytes = weight_bytes(&model);
-        let roof = bandwidth / bytes as f64;
+        let roof = median(row_bw.clone()) / bytes as f64;
+        bandwidths.extend(row_bw);
         println!(
             "| {bits}-bit, group {group} | {:.0} | {op:.1} | {pp:.1} | {:.1}x | {od:.1} | {pd:.1} | {:.1}x | {roof:.0} | {:.0}% |",
             bytes as f64 / 1e6,
             op / pp,
             od / pd,
-            100.0 * od / roof
+            100.0 * median(share)
         );
     }
     // Our own format: the float32 bench model imported by `create --quantize q4` into a store
@@ -125,8 +128,18 @@ fn main() {
             eprintln!("mlx-runner create --quantize q4 failed");
             return;
         }
-        let (mut op, mut od) = (vec![], vec![]);
+        // The blobs that hold tensors (the store keeps config and tokenizer as small blobs).
+        let bytes: u64 = std::fs::read_dir(store.join("blobs"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.metadata().unwrap().len())
+            .filter(|&n| n > 1 << 20)
+            .sum();
+        let (mut op, mut od, mut share) = (vec![], vec![], vec![]);
+        let mut row_bw = vec![];
         for _ in 0..ROUNDS {
+            let bandwidth = read_bandwidth();
+            row_bw.push(bandwidth);
             let g = common::ours_run(
                 Path::new("bench-q4"),
                 &prompt,
@@ -135,22 +148,23 @@ fn main() {
             );
             op.push(g.prefill);
             od.push(g.decode);
+            share.push(g.decode / (bandwidth / bytes as f64));
         }
         let (op, od) = (median(op), median(od));
-        // The blobs that hold tensors (the store keeps config and tokenizer as small blobs).
-        let bytes: u64 = std::fs::read_dir(store.join("blobs"))
-            .unwrap()
-            .flatten()
-            .map(|e| e.metadata().unwrap().len())
-            .filter(|&n| n > 1 << 20)
-            .sum();
-        let roof = bandwidth / bytes as f64;
+        let roof = median(row_bw.clone()) / bytes as f64;
+        bandwidths.extend(row_bw);
         println!(
             "| `create --quantize q4` (ours; mlx-lm on its 4-bit g64) | {:.0} | {op:.1} | {pp:.1} | {:.1}x | {od:.1} | {pd:.1} | {:.1}x | {roof:.0} | {:.0}% |",
             bytes as f64 / 1e6,
             op / pp,
             od / pd,
-            100.0 * od / roof
+            100.0 * median(share)
         );
     }
+    println!(
+        "\nread bandwidth: median {:.1} GB/s, {:.1}-{:.1} (1 GiB summed on all cores, best of 5, just before each of our runs); a row's roofline tok/s at its runs' median bandwidth, its decode / roofline the median of each run's own",
+        median(bandwidths.clone()) / 1e9,
+        bandwidths.iter().cloned().fold(f64::MAX, f64::min) / 1e9,
+        bandwidths.iter().cloned().fold(0.0, f64::max) / 1e9,
+    );
 }

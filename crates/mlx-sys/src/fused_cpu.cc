@@ -229,12 +229,27 @@ constexpr int kTile = 4;
 // 8-lane chunks, joined, reduced with the other rows' in one horizontal pass (absent rows are
 // zeros), then its scalar tail: the same operations for every R, so a query row's scores do not
 // depend on which rows share its tile (a verify step's rows equal one-row decode steps).
+// Key and value rows are asked for this many rows ahead of use. A decode step's cache rows
+// come from memory (the step's weights have pushed them out of cache since the last step) and
+// a head's rows are only a few hundred KB: too short a stream for the hardware prefetcher to
+// reach full speed (4-bit bench model at a 600-1100 token context: attention's share of the
+// samples against the quantized kernel's 0.30-0.35 without, 0.26-0.28 with 16 rows ahead).
+// A prefetch past the end of the cache is harmless (it never faults); its address is worked out
+// as an integer, not as a pointer past the array.
+constexpr int kAhead = 16;
+
+inline void prefetch_row(const float* row, int64_t ahead, int d) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(row) + (uintptr_t)(ahead * (int64_t)sizeof(float));
+  for (int i = 0; i < d; i += 16) _mm_prefetch(reinterpret_cast<const char*>(at + i * sizeof(float)), _MM_HINT_T0);
+}
+
 template <int R>
 __attribute__((target("avx2,fma"))) void scores_avx(
     const float* q, int D, const float* k, int64_t kstep, int n, float* sc) {
   const int d16 = D / 16 * 16, d8 = D / 8 * 8;
   for (int c = 0; c < n; ++c) {
     const float* kc = k + c * kstep;
+    prefetch_row(kc, kAhead * kstep, D);
     __m256 a[kTile][2];
     #pragma GCC unroll 4
     for (int t = 0; t < kTile; ++t) a[t][0] = a[t][1] = _mm256_setzero_ps();
@@ -275,6 +290,7 @@ __attribute__((target("avx2,fma"))) void values_avx(
   const int d8 = Dv / 8 * 8;
   for (int c = 0; c < n; ++c) {
     const float* vc = v + c * vstep;
+    prefetch_row(vc, kAhead * vstep, Dv);
     __m256 w[R];
 #pragma GCC unroll 4
     for (int t = 0; t < R; ++t) w[t] = _mm256_broadcast_ss(e + t * kKeyBlock + c);
