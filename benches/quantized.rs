@@ -68,7 +68,7 @@ fn main() {
     };
     let prompt = corpus_prompt(1300);
     let mut bandwidths = vec![];
-    println!("~120M gemma4-shaped model quantized by mlx_lm convert, ~300-token prompt, {TOKENS} new tokens; medians of {ROUNDS}\n");
+    println!("~120M gemma4-shaped model quantized by mlx_lm convert, ~600-token prompt, {TOKENS} new tokens; medians of {ROUNDS}\n");
     println!("| quantization | weights MB | ours prefill | mlx-lm prefill | ratio | ours decode | mlx-lm decode | ratio | roofline tok/s | decode / roofline |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut configs = vec![(4, 64), (8, 64)];
