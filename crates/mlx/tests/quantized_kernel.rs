@@ -323,6 +323,18 @@ fn expert_gathers_match_mlx() {
     );
 }
 
+/// Normal values of standard deviation `sd`, the same for the same seed.
+fn normal(shape: &[i32], sd: f64, seed: u64) -> Array {
+    random::normal(
+        shape,
+        Dtype::F32,
+        0.0,
+        sd,
+        Some(&random::key(seed).unwrap()),
+    )
+    .unwrap()
+}
+
 fn ops_of(a: &Array) -> Vec<String> {
     mlx::graph_ops(&[a])
         .into_iter()
@@ -413,16 +425,6 @@ fn gated_mlps_are_the_ops_they_fuse() {
                 if k % group != 0 {
                     continue;
                 }
-                let normal = |shape: &[i32], sd: f64, seed: u64| {
-                    random::normal(
-                        shape,
-                        Dtype::F32,
-                        0.0,
-                        sd,
-                        Some(&random::key(seed).unwrap()),
-                    )
-                    .unwrap()
-                };
                 let x = normal(&[1, rows, k], 1.0, case);
                 let g = normal(&[n, k], 0.05, case + 1)
                     .quantize(group, bits)
@@ -480,16 +482,6 @@ fn gated_mlps_are_the_ops_they_fuse() {
 #[test]
 fn projections_of_one_input_are_the_products_they_fuse() {
     let _one = serial();
-    let normal = |shape: &[i32], sd: f64, seed: u64| {
-        random::normal(
-            shape,
-            Dtype::F32,
-            0.0,
-            sd,
-            Some(&random::key(seed).unwrap()),
-        )
-        .unwrap()
-    };
     let mut case = 500u64;
     for (bits, group) in [(4, 64), (8, 32), (4, 32), (8, 128), (4, 128)] {
         // Decode rows, a verify block, a prefill past the sgemm threshold; output widths of a
