@@ -24,7 +24,7 @@ namespace mlxr {
 namespace {
 
 std::atomic<bool> g_enabled{true};
-std::atomic<uint64_t> g_counts[7] = {};
+std::atomic<uint64_t> g_counts[8] = {};
 
 void count(FusedKind k) { g_counts[static_cast<int>(k)].fetch_add(1, std::memory_order_relaxed); }
 
@@ -35,7 +35,7 @@ template <class Op>
 struct Counted {
   using Params = typename Op::Params;
   static constexpr const char* name = Op::name;
-  static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
+  static void run(const Params& p, std::vector<View>& in, View& out) {
     Op::run(p, in, out);
     count(Op::kind);
   }
@@ -79,6 +79,17 @@ void axpy(float a, const float* x, float* y, int n) {
 
 // ---- RMS norm: x · rsqrt(mean(x²) + eps) · w over the last axis ------------------------------
 
+// One row of d values (w may be null), as every kernel here that normalises computes it.
+void rms_norm_row(const float* xr, const float* w, float eps, int d, float* orow) {
+  // MLX: mean as the sum times 1/d, plus eps, then rsqrt, all in float32.
+  const float inv = 1.0f / std::sqrt(dot(xr, xr, d) * (1.0f / d) + eps);
+  if (w) {
+    for (int i = 0; i < d; ++i) orow[i] = (xr[i] * inv) * w[i];
+  } else {
+    for (int i = 0; i < d; ++i) orow[i] = xr[i] * inv;
+  }
+}
+
 struct RmsNormOp {
   struct Params {
     float eps;
@@ -94,7 +105,7 @@ struct RmsNormOp {
   static constexpr const char* name = "MlxrCpuRmsNorm";
   static constexpr FusedKind kind = FusedKind::RmsNorm;
 
-  static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
+  static void run(const Params& p, std::vector<View>& in, View& out) {
     std::vector<float> xt, wt, rt, st;
     size_t at = 0;
     const float* x = dense(in[at++], xt);
@@ -106,15 +117,8 @@ struct RmsNormOp {
     float* o = out.data<float>();
     for_rows(rows, 64, [&](size_t r0, size_t r1) {
       for (size_t r = r0; r < r1; ++r) {
-        const float* xr = x + r * d;
         float* orow = o + r * d;
-        // MLX: mean as the sum times 1/d, plus eps, then rsqrt, all in float32.
-        const float inv = 1.0f / std::sqrt(dot(xr, xr, d) * (1.0f / d) + p.eps);
-        if (w) {
-          for (int i = 0; i < d; ++i) orow[i] = (xr[i] * inv) * w[i];
-        } else {
-          for (int i = 0; i < d; ++i) orow[i] = xr[i] * inv;
-        }
+        rms_norm_row(x + r * d, w, p.eps, d, orow);
         if (res) {
           const float* rr = res + r * d;
           for (int i = 0; i < d; ++i) orow[i] = rr[i] + orow[i];
@@ -129,20 +133,73 @@ struct RmsNormOp {
 
 // ---- RoPE over x [B, ..., T, D] at positions offset[b] + t ------------------------------------
 
+struct RopeParams {
+  int dims;
+  bool traditional;
+  float base;
+  float scale;
+  bool has_freqs;
+  bool operator==(const RopeParams&) const = default;
+};
+
+// One rotation's cosines and sines at a position, and the rotation of a row of D values (in
+// place or not), as every kernel here that rotates computes them.
+class RopeAngles {
+ public:
+  RopeAngles(const RopeParams& p, const View* freqs)
+      : dims_(p.dims), half_(p.dims / 2), traditional_(p.traditional), inv_(half_), cs_(half_), sn_(half_) {
+    // The inverse wavelengths exactly as MLX's fallback forms them, in float32.
+    if (freqs) {
+      std::vector<float> ft;
+      const float* f = dense(*freqs, ft);
+      for (int i = 0; i < half_; ++i) inv_[i] = 1.0f / f[i];
+    } else {
+      const float c = std::log(p.base) / half_;
+      for (int i = 0; i < half_; ++i) inv_[i] = std::exp(static_cast<float>(-i) * c);
+    }
+  }
+
+  void at(float pos) const {
+    for (int i = 0; i < half_; ++i) {
+      const float theta = pos * inv_[i];
+      cs_[i] = std::cos(theta);
+      sn_[i] = std::sin(theta);
+    }
+  }
+
+  void rotate(const float* xr, float* orow, int D) const {
+    const float* cs = cs_.data();
+    const float* sn = sn_.data();
+    if (traditional_) {
+      for (int i = 0; i < half_; ++i) {
+        const float x1 = xr[2 * i], x2 = xr[2 * i + 1];
+        orow[2 * i] = x1 * cs[i] - x2 * sn[i];
+        orow[2 * i + 1] = x1 * sn[i] + x2 * cs[i];
+      }
+    } else {
+      for (int i = 0; i < half_; ++i) {
+        const float x1 = xr[i], x2 = xr[i + half_];
+        orow[i] = x1 * cs[i] - x2 * sn[i];
+        orow[i + half_] = x1 * sn[i] + x2 * cs[i];
+      }
+    }
+    if (orow != xr) std::memcpy(orow + dims_, xr + dims_, sizeof(float) * (D - dims_));
+  }
+
+ private:
+  int dims_, half_;
+  bool traditional_;
+  std::vector<float> inv_;
+  mutable std::vector<float> cs_, sn_;
+};
+
 struct RopeOp {
-  struct Params {
-    int dims;
-    bool traditional;
-    float base;
-    float scale;
-    bool has_freqs;
-    bool operator==(const Params&) const = default;
-  };
+  using Params = RopeParams;
   static constexpr const char* name = "MlxrCpuRope";
   static constexpr FusedKind kind = FusedKind::Rope;
 
-  static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
-    const mx::array& xa = in[0];
+  static void run(const Params& p, std::vector<View>& in, View& out) {
+    const View& xa = in[0];
     const int B = xa.shape(0), T = xa.shape(-2), D = xa.shape(-1);
     const int N = (int)(xa.size() / ((size_t)B * T * D));
     // 3-D and 4-D inputs are read through their strides (a transposed [B, T, N, D] is the
@@ -164,46 +221,63 @@ struct RopeOp {
     const int32_t* off = in[1].data<int32_t>();
     const int64_t off_stride = in[1].ndim() == 1 ? in[1].strides()[0] : 0;
     const bool per_batch = in[1].size() > 1;
-    const int half = p.dims / 2;
-    // The inverse wavelengths exactly as MLX's fallback forms them, in float32.
-    std::vector<float> inv(half);
-    if (p.has_freqs) {
-      std::vector<float> ft;
-      const float* f = dense(in[2], ft);
-      for (int i = 0; i < half; ++i) inv[i] = 1.0f / f[i];
-    } else {
-      const float c = std::log(p.base) / half;
-      for (int i = 0; i < half; ++i) inv[i] = std::exp(static_cast<float>(-i) * c);
-    }
+    const RopeAngles angles(p, p.has_freqs ? &in[2] : nullptr);
     float* o = out.data<float>();
-    std::vector<float> cs(half), sn(half);
     for (int b = 0; b < B; ++b) {
       const float offset = static_cast<float>(per_batch ? off[b * off_stride] : off[0]);
       for (int t = 0; t < T; ++t) {
-        const float pos = (static_cast<float>(t) + offset) * p.scale;
-        for (int i = 0; i < half; ++i) {
-          const float theta = pos * inv[i];
-          cs[i] = std::cos(theta);
-          sn[i] = std::sin(theta);
-        }
-        for (int n = 0; n < N; ++n) {
-          const float* xr = x + b * sb + n * sh + t * stt;
-          float* orow = o + (((size_t)b * N + n) * T + t) * D;
-          if (p.traditional) {
-            for (int i = 0; i < half; ++i) {
-              const float x1 = xr[2 * i], x2 = xr[2 * i + 1];
-              orow[2 * i] = x1 * cs[i] - x2 * sn[i];
-              orow[2 * i + 1] = x1 * sn[i] + x2 * cs[i];
-            }
-          } else {
-            for (int i = 0; i < half; ++i) {
-              const float x1 = xr[i], x2 = xr[i + half];
-              orow[i] = x1 * cs[i] - x2 * sn[i];
-              orow[i + half] = x1 * sn[i] + x2 * cs[i];
-            }
-          }
-          std::memcpy(orow + p.dims, xr + p.dims, sizeof(float) * (D - p.dims));
-        }
+        angles.at((static_cast<float>(t) + offset) * p.scale);
+        for (int n = 0; n < N; ++n)
+          angles.rotate(x + b * sb + n * sh + t * stt, o + (((size_t)b * N + n) * T + t) * D, D);
+      }
+    }
+  }
+};
+
+// ---- per-head RMS norm, then RoPE, of a decode step's token rows -----------------------------
+//
+// y [1, T, n·d] (a projection's output, one token per sequence) → [T, n, 1, d]: each token row
+// split into n heads, each head RMS-normalised over d (with w, or without), then rotated at
+// position offsets[t] (or not rotated). One op for what is otherwise a reshape, a norm and a
+// rotation (gemma4's queries and keys; its values without the rotation), each value computed as
+// the RmsNorm and Rope kernels compute it.
+
+struct HeadsNormRopeOp {
+  struct Params {
+    int heads;
+    float eps;
+    bool has_w;
+    bool has_rope;
+    RopeOp::Params rope;
+    bool operator==(const Params&) const = default;
+  };
+  static constexpr const char* name = "MlxrCpuHeadsNormRope";
+  static constexpr FusedKind kind = FusedKind::HeadsNormRope;
+
+  static void run(const Params& p, std::vector<View>& in, View& out) {
+    std::vector<float> yt, wt;
+    size_t at = 0;
+    const float* y = dense(in[at++], yt);
+    const float* w = p.has_w ? dense(in[at++], wt) : nullptr;
+    const int d = in[0].shape(-1) / p.heads;
+    const size_t rows = in[0].size() / ((size_t)p.heads * d);
+    float* o = out.data<float>();
+    if (!p.has_rope) {
+      for (size_t r = 0; r < rows * p.heads; ++r) rms_norm_row(y + r * d, w, p.eps, d, o + r * d);
+      return;
+    }
+    const View& offsets = in[at++];
+    const int32_t* off = offsets.data<int32_t>();
+    const int64_t off_stride = offsets.ndim() == 1 ? offsets.strides()[0] : 0;
+    const bool per_row = offsets.size() > 1;
+    const RopeAngles angles(p.rope, p.rope.has_freqs ? &in[at] : nullptr);
+    for (size_t t = 0; t < rows; ++t) {
+      const float offset = static_cast<float>(per_row ? off[t * off_stride] : off[0]);
+      angles.at((0.0f + offset) * p.rope.scale);
+      for (int h = 0; h < p.heads; ++h) {
+        float* orow = o + (t * p.heads + h) * d;
+        rms_norm_row(y + (t * p.heads + h) * d, w, p.eps, d, orow);
+        angles.rotate(orow, orow, d);
       }
     }
   }
@@ -353,8 +427,8 @@ struct SdpaOp {
   static constexpr const char* name = "MlxrCpuSdpa";
   static constexpr FusedKind kind = FusedKind::Sdpa;
 
-  static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
-    const mx::array &q = in[0], &k = in[1], &v = in[2];
+  static void run(const Params& p, std::vector<View>& in, View& out) {
+    const View &q = in[0], &k = in[1], &v = in[2];
     const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
     const int Hk = k.shape(1), S = k.shape(2), Dv = v.shape(3);
     const int rep = Hq / Hk, nq = rep * L;
@@ -362,9 +436,11 @@ struct SdpaOp {
     std::vector<float> kt, vt;
     const float* kp = k.strides()[3] == 1 ? k.data<float>() : dense(k, kt);
     const float* vp = v.strides()[3] == 1 ? v.data<float>() : dense(v, vt);
-    const auto ks = k.strides()[3] == 1 ? k.strides() : mx::Strides{(int64_t)Hk * S * D, (int64_t)S * D, D, 1};
-    const auto vs = v.strides()[3] == 1 ? v.strides() : mx::Strides{(int64_t)Hk * S * Dv, (int64_t)S * Dv, Dv, 1};
-    const mx::array* mask = p.has_mask ? &in[3] : nullptr;
+    const int64_t dense_ks[4] = {(int64_t)Hk * S * D, (int64_t)S * D, D, 1};
+    const int64_t dense_vs[4] = {(int64_t)Hk * S * Dv, (int64_t)S * Dv, Dv, 1};
+    const int64_t* ks = k.strides()[3] == 1 ? k.strides().begin() : dense_ks;
+    const int64_t* vs = v.strides()[3] == 1 ? v.strides().begin() : dense_vs;
+    const View* mask = p.has_mask ? &in[3] : nullptr;
     std::vector<float> sink_t;
     const float* sinks = p.has_sinks ? dense(in[p.has_mask ? 4 : 3], sink_t) : nullptr;
 
@@ -493,7 +569,7 @@ struct SdpaOp {
 // An element-wise kernel f(x, o, i0, i1) over `in`'s elements into `out`, split over the pool
 // in ranges of at least 16K elements.
 template <class F>
-void elementwise(const mx::array& in, mx::array& out, const F& f) {
+void elementwise(const View& in, View& out, const F& f) {
   std::vector<float> xt;
   const float* x = dense(in, xt);
   float* o = out.data<float>();
@@ -509,7 +585,7 @@ struct GeluTanhOp {
   static constexpr const char* name = "MlxrCpuGeluTanh";
   static constexpr FusedKind kind = FusedKind::GeluTanh;
 
-  static void run(const Params&, std::vector<mx::array>& in, mx::array& out) {
+  static void run(const Params&, std::vector<View>& in, View& out) {
     elementwise(in[0], out, gelu_range);
   }
 };
@@ -575,7 +651,7 @@ struct SoftcapOp {
   static constexpr const char* name = "MlxrCpuSoftcap";
   static constexpr FusedKind kind = FusedKind::Softcap;
 
-  static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
+  static void run(const Params& p, std::vector<View>& in, View& out) {
     elementwise(in[0], out, [cap = p.cap](const float* x, float* o, size_t i0, size_t i1) {
       if (has_avx2()) {
         softcap_avx(x, o, cap, i0, i1);
@@ -597,7 +673,7 @@ struct SiluMulOp {
   static constexpr const char* name = "MlxrCpuSiluMul";
   static constexpr FusedKind kind = FusedKind::SiluMul;
 
-  static void run(const Params&, std::vector<mx::array>& in, mx::array& out) {
+  static void run(const Params&, std::vector<View>& in, View& out) {
     std::vector<float> gt, ut;
     const float* g = dense(in[0], gt);
     const float* u = dense(in[1], ut);
@@ -690,7 +766,7 @@ struct MatmulOp {
   static constexpr const char* name = "MlxrCpuMatmul";
   static constexpr FusedKind kind = FusedKind::Matmul;
 
-  static void run(const Params&, std::vector<mx::array>& in, mx::array& out) {
+  static void run(const Params&, std::vector<View>& in, View& out) {
     std::vector<float> xt, wt;
     const float* x = dense(in[0], xt);
     const float* w = dense(in[1], wt);
@@ -760,6 +836,38 @@ std::optional<mx::array> cpu_rope(
   if (freqs) in.push_back(*freqs);
   return fused<RopeOp>(
       x.shape(), {dims, traditional, base.value_or(1.0f), scale, freqs.has_value()}, std::move(in));
+}
+
+std::optional<mx::array> cpu_heads_norm_rope(
+    const mx::array& y,
+    int heads,
+    const std::optional<mx::array>& w,
+    float eps,
+    const std::optional<HeadsRope>& rope,
+    const mx::array& offsets) {
+  if (!on_cpu() || !is_f32(y) || y.ndim() == 0 || y.size() == 0 || heads <= 0) return std::nullopt;
+  if (y.shape(-1) % heads != 0) return std::nullopt;
+  const int d = y.shape(-1) / heads;
+  const int T = (int)(y.size() / y.shape(-1));
+  if (w && (!is_f32(*w) || w->ndim() != 1 || w->size() != (size_t)d)) return std::nullopt;
+  std::vector<mx::array> in{y};
+  if (w) in.push_back(*w);
+  RopeParams rp{0, false, 1.0f, 1.0f, false};
+  if (rope) {
+    const auto& r = *rope;
+    if (r.dims <= 0 || r.dims % 2 != 0 || r.dims > d || r.base.has_value() == r.freqs.has_value())
+      return std::nullopt;
+    if (offsets.dtype() != mx::int32 || offsets.ndim() > 1 ||
+        (offsets.size() != 1 && offsets.size() != (size_t)T))
+      return std::nullopt;
+    if (r.freqs && (!is_f32(*r.freqs) || r.freqs->ndim() != 1 || r.freqs->shape(0) != r.dims / 2))
+      return std::nullopt;
+    rp = {r.dims, r.traditional, r.base.value_or(1.0f), r.scale, r.freqs.has_value()};
+    in.push_back(offsets);
+    if (r.freqs) in.push_back(*r.freqs);
+  }
+  return fused<HeadsNormRopeOp>(
+      {T, heads, 1, d}, {heads, eps, w.has_value(), rope.has_value(), rp}, std::move(in));
 }
 
 std::optional<mx::array> cpu_sdpa(

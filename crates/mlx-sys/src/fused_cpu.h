@@ -17,6 +17,7 @@ enum class FusedKind : uint8_t {
   Matmul = 4,
   Softcap = 5,
   SiluMul = 6,
+  HeadsNormRope = 7,
 };
 
 // Each returns the fused primitive's output, or nullopt when it does not apply (not the CPU, not
@@ -43,6 +44,23 @@ std::optional<mlx::core::array> cpu_rope(
     float scale,
     const mlx::core::array& offset,
     const std::optional<mlx::core::array>& freqs);
+
+// y [1, T, heads·d] → [T, heads, 1, d]: each token row's heads RMS-normalised over d (w
+// optional), then, with `rope`, rotated at position offsets[t] (offsets int32, one or T).
+struct HeadsRope {
+  int dims;
+  bool traditional;
+  std::optional<float> base;
+  float scale;
+  std::optional<mlx::core::array> freqs;
+};
+std::optional<mlx::core::array> cpu_heads_norm_rope(
+    const mlx::core::array& y,
+    int heads,
+    const std::optional<mlx::core::array>& w,
+    float eps,
+    const std::optional<HeadsRope>& rope,
+    const mlx::core::array& offsets);
 
 std::optional<mlx::core::array> cpu_sdpa(
     const mlx::core::array& q,

@@ -306,6 +306,20 @@ pub mod ffi {
             offset: &Arr,
             freqs: *const Arr,
         ) -> Result<UniquePtr<Arr>>;
+        unsafe fn heads_norm_rope(
+            y: &Arr,
+            heads: i32,
+            w: *const Arr,
+            eps: f32,
+            rotate: bool,
+            dims: i32,
+            traditional: bool,
+            base: f32,
+            has_base: bool,
+            scale: f32,
+            offsets: &Arr,
+            freqs: *const Arr,
+        ) -> Result<UniquePtr<Arr>>;
         unsafe fn sdpa(
             q: &Arr,
             k: &Arr,

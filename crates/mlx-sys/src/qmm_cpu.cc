@@ -467,7 +467,7 @@ struct DensePacked {
   const uint32_t* w;
   const float* s;
   const float* b;
-  DensePacked(const mx::array& w_, const mx::array& s_, const mx::array& b_)
+  DensePacked(const View& w_, const View& s_, const View& b_)
       : w(dense(w_, wc)), s(dense(s_, sc)), b(dense(b_, bc)) {}
   DensePacked(const DensePacked&) = delete;
 };
@@ -480,7 +480,7 @@ struct QuantizedMatmulOp {
   };
   static constexpr const char* name = "MlxrCpuQuantizedMatmul";
 
-  static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
+  static void run(const Params& p, std::vector<View>& in, View& out) {
     const auto &x = in[0], &w = in[1];
     const Shape s{(int)(x.size() / x.shape(-1)), (int)w.shape(0), (int)x.shape(-1), p.bits, p.group};
     std::vector<float> xc;
@@ -501,7 +501,7 @@ struct QuantizedMatmulsOp {
   };
   static constexpr const char* name = "MlxrCpuQuantizedMatmuls";
 
-  static void run_many(const Params& p, std::vector<mx::array>& in, std::vector<mx::array>& outs) {
+  static void run_many(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
     const auto& x = in[0];
     const int M = (int)(x.size() / x.shape(-1)), K = (int)x.shape(-1);
     const size_t n = outs.size();
@@ -554,7 +554,7 @@ struct QuantizedGluOp {
     for (size_t i = 0; i < n; ++i) o[i] *= u[i];
   }
 
-  static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
+  static void run(const Params& p, std::vector<View>& in, View& out) {
     const auto& x = in[0];
     const Shape s{(int)(x.size() / x.shape(-1)), (int)in[1].shape(0), (int)x.shape(-1), p.bits, p.group};
     std::vector<float> xc;
@@ -595,7 +595,7 @@ struct GatherQuantizedMatmulOp {
   };
   static constexpr const char* name = "MlxrCpuGatherQuantizedMatmul";
 
-  static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
+  static void run(const Params& p, std::vector<View>& in, View& out) {
     const auto &x = in[0], &w = in[1], &idx = in[4];
     const int B = (int)idx.size(), M = (int)x.shape(-2), K = (int)x.shape(-1);
     const int E = (int)w.shape(0), N = (int)w.shape(1);
@@ -637,7 +637,7 @@ struct DequantizeOp {
   };
   static constexpr const char* name = "MlxrCpuDequantize";
 
-  static void run(const Params& p, std::vector<mx::array>& in, mx::array& out) {
+  static void run(const Params& p, std::vector<View>& in, View& out) {
     const auto& w = in[0];
     const int K = (int)w.shape(-1) * per_word(p.bits);
     const int N = (int)(w.size() / w.shape(-1));

@@ -689,6 +689,31 @@ ArrPtr rope_dynamic(
   return rope_at(x.a, dims, traditional, base, has_base, scale, offset.a, freqs);
 }
 
+ArrPtr heads_norm_rope(
+    const Arr& y,
+    int32_t heads,
+    const Arr* w,
+    float eps,
+    bool rotate,
+    int32_t dims,
+    bool traditional,
+    float base,
+    bool has_base,
+    float scale,
+    const Arr& offsets,
+    const Arr* freqs) {
+  std::optional<float> b = has_base ? std::optional<float>(base) : std::nullopt;
+  std::optional<HeadsRope> rope;
+  if (rotate) rope = HeadsRope{dims, traditional, b, scale, opt(freqs)};
+  if (auto out = cpu_heads_norm_rope(y.a, heads, opt(w), eps, rope, offsets.a)) return wrap(std::move(*out));
+  // The ops it stands for.
+  const int d = y.a.shape(-1) / std::max(1, heads);
+  const int T = (int)(y.a.size() / std::max(1, y.a.shape(-1)));
+  auto normed = rms_norm(Arr{mx::reshape(y.a, {T, heads, 1, d})}, w, eps);
+  if (!rotate) return normed;
+  return rope_at(normed->a, dims, traditional, base, has_base, scale, offsets.a, freqs);
+}
+
 ArrPtr sdpa(
     const Arr& q,
     const Arr& k,

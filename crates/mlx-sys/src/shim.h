@@ -204,6 +204,22 @@ ArrPtr rope_dynamic(
     float scale,
     const Arr& offset,
     const Arr* freqs);
+// y [1, T, heads·d] → [T, heads, 1, d], each head RMS-normalised (w may be null), then, with
+// `rotate`, rotated at offsets[t]: the reshape, norm and RoPE of a decode step's heads, one op on
+// the CPU.
+ArrPtr heads_norm_rope(
+    const Arr& y,
+    int32_t heads,
+    const Arr* w,
+    float eps,
+    bool rotate,
+    int32_t dims,
+    bool traditional,
+    float base,
+    bool has_base,
+    float scale,
+    const Arr& offsets,
+    const Arr* freqs);
 ArrPtr sdpa(
     const Arr& q,
     const Arr& k,

@@ -2,9 +2,10 @@
 //! builds for the same calls: RMS norm, RoPE (both layouts, partial rotation, base or explicit
 //! wavelengths, scalar and per-batch offsets), attention (grouped heads, causal, boolean and
 //! additive masks, sinks, strided cache views, key splits across threads) and tanh-GELU, on
-//! contiguous and transposed inputs. Each case also checks that the kernel, not MLX, answered.
+//! contiguous and transposed inputs; a decode step's per-head norm and rotation as one op. Each
+//! case also checks that the kernel, not MLX, answered.
 
-use mlx::fast::{self, FusedCounts, RopeFreqs, SdpaMask};
+use mlx::fast::{self, FusedCounts, HeadsRotation, RopeFreqs, SdpaMask};
 use mlx::{random, Array, Dtype};
 
 /// The switch and counters are per process: the tests take turns.
@@ -51,6 +52,7 @@ fn both(f: impl Fn() -> Array) -> (Vec<f32>, Vec<f32>, Vec<i32>, FusedCounts) {
         matmul: after.matmul - before.matmul,
         softcap: after.softcap - before.softcap,
         silu_mul: after.silu_mul - before.silu_mul,
+        heads_norm_rope: after.heads_norm_rope - before.heads_norm_rope,
     };
     (
         ours.to_vec::<f32>().unwrap(),
@@ -417,6 +419,122 @@ fn rms_norm_with_a_residual_matches_mlx() {
         both(|| fast::rms_norm_residual(&x, None, 1e-6, &row, None).unwrap());
     assert_eq!(got, vec![4, 32]);
     assert_close(&ours, &theirs, 1e-6, "broadcast residual");
+}
+
+#[test]
+fn heads_norm_and_rotation_are_the_ops_they_fuse() {
+    let _one = serial();
+    let wavelengths = Array::from_slice(
+        &[1.0f32, 10.0, 1e4, f32::INFINITY, 3.5, 700.0, 2.0, 9.0],
+        &[8],
+    )
+    .unwrap();
+    let mut case = 0;
+    // (tokens, heads, head dim, rotated dims): a batched decode step of several rows, one row,
+    // partial rotation.
+    for (t, n, d, dims) in [
+        (3, 4, 16, 16),
+        (1, 8, 32, 32),
+        (2, 2, 24, 16),
+        (5, 1, 16, 16),
+    ] {
+        for traditional in [false, true] {
+            for custom in [false, true] {
+                if custom && dims / 2 != 8 {
+                    continue;
+                }
+                case += 1;
+                let freqs = if custom {
+                    RopeFreqs::Custom(&wavelengths)
+                } else {
+                    RopeFreqs::Base(10000.0)
+                };
+                let y = normal(&[1, t, n * d], 300 + case);
+                let w = normal(&[d], 400 + case);
+                let positions: Vec<i32> = (0..t).map(|i| 7 + 113 * i).collect();
+                let per_row = Array::from_slice(&positions, &[t]).unwrap();
+                let one = Array::from_slice(&[42i32], &[1]).unwrap();
+                for offsets in [&per_row, &one] {
+                    for weight in [Some(&w), None] {
+                        let rotation = HeadsRotation {
+                            dims,
+                            traditional,
+                            freqs,
+                            scale: 1.0,
+                        };
+                        let what = format!(
+                            "[1, {t}, {n}x{d}] dims {dims} traditional {traditional} custom \
+                             {custom} offsets {} weight {}",
+                            offsets.size(),
+                            weight.is_some()
+                        );
+                        for rotate in [Some(rotation), None] {
+                            let (ours, theirs, got, ran) = both(|| {
+                                fast::heads_norm_rope(&y, n, weight, 1e-6, rotate, offsets).unwrap()
+                            });
+                            assert_eq!(got, vec![t, n, 1, d], "{what}");
+                            assert_close(&ours, &theirs, 2e-5, &what);
+                            assert_eq!(ran.heads_norm_rope, 1, "one op: {what}");
+                            assert_eq!(ran.rms_norm + ran.rope, 0, "{what}");
+                            // The kernels it stands for, one after the other: the same float32
+                            // operations in the same order, so equal, not just close.
+                            let normed =
+                                fast::rms_norm(&y.reshape(&[t, n, 1, d]).unwrap(), weight, 1e-6)
+                                    .unwrap();
+                            let unfused = match rotate {
+                                Some(r) => fast::rope_dynamic(
+                                    &normed,
+                                    r.dims,
+                                    r.traditional,
+                                    r.freqs,
+                                    r.scale,
+                                    offsets,
+                                )
+                                .unwrap(),
+                                None => normed,
+                            };
+                            assert!(
+                                ours == unfused.to_vec::<f32>().unwrap(),
+                                "{what} rotated {}: not norm then rope",
+                                rotate.is_some()
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // An odd head width (the norm's tail past whole vectors).
+    let y = normal(&[1, 2, 30], 500);
+    let offsets = Array::from_slice(&[3i32, 4], &[2]).unwrap();
+    let (ours, theirs, got, ran) =
+        both(|| fast::heads_norm_rope(&y, 2, None, 1e-6, None, &offsets).unwrap());
+    assert_eq!((got, ran.heads_norm_rope), (vec![2, 2, 1, 15], 1));
+    assert_close(&ours, &theirs, 2e-5, "odd head width");
+    // Heads that do not divide the width: an error, not a crash.
+    assert!(fast::heads_norm_rope(&y, 4, None, 1e-6, None, &offsets)
+        .and_then(|a| a.eval())
+        .is_err());
+    // float16 is left to MLX's ops.
+    let before = fast::fused_kernel_counts();
+    let half = fast::heads_norm_rope(
+        &y.astype(Dtype::F16).unwrap(),
+        3,
+        None,
+        1e-6,
+        None,
+        &offsets,
+    )
+    .unwrap();
+    half.eval().unwrap();
+    assert_eq!(
+        (half.shape(), half.dtype()),
+        (vec![2, 3, 1, 10], Dtype::F16)
+    );
+    assert_eq!(
+        fast::fused_kernel_counts().heads_norm_rope,
+        before.heads_norm_rope
+    );
 }
 
 #[test]

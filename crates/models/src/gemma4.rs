@@ -12,7 +12,7 @@ use crate::packed::{
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
 use cache::{AttnMask, KvCache, LayerCache, RotatingKvCache};
-use mlx::fast::scaled_dot_product_attention;
+use mlx::fast::{heads_norm_rope, scaled_dot_product_attention};
 use mlx::{Array, Ix};
 use serde::Deserialize;
 use serde_json::Value;
@@ -331,29 +331,16 @@ impl Gemma4Config {
 // Blocks
 // ------------------------------------------------------------------------------------------
 
-/// How a layer lays out the heads of its projections `[B, L, n·d]`.
-#[derive(Clone, Copy)]
-enum HeadLayout {
-    /// `[B, n, L, d]`: one sequence per batch row.
-    HeadsFirst,
-    /// `[T, n, 1, d]` from `[1, T, n·d]`: every token its own sequence (a batched decode step).
-    TokenRows,
-}
-
-impl HeadLayout {
-    /// `y` split into RMS-normalised heads. The norm runs over `d` wherever the heads sit, so
-    /// for one position per sequence this is a reshape straight from the projection and the
-    /// norm (two ops); for longer ones the norm reads contiguous rows before the transpose.
-    fn heads(self, y: &Array, n: i32, d: i32, w: Option<&Array>, eps: f32) -> Result<Array> {
-        let s = y.shape();
-        match self {
-            HeadLayout::TokenRows => norm(&y.reshape(&[s[1], n, 1, d])?, w, eps),
-            HeadLayout::HeadsFirst if s[1] == 1 => norm(&y.reshape(&[s[0], n, 1, d])?, w, eps),
-            HeadLayout::HeadsFirst => {
-                Ok(norm(&y.reshape(&[s[0], s[1], n, d])?, w, eps)?.transpose(&[0, 2, 1, 3])?)
-            }
-        }
+/// The projection `y: [B, L, n·d]` as `[B, n, L, d]` RMS-normalised heads (one sequence per
+/// batch row). The norm runs over `d` wherever the heads sit, so for one position per sequence
+/// this is a reshape straight from the projection and the norm (two ops); for longer ones the
+/// norm reads contiguous rows before the transpose.
+fn heads(y: &Array, n: i32, d: i32, w: Option<&Array>, eps: f32) -> Result<Array> {
+    let s = y.shape();
+    if s[1] == 1 {
+        return norm(&y.reshape(&[s[0], n, 1, d])?, w, eps);
     }
+    Ok(norm(&y.reshape(&[s[0], s[1], n, d])?, w, eps)?.transpose(&[0, 2, 1, 3])?)
 }
 
 pub(crate) struct Attention {
@@ -396,15 +383,10 @@ impl Attention {
         })
     }
 
-    /// Normalised queries, and the keys and values of this layer's own projections (none in
-    /// a KV-shared layer), in `layout`, not yet rotated (each row of a packed batch rotates at
-    /// its own offset). The projections read `x` in one op where their formats allow.
-    fn qkv_heads(
-        &self,
-        x: &Array,
-        eps: f32,
-        layout: HeadLayout,
-    ) -> Result<(Array, Option<(Array, Array)>)> {
+    /// The raw query projection, and the raw key and value projections of this layer's own
+    /// (none in a KV-shared layer), read from `x` in one op where their formats allow. Under
+    /// k_eq_v the raw keys, taken before k_norm, double as the values.
+    fn project_qkv(&self, x: &Array) -> Result<(Array, Option<(Array, Array)>)> {
         let mut layers = vec![&self.q_proj];
         layers.extend(&self.k_proj);
         layers.extend(&self.v_proj);
@@ -412,35 +394,66 @@ impl Attention {
         let q_raw = raw
             .next()
             .ok_or_else(|| ModelError::Invalid("no query projection".into()))?;
-        let q = self.q_from(&q_raw, eps, layout)?;
-        let kv = match (raw.next(), &self.k_norm) {
-            (Some(k_raw), Some(k_norm)) => {
-                // k_eq_v: the raw key projection, taken before k_norm, doubles as the values.
-                let v_raw = raw.next().unwrap_or_else(|| k_raw.clone());
-                let (n, d) = (self.kv_heads, self.head_dim);
-                Some((
-                    layout.heads(&k_raw, n, d, Some(k_norm), eps)?,
-                    layout.heads(&v_raw, n, d, None, eps)?,
-                ))
-            }
-            _ => None,
+        let kv = raw.next().map(|k_raw| {
+            let v_raw = raw.next().unwrap_or_else(|| k_raw.clone());
+            (k_raw, v_raw)
+        });
+        Ok((q_raw, kv))
+    }
+
+    fn k_norm(&self) -> Result<&Array> {
+        self.k_norm
+            .as_ref()
+            .ok_or_else(|| ModelError::Invalid("keys projected without a k_norm".into()))
+    }
+
+    /// Normalised `[B, n, L, d]` queries, and the keys and values of this layer's own
+    /// projections (none in a KV-shared layer), not yet rotated (each row of a packed batch
+    /// rotates at its own offset).
+    fn qkv_heads(&self, x: &Array, eps: f32) -> Result<(Array, Option<(Array, Array)>)> {
+        let (q_raw, kv) = self.project_qkv(x)?;
+        let q = self.q_from(&q_raw, eps)?;
+        let (n, d) = (self.kv_heads, self.head_dim);
+        let kv = match kv {
+            Some((k_raw, v_raw)) => Some((
+                heads(&k_raw, n, d, Some(self.k_norm()?), eps)?,
+                heads(&v_raw, n, d, None, eps)?,
+            )),
+            None => None,
         };
         Ok((q, kv))
     }
 
-    /// Normalised queries in `layout` from the raw query projection.
-    fn q_from(&self, q_raw: &Array, eps: f32, layout: HeadLayout) -> Result<Array> {
-        layout.heads(q_raw, self.heads, self.head_dim, Some(&self.q_norm), eps)
+    /// A decode step's queries, and keys and values of this layer's own projections, each
+    /// `[T, n, 1, d]` for `x: [1, T, hidden]` (token `t` its own sequence, at position
+    /// `offsets[t]`): normalised, queries and keys rotated, each in one op.
+    fn qkv_rows(
+        &self,
+        x: &Array,
+        eps: f32,
+        rope: &Rope,
+        offsets: &Array,
+    ) -> Result<(Array, Option<(Array, Array)>)> {
+        let (q_raw, kv) = self.project_qkv(x)?;
+        let q = rope.heads_rows(&q_raw, self.heads, Some(&self.q_norm), eps, offsets)?;
+        let kv = match kv {
+            Some((k_raw, v_raw)) => Some((
+                rope.heads_rows(&k_raw, self.kv_heads, Some(self.k_norm()?), eps, offsets)?,
+                heads_norm_rope(&v_raw, self.kv_heads, None, eps, None, offsets)?,
+            )),
+            None => None,
+        };
+        Ok((q, kv))
     }
 
-    /// Normalised queries in `layout`, not yet rotated.
-    fn q_heads(&self, x: &Array, eps: f32, layout: HeadLayout) -> Result<Array> {
-        self.q_from(&self.q_proj.forward(x)?, eps, layout)
+    /// Normalised `[B, H, L, d]` queries from the raw query projection.
+    fn q_from(&self, q_raw: &Array, eps: f32) -> Result<Array> {
+        heads(q_raw, self.heads, self.head_dim, Some(&self.q_norm), eps)
     }
 
     /// Normalised `[B, H, L, d]` queries, not yet rotated.
     fn project_q(&self, x: &Array, eps: f32) -> Result<Array> {
-        self.q_heads(x, eps, HeadLayout::HeadsFirst)
+        self.q_from(&self.q_proj.forward(x)?, eps)
     }
 
     pub(crate) fn queries(&self, x: &Array, rope: &Rope, offset: usize, eps: f32) -> Result<Array> {
@@ -891,29 +904,33 @@ impl CausalLm for Gemma4 {
         // A decode step (one token per row) batches attention's per-row work along the batch
         // axis: one rotation for all rows, at their own offsets.
         let single = all_single(rows);
+        // One new token per row (a decode step, of one sequence or several): each layer's
+        // queries, keys and values come out of one op each, every row at its own position.
+        let decode = rows.iter().all(|r| r.len == 1);
         let n = rows.len();
+        // Each row's position, for the decode step's rotations (every layer's).
+        let row_offsets = {
+            let o: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
+            Array::from_slice(&o, &[n as i32])?
+        };
         for (i, layer) in self.layers.iter().enumerate() {
             let rope = self.rope(layer.spec.kind);
             let x = norm(&h, Some(&layer.input_norm), eps)?;
             // The projections run once over every row's tokens; attention per row.
-            let (q_rows, new_kv): (Vec<Array>, Option<Vec<(Array, Array)>>) = if single {
-                let (q, kv) = layer.attn.qkv_heads(&x, eps, HeadLayout::TokenRows)?;
-                let q = rope.apply_rows(&q, &offsets)?;
+            let (q_rows, new_kv): (Vec<Array>, Option<Vec<(Array, Array)>>) = if decode {
+                let (q, kv) = layer.attn.qkv_rows(&x, eps, rope, &row_offsets)?;
                 let kv = match kv {
-                    Some((k, v)) => {
-                        let k = rope.apply_rows(&k, &offsets)?;
-                        Some(
-                            k.split(n as i32, 0)?
-                                .into_iter()
-                                .zip(v.split(n as i32, 0)?)
-                                .collect(),
-                        )
-                    }
+                    Some((k, v)) => Some(
+                        k.split(n as i32, 0)?
+                            .into_iter()
+                            .zip(v.split(n as i32, 0)?)
+                            .collect(),
+                    ),
                     None => None,
                 };
                 (q.split(n as i32, 0)?, kv)
             } else {
-                let (q_all, kv) = layer.attn.qkv_heads(&x, eps, HeadLayout::HeadsFirst)?;
+                let (q_all, kv) = layer.attn.qkv_heads(&x, eps)?;
                 let q = spans
                     .iter()
                     .zip(&offsets)

@@ -240,13 +240,46 @@ impl Rope {
         })
     }
 
+    fn freqs(&self) -> RopeFreqs<'_> {
+        match &self.freqs {
+            Some(f) => RopeFreqs::Custom(f),
+            None => RopeFreqs::Base(self.base),
+        }
+    }
+
+    /// A decode step's queries or keys from their projection `y: [1, T, heads·d]` (token `t`
+    /// its own sequence, at position `offsets[t]`): `[T, heads, 1, d]`, each head
+    /// RMS-normalised by `weight`, then rotated. One op on the CPU where a reshape, a norm and
+    /// a rotation would be three; the same values.
+    pub fn heads_rows(
+        &self,
+        y: &Array,
+        heads: i32,
+        weight: Option<&Array>,
+        eps: f32,
+        offsets: &Array,
+    ) -> Result<Array> {
+        let freqs = self.freqs();
+        let rotation = mlx::fast::HeadsRotation {
+            dims: self.dims,
+            traditional: self.traditional,
+            freqs,
+            scale: 1.0,
+        };
+        Ok(mlx::fast::heads_norm_rope(
+            y,
+            heads,
+            weight,
+            eps,
+            Some(rotation),
+            offsets,
+        )?)
+    }
+
     /// Rotates `x: [B, H, L, D]`, row `b` for positions `offsets[b]..offsets[b]+L`, in one
     /// operation (a decode step of several sequences).
     pub fn apply_rows(&self, x: &Array, offsets: &[usize]) -> Result<Array> {
-        let freqs = match &self.freqs {
-            Some(f) => RopeFreqs::Custom(f),
-            None => RopeFreqs::Base(self.base),
-        };
+        let freqs = self.freqs();
         let o: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
         let o = Array::from_slice(&o, &[o.len() as i32])?;
         Ok(mlx::fast::rope_dynamic(
@@ -261,10 +294,7 @@ impl Rope {
 
     /// Rotates `x: [B, H, L, D]` for positions `offset..offset+L`.
     pub fn apply(&self, x: &Array, offset: usize) -> Result<Array> {
-        let freqs = match &self.freqs {
-            Some(f) => RopeFreqs::Custom(f),
-            None => RopeFreqs::Base(self.base),
-        };
+        let freqs = self.freqs();
         Ok(rope(
             x,
             self.dims,
