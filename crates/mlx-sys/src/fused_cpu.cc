@@ -35,8 +35,12 @@ template <class Op>
 struct Counted {
   using Params = typename Op::Params;
   static constexpr const char* name = Op::name;
-  static void run(const Params& p, std::vector<View>& in, View& out) {
-    Op::run(p, in, out);
+  static void run_many(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
+    if constexpr (requires { Op::run_many(p, in, outs); }) {
+      Op::run_many(p, in, outs);
+    } else {
+      Op::run(p, in, outs[0]);
+    }
     count(Op::kind);
   }
 };
@@ -44,6 +48,12 @@ struct Counted {
 template <class Op>
 mx::array fused(const mx::Shape& shape, typename Op::Params p, std::vector<mx::array> inputs) {
   return make<Counted<Op>>(shape, p, std::move(inputs));
+}
+
+template <class Op>
+std::vector<mx::array> fused_many(
+    std::vector<mx::Shape> shapes, typename Op::Params p, std::vector<mx::array> inputs) {
+  return make_many<Counted<Op>>(std::move(shapes), p, std::move(inputs));
 }
 
 // ---- vector helpers ---------------------------------------------------------------------------
@@ -100,21 +110,26 @@ struct RmsNormOp {
     // a Multiply.
     bool has_residual;
     bool has_scale;
+    // A second output: the result RMS-normalised again by a second weight (the next block's
+    // input norm after a residual update), saving that norm's op.
+    bool has_next;
     bool operator==(const Params&) const = default;
   };
   static constexpr const char* name = "MlxrCpuRmsNorm";
   static constexpr FusedKind kind = FusedKind::RmsNorm;
 
-  static void run(const Params& p, std::vector<View>& in, View& out) {
-    std::vector<float> xt, wt, rt, st;
+  static void run_many(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
+    std::vector<float> xt, wt, rt, st, nt;
     size_t at = 0;
     const float* x = dense(in[at++], xt);
     const float* w = p.has_w ? dense(in[at++], wt) : nullptr;
     const float* res = p.has_residual ? dense(in[at++], rt) : nullptr;
     const float scale = p.has_scale ? dense(in[at++], st)[0] : 1.0f;
+    const float* next_w = p.has_next ? dense(in[at++], nt) : nullptr;
     const int d = in[0].shape(-1);
     const size_t rows = in[0].size() / d;
-    float* o = out.data<float>();
+    float* o = outs[0].data<float>();
+    float* next = p.has_next ? outs[1].data<float>() : nullptr;
     for_rows(rows, 64, [&](size_t r0, size_t r1) {
       for (size_t r = r0; r < r1; ++r) {
         float* orow = o + r * d;
@@ -126,6 +141,7 @@ struct RmsNormOp {
         if (p.has_scale) {
           for (int i = 0; i < d; ++i) orow[i] = orow[i] * scale;
         }
+        if (next) rms_norm_row(orow, next_w, p.eps, d, next + r * d);
       }
     });
   }
@@ -784,6 +800,18 @@ struct MatmulOp {
 
 bool is_f32(const mx::array& a) { return a.dtype() == mx::float32; }
 
+bool cpu_applies_rms_norm_residual(
+    const mx::array& x,
+    const std::optional<mx::array>& w,
+    const std::optional<mx::array>& residual,
+    const std::optional<mx::array>& scale) {
+  if (!on_cpu() || !is_f32(x) || x.ndim() == 0 || x.size() == 0) return false;
+  if (w && (!is_f32(*w) || w->ndim() != 1 || w->size() != (size_t)x.shape(-1))) return false;
+  if (residual && (!is_f32(*residual) || residual->shape() != x.shape())) return false;
+  if (scale && (!residual || !is_f32(*scale) || scale->size() != 1)) return false;
+  return true;
+}
+
 }  // namespace
 
 void set_fused_cpu_enabled(bool on) { g_enabled.store(on); }
@@ -805,15 +833,31 @@ std::optional<mx::array> cpu_rms_norm_residual(
     float eps,
     const std::optional<mx::array>& residual,
     const std::optional<mx::array>& scale) {
-  if (!on_cpu() || !is_f32(x) || x.ndim() == 0 || x.size() == 0) return std::nullopt;
-  if (w && (!is_f32(*w) || w->ndim() != 1 || w->size() != (size_t)x.shape(-1))) return std::nullopt;
-  if (residual && (!is_f32(*residual) || residual->shape() != x.shape())) return std::nullopt;
-  if (scale && (!residual || !is_f32(*scale) || scale->size() != 1)) return std::nullopt;
+  if (!cpu_applies_rms_norm_residual(x, w, residual, scale)) return std::nullopt;
   std::vector<mx::array> in{x};
   for (const auto* a : {&w, &residual, &scale})
     if (*a) in.push_back(**a);
   return fused<RmsNormOp>(
-      x.shape(), {eps, w.has_value(), residual.has_value(), scale.has_value()}, std::move(in));
+      x.shape(), {eps, w.has_value(), residual.has_value(), scale.has_value(), false}, std::move(in));
+}
+
+std::optional<std::vector<mx::array>> cpu_rms_norm_residual_norm(
+    const mx::array& x,
+    const std::optional<mx::array>& w,
+    float eps,
+    const mx::array& residual,
+    const std::optional<mx::array>& scale,
+    const mx::array& next_w) {
+  // What the one-output kernel takes, and a weight for the second norm.
+  if (!cpu_applies_rms_norm_residual(x, w, residual, scale)) return std::nullopt;
+  if (!is_f32(next_w) || next_w.ndim() != 1 || next_w.size() != (size_t)x.shape(-1)) return std::nullopt;
+  std::vector<mx::array> in{x};
+  if (w) in.push_back(*w);
+  in.push_back(residual);
+  if (scale) in.push_back(*scale);
+  in.push_back(next_w);
+  return fused_many<RmsNormOp>(
+      {x.shape(), x.shape()}, {eps, w.has_value(), true, scale.has_value(), true}, std::move(in));
 }
 
 std::optional<mx::array> cpu_rope(

@@ -36,6 +36,15 @@ std::optional<mlx::core::array> cpu_rms_norm_residual(
     const std::optional<mlx::core::array>& residual,
     const std::optional<mlx::core::array>& scale);
 
+// The residual update above, and its result RMS-normalised again by next_w: {sum, its norm}.
+std::optional<std::vector<mlx::core::array>> cpu_rms_norm_residual_norm(
+    const mlx::core::array& x,
+    const std::optional<mlx::core::array>& w,
+    float eps,
+    const mlx::core::array& residual,
+    const std::optional<mlx::core::array>& scale,
+    const mlx::core::array& next_w);
+
 std::optional<mlx::core::array> cpu_rope(
     const mlx::core::array& x,
     int dims,

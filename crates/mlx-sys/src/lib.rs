@@ -280,6 +280,14 @@ pub mod ffi {
             residual: &Arr,
             scale: *const Arr,
         ) -> Result<UniquePtr<Arr>>;
+        unsafe fn rms_norm_residual_norm(
+            x: &Arr,
+            w: *const Arr,
+            eps: f32,
+            residual: &Arr,
+            scale: *const Arr,
+            next_w: &Arr,
+        ) -> Result<UniquePtr<ArrVec>>;
         unsafe fn layer_norm(
             x: &Arr,
             w: *const Arr,

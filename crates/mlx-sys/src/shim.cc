@@ -643,6 +643,16 @@ ArrPtr rms_norm_residual(const Arr& x, const Arr* w, float eps, const Arr& resid
   return wrap(scale ? mx::multiply(sum, scale->a) : sum);
 }
 
+std::unique_ptr<ArrVec> rms_norm_residual_norm(
+    const Arr& x, const Arr* w, float eps, const Arr& residual, const Arr* scale, const Arr& next_w) {
+  if (auto outs = cpu_rms_norm_residual_norm(x.a, opt(w), eps, residual.a, opt(scale), next_w.a)) {
+    return wrap_vec(std::move(*outs));
+  }
+  auto sum = rms_norm_residual(x, w, eps, residual, scale);
+  auto normed = rms_norm(*sum, &next_w, eps);
+  return wrap_vec({sum->a, normed->a});
+}
+
 ArrPtr layer_norm(const Arr& x, const Arr* w, const Arr* b, float eps) {
   return wrap(mx::fast::layer_norm(x.a, opt(w), opt(b), eps));
 }

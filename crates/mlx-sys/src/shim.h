@@ -185,6 +185,10 @@ ArrPtr gather_qmm(
 // --- fast --------------------------------------------------------------------------------------
 ArrPtr rms_norm(const Arr& x, const Arr* w, float eps);
 ArrPtr rms_norm_residual(const Arr& x, const Arr* w, float eps, const Arr& residual, const Arr* scale);
+// {(residual + rms_norm(x, w)) · scale, rms_norm(that, next_w)}: a residual update and the next
+// block's input norm, one op on the CPU.
+std::unique_ptr<ArrVec> rms_norm_residual_norm(
+    const Arr& x, const Arr* w, float eps, const Arr& residual, const Arr* scale, const Arr& next_w);
 ArrPtr layer_norm(const Arr& x, const Arr* w, const Arr* b, float eps);
 ArrPtr rope(
     const Arr& x,

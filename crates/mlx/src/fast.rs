@@ -35,6 +35,37 @@ pub fn rms_norm_residual(
     }))
 }
 
+/// [`rms_norm_residual`], and its result RMS-normalised again by `next_weight`: a block's
+/// residual update and the next block's input norm, `(sum, norm(sum))`, one op on the CPU
+/// with the values of the two.
+pub fn rms_norm_residual_norm(
+    x: &Array,
+    weight: Option<&Array>,
+    eps: f32,
+    residual: &Array,
+    scale: Option<&Array>,
+    next_weight: &Array,
+) -> Result<(Array, Array)> {
+    // SAFETY: the pointers are null or point at arrays that outlive the call.
+    let outs = crate::array::unpack(unsafe {
+        ffi::rms_norm_residual_norm(
+            x.arr(),
+            ptr(weight),
+            eps,
+            residual.arr(),
+            ptr(scale),
+            next_weight.arr(),
+        )?
+    })?;
+    let mut it = outs.into_iter();
+    match (it.next(), it.next()) {
+        (Some(sum), Some(normed)) => Ok((sum, normed)),
+        _ => Err(crate::Error::Mlx(
+            "rms_norm_residual_norm: expected two outputs".into(),
+        )),
+    }
+}
+
 pub fn layer_norm(
     x: &Array,
     weight: Option<&Array>,

@@ -538,6 +538,70 @@ fn heads_norm_and_rotation_are_the_ops_they_fuse() {
 }
 
 #[test]
+fn a_residual_update_and_the_next_norm_are_one_op() {
+    let _one = serial();
+    for (case, shape) in [vec![1, 1, 768], vec![3, 5, 17], vec![130, 64]]
+        .into_iter()
+        .enumerate()
+    {
+        let d = *shape.last().unwrap();
+        let x = normal(&shape, 600 + case as u64);
+        let h = normal(&shape, 610 + case as u64);
+        let w = normal(&[d], 620 + case as u64);
+        let next = normal(&[d], 630 + case as u64);
+        let scalar = Array::from_slice(&[0.37f32], &[1]).unwrap();
+        for weight in [Some(&w), None] {
+            for scale in [None, Some(&scalar)] {
+                let what = format!(
+                    "{shape:?} weight {} scale {}",
+                    weight.is_some(),
+                    scale.is_some()
+                );
+                let pair =
+                    || fast::rms_norm_residual_norm(&x, weight, 1e-6, &h, scale, &next).unwrap();
+                let before = fast::fused_kernel_counts();
+                let (sum, normed) = pair();
+                mlx::eval(&[&sum, &normed]).unwrap();
+                assert_eq!(
+                    fast::fused_kernel_counts().rms_norm - before.rms_norm,
+                    1,
+                    "one op: {what}"
+                );
+                assert_eq!(
+                    (sum.shape(), normed.shape()),
+                    (shape.clone(), shape.clone())
+                );
+                // The two kernels it stands for: the same float32 operations, so equal.
+                let alone = fast::rms_norm_residual(&x, weight, 1e-6, &h, scale).unwrap();
+                let renormed = fast::rms_norm(&alone, Some(&next), 1e-6).unwrap();
+                assert!(
+                    sum.to_vec::<f32>().unwrap() == alone.to_vec::<f32>().unwrap(),
+                    "{what}: the sum"
+                );
+                assert!(
+                    normed.to_vec::<f32>().unwrap() == renormed.to_vec::<f32>().unwrap(),
+                    "{what}: its norm"
+                );
+                // And MLX's ops, with the kernels off.
+                fast::set_fused_kernels(false);
+                let (mlx_sum, mlx_normed) = pair();
+                fast::set_fused_kernels(true);
+                let got = sum.to_vec::<f32>().unwrap();
+                assert_close(&got, &mlx_sum.to_vec::<f32>().unwrap(), 1e-5, &what);
+                let got = normed.to_vec::<f32>().unwrap();
+                assert_close(&got, &mlx_normed.to_vec::<f32>().unwrap(), 1e-5, &what);
+            }
+        }
+    }
+    // A next weight of the wrong width: MLX's broadcasting rules decide (an error here).
+    let x = normal(&[2, 16], 640);
+    let bad = normal(&[8], 641);
+    let r = fast::rms_norm_residual_norm(&x, None, 1e-6, &x, None, &bad)
+        .and_then(|(a, b)| mlx::eval(&[&a, &b]));
+    assert!(r.is_err());
+}
+
+#[test]
 fn softcap_matches_mlx() {
     let _one = serial();
     // Logit-like values, plus the far tails where tanh is ±1 in float32.

@@ -5,7 +5,9 @@
 //! the model. The model holds weights only; caches are passed in (one per non-shared layer).
 
 use crate::config::JsonFile;
-use crate::nn::{add_norm, forward_all, gelu_tanh, norm, Embedding, Experts, Linear, Rope};
+use crate::nn::{
+    add_norm, add_norm_then_norm, forward_all, gelu_tanh, norm, Embedding, Experts, Linear, Rope,
+};
 use crate::packed::{
     all_single, check_rows, heads_joined, join_rows, rows_as_tokens, single_row, spans, time_slice,
 };
@@ -667,15 +669,21 @@ impl DecoderLayer {
         eps: f32,
         scale: Option<&Array>,
     ) -> Result<Array> {
-        let dense = self.mlp.forward(&norm(h, Some(&self.pre_ffn_norm), eps)?)?;
-        let f = match &self.moe {
+        let f = self.feed_forward(h, &norm(h, Some(&self.pre_ffn_norm), eps)?, eps)?;
+        add_norm(h, &f, Some(&self.post_ffn_norm), eps, scale)
+    }
+
+    /// The feed-forward block's output for the residual stream `h` and its pre-normed input
+    /// `x = pre_ffn_norm(h)`, before post_ffn_norm and the residual add.
+    fn feed_forward(&self, h: &Array, x: &Array, eps: f32) -> Result<Array> {
+        let dense = self.mlp.forward(x)?;
+        Ok(match &self.moe {
             None => dense,
             Some((moe, [pre2, post1, post2])) => {
                 let experts = moe.forward(h, &norm(h, Some(pre2), eps)?, eps)?;
                 norm(&dense, Some(post1), eps)?.add(&norm(&experts, Some(post2), eps)?)?
             }
-        };
-        add_norm(h, &f, Some(&self.post_ffn_norm), eps, scale)
+        })
     }
 }
 
@@ -913,9 +921,14 @@ impl CausalLm for Gemma4 {
             let o: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
             Array::from_slice(&o, &[n as i32])?
         };
+        // A layer's input norm, from the previous layer's last op (its residual update).
+        let mut normed: Option<Array> = None;
         for (i, layer) in self.layers.iter().enumerate() {
             let rope = self.rope(layer.spec.kind);
-            let x = norm(&h, Some(&layer.input_norm), eps)?;
+            let x = match normed.take() {
+                Some(x) => x,
+                None => norm(&h, Some(&layer.input_norm), eps)?,
+            };
             // The projections run once over every row's tokens; attention per row.
             let (q_rows, new_kv): (Vec<Array>, Option<Vec<(Array, Array)>>) = if decode {
                 let (q, kv) = layer.attn.qkv_rows(&x, eps, rope, &row_offsets)?;
@@ -1004,26 +1017,50 @@ impl CausalLm for Gemma4 {
                 join_rows(&outs)?
             };
             let a = layer.attn.o_proj.forward(&joined)?;
-            h = add_norm(&h, &a, Some(&layer.post_attn_norm), eps, None)?;
+            // Each residual update also normalises its result for the block that reads it next.
+            let (h_attn, x_ff) = add_norm_then_norm(
+                &h,
+                &a,
+                Some(&layer.post_attn_norm),
+                eps,
+                None,
+                &layer.pre_ffn_norm,
+            )?;
+            let f = layer.feed_forward(&h_attn, &x_ff, eps)?;
+            let next = self.layers.get(i + 1).map_or(&self.norm, |l| &l.input_norm);
             // The layer scalar rides on the layer's last residual update.
             let scalar = &layer.layer_scalar;
-            h = match (&layer.ple, &ple) {
+            let (h_out, x_next) = match (&layer.ple, &ple) {
                 (Some(pl), Some(all)) => {
-                    let h = layer.feed_forward_residual(&h, eps, None)?;
+                    let h = add_norm(&h_attn, &f, Some(&layer.post_ffn_norm), eps, None)?;
                     let this = all.index(&[Ix::full(), Ix::full(), Ix::At(i as i32)])?;
                     let g = gelu_tanh(&pl.gate.forward(&h)?)?.multiply(&this)?;
-                    add_norm(
+                    add_norm_then_norm(
                         &h,
                         &pl.proj.forward(&g)?,
                         Some(&pl.post_norm),
                         eps,
                         Some(scalar),
+                        next,
                     )?
                 }
-                _ => layer.feed_forward_residual(&h, eps, Some(scalar))?,
+                _ => add_norm_then_norm(
+                    &h_attn,
+                    &f,
+                    Some(&layer.post_ffn_norm),
+                    eps,
+                    Some(scalar),
+                    next,
+                )?,
             };
+            h = h_out;
+            normed = Some(x_next);
         }
-        norm(&h, Some(&self.norm), eps)
+        // The last layer's last op normalised its result with the final norm.
+        match normed {
+            Some(x) => Ok(x),
+            None => norm(&h, Some(&self.norm), eps),
+        }
     }
 
     fn logits(&self, hidden: &Array) -> Result<Array> {

@@ -197,6 +197,21 @@ pub fn add_norm(
     Ok(mlx::fast::rms_norm_residual(x, w, eps, residual, scale)?)
 }
 
+/// [`add_norm`], and its result normalised again by `next` (the next block's input norm):
+/// `(sum, norm(sum, next))`, one op.
+pub fn add_norm_then_norm(
+    residual: &Array,
+    x: &Array,
+    w: Option<&Array>,
+    eps: f32,
+    scale: Option<&Array>,
+    next: &Array,
+) -> Result<(Array, Array)> {
+    Ok(mlx::fast::rms_norm_residual_norm(
+        x, w, eps, residual, scale, next,
+    )?)
+}
+
 /// How one kind of layer rotates its queries and keys.
 pub struct Rope {
     dims: i32,
