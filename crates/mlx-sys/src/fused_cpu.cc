@@ -800,13 +800,34 @@ struct MatmulOp {
 
 bool is_f32(const mx::array& a) { return a.dtype() == mx::float32; }
 
+// A norm's weight the kernels take for rows of d values: float32, [d].
+bool norm_weight_fits(const mx::array& w, int d) {
+  return is_f32(w) && w.ndim() == 1 && w.size() == (size_t)d;
+}
+
+// A rotation the kernels take for rows of `width` values: even dims within the row, a base or
+// float32 wavelengths [dims / 2], and int32 offsets, one or one per batch row (`rows`).
+bool rope_applies(
+    int dims,
+    int width,
+    bool has_base,
+    const std::optional<mx::array>& freqs,
+    const mx::array& offsets,
+    size_t rows) {
+  if (dims <= 0 || dims % 2 != 0 || dims > width || has_base == freqs.has_value()) return false;
+  if (offsets.dtype() != mx::int32 || offsets.ndim() > 1 ||
+      (offsets.size() != 1 && offsets.size() != rows))
+    return false;
+  return !freqs || (is_f32(*freqs) && freqs->ndim() == 1 && freqs->shape(0) == dims / 2);
+}
+
 bool cpu_applies_rms_norm_residual(
     const mx::array& x,
     const std::optional<mx::array>& w,
     const std::optional<mx::array>& residual,
     const std::optional<mx::array>& scale) {
   if (!on_cpu() || !is_f32(x) || x.ndim() == 0 || x.size() == 0) return false;
-  if (w && (!is_f32(*w) || w->ndim() != 1 || w->size() != (size_t)x.shape(-1))) return false;
+  if (w && !norm_weight_fits(*w, x.shape(-1))) return false;
   if (residual && (!is_f32(*residual) || residual->shape() != x.shape())) return false;
   if (scale && (!residual || !is_f32(*scale) || scale->size() != 1)) return false;
   return true;
@@ -850,7 +871,7 @@ std::optional<std::vector<mx::array>> cpu_rms_norm_residual_norm(
     const mx::array& next_w) {
   // What the one-output kernel takes, and a weight for the second norm.
   if (!cpu_applies_rms_norm_residual(x, w, residual, scale)) return std::nullopt;
-  if (!is_f32(next_w) || next_w.ndim() != 1 || next_w.size() != (size_t)x.shape(-1)) return std::nullopt;
+  if (!norm_weight_fits(next_w, x.shape(-1))) return std::nullopt;
   std::vector<mx::array> in{x};
   if (w) in.push_back(*w);
   in.push_back(residual);
@@ -869,12 +890,7 @@ std::optional<mx::array> cpu_rope(
     const mx::array& offset,
     const std::optional<mx::array>& freqs) {
   if (!on_cpu() || !is_f32(x) || x.ndim() < 3 || x.size() == 0) return std::nullopt;
-  if (dims <= 0 || dims % 2 != 0 || dims > x.shape(-1) || base.has_value() == freqs.has_value())
-    return std::nullopt;
-  if (offset.dtype() != mx::int32 || offset.ndim() > 1 ||
-      (offset.size() != 1 && offset.size() != (size_t)x.shape(0)))
-    return std::nullopt;
-  if (freqs && (!is_f32(*freqs) || freqs->ndim() != 1 || freqs->shape(0) != dims / 2))
+  if (!rope_applies(dims, x.shape(-1), base.has_value(), freqs, offset, (size_t)x.shape(0)))
     return std::nullopt;
   std::vector<mx::array> in{x, offset};
   if (freqs) in.push_back(*freqs);
@@ -893,19 +909,13 @@ std::optional<mx::array> cpu_heads_norm_rope(
   if (y.shape(-1) % heads != 0) return std::nullopt;
   const int d = y.shape(-1) / heads;
   const int T = (int)(y.size() / y.shape(-1));
-  if (w && (!is_f32(*w) || w->ndim() != 1 || w->size() != (size_t)d)) return std::nullopt;
+  if (w && !norm_weight_fits(*w, d)) return std::nullopt;
   std::vector<mx::array> in{y};
   if (w) in.push_back(*w);
   RopeParams rp{0, false, 1.0f, 1.0f, false};
   if (rope) {
     const auto& r = *rope;
-    if (r.dims <= 0 || r.dims % 2 != 0 || r.dims > d || r.base.has_value() == r.freqs.has_value())
-      return std::nullopt;
-    if (offsets.dtype() != mx::int32 || offsets.ndim() > 1 ||
-        (offsets.size() != 1 && offsets.size() != (size_t)T))
-      return std::nullopt;
-    if (r.freqs && (!is_f32(*r.freqs) || r.freqs->ndim() != 1 || r.freqs->shape(0) != r.dims / 2))
-      return std::nullopt;
+    if (!rope_applies(r.dims, d, r.base.has_value(), r.freqs, offsets, (size_t)T)) return std::nullopt;
     rp = {r.dims, r.traditional, r.base.value_or(1.0f), r.scale, r.freqs.has_value()};
     in.push_back(offsets);
     if (r.freqs) in.push_back(*r.freqs);

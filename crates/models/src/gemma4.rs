@@ -909,8 +909,7 @@ impl CausalLm for Gemma4 {
         let mut kv: Vec<Vec<(Array, Array)>> = vec![Vec::new(); self.layers.len()];
         // Per row, per layer kind: the mask its first layer of that kind built.
         let mut masks: Vec<HashMap<LayerKind, AttnMask>> = vec![HashMap::new(); rows.len()];
-        // A decode step (one token per row) batches attention's per-row work along the batch
-        // axis: one rotation for all rows, at their own offsets.
+        // A decode step of several rows batches attention's per-row work along the batch axis.
         let single = all_single(rows);
         // One new token per row (a decode step, of one sequence or several): each layer's
         // queries, keys and values come out of one op each, every row at its own position.
