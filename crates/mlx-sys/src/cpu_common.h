@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -297,6 +298,7 @@ class View {
         nbytes_(a.nbytes()),
         nd_((int)a.ndim()),
         flags_(a.flags()) {
+    // make() leaves arrays of more dimensions to MLX; this only guards that promise.
     if (nd_ > kMaxDims)
       throw std::invalid_argument("[mlx-runner] a CPU kernel was given an array of more than 8 dimensions");
     for (int d = 0; d < nd_; ++d) {
@@ -396,17 +398,31 @@ class CpuPrimitive : public mlx::core::Primitive {
   typename Op::Params p_;
 };
 
-// The output of `Op` on `inputs`, on the CPU stream.
+// Whether every input and output has few enough dimensions for a View (arrays of more are left
+// to MLX's own ops).
+inline bool views_fit(const std::vector<mlx::core::Shape>& shapes, const std::vector<mlx::core::array>& inputs) {
+  for (const auto& s : shapes)
+    if (s.size() > (size_t)View::kMaxDims) return false;
+  for (const auto& a : inputs)
+    if (a.ndim() > (size_t)View::kMaxDims) return false;
+  return true;
+}
+
+// The output of `Op` on `inputs`, on the CPU stream; nullopt where a View cannot hold them.
 template <class Op>
-mlx::core::array make(const mlx::core::Shape& shape, typename Op::Params p, std::vector<mlx::core::array> inputs) {
+std::optional<mlx::core::array> make(
+    const mlx::core::Shape& shape, typename Op::Params p, std::vector<mlx::core::array> inputs) {
+  if (!views_fit({shape}, inputs)) return std::nullopt;
   auto stream = mlx::core::default_stream(mlx::core::Device::cpu);
   return mlx::core::array(shape, mlx::core::float32, std::make_shared<CpuPrimitive<Op>>(stream, p), std::move(inputs));
 }
 
-// The outputs of a several-output `Op` on `inputs` (siblings of one node), on the CPU stream.
+// The outputs of a several-output `Op` on `inputs` (siblings of one node), on the CPU stream;
+// nullopt where a View cannot hold them.
 template <class Op>
-std::vector<mlx::core::array> make_many(
+std::optional<std::vector<mlx::core::array>> make_many(
     std::vector<mlx::core::Shape> shapes, typename Op::Params p, std::vector<mlx::core::array> inputs) {
+  if (!views_fit(shapes, inputs)) return std::nullopt;
   auto stream = mlx::core::default_stream(mlx::core::Device::cpu);
   std::vector<mlx::core::Dtype> dtypes(shapes.size(), mlx::core::float32);
   return mlx::core::array::make_arrays(

@@ -46,12 +46,12 @@ struct Counted {
 };
 
 template <class Op>
-mx::array fused(const mx::Shape& shape, typename Op::Params p, std::vector<mx::array> inputs) {
+std::optional<mx::array> fused(const mx::Shape& shape, typename Op::Params p, std::vector<mx::array> inputs) {
   return make<Counted<Op>>(shape, p, std::move(inputs));
 }
 
 template <class Op>
-std::vector<mx::array> fused_many(
+std::optional<std::vector<mx::array>> fused_many(
     std::vector<mx::Shape> shapes, typename Op::Params p, std::vector<mx::array> inputs) {
   return make_many<Counted<Op>>(std::move(shapes), p, std::move(inputs));
 }

@@ -602,6 +602,19 @@ fn a_residual_update_and_the_next_norm_are_one_op() {
 }
 
 #[test]
+fn arrays_of_more_dimensions_than_a_view_holds_are_left_to_mlx() {
+    let _one = serial();
+    let x = normal(&[1, 1, 1, 1, 1, 1, 1, 2, 16], 700);
+    let w = normal(&[16], 701);
+    let (ours, theirs, got, ran) = both(|| fast::rms_norm(&x, Some(&w), 1e-6).unwrap());
+    assert_eq!((got, ran.rms_norm), (x.shape(), 0));
+    assert_close(&ours, &theirs, 1e-6, "rms_norm of 9 dimensions");
+    let (ours, theirs, _, ran) = both(|| fast::gelu_tanh(&x).unwrap());
+    assert_eq!(ran.gelu_tanh, 0);
+    assert_close(&ours, &theirs, 1e-6, "gelu of 9 dimensions");
+}
+
+#[test]
 fn softcap_matches_mlx() {
     let _one = serial();
     // Logit-like values, plus the far tails where tanh is ±1 in float32.

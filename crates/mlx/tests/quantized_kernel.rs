@@ -226,6 +226,11 @@ fn shapes_it_does_not_cover_fall_back_to_mlx() {
         let (ours, theirs, _) = products(&x, &w, group, bits);
         assert!(max_diff(&ours, &theirs) < 1e-5);
     }
+    // More dimensions than the kernels' views of an array hold (8).
+    let deep = x.reshape(&[1, 1, 1, 1, 1, 1, 1, 2, 96]).unwrap();
+    let (ours, theirs, _) = products(&deep, &w, 32, 4);
+    assert_eq!(ours.shape(), vec![1, 1, 1, 1, 1, 1, 1, 2, 8]);
+    assert!(max_diff(&ours, &theirs) < 1e-5);
     assert_eq!(
         mlx::quantized_kernel_counts(),
         before,
