@@ -8,11 +8,13 @@
 //! `MLX_RUNNER_KERNELS=mlx` runs ours with MLX's own kernels instead, for comparison;
 //! `BENCH_QUANT_ALL=1` adds 4-bit with groups 32 and 128.
 //!
-//! The memory roofline: the bytes a decode step must read (every weight file byte: each
-//! quantized matrix is read once per token, the tied embedding as the output head) over the
-//! read bandwidth, measured here by summing a 1 GiB buffer with all cores. This machine's
-//! bandwidth drifts from minute to minute, so it is measured again just before each of our
-//! runs, and the share of the roofline is the median of the rounds' own shares.
+//! The memory roofline: the bytes a decode step must read over the read bandwidth, measured here
+//! by summing a 1 GiB buffer with all cores. The bytes are every weight file byte (each quantized
+//! matrix is read once per token, the tied embedding as the output head) and, in the last
+//! column, the KV cache too: every layer's keys and values at the mean context of the decode
+//! (prompt plus half the new tokens; a sliding layer's at most its window), float32 as the model
+//! runs. This machine's bandwidth drifts from minute to minute, so it is measured again just
+//! before each of our runs, and a share of the roofline is the median of the rounds' own shares.
 //!
 //! Where a decode step goes, part by part: `cargo bench --bench step`.
 
@@ -50,6 +52,49 @@ fn read_bandwidth() -> f64 {
     best
 }
 
+/// Bytes of KV cache a decode step reads at `context` tokens: every layer's keys and values
+/// (keys only where they are the values), a sliding layer's at most its window, 4 bytes each.
+fn kv_bytes(model: &Path, context: u64) -> u64 {
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(model.join("config.json")).unwrap()).unwrap();
+    let c = cfg.get("text_config").unwrap_or(&cfg);
+    let int = |k: &str| c[k].as_u64();
+    let head = int("head_dim").unwrap();
+    let heads = int("num_key_value_heads").unwrap();
+    let window = int("sliding_window").unwrap_or(u64::MAX);
+    let k_eq_v = c["attention_k_eq_v"].as_bool().unwrap_or(false);
+    c["layer_types"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            let sliding = t.as_str() == Some("sliding_attention");
+            let (keys, dim, kv_heads, arrays) = if sliding {
+                (context.min(window), head, heads, 2)
+            } else {
+                (
+                    context,
+                    int("global_head_dim").unwrap_or(head),
+                    int("num_global_key_value_heads").unwrap_or(heads),
+                    if k_eq_v { 1 } else { 2 },
+                )
+            };
+            keys * dim * kv_heads * arrays * 4
+        })
+        .sum()
+}
+
+/// The prompt's length in tokens, as `mlx-runner generate` reports it.
+fn prompt_tokens(model: &Path, prompt: &str) -> u64 {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mlx-runner"))
+        .args(["generate", "--model"])
+        .arg(model)
+        .args(["--prompt", prompt, "-n", "1"])
+        .output()
+        .unwrap();
+    common::rate(&String::from_utf8_lossy(&out.stderr), "prompt:", "tokens").unwrap() as u64
+}
+
 fn weight_bytes(model: &Path) -> u64 {
     std::fs::read_dir(model)
         .unwrap()
@@ -69,8 +114,10 @@ fn main() {
     let prompt = corpus_prompt(1300);
     let mut bandwidths = vec![];
     println!("~120M gemma4-shaped model quantized by mlx_lm convert, ~600-token prompt, {TOKENS} new tokens; medians of {ROUNDS}\n");
-    println!("| quantization | weights MB | ours prefill | mlx-lm prefill | ratio | ours decode | mlx-lm decode | ratio | roofline tok/s | decode / roofline |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("| quantization | weights MB | ours prefill | mlx-lm prefill | ratio | ours decode | mlx-lm decode | ratio | roofline tok/s (weights) | decode / roofline (weights) | decode / roofline (weights + KV cache) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    let tokens: u64 = TOKENS.parse().unwrap();
+    let mut kv_note = None;
     let mut configs = vec![(4, 64), (8, 64)];
     if std::env::var_os("BENCH_QUANT_ALL").is_some() {
         configs.extend([(4, 32), (4, 128)]);
@@ -82,6 +129,10 @@ fn main() {
             continue;
         };
         let bytes = weight_bytes(&model);
+        let context = prompt_tokens(&model, &prompt) + tokens / 2;
+        let kv = kv_bytes(&model, context);
+        kv_note = Some((context, kv));
+        let mut share_kv = vec![];
         let (mut op, mut od, mut pp, mut pd, mut share) = (vec![], vec![], vec![], vec![], vec![]);
         let mut row_bw = vec![];
         for _ in 0..ROUNDS {
@@ -91,6 +142,7 @@ fn main() {
             op.push(p);
             od.push(d);
             share.push(d / (bandwidth / bytes as f64));
+            share_kv.push(d / (bandwidth / (bytes + kv) as f64));
             let (p, d) = peer_generate(&python, &model, &prompt, TOKENS);
             pp.push(p);
             pd.push(d);
@@ -102,11 +154,12 @@ fn main() {
         let roof = median(row_bw.clone()) / bytes as f64;
         bandwidths.extend(row_bw);
         println!(
-            "| {bits}-bit, group {group} | {:.0} | {op:.1} | {pp:.1} | {:.1}x | {od:.1} | {pd:.1} | {:.1}x | {roof:.0} | {:.0}% |",
+            "| {bits}-bit, group {group} | {:.0} | {op:.1} | {pp:.1} | {:.1}x | {od:.1} | {pd:.1} | {:.1}x | {roof:.0} | {:.0}% | {:.0}% |",
             bytes as f64 / 1e6,
             op / pp,
             od / pd,
-            100.0 * median(share)
+            100.0 * median(share),
+            100.0 * median(share_kv)
         );
     }
     // Our own format: the float32 bench model imported by `create --quantize q4` into a store
@@ -135,7 +188,8 @@ fn main() {
             .map(|e| e.metadata().unwrap().len())
             .filter(|&n| n > 1 << 20)
             .sum();
-        let (mut op, mut od, mut share) = (vec![], vec![], vec![]);
+        let (mut op, mut od, mut share, mut share_kv) = (vec![], vec![], vec![], vec![]);
+        let kv = kv_note.map_or(0, |(_, kv)| kv);
         let mut row_bw = vec![];
         for _ in 0..ROUNDS {
             let bandwidth = read_bandwidth();
@@ -149,16 +203,18 @@ fn main() {
             op.push(g.prefill);
             od.push(g.decode);
             share.push(g.decode / (bandwidth / bytes as f64));
+            share_kv.push(g.decode / (bandwidth / (bytes + kv) as f64));
         }
         let (op, od) = (median(op), median(od));
         let roof = median(row_bw.clone()) / bytes as f64;
         bandwidths.extend(row_bw);
         println!(
-            "| `create --quantize q4` (ours; mlx-lm on its 4-bit g64) | {:.0} | {op:.1} | {pp:.1} | {:.1}x | {od:.1} | {pd:.1} | {:.1}x | {roof:.0} | {:.0}% |",
+            "| `create --quantize q4` (ours; mlx-lm on its 4-bit g64) | {:.0} | {op:.1} | {pp:.1} | {:.1}x | {od:.1} | {pd:.1} | {:.1}x | {roof:.0} | {:.0}% | {:.0}% |",
             bytes as f64 / 1e6,
             op / pp,
             od / pd,
-            100.0 * median(share)
+            100.0 * median(share),
+            100.0 * median(share_kv)
         );
     }
     println!(
@@ -167,4 +223,10 @@ fn main() {
         bandwidths.iter().cloned().fold(f64::MAX, f64::min) / 1e9,
         bandwidths.iter().cloned().fold(0.0, f64::max) / 1e9,
     );
+    if let Some((context, kv)) = kv_note {
+        println!(
+            "KV cache read per token at the decode's mean context of {context} tokens: {:.1} MB",
+            kv as f64 / 1e6
+        );
+    }
 }

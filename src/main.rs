@@ -552,6 +552,7 @@ fn info() -> Result<()> {
     if let Some(cfg) = mlx::openblas_config() {
         println!("openblas   {cfg}");
     }
+    println!("quantized  {}", mlx::quantized_kernel_description());
     // A tiny computation proves the library loads and evaluates, not just links.
     let a = mlx::Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
     let s: f32 = a.matmul(&a)?.sum_all(false)?.item()?;

@@ -90,6 +90,9 @@ class Pool {
   }
 
   void work() {
+    // Subnormal operands read as such (DAZ off), whatever the creating thread had: the
+    // quantized kernel's subnormal unpacking relies on it (it checks its caller's own).
+    _mm_setcsr(_mm_getcsr() & ~0x40u);
     // The generation the pool started at, not whatever it is by the time this thread runs: a
     // first call may already have been handed out.
     uint64_t seen = 0;
@@ -183,7 +186,9 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
 inline constexpr float kGeluC = 0.7978845608028654f;
 
 __attribute__((target("avx2,fma"))) inline __m256 exp_avx(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  // Clamped with x as the second operand, which min and max return when it is NaN: NaN in,
+  // NaN out.
+  x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
   const __m256 n = _mm256_round_ps(
       _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);

@@ -303,29 +303,31 @@ struct HeadsNormRopeOp {
 //
 // One work item is a key range of one (batch, kv head): every query head of its group and every
 // query row is computed against each key block while it is in cache, so K and V are read once
-// per step. When there are fewer (batch, kv head) pairs than threads, the keys are split and
-// the partial softmax states merged (each part keeps its running max, sum and weighted V sum).
+// per step. The keys are split into parts of kPartKeys at fixed positions and the partial
+// softmax states merged (each part keeps its running max, sum and weighted V sum): enough items
+// for whichever thread is running to take the next (a decode step has one or two kv heads, and
+// a thread that loses its core to the engine's main thread for a while would hold up a whole
+// head), and the same parts whatever the key count, so that a verify step's rows, whose extra
+// keys are hidden (weight 0, or parts of weight 0), are the one-row decode steps' bits.
 
 // The most query rows (per batch and head) the kernel takes: decode and draft verification.
 // Longer prompts are compute-bound, where MLX's matmul-based graph (BLAS) is faster.
 constexpr int kMaxQueries = 16;
 constexpr int kKeyBlock = 64;
+constexpr int kPartKeys = 4 * kKeyBlock;
 // Query rows computed together against a key block: each key and value row is loaded once for
 // all of them, and their dot products are independent FMA chains.
 constexpr int kTile = 4;
 
-// sc[t][c] = q_t · k_c for the R (1..kTile) query rows of a tile (rows of D floats from q) and
-// the n keys of a block (rows kstep apart from k). A row's dot product is two FMA chains over
-// 8-lane chunks, joined, reduced with the other rows' in one horizontal pass (absent rows are
-// zeros), then its scalar tail: the same operations for every R, so a query row's scores do not
-// depend on which rows share its tile (a verify step's rows equal one-row decode steps).
-// Key and value rows are asked for this many rows ahead of use. A decode step's cache rows
-// come from memory (the step's weights have pushed them out of cache since the last step) and
-// a head's rows are only a few hundred KB: too short a stream for the hardware prefetcher to
-// reach full speed (4-bit bench model at a 600-1100 token context: attention's share of the
-// samples against the quantized kernel's 0.30-0.35 without, 0.26-0.28 with 16 rows ahead).
-// A prefetch past the end of the cache is harmless (it never faults); its address is worked out
-// as an integer, not as a pointer past the array.
+// Key and value rows are asked for ahead of use. A decode step's cache rows come from memory
+// (the step's weights have pushed them out of cache since the last step) and a head's rows are
+// only a few hundred KB: too short a stream for the hardware prefetcher to reach full speed.
+// Key rows are fetched this many rows ahead; a block's value rows are fetched while its scores
+// are computed, as the values pass reads them a column chunk at a time (8 query heads on 2 kv
+// heads, 512 keys of 128 dims from memory, both cores: 18 GB/s against 15 with the value rows
+// fetched into L2 only and 13 with no prefetching, `qspeed`-style microbenchmark). A prefetch
+// past the end of the cache is harmless (it never faults); its address is worked out as an
+// integer, not as a pointer past the array.
 constexpr int kAhead = 16;
 
 inline void prefetch_row(const float* row, int64_t ahead, int d) {
@@ -333,66 +335,137 @@ inline void prefetch_row(const float* row, int64_t ahead, int d) {
   for (int i = 0; i < d; i += 16) _mm_prefetch(reinterpret_cast<const char*>(at + i * sizeof(float)), _MM_HINT_T0);
 }
 
+// sc[t][c] = q_t · k_c for the R (1..kTile) query rows of a tile (rows of D floats from q) and
+// the n keys of a block (rows kstep apart from k), two keys at a time: each (row, key) dot
+// product is one FMA chain over 8-lane chunks (eight chains in flight, as many as the FMA units
+// keep busy), the chains reduced together by one fixed tree of horizontal adds in which each
+// result lane depends on its own chain only, then the scalar tail. So a score does not depend
+// on which rows share its tile or which key it is paired with (a verify step's rows equal
+// one-row decode steps). Each value row of the block (v, vstep, Dv) is fetched too.
 template <int R>
 __attribute__((target("avx2,fma"))) void scores_avx(
-    const float* q, int D, const float* k, int64_t kstep, int n, float* sc) {
-  const int d16 = D / 16 * 16, d8 = D / 8 * 8;
-  for (int c = 0; c < n; ++c) {
-    const float* kc = k + c * kstep;
-    prefetch_row(kc, kAhead * kstep, D);
-    __m256 a[kTile][2];
+    const float* q, int D, const float* k, int64_t kstep, int n, float* sc,
+    const float* v, int64_t vstep, int Dv) {
+  const int d8 = D / 8 * 8;
+  for (int c = 0; c < n; c += 2) {
+    const int keys = std::min(2, n - c);
+    const float* kc[2] = {k + c * kstep, k + (c + keys - 1) * kstep};
+    #pragma GCC unroll 2
+    for (int i = 0; i < keys; ++i) {
+      prefetch_row(kc[i], kAhead * kstep, D);
+      prefetch_row(v + (c + i) * vstep, 0, Dv);
+    }
+    __m256 a[2][kTile];
     #pragma GCC unroll 4
-    for (int t = 0; t < kTile; ++t) a[t][0] = a[t][1] = _mm256_setzero_ps();
-    for (int d = 0; d < d16; d += 16) {
-      const __m256 k0 = _mm256_loadu_ps(kc + d), k1 = _mm256_loadu_ps(kc + d + 8);
+    for (int t = 0; t < kTile; ++t) a[0][t] = a[1][t] = _mm256_setzero_ps();
+    for (int d = 0; d < d8; d += 8) {
+      const __m256 k0 = _mm256_loadu_ps(kc[0] + d), k1 = _mm256_loadu_ps(kc[1] + d);
       #pragma GCC unroll 4
       for (int t = 0; t < R; ++t) {
-        a[t][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + t * D + d), k0, a[t][0]);
-        a[t][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q + t * D + d + 8), k1, a[t][1]);
+        const __m256 qv = _mm256_loadu_ps(q + t * D + d);
+        a[0][t] = _mm256_fmadd_ps(qv, k0, a[0][t]);
+        a[1][t] = _mm256_fmadd_ps(qv, k1, a[1][t]);
       }
     }
-    if (d8 > d16) {
-      const __m256 k0 = _mm256_loadu_ps(kc + d16);
-      #pragma GCC unroll 4
-      for (int t = 0; t < R; ++t)
-        a[t][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + t * D + d16), k0, a[t][0]);
+    alignas(16) float sums[2][4];
+    #pragma GCC unroll 2
+    for (int i = 0; i < 2; ++i) {
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[i][0], a[i][1]), _mm256_hadd_ps(a[i][2], a[i][3]));
+      _mm_store_ps(sums[i], _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
     }
-    const __m256 h = _mm256_hadd_ps(
-        _mm256_hadd_ps(_mm256_add_ps(a[0][0], a[0][1]), _mm256_add_ps(a[1][0], a[1][1])),
-        _mm256_hadd_ps(_mm256_add_ps(a[2][0], a[2][1]), _mm256_add_ps(a[3][0], a[3][1])));
-    alignas(16) float sums[4];
-    _mm_store_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-    #pragma GCC unroll 4
-    for (int t = 0; t < R; ++t) {
-      float x = sums[t];
-      for (int d = d8; d < D; ++d) x = std::fma(q[t * D + d], kc[d], x);
-      sc[t * kKeyBlock + c] = x;
+    for (int i = 0; i < keys; ++i) {
+      #pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) {
+        float x = sums[i][t];
+        for (int d = d8; d < D; ++d) x = std::fma(q[t * D + d], kc[i][d], x);
+        sc[t * kKeyBlock + c + i] = x;
+      }
     }
   }
 }
 
-// acc_t += Σ_c e[t][c] · v_c for the R rows of a tile. Value rows are read in order, one pass,
-// as the hardware prefetcher streams them best, and each is loaded once for all the rows; each
-// output element is the sequence fma(e_c, v_c[d], acc) in key order whatever R is.
+// acc_t += Σ_c e[t][c] · v_c for the R rows of a tile, a 16-column chunk at a time: the
+// chunk's sums for every row stay in registers across the block's keys (the rows' sums would
+// otherwise be loaded and stored for every key), and each value row segment is loaded once for
+// all the rows. Each output element is the sequence fma(e_c, v_c[d], acc) in key order,
+// whatever R is.
 template <int R>
 __attribute__((target("avx2,fma"))) void values_avx(
     const float* e, const float* v, int64_t vstep, int n, int Dv, float* const* acc) {
-  const int d8 = Dv / 8 * 8;
-  for (int c = 0; c < n; ++c) {
-    const float* vc = v + c * vstep;
-    prefetch_row(vc, kAhead * vstep, Dv);
-    __m256 w[R];
-#pragma GCC unroll 4
-    for (int t = 0; t < R; ++t) w[t] = _mm256_broadcast_ss(e + t * kKeyBlock + c);
-    for (int d = 0; d < d8; d += 8) {
-      const __m256 x = _mm256_loadu_ps(vc + d);
-#pragma GCC unroll 4
-      for (int t = 0; t < R; ++t)
-        _mm256_storeu_ps(acc[t] + d, _mm256_fmadd_ps(w[t], x, _mm256_loadu_ps(acc[t] + d)));
+  const int d16 = Dv / 16 * 16, d8 = Dv / 8 * 8;
+  int d = 0;
+  for (; d < d16; d += 16) {
+    __m256 a[R][2];
+    #pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      a[t][0] = _mm256_loadu_ps(acc[t] + d);
+      a[t][1] = _mm256_loadu_ps(acc[t] + d + 8);
     }
-    for (int d = d8; d < Dv; ++d)
-      for (int t = 0; t < R; ++t) acc[t][d] = std::fma(e[t * kKeyBlock + c], vc[d], acc[t][d]);
+    for (int c = 0; c < n; ++c) {
+      const float* vc = v + c * vstep + d;
+      const __m256 x0 = _mm256_loadu_ps(vc), x1 = _mm256_loadu_ps(vc + 8);
+      #pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) {
+        const __m256 w = _mm256_broadcast_ss(e + t * kKeyBlock + c);
+        a[t][0] = _mm256_fmadd_ps(w, x0, a[t][0]);
+        a[t][1] = _mm256_fmadd_ps(w, x1, a[t][1]);
+      }
+    }
+    #pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      _mm256_storeu_ps(acc[t] + d, a[t][0]);
+      _mm256_storeu_ps(acc[t] + d + 8, a[t][1]);
+    }
   }
+  if (d < d8) {
+    __m256 a[R];
+    #pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) a[t] = _mm256_loadu_ps(acc[t] + d);
+    for (int c = 0; c < n; ++c) {
+      const __m256 x = _mm256_loadu_ps(v + c * vstep + d);
+      #pragma GCC unroll 4
+      for (int t = 0; t < R; ++t)
+        a[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(e + t * kKeyBlock + c), x, a[t]);
+    }
+    #pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) _mm256_storeu_ps(acc[t] + d, a[t]);
+  }
+  for (d = d8; d < Dv; ++d)
+    for (int c = 0; c < n; ++c)
+      for (int t = 0; t < R; ++t) acc[t][d] = std::fma(e[t * kKeyBlock + c], v[c * vstep + d], acc[t][d]);
+}
+
+// One row's softmax step over a block of n scores (srow, visible ones already masked): the
+// running max m and the weights e_c = exp(s_c - m) written over the scores; returns their sum.
+// A hidden key (s = lowest) weighs 0 once any key is visible and 1 when none is (so m is
+// lowest too), as in MLX's softmax over the masked scores (uniform where every key is hidden);
+// weights under exp(-87.3) are 0, so a hidden key counts for nothing. Lane l of the sum takes
+// the keys c ≡ l (mod 8) in order: a key past n adds nothing, like a hidden one.
+__attribute__((target("avx2,fma"))) float block_weights_avx(float* srow, int n, float m) {
+  const __m256 mv = _mm256_set1_ps(m), floor = _mm256_set1_ps(-87.3f);
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 sum = _mm256_setzero_ps();
+  for (int c = 0; c < n; c += 8) {
+    const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(srow + c), mv);
+    const __m256 under = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);
+    const __m256 e = _mm256_andnot_ps(under, exp_avx(x));
+    _mm256_storeu_ps(srow + c, e);
+    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - c), lanes));
+    sum = _mm256_add_ps(sum, _mm256_and_ps(e, valid));
+  }
+  return hsum(sum);
+}
+
+__attribute__((target("avx2,fma"))) float block_max_avx(const float* srow, int n) {
+  __m256 m = _mm256_set1_ps(std::numeric_limits<float>::lowest());
+  int c = 0;
+  for (; c + 8 <= n; c += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(srow + c));
+  alignas(32) float l[8];
+  _mm256_store_ps(l, m);
+  float r = l[0];
+  for (int i = 1; i < 8; ++i) r = std::max(r, l[i]);
+  for (; c < n; ++c) r = std::max(r, srow[c]);
+  return r;
 }
 
 // The same without AVX2, one row at a time.
@@ -411,14 +484,26 @@ void values_scalar(int R, const float* e, const float* v, int64_t vstep, int n, 
       for (int d = 0; d < Dv; ++d) acc[t][d] = std::fma(e[t * kKeyBlock + c], v[c * vstep + d], acc[t][d]);
 }
 
-void block_scores(int R, const float* q, int D, const float* k, int64_t kstep, int n, float* sc) {
+void block_scores(int R, const float* q, int D, const float* k, int64_t kstep, int n, float* sc,
+                  const float* v, int64_t vstep, int Dv) {
   if (!has_avx2()) return scores_scalar(R, q, D, k, kstep, n, sc);
   switch (R) {
-    case 1: return scores_avx<1>(q, D, k, kstep, n, sc);
-    case 2: return scores_avx<2>(q, D, k, kstep, n, sc);
-    case 3: return scores_avx<3>(q, D, k, kstep, n, sc);
-    default: return scores_avx<4>(q, D, k, kstep, n, sc);
+    case 1: return scores_avx<1>(q, D, k, kstep, n, sc, v, vstep, Dv);
+    case 2: return scores_avx<2>(q, D, k, kstep, n, sc, v, vstep, Dv);
+    case 3: return scores_avx<3>(q, D, k, kstep, n, sc, v, vstep, Dv);
+    default: return scores_avx<4>(q, D, k, kstep, n, sc, v, vstep, Dv);
   }
+}
+
+// One row's softmax step over a block without AVX2 (see block_weights_avx).
+float block_weights_scalar(float* srow, int n, float m) {
+  float sum = 0;
+  for (int c = 0; c < n; ++c) {
+    const float e = std::exp(srow[c] - m);
+    srow[c] = e;
+    sum += e;
+  }
+  return sum;
 }
 
 void block_values(int R, const float* e, const float* v, int64_t vstep, int n, int Dv, float* const* acc) {
@@ -474,11 +559,7 @@ struct SdpaOp {
     }
 
     const int groups = B * Hk;
-    auto& pl = pool();
-    int parts = 1;
-    if (groups < (int)pl.size()) {
-      parts = std::min<int>((pl.size() + groups - 1) / groups, std::max(1, S / (4 * kKeyBlock)));
-    }
+    const int parts = std::max(1, (S + kPartKeys - 1) / kPartKeys);
     const int items = groups * parts;
     // Per item and query row: running max, running sum, then the weighted sum of V rows.
     const size_t state = 2 + Dv;
@@ -488,7 +569,7 @@ struct SdpaOp {
     auto work = [&](int item) {
       const int g = item / parts, part = item % parts;
       const int b = g / Hk, hk = g % Hk;
-      const int j0 = (int)((int64_t)S * part / parts), j1 = (int)((int64_t)S * (part + 1) / parts);
+      const int j0 = part * kPartKeys, j1 = std::min(S, j0 + kPartKeys);
       float* my = st.data() + (size_t)item * nq * state;
       for (int r = 0; r < nq; ++r) {
         const int h = hk * rep + r / L;
@@ -505,45 +586,46 @@ struct SdpaOp {
         const int n = std::min(kKeyBlock, j1 - j);
         for (int r0 = 0; r0 < nq; r0 += kTile) {
           const int R = std::min(kTile, nq - r0);
-          block_scores(R, qg + (size_t)r0 * D, D, kb + j * ks[2], ks[2], n, sc);
+          // The block's value rows are fetched while the first tile's scores are computed.
+          block_scores(R, qg + (size_t)r0 * D, D, kb + j * ks[2], ks[2], n, sc, vb + j * vs[2], vs[2],
+                       r0 == 0 ? Dv : 0);
           float* acc[kTile];
           for (int t = 0; t < R; ++t) {
             const int r = r0 + t, h = hk * rep + r / L, i = r % L;
             float* srow = sc + t * kKeyBlock;
             // Lower-right aligned: query i sees keys up to S - L + i.
             const int last = p.causal ? S - L + i : S - 1;
-            float bmax = lowest;
-            for (int c = 0; c < n; ++c) {
-              const int jj = j + c;
-              float s = srow[c];
-              if (jj > last) {
-                s = lowest;
-              } else if (mask) {
-                const auto& ms = mask->strides();
-                const int64_t mo = b * ms[0] + h * ms[1] + i * ms[2] + jj * ms[3];
-                if (p.bool_mask) {
-                  if (!mask->data<bool>()[mo]) s = lowest;
-                } else {
-                  s += mask->data<float>()[mo];
+            // The masks, where any key of the block is hidden or shifted.
+            if (mask || j + n - 1 > last) {
+              for (int c = 0; c < n; ++c) {
+                const int jj = j + c;
+                if (jj > last) {
+                  srow[c] = lowest;
+                } else if (mask) {
+                  const auto& ms = mask->strides();
+                  const int64_t mo = b * ms[0] + h * ms[1] + i * ms[2] + jj * ms[3];
+                  if (p.bool_mask) {
+                    if (!mask->data<bool>()[mo]) srow[c] = lowest;
+                  } else {
+                    srow[c] += mask->data<float>()[mo];
+                  }
                 }
               }
-              srow[c] = s;
-              bmax = std::max(bmax, s);
+            }
+            const bool avx = has_avx2();
+            float bmax = lowest;
+            if (avx) {
+              bmax = block_max_avx(srow, n);
+            } else {
+              for (int c = 0; c < n; ++c) bmax = std::max(bmax, srow[c]);
             }
             float* sr = my + r * state;
             const float m = std::max(sr[0], bmax);
             const float corr = std::exp(sr[0] - m);
-            float sum = sr[1] * corr;
             acc[t] = sr + 2;
             if (corr != 1.0f)
               for (int d = 0; d < Dv; ++d) acc[t][d] *= corr;
-            for (int c = 0; c < n; ++c) {
-              // A hidden key weighs exp(lowest - m): 0 once any key is visible, as in MLX's
-              // softmax over the masked scores (uniform where every key is hidden).
-              const float e = std::exp(srow[c] - m);
-              srow[c] = e;
-              sum += e;
-            }
+            const float sum = sr[1] * corr + (avx ? block_weights_avx(srow, n, m) : block_weights_scalar(srow, n, m));
             sr[0] = m;
             sr[1] = sum;
           }

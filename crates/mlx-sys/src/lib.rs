@@ -255,6 +255,8 @@ pub mod ffi {
         /// Primitives still to run in the graphs behind `v`, one `name count` line per kind.
         fn graph_ops(v: &ArrVec) -> String;
         fn set_quantized_kernel(on: bool);
+        fn set_quantized_unpacking(mode: i32);
+        fn quantized_unpacking() -> i32;
         /// Products the kernel computed, by path (dequantize + sgemm when true).
         fn quantized_kernel_count(sgemm_path: bool) -> u64;
         unsafe fn gather_qmm(

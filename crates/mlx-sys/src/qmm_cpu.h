@@ -71,6 +71,14 @@ std::optional<mlx::core::array> cpu_quantized_glu(
 // Turns the kernel on (the default) or off (MLX's own path everywhere), for comparisons.
 void set_cpu_qmm_enabled(bool on);
 
+// How the kernel unpacks 4- and 8-bit fields: -1 as this CPU runs fastest (the default), 0 by
+// integer-to-float conversion, 1 as subnormal floats (see qmm_cpu.cc). Both give the same bits.
+void set_cpu_qmm_unpacking(int mode);
+
+// How the kernel unpacks on this thread now: 2 as subnormal floats, 1 by conversion, 0 not at
+// all (no AVX2: MLX's own quantized matmul everywhere).
+int cpu_qmm_unpacking();
+
 // Products the kernel computed so far, by path (dequantize + sgemm, or packed rows).
 uint64_t cpu_qmm_count(bool sgemm_path);
 

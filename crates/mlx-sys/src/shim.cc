@@ -604,6 +604,14 @@ void set_quantized_kernel(bool on) {
   set_cpu_qmm_enabled(on);
 }
 
+void set_quantized_unpacking(int32_t mode) {
+  set_cpu_qmm_unpacking(mode);
+}
+
+int32_t quantized_unpacking() {
+  return cpu_qmm_unpacking();
+}
+
 uint64_t quantized_kernel_count(bool sgemm_path) {
   return cpu_qmm_count(sgemm_path);
 }

@@ -169,6 +169,8 @@ ArrPtr quantized_glu(
     int32_t bits,
     uint8_t act);
 void set_quantized_kernel(bool on);
+void set_quantized_unpacking(int32_t mode);
+int32_t quantized_unpacking();
 uint64_t quantized_kernel_count(bool sgemm_path);
 ArrPtr gather_qmm(
     const Arr& x,

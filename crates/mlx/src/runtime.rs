@@ -93,6 +93,26 @@ pub fn set_quantized_kernel(on: bool) {
     ffi::set_quantized_kernel(on)
 }
 
+/// How the quantized kernel unpacks its 4- and 8-bit fields: `None` as this CPU runs fastest
+/// (the default), `Some(false)` by integer-to-float conversion, `Some(true)` read as subnormal
+/// floats. Both give the same bits; tests run each.
+pub fn set_quantized_unpacking(subnormal: Option<bool>) {
+    ffi::set_quantized_unpacking(match subnormal {
+        None => -1,
+        Some(false) => 0,
+        Some(true) => 1,
+    })
+}
+
+/// How the quantized kernel unpacks fields on this CPU, in words (`mlx-runner info`).
+pub fn quantized_kernel_description() -> &'static str {
+    match ffi::quantized_unpacking() {
+        2 => "AVX2, fields read as subnormal floats (this CPU multiplies them at full speed)",
+        1 => "AVX2, fields converted to float",
+        _ => "none (no AVX2 and FMA: MLX's own quantized matmul)",
+    }
+}
+
 /// Quantized products the kernel has computed in this process: `(packed rows, dequantize +
 /// sgemm)`.
 pub fn quantized_kernel_counts() -> (u64, u64) {

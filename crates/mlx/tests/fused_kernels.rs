@@ -280,6 +280,60 @@ fn attention_rows_do_not_depend_on_their_neighbours() {
     );
 }
 
+/// A causal row of a verify step (L queries at the end of S keys) is the same bits as the
+/// one-query decode step at its position, which sees only the keys up to its own: the keys it
+/// must not see weigh exactly nothing, wherever they fall (inside a key block, a block of their
+/// own, a part of their own), so speculative decoding's greedy output is the plain one.
+#[test]
+fn a_verify_row_is_the_decode_step_at_its_position() {
+    let _one = serial();
+    fast::set_fused_kernels(true);
+    let before = fast::fused_kernel_counts().sdpa;
+    let mut runs = 0;
+    // Key counts whose last rows straddle a key block (64) and a part (256) boundary.
+    for (hk, s, d) in [
+        (1, 258, 64),
+        (2, 131, 128),
+        (2, 600, 32),
+        (1, 70, 24),
+        (1, 1030, 16),
+    ] {
+        let l = 5;
+        let q = normal(&[1, 4, l, d], 11);
+        let k = normal(&[1, hk, s, d], 12);
+        let v = normal(&[1, hk, s, d], 13);
+        let all = fast::scaled_dot_product_attention(&q, &k, &v, 0.2, SdpaMask::Causal, None)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        runs += 1;
+        for i in 0..l {
+            let seen = s - l + i + 1;
+            let qi = q.slice_axis(2, i, Some(i + 1)).unwrap();
+            let ki = k.slice_axis(2, 0, Some(seen)).unwrap();
+            let vi = v.slice_axis(2, 0, Some(seen)).unwrap();
+            let one = fast::scaled_dot_product_attention(&qi, &ki, &vi, 0.2, SdpaMask::None, None)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap();
+            runs += 1;
+            for h in 0..4 {
+                let du = d as usize;
+                assert_eq!(
+                    one[h * du..(h + 1) * du],
+                    all[(h * l as usize + i as usize) * du..(h * l as usize + i as usize + 1) * du],
+                    "kv heads {hk}, {s} keys, head {h}, query {i}"
+                );
+            }
+        }
+    }
+    assert_eq!(
+        fast::fused_kernel_counts().sdpa - before,
+        runs,
+        "the kernel answered"
+    );
+}
+
 #[test]
 fn attention_leaves_long_prompts_and_other_dtypes_to_mlx() {
     let _one = serial();

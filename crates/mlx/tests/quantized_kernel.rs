@@ -570,3 +570,62 @@ fn projections_of_one_input_are_the_products_they_fuse() {
     assert!(err.contains("8 bits, group 64 beside 4 bits"), "{err}");
     assert!(x.quantized_matmuls(&[]).unwrap().is_empty());
 }
+
+/// The kernel's two ways of unpacking fields, by integer-to-float conversion and read in place
+/// as subnormal floats, give the same bits on every format and row count; inputs outside the
+/// subnormal unpacking's range (largest magnitude past 2^±40) are left to the conversion, and
+/// every result is MLX's within float tolerance.
+#[test]
+fn both_ways_of_unpacking_give_the_same_bits() {
+    let _one = serial();
+    mlx::set_quantized_kernel(true);
+    let mut case = 500u64;
+    for bits in [4, 8] {
+        for group in [32, 64, 128] {
+            for (rows, n, k) in [(1, 37, 384), (2, 16, 256), (3, 9, 512), (5, 20, 128)] {
+                // In range for the subnormal unpacking: 1, 1e-9, 1e9; past it: 1e-14, 2e13.
+                for scale in [1.0f32, 1e-9, 1e9, 1e-14, 2e13] {
+                    case += 2;
+                    let x = random::normal(
+                        &[rows, k],
+                        Dtype::F32,
+                        0.0,
+                        scale as f64,
+                        Some(&random::key(case).unwrap()),
+                    )
+                    .unwrap();
+                    let w = random::normal(
+                        &[n, k],
+                        Dtype::F32,
+                        0.0,
+                        0.05,
+                        Some(&random::key(case + 1).unwrap()),
+                    )
+                    .unwrap();
+                    let q = w.quantize(group, bits).unwrap();
+                    let with = |subnormal| {
+                        mlx::set_quantized_unpacking(Some(subnormal));
+                        let y = x.quantized_matmul(&q, true).unwrap().to_vec::<f32>();
+                        mlx::set_quantized_unpacking(None);
+                        y.unwrap()
+                    };
+                    let (converted, subnormal) = (with(false), with(true));
+                    let what = format!("bits {bits} group {group} {rows}x{k} @ {n}, |x| ~ {scale}");
+                    assert_eq!(converted, subnormal, "{what}");
+                    mlx::set_quantized_kernel(false);
+                    let theirs = x.quantized_matmul(&q, true).unwrap();
+                    mlx::set_quantized_kernel(true);
+                    let ours = Array::from_slice(&subnormal, &[rows, n]).unwrap();
+                    let most = theirs
+                        .to_vec::<f32>()
+                        .unwrap()
+                        .iter()
+                        .fold(0f32, |m, y| m.max(y.abs()));
+                    let tol = 2e-5 * most * (k as f32).sqrt();
+                    let d = max_diff(&ours, &theirs);
+                    assert!(d <= tol, "{what}: |ours - mlx| = {d} > {tol}");
+                }
+            }
+        }
+    }
+}
