@@ -325,9 +325,9 @@ constexpr int kTile = 4;
 // Key rows are fetched this many rows ahead; a block's value rows are fetched while its scores
 // are computed, as the values pass reads them a column chunk at a time (8 query heads on 2 kv
 // heads, 512 keys of 128 dims from memory, both cores: 18 GB/s against 15 with the value rows
-// fetched into L2 only and 13 with no prefetching, `qspeed`-style microbenchmark). A prefetch
-// past the end of the cache is harmless (it never faults); its address is worked out as an
-// integer, not as a pointer past the array.
+// fetched into L2 only and 13 with no prefetching; an in-process microbenchmark taking 200
+// caches in turn). A prefetch past the end of the cache is harmless (it never faults); its
+// address is worked out as an integer, not as a pointer past the array.
 constexpr int kAhead = 16;
 
 inline void prefetch_row(const float* row, int64_t ahead, int d) {
