@@ -72,22 +72,8 @@ fn the_kernel_matches_mlx_on_every_supported_shape() {
                 if k % group != 0 {
                     continue;
                 }
-                let x = random::normal(
-                    &[rows, k],
-                    Dtype::F32,
-                    0.0,
-                    1.0,
-                    Some(&random::key(case).unwrap()),
-                )
-                .unwrap();
-                let w = random::normal(
-                    &[n, k],
-                    Dtype::F32,
-                    0.0,
-                    0.05,
-                    Some(&random::key(case + 1).unwrap()),
-                )
-                .unwrap();
+                let x = normal(&[rows, k], 1.0, case);
+                let w = normal(&[n, k], 0.05, case + 1);
                 case += 2;
                 let (ours, theirs, dense) = products(&x, &w, group, bits);
                 assert_eq!(ours.shape(), vec![rows, n]);
@@ -586,23 +572,10 @@ fn both_ways_of_unpacking_give_the_same_bits() {
                 // In range for the subnormal unpacking: 1, 1e-9, 1e9; past it: 1e-14, 2e13.
                 for scale in [1.0f32, 1e-9, 1e9, 1e-14, 2e13] {
                     case += 2;
-                    let x = random::normal(
-                        &[rows, k],
-                        Dtype::F32,
-                        0.0,
-                        scale as f64,
-                        Some(&random::key(case).unwrap()),
-                    )
-                    .unwrap();
-                    let w = random::normal(
-                        &[n, k],
-                        Dtype::F32,
-                        0.0,
-                        0.05,
-                        Some(&random::key(case + 1).unwrap()),
-                    )
-                    .unwrap();
-                    let q = w.quantize(group, bits).unwrap();
+                    let x = normal(&[rows, k], scale as f64, case);
+                    let q = normal(&[n, k], 0.05, case + 1)
+                        .quantize(group, bits)
+                        .unwrap();
                     let with = |subnormal| {
                         mlx::set_quantized_unpacking(Some(subnormal));
                         let y = x.quantized_matmul(&q, true).unwrap().to_vec::<f32>();
