@@ -116,8 +116,9 @@ fn main() {
     println!("~120M gemma4-shaped model quantized by mlx_lm convert, ~600-token prompt, {TOKENS} new tokens; medians of {ROUNDS}\n");
     println!("| quantization | weights MB | ours prefill | mlx-lm prefill | ratio | ours decode | mlx-lm decode | ratio | roofline tok/s (weights) | decode / roofline (weights) | decode / roofline (weights + KV cache) |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
-    let tokens: u64 = TOKENS.parse().unwrap();
-    let mut kv_note = None;
+    // Every row runs the bench model's layers on the same prompt: one context and cache size,
+    // taken from the first quantized model (its tokenizer is the one the rows run).
+    let mut cache: Option<(u64, u64)> = None;
     let mut configs = vec![(4, 64), (8, 64)];
     if std::env::var_os("BENCH_QUANT_ALL").is_some() {
         configs.extend([(4, 32), (4, 128)]);
@@ -129,9 +130,10 @@ fn main() {
             continue;
         };
         let bytes = weight_bytes(&model);
-        let context = prompt_tokens(&model, &prompt) + tokens / 2;
-        let kv = kv_bytes(&model, context);
-        kv_note = Some((context, kv));
+        let (_, kv) = *cache.get_or_insert_with(|| {
+            let context = prompt_tokens(&model, &prompt) + TOKENS.parse::<u64>().unwrap() / 2;
+            (context, kv_bytes(&model, context))
+        });
         let mut share_kv = vec![];
         let (mut op, mut od, mut pp, mut pd, mut share) = (vec![], vec![], vec![], vec![], vec![]);
         let mut row_bw = vec![];
@@ -189,7 +191,7 @@ fn main() {
             .filter(|&n| n > 1 << 20)
             .sum();
         let (mut op, mut od, mut share, mut share_kv) = (vec![], vec![], vec![], vec![]);
-        let kv = kv_note.map_or(0, |(_, kv)| kv);
+        let kv = cache.map_or(0, |(_, kv)| kv);
         let mut row_bw = vec![];
         for _ in 0..ROUNDS {
             let bandwidth = read_bandwidth();
@@ -223,7 +225,7 @@ fn main() {
         bandwidths.iter().cloned().fold(f64::MAX, f64::min) / 1e9,
         bandwidths.iter().cloned().fold(0.0, f64::max) / 1e9,
     );
-    if let Some((context, kv)) = kv_note {
+    if let Some((context, kv)) = cache {
         println!(
             "KV cache read per token at the decode's mean context of {context} tokens: {:.1} MB",
             kv as f64 / 1e6

@@ -435,7 +435,7 @@ __attribute__((target("avx2,fma"))) void values_avx(
       for (int t = 0; t < R; ++t) acc[t][d] = std::fma(e[t * kKeyBlock + c], v[c * vstep + d], acc[t][d]);
 }
 
-// One row's softmax step over a block of n scores (srow, visible ones already masked): the
+// One row's softmax step over a block of n scores (srow, hidden keys already at lowest): the
 // running max m and the weights e_c = exp(s_c - m) written over the scores; returns their sum.
 // A hidden key (s = lowest) weighs 0 once any key is visible and 1 when none is (so m is
 // lowest too), as in MLX's softmax over the masked scores (uniform where every key is hidden);
@@ -495,8 +495,9 @@ void block_scores(int R, const float* q, int D, const float* k, int64_t kstep, i
   }
 }
 
-// One row's softmax step over a block without AVX2 (see block_weights_avx).
-float block_weights_scalar(float* srow, int n, float m) {
+// One row's softmax step over a block (see block_weights_avx; without AVX2 one key at a time).
+float block_weights(float* srow, int n, float m) {
+  if (has_avx2()) return block_weights_avx(srow, n, m);
   float sum = 0;
   for (int c = 0; c < n; ++c) {
     const float e = std::exp(srow[c] - m);
@@ -504,6 +505,14 @@ float block_weights_scalar(float* srow, int n, float m) {
     sum += e;
   }
   return sum;
+}
+
+// The largest of a block's n scores.
+float block_max(const float* srow, int n) {
+  if (has_avx2()) return block_max_avx(srow, n);
+  float m = std::numeric_limits<float>::lowest();
+  for (int c = 0; c < n; ++c) m = std::max(m, srow[c]);
+  return m;
 }
 
 void block_values(int R, const float* e, const float* v, int64_t vstep, int n, int Dv, float* const* acc) {
@@ -612,20 +621,13 @@ struct SdpaOp {
                 }
               }
             }
-            const bool avx = has_avx2();
-            float bmax = lowest;
-            if (avx) {
-              bmax = block_max_avx(srow, n);
-            } else {
-              for (int c = 0; c < n; ++c) bmax = std::max(bmax, srow[c]);
-            }
             float* sr = my + r * state;
-            const float m = std::max(sr[0], bmax);
+            const float m = std::max(sr[0], block_max(srow, n));
             const float corr = std::exp(sr[0] - m);
             acc[t] = sr + 2;
             if (corr != 1.0f)
               for (int d = 0; d < Dv; ++d) acc[t][d] *= corr;
-            const float sum = sr[1] * corr + (avx ? block_weights_avx(srow, n, m) : block_weights_scalar(srow, n, m));
+            const float sum = sr[1] * corr + block_weights(srow, n, m);
             sr[0] = m;
             sr[1] = sum;
           }

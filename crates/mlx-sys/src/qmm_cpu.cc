@@ -107,23 +107,19 @@ inline int per_word(int bits) { return 32 / bits; }
 // bit 0 first. One integer op and one FMA per 8 weights instead of three ops, which is what
 // bounds the kernel on a 2-core Zen 4 VM: one core on cache-resident 4-bit rows, 19-23 against
 // 16-18 GB/s; the 4-bit bench model's decode 1.13x as fast (medians of 8 interleaved runs of
-// `generate -n 300` at a 607-token prompt). It needs
-// subnormal operands read as such (no DAZ) and at full speed (some CPUs take a microcode assist
-// on them; subnormal_fields_fast() measures it), and |x| small enough that its scaled copy is
-// finite (prepare_x checks).
+// `generate -n 300` at a 607-token prompt). It needs subnormal operands read as such (no DAZ)
+// and at full speed (some CPUs take a microcode assist on them; subnormal_fields_fast()
+// measures it), and x's largest magnitude within 2^±40 (prepare_x checks).
 constexpr int kSubShift = 64;
 constexpr float kSubBack = 18446744073709551616.0f;  // 2^kSubShift
 
-template <int BITS>
-constexpr bool field_in_place(int j) {
-  return BITS * (j + 1) <= 24;
-}
+// Whether the subnormal unpacking multiplies field j where it lies (it ends by bit 23).
+constexpr bool field_in_place(int bits, int j) { return bits * (j + 1) <= 24; }
 
 // The bit position field j is multiplied at: in place, or shifted down to bit 0.
 inline int field_position(int bits, int j, bool cvt) {
-  const int P = 32 / bits;
-  if (cvt) return j + 1 == P ? 0 : bits * j;
-  return bits * (j + 1) <= 24 ? bits * j : 0;
+  if (cvt) return j + 1 == per_word(bits) ? 0 : bits * j;
+  return field_in_place(bits, j) ? bits * j : 0;
 }
 
 void permute_x(const float* x, float* xt, const Shape& s, bool cvt) {
@@ -209,7 +205,7 @@ __attribute__((target("avx2,fma"))) void qmv_rows(
                                     ? _mm256_srli_epi32(q[i], BITS * j)
                                     : _mm256_and_si256(q[i], _mm256_slli_epi32(mask, BITS * j));
           qj = _mm256_cvtepi32_ps(field);
-        } else if (field_in_place<BITS>(j)) {
+        } else if (field_in_place(BITS, j)) {
           qj = _mm256_castsi256_ps(_mm256_and_si256(q[i], _mm256_slli_epi32(mask, BITS * j)));
         } else if (j + 1 == P) {
           qj = _mm256_castsi256_ps(_mm256_srli_epi32(q[i], BITS * j));
