@@ -299,6 +299,54 @@ struct HeadsNormRopeOp {
   }
 };
 
+// ---- a decode step's queries, keys and values in one op ---------------------------------------
+//
+// gemma4's three HeadsNormRope ops of one layer's decode step as one op with three outputs:
+// queries normalised with q_norm and rotated, keys with k_norm and rotated, values normalised
+// without a weight and not rotated, all of one head width d. Each token row's angles are worked
+// out once for its queries and keys; every value is the one the HeadsNormRope kernel gives for
+// its part (the same rms_norm_row and rotate, in the same order).
+
+struct QkvHeadsOp {
+  struct Params {
+    int q_heads;
+    int kv_heads;
+    float eps;
+    RopeOp::Params rope;
+    bool operator==(const Params&) const = default;
+  };
+  static constexpr const char* name = "MlxrCpuQkvHeads";
+  static constexpr FusedKind kind = FusedKind::HeadsNormRope;
+
+  // in: q [1, T, q_heads·d], k and v [1, T, kv_heads·d], q_norm [d], k_norm [d], offsets
+  // (int32, one or T), then the wavelengths where the rotation has them.
+  static void run_many(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
+    std::vector<float> qt, kt, vt, wqt, wkt;
+    const float* y[3] = {dense(in[0], qt), dense(in[1], kt), dense(in[2], vt)};
+    const float* w[3] = {dense(in[3], wqt), dense(in[4], wkt), nullptr};
+    const int heads[3] = {p.q_heads, p.kv_heads, p.kv_heads};
+    const int d = in[0].shape(-1) / p.q_heads;
+    const size_t rows = in[0].size() / in[0].shape(-1);
+    const View& offsets = in[5];
+    const int32_t* off = offsets.data<int32_t>();
+    const int64_t off_stride = offsets.ndim() == 1 ? offsets.strides()[0] : 0;
+    const bool per_row = offsets.size() > 1;
+    const RopeAngles angles(p.rope, p.rope.has_freqs ? &in[6] : nullptr);
+    for (size_t t = 0; t < rows; ++t) {
+      const float offset = static_cast<float>(per_row ? off[t * off_stride] : off[0]);
+      angles.at((0.0f + offset) * p.rope.scale);
+      for (int part = 0; part < 3; ++part) {
+        float* o = outs[part].data<float>();
+        for (int h = 0; h < heads[part]; ++h) {
+          float* orow = o + (t * heads[part] + h) * d;
+          rms_norm_row(y[part] + (t * heads[part] + h) * d, w[part], p.eps, d, orow);
+          if (part < 2) angles.rotate(orow, orow, d);
+        }
+      }
+    }
+  }
+};
+
 // ---- attention for a few queries: softmax(q kᵀ · scale + mask) v -----------------------------
 //
 // One work item is a key range of one (batch, kv head): every query head of its group and every
@@ -323,16 +371,22 @@ constexpr int kTile = 4;
 // (the step's weights have pushed them out of cache since the last step) and a head's rows are
 // only a few hundred KB: too short a stream for the hardware prefetcher to reach full speed.
 // Key rows are fetched this many rows ahead; a block's value rows are fetched while its scores
-// are computed, as the values pass reads them a column chunk at a time (8 query heads on 2 kv
-// heads, 512 keys of 128 dims from memory, both cores: 18 GB/s against 15 with the value rows
-// fetched into L2 only and 13 with no prefetching; an in-process microbenchmark taking 200
-// caches in turn). A prefetch past the end of the cache is harmless (it never faults); its
-// address is worked out as an integer, not as a pointer past the array.
+// are computed, as the values pass reads them a column chunk at a time. Both are fetched into
+// L2 (T1), not L1: L1's few miss buffers, shared with the loads of the arithmetic, capped how
+// many lines were on their way. Standalone copy of this kernel, the bench model's ten layers
+// (8 query heads on 2 kv heads, 8 sliding layers of at most 512 keys × 128, 2 full ones × 256)
+// in 8 sets taken in turn so that every step reads from memory, both cores: 17-22 GB/s into
+// L2 against 10-15 into L1 (K into L2 and V into L1: 13-19; no prefetching: 10-13); a plain
+// sum over the same rows reads 25-32. End to end, `generate -n 300` at a 607-token prompt on
+// the 4-bit bench model, interleaved with the L1 build: 1.07x decode (6 rounds, each ≥ 1.03).
+// The quantized kernel's weight prefetches stay in L1 (into L2 there: 1.00x). A prefetch past
+// the end of the cache is harmless (it never faults); its address is worked out as an
+// integer, not as a pointer past the array.
 constexpr int kAhead = 16;
 
 inline void prefetch_row(const float* row, int64_t ahead, int d) {
   const uintptr_t at = reinterpret_cast<uintptr_t>(row) + (uintptr_t)(ahead * (int64_t)sizeof(float));
-  for (int i = 0; i < d; i += 16) _mm_prefetch(reinterpret_cast<const char*>(at + i * sizeof(float)), _MM_HINT_T0);
+  for (int i = 0; i < d; i += 16) _mm_prefetch(reinterpret_cast<const char*>(at + i * sizeof(float)), _MM_HINT_T1);
 }
 
 // sc[t][c] = q_t · k_c for the R (1..kTile) query rows of a tile (rows of D floats from q) and
@@ -1006,6 +1060,34 @@ std::optional<mx::array> cpu_heads_norm_rope(
   }
   return fused<HeadsNormRopeOp>(
       {T, heads, 1, d}, {heads, eps, w.has_value(), rope.has_value(), rp}, std::move(in));
+}
+
+std::optional<std::vector<mx::array>> cpu_qkv_heads(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    int q_heads,
+    int kv_heads,
+    const mx::array& q_norm,
+    const mx::array& k_norm,
+    float eps,
+    const HeadsRope& rope,
+    const mx::array& offsets) {
+  if (!on_cpu() || q_heads <= 0 || kv_heads <= 0) return std::nullopt;
+  for (const auto* y : {&q, &k, &v})
+    if (!is_f32(*y) || y->ndim() == 0 || y->size() == 0) return std::nullopt;
+  if (q.shape(-1) % q_heads != 0) return std::nullopt;
+  const int d = q.shape(-1) / q_heads;
+  const int T = (int)(q.size() / q.shape(-1));
+  for (const auto* y : {&k, &v})
+    if (y->shape(-1) != kv_heads * d || (int)(y->size() / y->shape(-1)) != T) return std::nullopt;
+  if (!norm_weight_fits(q_norm, d) || !norm_weight_fits(k_norm, d)) return std::nullopt;
+  if (!rope_applies(rope.dims, d, rope.base.has_value(), rope.freqs, offsets, (size_t)T)) return std::nullopt;
+  std::vector<mx::array> in{q, k, v, q_norm, k_norm, offsets};
+  if (rope.freqs) in.push_back(*rope.freqs);
+  const RopeParams rp{rope.dims, rope.traditional, rope.base.value_or(1.0f), rope.scale, rope.freqs.has_value()};
+  return fused_many<QkvHeadsOp>(
+      {{T, q_heads, 1, d}, {T, kv_heads, 1, d}, {T, kv_heads, 1, d}}, {q_heads, kv_heads, eps, rp}, std::move(in));
 }
 
 std::optional<mx::array> cpu_sdpa(

@@ -71,6 +71,21 @@ std::optional<mlx::core::array> cpu_heads_norm_rope(
     const std::optional<HeadsRope>& rope,
     const mlx::core::array& offsets);
 
+// One layer's decode-step queries, keys and values (q [1, T, q_heads·d], k and v
+// [1, T, kv_heads·d]) as cpu_heads_norm_rope gives them in three calls: queries with q_norm and
+// rotated, keys with k_norm and rotated, values without a weight or rotation; one op.
+std::optional<std::vector<mlx::core::array>> cpu_qkv_heads(
+    const mlx::core::array& q,
+    const mlx::core::array& k,
+    const mlx::core::array& v,
+    int q_heads,
+    int kv_heads,
+    const mlx::core::array& q_norm,
+    const mlx::core::array& k_norm,
+    float eps,
+    const HeadsRope& rope,
+    const mlx::core::array& offsets);
+
 std::optional<mlx::core::array> cpu_sdpa(
     const mlx::core::array& q,
     const mlx::core::array& k,

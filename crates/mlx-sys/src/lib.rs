@@ -330,6 +330,23 @@ pub mod ffi {
             offsets: &Arr,
             freqs: *const Arr,
         ) -> Result<UniquePtr<Arr>>;
+        unsafe fn qkv_heads(
+            q: &Arr,
+            k: &Arr,
+            v: &Arr,
+            q_heads: i32,
+            kv_heads: i32,
+            q_norm: &Arr,
+            k_norm: &Arr,
+            eps: f32,
+            dims: i32,
+            traditional: bool,
+            base: f32,
+            has_base: bool,
+            scale: f32,
+            offsets: &Arr,
+            freqs: *const Arr,
+        ) -> Result<UniquePtr<ArrVec>>;
         unsafe fn sdpa(
             q: &Arr,
             k: &Arr,

@@ -732,6 +732,34 @@ ArrPtr heads_norm_rope(
   return rope_at(normed->a, dims, traditional, base, has_base, scale, offsets.a, freqs);
 }
 
+std::unique_ptr<ArrVec> qkv_heads(
+    const Arr& q,
+    const Arr& k,
+    const Arr& v,
+    int32_t q_heads,
+    int32_t kv_heads,
+    const Arr& q_norm,
+    const Arr& k_norm,
+    float eps,
+    int32_t dims,
+    bool traditional,
+    float base,
+    bool has_base,
+    float scale,
+    const Arr& offsets,
+    const Arr* freqs) {
+  std::optional<float> b = has_base ? std::optional<float>(base) : std::nullopt;
+  const HeadsRope rope{dims, traditional, b, scale, opt(freqs)};
+  if (auto outs = cpu_qkv_heads(q.a, k.a, v.a, q_heads, kv_heads, q_norm.a, k_norm.a, eps, rope, offsets.a)) {
+    return wrap_vec(std::move(*outs));
+  }
+  // The three ops it stands for.
+  auto qo = heads_norm_rope(q, q_heads, &q_norm, eps, true, dims, traditional, base, has_base, scale, offsets, freqs);
+  auto ko = heads_norm_rope(k, kv_heads, &k_norm, eps, true, dims, traditional, base, has_base, scale, offsets, freqs);
+  auto vo = heads_norm_rope(v, kv_heads, nullptr, eps, false, dims, traditional, base, has_base, scale, offsets, freqs);
+  return wrap_vec({qo->a, ko->a, vo->a});
+}
+
 ArrPtr sdpa(
     const Arr& q,
     const Arr& k,

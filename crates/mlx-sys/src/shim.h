@@ -226,6 +226,22 @@ ArrPtr heads_norm_rope(
     float scale,
     const Arr& offsets,
     const Arr* freqs);
+std::unique_ptr<ArrVec> qkv_heads(
+    const Arr& q,
+    const Arr& k,
+    const Arr& v,
+    int32_t q_heads,
+    int32_t kv_heads,
+    const Arr& q_norm,
+    const Arr& k_norm,
+    float eps,
+    int32_t dims,
+    bool traditional,
+    float base,
+    bool has_base,
+    float scale,
+    const Arr& offsets,
+    const Arr* freqs);
 ArrPtr sdpa(
     const Arr& q,
     const Arr& k,

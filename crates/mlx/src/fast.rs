@@ -188,6 +188,53 @@ pub fn heads_norm_rope(
     }))
 }
 
+/// One layer's decode-step queries, keys and values in one op: `q: [1, T, q_heads·d]`,
+/// `k, v: [1, T, kv_heads·d]` → `[T, q_heads, 1, d]`, `[T, kv_heads, 1, d]` twice, exactly
+/// what [`heads_norm_rope`] gives for `(q, q_norm, rotated)`, `(k, k_norm, rotated)` and
+/// `(v, no weight, not rotated)`.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_heads(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    q_heads: i32,
+    kv_heads: i32,
+    q_norm: &Array,
+    k_norm: &Array,
+    eps: f32,
+    rotation: HeadsRotation<'_>,
+    offsets: &Array,
+) -> Result<(Array, Array, Array)> {
+    let (base, has_base, f) = rotation.freqs.parts();
+    // SAFETY: the pointers are null or point at arrays that outlive the call.
+    let outs = crate::array::unpack(unsafe {
+        ffi::qkv_heads(
+            q.arr(),
+            k.arr(),
+            v.arr(),
+            q_heads,
+            kv_heads,
+            q_norm.arr(),
+            k_norm.arr(),
+            eps,
+            rotation.dims,
+            rotation.traditional,
+            base,
+            has_base,
+            rotation.scale,
+            offsets.arr(),
+            f,
+        )?
+    })?;
+    let mut it = outs.into_iter();
+    match (it.next(), it.next(), it.next()) {
+        (Some(q), Some(k), Some(v)) => Ok((q, k, v)),
+        _ => Err(crate::Error::Mlx(
+            "qkv_heads: expected three outputs".into(),
+        )),
+    }
+}
+
 /// The mask of [`scaled_dot_product_attention`].
 #[derive(Debug, Clone, Copy)]
 pub enum SdpaMask<'a> {

@@ -592,6 +592,113 @@ fn heads_norm_and_rotation_are_the_ops_they_fuse() {
 }
 
 #[test]
+fn a_layers_queries_keys_and_values_are_one_op_with_the_same_bits() {
+    let _one = serial();
+    let wavelengths = Array::from_slice(&[1.0f32, 10.0, 1e4, f32::INFINITY], &[4]).unwrap();
+    let mut case = 0;
+    // (tokens, query heads, kv heads, head dim, rotated dims): a batched decode step, one row
+    // with one kv head (E2B's shape), partial rotation, k_eq_v (the keys double as values).
+    for (t, hq, hk, d, dims, k_eq_v) in [
+        (3, 4, 2, 16, 16, false),
+        (1, 8, 1, 32, 32, false),
+        (2, 2, 2, 24, 16, false),
+        (2, 4, 1, 8, 8, true),
+    ] {
+        for custom in [false, true] {
+            if custom && d / 2 != 4 {
+                continue;
+            }
+            case += 1;
+            let freqs = if custom {
+                RopeFreqs::Custom(&wavelengths)
+            } else {
+                RopeFreqs::Base(10000.0)
+            };
+            let rotation = HeadsRotation {
+                dims,
+                traditional: false,
+                freqs,
+                scale: 1.0,
+            };
+            let q = normal(&[1, t, hq * d], 600 + case);
+            let k = normal(&[1, t, hk * d], 700 + case);
+            let v = if k_eq_v {
+                k.clone()
+            } else {
+                normal(&[1, t, hk * d], 800 + case)
+            };
+            let (wq, wk) = (normal(&[d], 900 + case), normal(&[d], 1000 + case));
+            let positions: Vec<i32> = (0..t).map(|i| 5 + 301 * i).collect();
+            let per_row = Array::from_slice(&positions, &[t]).unwrap();
+            let one = Array::from_slice(&[9i32], &[1]).unwrap();
+            for offsets in [&per_row, &one] {
+                let what = format!(
+                    "t {t} heads {hq}/{hk} d {d} dims {dims} custom {custom} k_eq_v {k_eq_v} \
+                     offsets {}",
+                    offsets.size()
+                );
+                let before = fast::fused_kernel_counts();
+                let (qo, ko, vo) =
+                    fast::qkv_heads(&q, &k, &v, hq, hk, &wq, &wk, 1e-6, rotation, offsets).unwrap();
+                mlx::eval(&[&qo, &ko, &vo]).unwrap();
+                let ran = fast::fused_kernel_counts().heads_norm_rope - before.heads_norm_rope;
+                assert_eq!(ran, 1, "one op: {what}");
+                let shapes = [qo.shape(), ko.shape(), vo.shape()];
+                assert_eq!(
+                    shapes,
+                    [vec![t, hq, 1, d], vec![t, hk, 1, d], vec![t, hk, 1, d]],
+                    "{what}"
+                );
+                // Each part is the one-part kernel's bits.
+                let parts = [
+                    (&q, &qo, hq, Some(&wq), Some(rotation)),
+                    (&k, &ko, hk, Some(&wk), Some(rotation)),
+                    (&v, &vo, hk, None, None),
+                ];
+                for (i, (y, got, n, w, r)) in parts.into_iter().enumerate() {
+                    let alone = fast::heads_norm_rope(y, n, w, 1e-6, r, offsets).unwrap();
+                    assert!(
+                        got.to_vec::<f32>().unwrap() == alone.to_vec::<f32>().unwrap(),
+                        "{what}: part {i} differs from its own op"
+                    );
+                }
+                // And MLX's own graphs for the same call agree within float tolerance.
+                fast::set_fused_kernels(false);
+                let (mq, mk, mv) =
+                    fast::qkv_heads(&q, &k, &v, hq, hk, &wq, &wk, 1e-6, rotation, offsets).unwrap();
+                mlx::eval(&[&mq, &mk, &mv]).unwrap();
+                fast::set_fused_kernels(true);
+                for (ours, theirs) in [(&qo, &mq), (&ko, &mk), (&vo, &mv)] {
+                    assert_close(
+                        &ours.to_vec::<f32>().unwrap(),
+                        &theirs.to_vec::<f32>().unwrap(),
+                        2e-5,
+                        &what,
+                    );
+                }
+            }
+        }
+    }
+    // A head width that differs between the queries and the keys: an error, not a crash.
+    let q = normal(&[1, 1, 4 * 16], 1);
+    let k = normal(&[1, 1, 2 * 8], 2);
+    let w16 = normal(&[16], 3);
+    let one = Array::from_slice(&[0i32], &[1]).unwrap();
+    let rotation = HeadsRotation {
+        dims: 16,
+        traditional: false,
+        freqs: RopeFreqs::Base(10000.0),
+        scale: 1.0,
+    };
+    let r = fast::qkv_heads(&q, &k, &k, 4, 2, &w16, &w16, 1e-6, rotation, &one)
+        .and_then(|(a, b, c)| mlx::eval(&[&a, &b, &c]));
+    assert!(
+        r.is_err(),
+        "a key width that is not kv_heads x d is an error"
+    );
+}
+
+#[test]
 fn a_residual_update_and_the_next_norm_are_one_op() {
     let _one = serial();
     for (case, shape) in [vec![1, 1, 768], vec![3, 5, 17], vec![130, 64]]

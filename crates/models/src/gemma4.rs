@@ -14,7 +14,7 @@ use crate::packed::{
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
 use cache::{AttnMask, KvCache, LayerCache, RotatingKvCache};
-use mlx::fast::{heads_norm_rope, scaled_dot_product_attention};
+use mlx::fast::scaled_dot_product_attention;
 use mlx::{Array, Ix};
 use serde::Deserialize;
 use serde_json::Value;
@@ -428,7 +428,7 @@ impl Attention {
 
     /// A decode step's queries, and keys and values of this layer's own projections, each
     /// `[T, n, 1, d]` for `x: [1, T, hidden]` (token `t` its own sequence, at position
-    /// `offsets[t]`): normalised, queries and keys rotated, each in one op.
+    /// `offsets[t]`): normalised, queries and keys rotated, all three in one op.
     fn qkv_rows(
         &self,
         x: &Array,
@@ -437,15 +437,26 @@ impl Attention {
         offsets: &Array,
     ) -> Result<(Array, Option<(Array, Array)>)> {
         let (q_raw, kv) = self.project_qkv(x)?;
-        let q = rope.heads_rows(&q_raw, self.heads, Some(&self.q_norm), eps, offsets)?;
-        let kv = match kv {
-            Some((k_raw, v_raw)) => Some((
-                rope.heads_rows(&k_raw, self.kv_heads, Some(self.k_norm()?), eps, offsets)?,
-                heads_norm_rope(&v_raw, self.kv_heads, None, eps, None, offsets)?,
+        match kv {
+            Some((k_raw, v_raw)) => {
+                let (q, k, v) = rope.qkv_rows(
+                    &q_raw,
+                    &k_raw,
+                    &v_raw,
+                    self.heads,
+                    self.kv_heads,
+                    &self.q_norm,
+                    self.k_norm()?,
+                    eps,
+                    offsets,
+                )?;
+                Ok((q, Some((k, v))))
+            }
+            None => Ok((
+                rope.heads_rows(&q_raw, self.heads, Some(&self.q_norm), eps, offsets)?,
+                None,
             )),
-            None => None,
-        };
-        Ok((q, kv))
+        }
     }
 
     /// Normalised `[B, H, L, d]` queries from the raw query projection.

@@ -262,6 +262,15 @@ impl Rope {
         }
     }
 
+    fn rotation(&self) -> mlx::fast::HeadsRotation<'_> {
+        mlx::fast::HeadsRotation {
+            dims: self.dims,
+            traditional: self.traditional,
+            freqs: self.freqs(),
+            scale: 1.0,
+        }
+    }
+
     /// A decode step's queries or keys from their projection `y: [1, T, heads·d]` (token `t`
     /// its own sequence, at position `offsets[t]`): `[T, heads, 1, d]`, each head
     /// RMS-normalised by `weight`, then rotated. One op on the CPU where a reshape, a norm and
@@ -274,19 +283,43 @@ impl Rope {
         eps: f32,
         offsets: &Array,
     ) -> Result<Array> {
-        let freqs = self.freqs();
-        let rotation = mlx::fast::HeadsRotation {
-            dims: self.dims,
-            traditional: self.traditional,
-            freqs,
-            scale: 1.0,
-        };
         Ok(mlx::fast::heads_norm_rope(
             y,
             heads,
             weight,
             eps,
-            Some(rotation),
+            Some(self.rotation()),
+            offsets,
+        )?)
+    }
+
+    /// A decode step's queries, keys and values from their projections (`[1, T, heads·d]`,
+    /// `[1, T, kv_heads·d]` twice), in one op: the queries and keys as [`Rope::heads_rows`]
+    /// gives them with `q_norm` and `k_norm`, the values normalised without a weight and not
+    /// rotated. The same values as three calls, one op where they would be three.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qkv_rows(
+        &self,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        heads: i32,
+        kv_heads: i32,
+        q_norm: &Array,
+        k_norm: &Array,
+        eps: f32,
+        offsets: &Array,
+    ) -> Result<(Array, Array, Array)> {
+        Ok(mlx::fast::qkv_heads(
+            q,
+            k,
+            v,
+            heads,
+            kv_heads,
+            q_norm,
+            k_norm,
+            eps,
+            self.rotation(),
             offsets,
         )?)
     }
