@@ -209,6 +209,20 @@ class RopeAngles {
   mutable std::vector<float> cs_, sn_;
 };
 
+// A rotation's position offsets: int32, one for every row or one per row (a batched decode
+// step's sequences each at their own position).
+class Offsets {
+ public:
+  explicit Offsets(const View& v)
+      : off_(v.data<int32_t>()), stride_(v.ndim() == 1 ? v.strides()[0] : 0), per_row_(v.size() > 1) {}
+  float operator[](size_t r) const { return static_cast<float>(per_row_ ? off_[r * stride_] : off_[0]); }
+
+ private:
+  const int32_t* off_;
+  int64_t stride_;
+  bool per_row_;
+};
+
 struct RopeOp {
   using Params = RopeParams;
   static constexpr const char* name = "MlxrCpuRope";
@@ -234,13 +248,11 @@ struct RopeOp {
       sh = (int64_t)T * D;
       stt = D;
     }
-    const int32_t* off = in[1].data<int32_t>();
-    const int64_t off_stride = in[1].ndim() == 1 ? in[1].strides()[0] : 0;
-    const bool per_batch = in[1].size() > 1;
+    const Offsets offsets(in[1]);
     const RopeAngles angles(p, p.has_freqs ? &in[2] : nullptr);
     float* o = out.data<float>();
     for (int b = 0; b < B; ++b) {
-      const float offset = static_cast<float>(per_batch ? off[b * off_stride] : off[0]);
+      const float offset = offsets[b];
       for (int t = 0; t < T; ++t) {
         angles.at((static_cast<float>(t) + offset) * p.scale);
         for (int n = 0; n < N; ++n)
@@ -257,6 +269,19 @@ struct RopeOp {
 // position offsets[t] (or not rotated). One op for what is otherwise a reshape, a norm and a
 // rotation (gemma4's queries and keys; its values without the rotation), each value computed as
 // the RmsNorm and Rope kernels compute it.
+
+// Token row t's heads of y (heads rows of d floats from row t·heads) into o's same rows: each
+// RMS-normalised (w optional), then rotated where angles are given (already at t's position).
+// HeadsNormRopeOp and QkvHeadsOp both compute through it, so that the fused q/k/v op's parts
+// are the one-part op's bits.
+void norm_heads(const float* y, const float* w, float eps, int d, int heads, size_t t, float* o,
+                const RopeAngles* angles) {
+  for (int h = 0; h < heads; ++h) {
+    const size_t r = t * heads + h;
+    rms_norm_row(y + r * d, w, eps, d, o + r * d);
+    if (angles) angles->rotate(o + r * d, o + r * d, d);
+  }
+}
 
 struct HeadsNormRopeOp {
   struct Params {
@@ -279,22 +304,14 @@ struct HeadsNormRopeOp {
     const size_t rows = in[0].size() / ((size_t)p.heads * d);
     float* o = out.data<float>();
     if (!p.has_rope) {
-      for (size_t r = 0; r < rows * p.heads; ++r) rms_norm_row(y + r * d, w, p.eps, d, o + r * d);
+      for (size_t t = 0; t < rows; ++t) norm_heads(y, w, p.eps, d, p.heads, t, o, nullptr);
       return;
     }
-    const View& offsets = in[at++];
-    const int32_t* off = offsets.data<int32_t>();
-    const int64_t off_stride = offsets.ndim() == 1 ? offsets.strides()[0] : 0;
-    const bool per_row = offsets.size() > 1;
+    const Offsets offsets(in[at++]);
     const RopeAngles angles(p.rope, p.rope.has_freqs ? &in[at] : nullptr);
     for (size_t t = 0; t < rows; ++t) {
-      const float offset = static_cast<float>(per_row ? off[t * off_stride] : off[0]);
-      angles.at((0.0f + offset) * p.rope.scale);
-      for (int h = 0; h < p.heads; ++h) {
-        float* orow = o + (t * p.heads + h) * d;
-        rms_norm_row(y + (t * p.heads + h) * d, w, p.eps, d, orow);
-        angles.rotate(orow, orow, d);
-      }
+      angles.at((0.0f + offsets[t]) * p.rope.scale);
+      norm_heads(y, w, p.eps, d, p.heads, t, o, &angles);
     }
   }
 };
@@ -305,7 +322,7 @@ struct HeadsNormRopeOp {
 // queries normalised with q_norm and rotated, keys with k_norm and rotated, values normalised
 // without a weight and not rotated, all of one head width d. Each token row's angles are worked
 // out once for its queries and keys; every value is the one the HeadsNormRope kernel gives for
-// its part (the same rms_norm_row and rotate, in the same order).
+// its part (both go through norm_heads).
 
 struct QkvHeadsOp {
   struct Params {
@@ -327,22 +344,12 @@ struct QkvHeadsOp {
     const int heads[3] = {p.q_heads, p.kv_heads, p.kv_heads};
     const int d = in[0].shape(-1) / p.q_heads;
     const size_t rows = in[0].size() / in[0].shape(-1);
-    const View& offsets = in[5];
-    const int32_t* off = offsets.data<int32_t>();
-    const int64_t off_stride = offsets.ndim() == 1 ? offsets.strides()[0] : 0;
-    const bool per_row = offsets.size() > 1;
+    const Offsets offsets(in[5]);
     const RopeAngles angles(p.rope, p.rope.has_freqs ? &in[6] : nullptr);
     for (size_t t = 0; t < rows; ++t) {
-      const float offset = static_cast<float>(per_row ? off[t * off_stride] : off[0]);
-      angles.at((0.0f + offset) * p.rope.scale);
-      for (int part = 0; part < 3; ++part) {
-        float* o = outs[part].data<float>();
-        for (int h = 0; h < heads[part]; ++h) {
-          float* orow = o + (t * heads[part] + h) * d;
-          rms_norm_row(y[part] + (t * heads[part] + h) * d, w[part], p.eps, d, orow);
-          if (part < 2) angles.rotate(orow, orow, d);
-        }
-      }
+      angles.at((0.0f + offsets[t]) * p.rope.scale);
+      for (int part = 0; part < 3; ++part)
+        norm_heads(y[part], w[part], p.eps, d, heads[part], t, outs[part].data<float>(), part < 2 ? &angles : nullptr);
     }
   }
 };

@@ -605,7 +605,7 @@ fn a_layers_queries_keys_and_values_are_one_op_with_the_same_bits() {
         (2, 4, 1, 8, 8, true),
     ] {
         for custom in [false, true] {
-            if custom && d / 2 != 4 {
+            if custom && dims / 2 != 4 {
                 continue;
             }
             case += 1;
