@@ -1,6 +1,7 @@
 //! Caches that keep every position: full attention (keys + values) and MLA (one latent array).
 
-use crate::{time_len, AttnMask, CacheError, Result, STEP};
+use crate::{time_len, Attended, AttnMask, CacheError, Result, STEP};
+use mlx::fast::KvSlots;
 use mlx::{Array, Ix};
 
 /// A `[B, H, T, D]` buffer that grows along time in steps of [`STEP`] and holds `len` valid
@@ -16,8 +17,9 @@ impl Growing {
         self.data.as_ref().map_or(0, |d| d.shape()[2] as usize)
     }
 
-    /// Writes `x` (`[B, H, L, D]`) at positions `len..len+L` and returns the valid view.
-    pub(crate) fn append(&mut self, x: &Array) -> Result<Array> {
+    /// Makes room for `x`'s `L` positions (`[B, H, L, D]`) after the `len` held; returns the
+    /// buffer they go into, at slots `len..len+L`.
+    fn reserve(&mut self, x: &Array) -> Result<&Array> {
         let l = time_len(x)?;
         let end = self.len + l;
         if end > self.capacity() {
@@ -38,15 +40,20 @@ impl Growing {
                 None => fresh,
             });
         }
-        let data = self.data.as_ref().ok_or_else(|| CacheError::Shape {
+        self.data.as_ref().ok_or_else(|| CacheError::Shape {
             got: "no buffer".into(),
-        })?;
-        let updated = data.slice_update(
+        })
+    }
+
+    /// Writes `x` (`[B, H, L, D]`) at positions `len..len+L` and returns the valid view.
+    pub(crate) fn append(&mut self, x: &Array) -> Result<Array> {
+        let (start, end) = (self.len, self.len + time_len(x)?);
+        let updated = self.reserve(x)?.slice_update(
             x,
             &[
                 Ix::full(),
                 Ix::full(),
-                Ix::slice(Some(self.len as i32), Some(end as i32), 1),
+                Ix::slice(Some(start as i32), Some(end as i32), 1),
             ],
         )?;
         self.data = Some(updated);
@@ -126,6 +133,41 @@ impl KvCache {
     /// Appends `[B, H, L, D]` keys and values; returns all keys and values so far.
     pub fn update(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
         Ok((self.keys.append(keys)?, self.values.append(values)?))
+    }
+
+    /// Appends `[B, H, L, D]` keys and values, and attends queries `q` (`[B, Hq, L, D]`) over
+    /// all keys so far, in one op where the CPU kernels take it (the write, the views and
+    /// attention; MLX's ops otherwise): the attention, the slots it read (what a KV-shared layer
+    /// attends to) and its mask.
+    pub fn update_attend(
+        &mut self,
+        q: &Array,
+        keys: &Array,
+        values: &Array,
+        scale: f32,
+    ) -> Result<Attended> {
+        let at = self.keys.len;
+        let l = time_len(keys)?;
+        if self.values.len != at {
+            return Err(CacheError::Shape {
+                got: format!("{at} keys but {} values", self.values.len),
+            });
+        }
+        let into = KvSlots {
+            keys: self.keys.reserve(keys)?.clone(),
+            values: self.values.reserve(values)?.clone(),
+            len: at + l,
+        };
+        let mask = self.mask(l);
+        let (out, kv) =
+            mlx::fast::sdpa_write(q, (keys, values), &into, at, scale, mask.as_sdpa(), None)?;
+        // The op takes the buffers over only if nothing else holds them when it runs.
+        drop(into);
+        self.keys.data = Some(kv.keys.clone());
+        self.values.data = Some(kv.values.clone());
+        self.keys.len = at + l;
+        self.values.len = at + l;
+        Ok(Attended { out, kv, mask })
     }
 
     /// The mask for the `l` queries of the last update: keys are positions `0..offset`, the

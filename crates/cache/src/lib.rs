@@ -19,6 +19,9 @@ pub use growing::{KvCache, LatentCache};
 pub use mask::AttnMask;
 pub use rotating::RotatingKvCache;
 
+use mlx::fast::KvSlots;
+use mlx::Array;
+
 /// Errors of cache bookkeeping (MLX errors pass through).
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
@@ -31,6 +34,15 @@ pub enum CacheError {
 }
 
 pub type Result<T> = std::result::Result<T, CacheError>;
+
+/// A cache update's attention (`[B, Hq, L, D]`), the cache slots it read (what a KV-shared
+/// layer attends to) and the mask it used over them.
+#[derive(Debug, Clone)]
+pub struct Attended {
+    pub out: Array,
+    pub kv: KvSlots,
+    pub mask: AttnMask,
+}
 
 /// Allocation granularity along time, as in mlx-lm: growing by a step at a time keeps the
 /// number of reallocations (each a copy of the whole buffer) logarithmic-free and small.

@@ -1,4 +1,4 @@
-use mlx::{Array, Dtype, SdpaMask};
+use mlx::{Array, SdpaMask};
 
 /// The attention mask a cache asks for after an update.
 #[derive(Debug, Clone)]
@@ -22,22 +22,25 @@ impl AttnMask {
 
     /// The explicit mask for queries at `q_start..q_start+l` over keys at `key_pos` (`-1` marks
     /// an empty slot): causal, and within `window` positions when given (each query sees at
-    /// most `window` keys including itself, i.e. `q - k < window`).
+    /// most `window` keys including itself, i.e. `q - k < window`). Worked out on the host
+    /// (the positions are host values), so it is a constant, not a graph of comparisons.
     pub fn from_positions(
         key_pos: &[i32],
         q_start: i32,
         l: i32,
         window: Option<i32>,
     ) -> mlx::Result<AttnMask> {
-        let k = Array::from_slice(key_pos, &[1, key_pos.len() as i32])?;
-        let q = Array::arange(f64::from(q_start), f64::from(q_start + l), 1.0, Dtype::I32)?
-            .reshape(&[l, 1])?;
-        let mut m = k
-            .less_equal(&q)?
-            .logical_and(&k.greater_equal_scalar(0.0)?)?;
-        if let Some(w) = window {
-            m = m.logical_and(&q.subtract(&k)?.less_scalar(f64::from(w))?)?;
+        let mut m = Vec::with_capacity(key_pos.len() * l.max(0) as usize);
+        for q in q_start..q_start + l {
+            m.extend(key_pos.iter().map(|&k| {
+                k >= 0
+                    && k <= q
+                    && window.is_none_or(|w| i64::from(q) - i64::from(k) < i64::from(w))
+            }));
         }
-        Ok(AttnMask::Array(m))
+        Ok(AttnMask::Array(Array::from_slice(
+            &m,
+            &[l, key_pos.len() as i32],
+        )?))
     }
 }

@@ -13,7 +13,8 @@
 //! rewind succeeds whenever the tokens the next query needs are still held, and is an error
 //! otherwise, never a silent divergence.
 
-use crate::{time_len, AttnMask, CacheError, Result, STEP};
+use crate::{time_len, Attended, AttnMask, CacheError, Result, STEP};
+use mlx::fast::KvSlots;
 use mlx::{Array, Ix};
 
 #[derive(Debug, Clone)]
@@ -28,6 +29,10 @@ pub struct RotatingKvCache {
     count: usize,
     /// Tokens seen; the next token's position.
     offset: usize,
+}
+
+fn slots_of(buf: &Array) -> usize {
+    buf.shape()[2] as usize
 }
 
 fn time(a: &Array, start: usize, end: usize) -> Result<Array> {
@@ -68,7 +73,7 @@ impl RotatingKvCache {
     }
 
     fn slots(&self) -> usize {
-        self.keys.as_ref().map_or(0, |k| k.shape()[2] as usize)
+        self.keys.as_ref().map_or(0, slots_of)
     }
 
     pub fn nbytes(&self) -> usize {
@@ -125,7 +130,9 @@ impl RotatingKvCache {
         self.view()
     }
 
-    fn write_one(&mut self, k: &Array, v: &Array) -> Result<()> {
+    /// Makes the ring ready for one more token (shaped like `k` and `v`) and counts it held;
+    /// returns the slot it goes into.
+    fn slot_for_one(&mut self, k: &Array, v: &Array) -> Result<usize> {
         if self.keys.is_none() {
             let sh = k.shape();
             let n = self.capacity.min(STEP) as i32;
@@ -140,7 +147,7 @@ impl RotatingKvCache {
             )?;
         }
         let s = self.slots();
-        let slot = if self.count < s {
+        Ok(if self.count < s {
             self.count += 1;
             (self.start + self.count - 1) % s
         } else if s < self.capacity {
@@ -152,7 +159,11 @@ impl RotatingKvCache {
             let slot = self.start;
             self.start = (self.start + 1) % s;
             slot
-        };
+        })
+    }
+
+    fn write_one(&mut self, k: &Array, v: &Array) -> Result<()> {
+        let slot = self.slot_for_one(k, v)?;
         let at = [
             Ix::full(),
             Ix::full(),
@@ -165,6 +176,57 @@ impl RotatingKvCache {
             self.values = Some(nv);
         }
         Ok(())
+    }
+
+    /// As [`RotatingKvCache::update`], and attends queries `q` (`[B, Hq, L, D]`) over the keys
+    /// held, with the window's mask: a single token's write, the views and attention are one op
+    /// where the CPU kernels take it. Returns the attention, the slots it read (what a
+    /// KV-shared layer attends to) and its mask.
+    pub fn update_attend(
+        &mut self,
+        q: &Array,
+        keys: &Array,
+        values: &Array,
+        scale: f32,
+    ) -> Result<Attended> {
+        let l = time_len(keys)?;
+        if l != 1 {
+            // A batched write relinearises the ring (see `write_many`): no single slot range.
+            let (k, v) = self.update(keys, values)?;
+            let mask = self.mask(l)?;
+            let kv = KvSlots {
+                len: time_len(&k)?,
+                keys: k,
+                values: v,
+            };
+            let out = mlx::fast::sdpa_slots(q, &kv, scale, mask.as_sdpa(), None)?;
+            return Ok(Attended { out, kv, mask });
+        }
+        let slot = self.slot_for_one(keys, values)?;
+        self.offset += 1;
+        let mask = self.mask(1)?;
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Err(CacheError::Shape {
+                got: "empty cache".into(),
+            });
+        };
+        let into = KvSlots {
+            keys: k.clone(),
+            values: v.clone(),
+            // The filled prefix while the ring is linear, else every slot (see `view`).
+            len: if self.start == 0 {
+                self.count
+            } else {
+                slots_of(k)
+            },
+        };
+        let (out, kv) =
+            mlx::fast::sdpa_write(q, (keys, values), &into, slot, scale, mask.as_sdpa(), None)?;
+        // The op takes the buffers over only if nothing else holds them when it runs.
+        drop(into);
+        self.keys = Some(kv.keys.clone());
+        self.values = Some(kv.values.clone());
+        Ok(Attended { out, kv, mask })
     }
 
     fn write_many(&mut self, k: &Array, v: &Array, l: usize) -> Result<()> {

@@ -85,15 +85,20 @@ fn close(a: &[f32], b: &[f32]) -> bool {
 
 #[derive(Debug, Clone)]
 enum Op {
+    /// `update`, then attention over what it returned with the cache's mask.
     Write(usize),
+    /// `update_attend`: the write and attention in one call (one op for a single token).
+    Attend(usize),
     Rewind(usize),
 }
 
 fn ops() -> impl Strategy<Value = Vec<Op>> {
     prop::collection::vec(
         prop_oneof![
-            4 => Just(Op::Write(1)),
+            3 => Just(Op::Write(1)),
+            3 => Just(Op::Attend(1)),
             2 => (2usize..12).prop_map(Op::Write),
+            1 => (2usize..12).prop_map(Op::Attend),
             1 => (1usize..4).prop_map(Op::Rewind),
         ],
         1..40,
@@ -116,6 +121,16 @@ proptest! {
                     let m = c.mask(l).unwrap();
                     let got = f32s(&scaled_dot_product_attention(&q, &k, &v, 0.5, m.as_sdpa(), None).unwrap());
                     prop_assert!(close(&got, &h.reference(start, start + l, Some(window))), "write {l} at {start}");
+                }
+                Op::Attend(l) => {
+                    let start = c.offset();
+                    let (wk, wv, q) = h.write(start, l);
+                    let a = c.update_attend(&q, &wk, &wv, 0.5).unwrap();
+                    prop_assert_eq!(c.offset(), start + l);
+                    prop_assert!(close(&f32s(&a.out), &h.reference(start, start + l, Some(window))), "attend {l} at {start}");
+                    // The slots it read, with its mask, are the same attention (a KV-shared layer's).
+                    let again = f32s(&mlx::fast::sdpa_slots(&q, &a.kv, 0.5, a.mask.as_sdpa(), None).unwrap());
+                    prop_assert!(close(&again, &f32s(&a.out)));
                 }
                 Op::Rewind(n) => {
                     let before = c.offset();
@@ -143,6 +158,15 @@ proptest! {
                     let (k, v) = c.update(&wk, &wv).unwrap();
                     let got = f32s(&scaled_dot_product_attention(&q, &k, &v, 0.5, c.mask(l).as_sdpa(), None).unwrap());
                     prop_assert!(close(&got, &h.reference(start, start + l, None)));
+                }
+                Op::Attend(l) => {
+                    let start = c.offset();
+                    let (wk, wv, q) = h.write(start, l);
+                    let a = c.update_attend(&q, &wk, &wv, 0.5).unwrap();
+                    prop_assert_eq!(c.offset(), start + l);
+                    prop_assert!(close(&f32s(&a.out), &h.reference(start, start + l, None)), "attend {l} at {start}");
+                    let again = f32s(&mlx::fast::sdpa_slots(&q, &a.kv, 0.5, a.mask.as_sdpa(), None).unwrap());
+                    prop_assert!(close(&again, &f32s(&a.out)));
                 }
                 Op::Rewind(n) => {
                     let n = n.min(c.offset());
@@ -238,4 +262,52 @@ fn latent_cache_appends_rows() {
     assert!(matches!(c.mask(1), AttnMask::None));
     assert!(matches!(c.mask(3), AttnMask::Causal));
     let _ = Ix::full();
+}
+
+/// A decode step's write goes into the cache's own buffers (nothing else holds them once the
+/// step is evaluated), and a clone of the cache (a snapshot) keeps what it saw.
+#[test]
+fn a_decode_steps_cache_write_updates_its_buffers_in_place() {
+    let copies = || mlx::fast::fused_kernel_counts().sdpa_write_copies;
+    let mut c = KvCache::new();
+    let mut r = RotatingKvCache::new(4);
+    c.update(&rows(0, 5, 1), &rows(0, 5, 2)).unwrap();
+    r.update(&rows(0, 5, 1), &rows(0, 5, 2)).unwrap();
+    let before = copies();
+    let step = |c: &mut KvCache, r: &mut RotatingKvCache, p: usize| {
+        let (k, v, q) = (rows(p, 1, 1), rows(p, 1, 2), rows(p, 1, 3));
+        let a = c.update_attend(&q, &k, &v, 0.5).unwrap();
+        let b = r.update_attend(&q, &k, &v, 0.5).unwrap();
+        mlx::eval(&[&a.out, &b.out]).unwrap();
+    };
+    for p in 5..40 {
+        step(&mut c, &mut r, p);
+    }
+    assert_eq!(copies(), before, "35 steps, no copies");
+    let (snap_c, snap_r) = (c.clone(), r.clone());
+    step(&mut c, &mut r, 40);
+    assert_eq!(
+        copies(),
+        before + 4,
+        "a snapshot's buffers are copied, not written"
+    );
+    let (k, _) = snap_c.state().unwrap().unwrap();
+    assert_eq!(
+        f32s(&k),
+        f32s(&rows(0, 40, 1)),
+        "the snapshot holds positions 0..40"
+    );
+    let (k, _, pos) = snap_r.state().unwrap().unwrap();
+    let k = f32s(&k);
+    assert_eq!(pos.len(), 4);
+    for (slot, &p) in pos.iter().enumerate() {
+        assert!(
+            (36..40).contains(&p),
+            "the snapshot's ring holds 36..40, not {p}"
+        );
+        let want = f32s(&rows(p as usize, 1, 1));
+        assert_eq!(&k[slot * D as usize..(slot + 1) * D as usize], &want[..]);
+    }
+    let (k, _) = c.state().unwrap().unwrap();
+    assert_eq!(f32s(&k), f32s(&rows(0, 41, 1)));
 }

@@ -335,17 +335,19 @@ class View {
   mlx::core::array::Flags flags_;
 };
 
-// `a` as row-major data: its own buffer when it is one, else a copy into `tmp`.
+// `a`'s elements in row-major order into `dst` (a.size() of them).
 template <typename T>
-const T* dense(const View& a, std::vector<T>& tmp) {
-  if (a.flags().row_contiguous) return a.data<T>();
-  tmp.resize(a.size());
-  const int nd = a.ndim();
+void copy_dense(const View& a, T* dst) {
   const T* src = a.data<T>();
-  std::vector<int> idx(nd, 0);
+  if (a.flags().row_contiguous) {
+    std::copy(src, src + a.size(), dst);
+    return;
+  }
+  const int nd = a.ndim();
+  int idx[View::kMaxDims] = {};
   int64_t off = 0;
   for (size_t i = 0; i < a.size(); ++i) {
-    tmp[i] = src[off];
+    dst[i] = src[off];
     for (int d = nd - 1; d >= 0; --d) {
       off += a.strides()[d];
       if (++idx[d] < a.shape(d)) break;
@@ -353,12 +355,30 @@ const T* dense(const View& a, std::vector<T>& tmp) {
       idx[d] = 0;
     }
   }
+}
+
+// `a` as row-major data: its own buffer when it is one, else a copy into `tmp`.
+template <typename T>
+const T* dense(const View& a, std::vector<T>& tmp) {
+  if (a.flags().row_contiguous) return a.data<T>();
+  tmp.resize(a.size());
+  copy_dense(a, tmp.data());
   return tmp.data();
 }
 
+// Whether `out` may be written in `in`'s buffer: MLX's rule for donation (nothing else holds
+// the array or its buffer: no other op still to read it, no handle outside the graph) for an
+// input of the output's shape, dtype and row-major layout. An op that updates a buffer (a
+// cache write) then costs the rows it writes, not a copy of the buffer.
+inline bool can_take_over(const mlx::core::array& in, const mlx::core::array& out) {
+  return in.is_donatable() && in.flags().row_contiguous && in.dtype() == out.dtype() &&
+      in.shape() == out.shape();
+}
+
 // An MLX primitive for a CPU kernel `Op` (a `Params` struct with ==, a `name` and a static
-// `run(params, inputs, output)`, or `run_many(params, inputs, outputs)` for several outputs):
-// allocates the float32 outputs, registers the buffers with the CPU stream's encoder and runs
+// `run(params, inputs, output)`, or `run_many(params, inputs, outputs)` for several outputs,
+// and optionally `donates` = true with `donor(params, output)`, the input whose buffer that
+// output may take over, or -1): allocates the float32 outputs, registers the buffers with the CPU stream's encoder and runs
 // the kernel there, in stream order, as MLX's own CPU ops do.
 template <class Op>
 class CpuPrimitive : public mlx::core::Primitive {
@@ -374,8 +394,27 @@ class CpuPrimitive : public mlx::core::Primitive {
       enc.set_input_array(a);
       ins.emplace_back(a);
     }
-    for (auto& out : outputs) {
-      out.set_data(mlx::core::allocator::malloc(out.nbytes()));
+    if constexpr (donates()) {
+      // Each output of a several-output op holds its own copy of the op's input list
+      // (array::make_arrays), so by MLX's count (is_donatable) an input of such an op is never
+      // free to give its buffer away. The other outputs' copies are dropped here, as MLX's
+      // detach() does right after this evaluation; the list `inputs` refers to is kept. Not
+      // under a graph transformation, which keeps the graph.
+      bool traced = false;
+      for (auto& out : outputs) traced |= out.is_tracer();
+      if (!traced)
+        for (auto& out : outputs)
+          if (&out.inputs() != &inputs) out.inputs().clear();
+    }
+    for (size_t o = 0; o < outputs.size(); ++o) {
+      auto& out = outputs[o];
+      int donor = -1;
+      if constexpr (donates()) donor = Op::donor(p_, o);
+      if (donor >= 0 && can_take_over(inputs[donor], out)) {
+        out.copy_shared_buffer(inputs[donor]);
+      } else {
+        out.set_data(mlx::core::allocator::malloc(out.nbytes()));
+      }
       enc.set_output_array(out);
       outs.emplace_back(out);
     }
@@ -393,6 +432,15 @@ class CpuPrimitive : public mlx::core::Primitive {
   }
 
   const char* name() const override { return Op::name; }
+
+  // Whether some output may take over an input's buffer (`Op::donates`, with `Op::donor`).
+  static constexpr bool donates() {
+    if constexpr (requires { Op::donates; }) {
+      return Op::donates;
+    } else {
+      return false;
+    }
+  }
 
   bool is_equivalent(const mlx::core::Primitive& other) const override {
     auto* o = dynamic_cast<const CpuPrimitive*>(&other);

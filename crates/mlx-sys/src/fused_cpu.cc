@@ -24,7 +24,8 @@ namespace mlxr {
 namespace {
 
 std::atomic<bool> g_enabled{true};
-std::atomic<uint64_t> g_counts[8] = {};
+constexpr int kKinds = 16;
+std::atomic<uint64_t> g_counts[kKinds] = {};
 
 void count(FusedKind k) { g_counts[static_cast<int>(k)].fetch_add(1, std::memory_order_relaxed); }
 
@@ -35,6 +36,14 @@ template <class Op>
 struct Counted {
   using Params = typename Op::Params;
   static constexpr const char* name = Op::name;
+  static constexpr bool donates = requires(const Params& p) { Op::donor(p, size_t{0}); };
+  static int donor(const Params& p, size_t out) {
+    if constexpr (donates) {
+      return Op::donor(p, out);
+    } else {
+      return -1;
+    }
+  }
   static void run_many(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
     if constexpr (requires { Op::run_many(p, in, outs); }) {
       Op::run_many(p, in, outs);
@@ -586,6 +595,36 @@ void block_values(int R, const float* e, const float* v, int64_t vstep, int n, i
   }
 }
 
+// `rows` ([B, H, L, D], any strides) written over slots at..at+L of `buf` ([B, H, S, D]) into
+// `out` (row-major, `buf`'s shape). `out` is `buf`'s own buffer when MLX let the op take it
+// over (the cache's only reference was the op's input); otherwise `buf` is copied first.
+void write_slots(const View& buf, const View& rows, int at, View& out) {
+  float* o = out.data<float>();
+  if (o != buf.data<float>()) {
+    copy_dense(buf, o);
+    count(FusedKind::SdpaWriteCopy);
+  }
+  const int B = rows.shape(0), H = rows.shape(1), L = rows.shape(2), D = rows.shape(3);
+  const int S = buf.shape(2);
+  const auto& rs = rows.strides();
+  const float* r = rows.data<float>();
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < L; ++i) {
+        const float* src = r + b * rs[0] + h * rs[1] + i * rs[2];
+        float* dst = o + (((size_t)b * H + h) * S + at + i) * D;
+        if (rs[3] == 1) {
+          std::memcpy(dst, src, sizeof(float) * D);
+        } else {
+          for (int d = 0; d < D; ++d) dst[d] = src[d * rs[3]];
+        }
+      }
+}
+
+// Attention over the first `keys` slots of K and V. With `write_at` ≥ 0, the last two inputs
+// are new key and value rows, written at slots write_at.. of K and V first: the op's second and
+// third outputs are the buffers with them, and attention reads those. A decode step's cache
+// write, view and attention are one op instead of five (two SliceUpdates, two Slices).
 struct SdpaOp {
   struct Params {
     float scale;
@@ -593,22 +632,37 @@ struct SdpaOp {
     bool has_mask;
     bool bool_mask;
     bool has_sinks;
+    int keys;
+    int write_at;
     bool operator==(const Params&) const = default;
   };
   static constexpr const char* name = "MlxrCpuSdpa";
   static constexpr FusedKind kind = FusedKind::Sdpa;
 
-  static void run(const Params& p, std::vector<View>& in, View& out) {
-    const View &q = in[0], &k = in[1], &v = in[2];
+  // The updated K and V may take over the buffers they update.
+  static int donor(const Params& p, size_t out) {
+    return p.write_at >= 0 && (out == 1 || out == 2) ? (int)out : -1;
+  }
+
+  static void run_many(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
+    if (p.write_at < 0) return attend(p, in, in[1], in[2], outs[0]);
+    const size_t rows = in.size() - 2;
+    write_slots(in[1], in[rows], p.write_at, outs[1]);
+    write_slots(in[2], in[rows + 1], p.write_at, outs[2]);
+    attend(p, in, outs[1], outs[2], outs[0]);
+  }
+
+  static void attend(const Params& p, std::vector<View>& in, const View& k, const View& v, View& out) {
+    const View& q = in[0];
     const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
-    const int Hk = k.shape(1), S = k.shape(2), Dv = v.shape(3);
+    const int Hk = k.shape(1), St = k.shape(2), S = p.keys, Dv = v.shape(3);
     const int rep = Hq / Hk, nq = rep * L;
     // K and V are read in place (cache views are strided); only their last axis must be dense.
     std::vector<float> kt, vt;
     const float* kp = k.strides()[3] == 1 ? k.data<float>() : dense(k, kt);
     const float* vp = v.strides()[3] == 1 ? v.data<float>() : dense(v, vt);
-    const int64_t dense_ks[4] = {(int64_t)Hk * S * D, (int64_t)S * D, D, 1};
-    const int64_t dense_vs[4] = {(int64_t)Hk * S * Dv, (int64_t)S * Dv, Dv, 1};
+    const int64_t dense_ks[4] = {(int64_t)Hk * St * D, (int64_t)St * D, D, 1};
+    const int64_t dense_vs[4] = {(int64_t)Hk * St * Dv, (int64_t)St * Dv, Dv, 1};
     const int64_t* ks = k.strides()[3] == 1 ? k.strides().begin() : dense_ks;
     const int64_t* vs = v.strides()[3] == 1 ? v.strides().begin() : dense_vs;
     const View* mask = p.has_mask ? &in[3] : nullptr;
@@ -984,7 +1038,10 @@ void set_fused_cpu_enabled(bool on) { g_enabled.store(on); }
 
 bool fused_cpu_enabled() { return g_enabled.load(); }
 
-uint64_t fused_cpu_count(FusedKind kind) { return g_counts[static_cast<int>(kind)].load(); }
+uint64_t fused_cpu_count(FusedKind kind) {
+  const int i = static_cast<int>(kind);
+  return i < kKinds ? g_counts[i].load() : 0;
+}
 
 std::optional<mx::array> cpu_rms_norm(
     const mx::array& x,
@@ -1097,10 +1154,14 @@ std::optional<std::vector<mx::array>> cpu_qkv_heads(
       {{T, q_heads, 1, d}, {T, kv_heads, 1, d}, {T, kv_heads, 1, d}}, {q_heads, kv_heads, eps, rp}, std::move(in));
 }
 
-std::optional<mx::array> cpu_sdpa(
+std::optional<std::vector<mx::array>> cpu_sdpa_slots(
     const mx::array& q,
     const mx::array& k,
     const mx::array& v,
+    int keys,
+    const std::optional<mx::array>& k_new,
+    const std::optional<mx::array>& v_new,
+    int write_at,
     float scale,
     bool causal,
     const std::optional<mx::array>& mask,
@@ -1109,17 +1170,26 @@ std::optional<mx::array> cpu_sdpa(
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) return std::nullopt;
   const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
   const int Hk = k.shape(1), S = k.shape(2);
-  if (L == 0 || L > kMaxQueries || S < L || Hk == 0 || Hq % Hk != 0 || k.shape(0) != B ||
-      v.shape(0) != B || k.shape(3) != D || v.shape(1) != Hk || v.shape(2) != S)
+  if (L == 0 || L > kMaxQueries || keys < L || keys > S || Hk == 0 || Hq % Hk != 0 ||
+      k.shape(0) != B || v.shape(0) != B || k.shape(3) != D || v.shape(1) != Hk || v.shape(2) != S)
     return std::nullopt;
   if (causal && mask) return std::nullopt;
+  const bool write = k_new.has_value();
+  if (write != v_new.has_value()) return std::nullopt;
+  if (write) {
+    if (!is_f32(*k_new) || !is_f32(*v_new) || k_new->ndim() != 4 || v_new->ndim() != 4) return std::nullopt;
+    const int Ln = k_new->shape(2);
+    if (k_new->shape(0) != B || k_new->shape(1) != Hk || k_new->shape(3) != D ||
+        v_new->shape() != mx::Shape{B, Hk, Ln, (int)v.shape(3)} || write_at < 0 || write_at + Ln > S)
+      return std::nullopt;
+  }
   std::vector<mx::array> in{q, k, v};
   bool bool_mask = false;
   if (mask) {
     if (mask->ndim() > 4) return std::nullopt;
     bool_mask = mask->dtype() == mx::bool_;
     if (!bool_mask && !is_f32(*mask)) return std::nullopt;
-    mx::Shape full{B, Hq, L, S};
+    mx::Shape full{B, Hq, L, keys};
     for (int d = 1; d <= (int)mask->ndim(); ++d) {
       const int m = mask->shape(-d);
       if (m != 1 && m != full[4 - d]) return std::nullopt;
@@ -1130,10 +1200,16 @@ std::optional<mx::array> cpu_sdpa(
     if (!is_f32(*sinks) || sinks->ndim() != 1 || sinks->shape(0) != Hq) return std::nullopt;
     in.push_back(*sinks);
   }
-  return fused<SdpaOp>(
-      {B, Hq, L, (int)v.shape(3)},
-      {scale, causal, mask.has_value(), bool_mask, sinks.has_value()},
-      std::move(in));
+  const SdpaOp::Params p{scale, causal, mask.has_value(), bool_mask, sinks.has_value(), keys, write ? write_at : -1};
+  const mx::Shape out{B, Hq, L, (int)v.shape(3)};
+  if (!write) {
+    auto o = fused<SdpaOp>(out, p, std::move(in));
+    if (!o) return std::nullopt;
+    return std::vector<mx::array>{std::move(*o)};
+  }
+  in.push_back(*k_new);
+  in.push_back(*v_new);
+  return fused_many<SdpaOp>({out, k.shape(), v.shape()}, p, std::move(in));
 }
 
 std::optional<mx::array> cpu_matmul(const mx::array& x, const mx::array& w) {

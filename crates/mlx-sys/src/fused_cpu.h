@@ -18,6 +18,8 @@ enum class FusedKind : uint8_t {
   Softcap = 5,
   SiluMul = 6,
   HeadsNormRope = 7,
+  // Cache writes that had to copy their buffer (something else still held it).
+  SdpaWriteCopy = 8,
 };
 
 // Each returns the fused primitive's output, or nullopt when it does not apply (not the CPU, not
@@ -86,10 +88,18 @@ std::optional<std::vector<mlx::core::array>> cpu_qkv_heads(
     const HeadsRope& rope,
     const mlx::core::array& offsets);
 
-std::optional<mlx::core::array> cpu_sdpa(
+// softmax(q kᵀ · scale + mask) v over the first `keys` slots of k and v ([B, Hk, S, D]). With
+// k_new and v_new ([B, Hk, L, D]), their rows are first written at slots write_at.. of k and v:
+// {attention, k with them, v with them}, the buffers taken over where nothing else holds them.
+// Without: {attention}.
+std::optional<std::vector<mlx::core::array>> cpu_sdpa_slots(
     const mlx::core::array& q,
     const mlx::core::array& k,
     const mlx::core::array& v,
+    int keys,
+    const std::optional<mlx::core::array>& k_new,
+    const std::optional<mlx::core::array>& v_new,
+    int write_at,
     float scale,
     bool causal,
     const std::optional<mlx::core::array>& mask,

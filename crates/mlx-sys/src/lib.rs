@@ -347,15 +347,21 @@ pub mod ffi {
             offsets: &Arr,
             freqs: *const Arr,
         ) -> Result<UniquePtr<ArrVec>>;
-        unsafe fn sdpa(
+        /// Attention over the first `keys` slots of `k` and `v`; with `k_new` and `v_new`,
+        /// their rows written at slot `write_at` first: [out] or [out, k', v'].
+        unsafe fn sdpa_slots(
             q: &Arr,
             k: &Arr,
             v: &Arr,
+            keys: i32,
+            k_new: *const Arr,
+            v_new: *const Arr,
+            write_at: i32,
             scale: f32,
             mask_mode: &str,
             mask: *const Arr,
             sinks: *const Arr,
-        ) -> Result<UniquePtr<Arr>>;
+        ) -> Result<UniquePtr<ArrVec>>;
         fn gelu_tanh(x: &Arr) -> Result<UniquePtr<Arr>>;
         /// `cap · tanh(x / cap)`.
         fn softcap(x: &Arr, cap: f32) -> Result<UniquePtr<Arr>>;
@@ -364,7 +370,8 @@ pub mod ffi {
         /// Turns mlx-runner's fused CPU kernels (RMS norm, RoPE, attention, GELU) on or off.
         fn set_fused_kernels(on: bool);
         /// Evaluations of one fused kernel: 0 RMS norm, 1 RoPE, 2 attention, 3 GELU, 4 few-row matmul,
-        /// 5 soft-capping, 6 silu(g) · u.
+        /// 5 soft-capping, 6 silu(g) · u, 7 heads' norm and rotation; 8 counts attention's cache
+        /// writes that had to copy their buffer.
         fn fused_kernel_count(kind: u8) -> u64;
 
         // random

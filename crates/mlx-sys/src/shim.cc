@@ -760,21 +760,62 @@ std::unique_ptr<ArrVec> qkv_heads(
   return wrap_vec({qo->a, ko->a, vo->a});
 }
 
-ArrPtr sdpa(
+std::unique_ptr<ArrVec> sdpa_slots(
     const Arr& q,
     const Arr& k,
     const Arr& v,
+    int32_t keys,
+    const Arr* k_new,
+    const Arr* v_new,
+    int32_t write_at,
     float scale,
     rust::Str mask_mode,
     const Arr* mask,
     const Arr* sinks) {
+  const auto& kb = k.a;
+  const auto& vb = v.a;
+  if (kb.ndim() != 4 || vb.ndim() != 4 || kb.shape(2) != vb.shape(2))
+    throw std::invalid_argument("[sdpa_slots] keys and values must be [B, H, S, D] buffers of one length");
+  const int S = kb.shape(2);
+  if (keys < 1 || keys > S)
+    throw std::invalid_argument(
+        "[sdpa_slots] attention over " + std::to_string(keys) + " slots of a buffer of " + std::to_string(S));
+  if ((k_new == nullptr) != (v_new == nullptr))
+    throw std::invalid_argument("[sdpa_slots] new keys and new values come together");
+  if (k_new) {
+    const auto& kn = k_new->a;
+    if (kn.ndim() != 4 || write_at < 0 || write_at + kn.shape(2) > S)
+      throw std::invalid_argument(
+          "[sdpa_slots] writing rows at slot " + std::to_string(write_at) + " of a buffer of " + std::to_string(S));
+  }
   const bool causal = mask_mode == "causal";
   if ((causal && !mask) || (mask_mode == "array" && mask) || (mask_mode.empty() && !mask)) {
-    if (auto out = cpu_sdpa(q.a, k.a, v.a, scale, causal, opt(mask), opt(sinks)))
-      return wrap(std::move(*out));
+    if (auto outs = cpu_sdpa_slots(q.a, kb, vb, keys, opt(k_new), opt(v_new), write_at, scale, causal,
+                                   opt(mask), opt(sinks)))
+      return wrap_vec(std::move(*outs));
   }
-  return wrap(mx::fast::scaled_dot_product_attention(
-      q.a, k.a, v.a, scale, std::string(mask_mode), opt(mask), opt(sinks)));
+  // The graph the kernel stands for: the writes, the views of the slots read, attention.
+  mx::array kw = kb, vw = vb;
+  if (k_new) {
+    const int n = k_new->a.shape(2);
+    auto at = [&](const mx::array& buf, const mx::array& rows) {
+      mx::Shape start{0, 0, write_at, 0}, stop = buf.shape();
+      stop[2] = write_at + n;
+      return mx::slice_update(buf, rows, start, stop);
+    };
+    kw = at(kb, k_new->a);
+    vw = at(vb, v_new->a);
+  }
+  auto first = [&](const mx::array& buf) {
+    if (keys == S) return buf;
+    auto stop = buf.shape();
+    stop[2] = keys;
+    return mx::slice(buf, mx::Shape{0, 0, 0, 0}, stop);
+  };
+  auto out = mx::fast::scaled_dot_product_attention(
+      q.a, first(kw), first(vw), scale, std::string(mask_mode), opt(mask), opt(sinks));
+  if (!k_new) return wrap_vec({out});
+  return wrap_vec({out, kw, vw});
 }
 
 ArrPtr gelu_tanh(const Arr& x) {

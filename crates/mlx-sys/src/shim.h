@@ -242,10 +242,14 @@ std::unique_ptr<ArrVec> qkv_heads(
     float scale,
     const Arr& offsets,
     const Arr* freqs);
-ArrPtr sdpa(
+std::unique_ptr<ArrVec> sdpa_slots(
     const Arr& q,
     const Arr& k,
     const Arr& v,
+    int32_t keys,
+    const Arr* k_new,
+    const Arr* v_new,
+    int32_t write_at,
     float scale,
     rust::Str mask_mode,
     const Arr* mask,

@@ -255,15 +255,131 @@ pub fn scaled_dot_product_attention(
     mask: SdpaMask<'_>,
     sinks: Option<&Array>,
 ) -> Result<Array> {
-    let (mode, arr) = match mask {
+    let keys = k.shape().get(2).copied().unwrap_or(0);
+    let kv = KvSlots {
+        keys: k.clone(),
+        values: v.clone(),
+        len: keys.max(0) as usize,
+    };
+    sdpa_slots(q, &kv, scale, mask, sinks)
+}
+
+/// The first `len` time slots of a cache's key and value buffers (`[B, Hkv, S, D]`, `len ≤ S`):
+/// what attention over the cache reads, without a view op per buffer.
+#[derive(Debug, Clone)]
+pub struct KvSlots {
+    pub keys: Array,
+    pub values: Array,
+    pub len: usize,
+}
+
+impl KvSlots {
+    /// The slots as arrays of exactly `len` positions (views of the buffers).
+    pub fn view(&self) -> Result<(Array, Array)> {
+        let first = |a: &Array| -> Result<Array> {
+            if a.shape().get(2) == Some(&(self.len as i32)) {
+                return Ok(a.clone());
+            }
+            a.index(&[
+                crate::Ix::full(),
+                crate::Ix::full(),
+                crate::Ix::slice(None, Some(self.len as i32), 1),
+            ])
+        };
+        Ok((first(&self.keys)?, first(&self.values)?))
+    }
+}
+
+fn mask_parts<'a>(mask: SdpaMask<'a>) -> (&'static str, Option<&'a Array>) {
+    match mask {
         SdpaMask::None => ("", None),
         SdpaMask::Causal => ("causal", None),
         SdpaMask::Array(a) => ("array", Some(a)),
-    };
+    }
+}
+
+fn slot_count(n: usize) -> Result<i32> {
+    i32::try_from(n).map_err(|_| crate::Error::Mlx(format!("sdpa: {n} slots is too many")))
+}
+
+/// [`scaled_dot_product_attention`] over the slots `kv` names (the mask, if an array, covers
+/// exactly those `len` keys).
+pub fn sdpa_slots(
+    q: &Array,
+    kv: &KvSlots,
+    scale: f32,
+    mask: SdpaMask<'_>,
+    sinks: Option<&Array>,
+) -> Result<Array> {
+    let (mode, arr) = mask_parts(mask);
+    let none = std::ptr::null();
     // SAFETY: the pointers are null or point at arrays that outlive the call.
-    Ok(Array::from_raw(unsafe {
-        ffi::sdpa(q.arr(), k.arr(), v.arr(), scale, mode, ptr(arr), ptr(sinks))?
-    }))
+    let outs = crate::array::unpack(unsafe {
+        ffi::sdpa_slots(
+            q.arr(),
+            kv.keys.arr(),
+            kv.values.arr(),
+            slot_count(kv.len)?,
+            none,
+            none,
+            -1,
+            scale,
+            mode,
+            ptr(arr),
+            ptr(sinks),
+        )?
+    })?;
+    outs.into_iter()
+        .next()
+        .ok_or_else(|| crate::Error::Mlx("sdpa: expected an output".into()))
+}
+
+/// A cache write and the attention that reads it, in one op: the rows of `new` (keys and values,
+/// `[B, Hkv, L, D]`) are written into the buffers `into.keys` and `into.values` at slots
+/// `at..at + L`, then `q` attends over their first `into.len` slots. Returns the attention and
+/// the buffers with the rows (the same slots). A buffer nothing else holds is updated in place,
+/// as MLX's `slice_update` does; otherwise it is copied first.
+pub fn sdpa_write(
+    q: &Array,
+    new: (&Array, &Array),
+    into: &KvSlots,
+    at: usize,
+    scale: f32,
+    mask: SdpaMask<'_>,
+    sinks: Option<&Array>,
+) -> Result<(Array, KvSlots)> {
+    let (mode, arr) = mask_parts(mask);
+    let (keys, values) = new;
+    // SAFETY: the pointers are null or point at arrays that outlive the call.
+    let outs = crate::array::unpack(unsafe {
+        ffi::sdpa_slots(
+            q.arr(),
+            into.keys.arr(),
+            into.values.arr(),
+            slot_count(into.len)?,
+            keys.arr(),
+            values.arr(),
+            slot_count(at)?,
+            scale,
+            mode,
+            ptr(arr),
+            ptr(sinks),
+        )?
+    })?;
+    let mut it = outs.into_iter();
+    match (it.next(), it.next(), it.next()) {
+        (Some(out), Some(k), Some(v)) => Ok((
+            out,
+            KvSlots {
+                keys: k,
+                values: v,
+                len: into.len,
+            },
+        )),
+        _ => Err(crate::Error::Mlx(
+            "sdpa_write: expected three outputs".into(),
+        )),
+    }
 }
 
 /// `0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))`, the tanh approximation of GELU.
@@ -302,6 +418,8 @@ pub struct FusedCounts {
     pub silu_mul: u64,
     /// [`heads_norm_rope`]'s one op.
     pub heads_norm_rope: u64,
+    /// [`sdpa_write`]s that had to copy their buffers (another array or op still held them).
+    pub sdpa_write_copies: u64,
 }
 
 pub fn fused_kernel_counts() -> FusedCounts {
@@ -314,5 +432,6 @@ pub fn fused_kernel_counts() -> FusedCounts {
         softcap: ffi::fused_kernel_count(5),
         silu_mul: ffi::fused_kernel_count(6),
         heads_norm_rope: ffi::fused_kernel_count(7),
+        sdpa_write_copies: ffi::fused_kernel_count(8),
     }
 }

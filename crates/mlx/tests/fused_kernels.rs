@@ -5,7 +5,7 @@
 //! contiguous and transposed inputs; a decode step's per-head norm and rotation as one op. Each
 //! case also checks that the kernel, not MLX, answered.
 
-use mlx::fast::{self, FusedCounts, HeadsRotation, RopeFreqs, SdpaMask};
+use mlx::fast::{self, FusedCounts, HeadsRotation, KvSlots, RopeFreqs, SdpaMask};
 use mlx::{random, Array, Dtype};
 
 /// The switch and counters are per process: the tests take turns.
@@ -53,6 +53,7 @@ fn both(f: impl Fn() -> Array) -> (Vec<f32>, Vec<f32>, Vec<i32>, FusedCounts) {
         softcap: after.softcap - before.softcap,
         silu_mul: after.silu_mul - before.silu_mul,
         heads_norm_rope: after.heads_norm_rope - before.heads_norm_rope,
+        sdpa_write_copies: after.sdpa_write_copies - before.sdpa_write_copies,
     };
     (
         ours.to_vec::<f32>().unwrap(),
@@ -332,6 +333,174 @@ fn a_verify_row_is_the_decode_step_at_its_position() {
         runs,
         "the kernel answered"
     );
+}
+
+/// A cache write and the attention that reads it as one op (`sdpa_write`): the buffers come back
+/// with exactly the new rows in their slots and attention over their first `len` slots is what
+/// MLX's slice_update, slice and attention give; attention over a buffer's first slots
+/// (`sdpa_slots`) is the kernel's own bits over a view of them.
+#[test]
+fn a_cache_write_and_its_attention_are_one_op() {
+    let _one = serial();
+    let mut seed = 7000;
+    let mut next = || {
+        seed += 1;
+        seed
+    };
+    // (batch, query heads, kv heads, new rows, buffer slots, write at, slots read, dims, mask)
+    let window: Vec<bool> = (0..32).map(|j| j % 3 != 1).collect();
+    let window = Array::from_slice(&window, &[1, 32]).unwrap();
+    for (b, hq, hk, l, slots, at, len, d, dv, mask) in [
+        // A decode step into a growing buffer.
+        (1, 8, 2, 1, 256, 37, 38, 32, 32, SdpaMask::None),
+        // A full ring: the write lands mid-buffer and attention reads every slot.
+        (1, 8, 2, 1, 16, 5, 16, 16, 16, SdpaMask::None),
+        // A verify step's rows.
+        (2, 4, 1, 3, 64, 10, 13, 24, 12, SdpaMask::Causal),
+        // A window mask over the slots read.
+        (1, 4, 2, 1, 40, 31, 32, 8, 8, SdpaMask::Array(&window)),
+    ] {
+        let what = format!("write {l} rows at {at} of {slots}, read {len}, B{b} Hq{hq} Hk{hk}");
+        let q = normal(&[b, hq, l, d], next());
+        let (kn, vn) = (
+            normal(&[b, hk, l, d], next()),
+            normal(&[b, hk, l, dv], next()),
+        );
+        let (kb, vb) = (
+            normal(&[b, hk, slots, d], next()),
+            normal(&[b, hk, slots, dv], next()),
+        );
+        let flat = |a: &Array| a.reshape(&[-1]).unwrap();
+        let (kb_was, vb_was) = (kb.to_vec::<f32>().unwrap(), vb.to_vec::<f32>().unwrap());
+        let (ours, theirs, _, ran) = both(|| {
+            let into = KvSlots {
+                keys: kb.clone(),
+                values: vb.clone(),
+                len,
+            };
+            let (out, kv) = fast::sdpa_write(&q, (&kn, &vn), &into, at, 0.3, mask, None).unwrap();
+            mlx::concatenate(&[&flat(&out), &flat(&kv.keys), &flat(&kv.values)], 0).unwrap()
+        });
+        assert_eq!(ran.sdpa, 1, "{what}: one op");
+        // The test holds the buffers, so the op wrote into copies of them.
+        assert_eq!(ran.sdpa_write_copies, 2, "{what}");
+        let n_out = (b * hq * l * dv) as usize;
+        assert_close(&ours[..n_out], &theirs[..n_out], 1e-5, &what);
+        assert_eq!(
+            ours[n_out..],
+            theirs[n_out..],
+            "{what}: the buffers are slice_update's"
+        );
+        // The buffers the test holds are as they were.
+        assert_eq!(kb.to_vec::<f32>().unwrap(), kb_was, "{what}");
+        assert_eq!(vb.to_vec::<f32>().unwrap(), vb_was, "{what}");
+        // The attention is the kernel's bits over views of the written slots.
+        let into = KvSlots {
+            keys: kb.clone(),
+            values: vb.clone(),
+            len,
+        };
+        let (out, kv) = fast::sdpa_write(&q, (&kn, &vn), &into, at, 0.3, mask, None).unwrap();
+        let (kview, vview) = kv.view().unwrap();
+        let plain =
+            fast::scaled_dot_product_attention(&q, &kview, &vview, 0.3, mask, None).unwrap();
+        let over_slots = fast::sdpa_slots(&q, &kv, 0.3, mask, None).unwrap();
+        assert_eq!(
+            out.to_vec::<f32>().unwrap(),
+            plain.to_vec::<f32>().unwrap(),
+            "{what}"
+        );
+        assert_eq!(
+            over_slots.to_vec::<f32>().unwrap(),
+            plain.to_vec::<f32>().unwrap(),
+            "{what}"
+        );
+    }
+}
+
+/// A buffer nothing else holds is written in place, over many steps, and a buffer that something
+/// still reads (a snapshot, the previous step's view) is copied, never changed under its reader.
+#[test]
+fn a_cache_write_takes_over_a_buffer_only_when_nothing_else_holds_it() {
+    let _one = serial();
+    let copies = || fast::fused_kernel_counts().sdpa_write_copies;
+    let mut kv = KvSlots {
+        keys: normal(&[1, 2, 64, 16], 1).copy().unwrap(),
+        values: normal(&[1, 2, 64, 16], 2).copy().unwrap(),
+        len: 0,
+    };
+    mlx::eval(&[&kv.keys, &kv.values]).unwrap();
+    let before = copies();
+    let mut snapshot = None;
+    for at in 0..40 {
+        let q = normal(&[1, 4, 1, 16], 100 + at as u64);
+        let (k, v) = (
+            normal(&[1, 2, 1, 16], 200 + at as u64),
+            normal(&[1, 2, 1, 16], 300 + at as u64),
+        );
+        let into = KvSlots { len: at + 1, ..kv };
+        let (out, next) =
+            fast::sdpa_write(&q, (&k, &v), &into, at, 1.0, SdpaMask::None, None).unwrap();
+        drop(into);
+        kv = next;
+        if at == 20 {
+            // Something reads step 20's keys later: step 21 must not write into them.
+            snapshot = Some((kv.keys.clone(), kv.keys.to_vec::<f32>().unwrap()));
+        }
+        out.eval().unwrap();
+    }
+    assert_eq!(
+        copies() - before,
+        1,
+        "only the write after the snapshot copied, and only the keys"
+    );
+    let (held, was) = snapshot.unwrap();
+    assert_eq!(
+        held.to_vec::<f32>().unwrap(),
+        was,
+        "the snapshot did not change"
+    );
+    // The live buffer holds every step's rows.
+    let keys = kv.keys.to_vec::<f32>().unwrap();
+    for at in [0usize, 20, 21, 39] {
+        let row = normal(&[1, 2, 1, 16], 200 + at as u64)
+            .to_vec::<f32>()
+            .unwrap();
+        for h in 0..2 {
+            let got = &keys[(h * 64 + at) * 16..(h * 64 + at + 1) * 16];
+            assert_eq!(got, &row[h * 16..(h + 1) * 16], "step {at} head {h}");
+        }
+    }
+}
+
+#[test]
+fn attention_over_slots_refuses_slots_the_buffer_does_not_have() {
+    let _one = serial();
+    let q = normal(&[1, 2, 1, 8], 1);
+    let kv = KvSlots {
+        keys: normal(&[1, 1, 16, 8], 2),
+        values: normal(&[1, 1, 16, 8], 3),
+        len: 17,
+    };
+    let err = fast::sdpa_slots(&q, &kv, 1.0, SdpaMask::None, None).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("attention over 17 slots of a buffer of 16"),
+        "{err}"
+    );
+    let row = normal(&[1, 1, 1, 8], 4);
+    let into = KvSlots { len: 16, ..kv };
+    let err = fast::sdpa_write(&q, (&row, &row), &into, 16, 1.0, SdpaMask::None, None).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("writing rows at slot 16 of a buffer of 16"),
+        "{err}"
+    );
+    let wide = normal(&[1, 1, 1, 9], 5);
+    let err = fast::sdpa_write(&q, (&wide, &wide), &into, 3, 1.0, SdpaMask::None, None)
+        .and_then(|(o, _)| o.eval())
+        .unwrap_err();
+    assert!(!err.to_string().is_empty());
 }
 
 #[test]

@@ -13,8 +13,8 @@ use crate::packed::{
 };
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
-use cache::{AttnMask, KvCache, LayerCache, RotatingKvCache};
-use mlx::fast::scaled_dot_product_attention;
+use cache::{Attended, AttnMask, KvCache, LayerCache, RotatingKvCache};
+use mlx::fast::{scaled_dot_product_attention, sdpa_slots, KvSlots};
 use mlx::{Array, Ix};
 use serde::Deserialize;
 use serde_json::Value;
@@ -473,29 +473,26 @@ impl Attention {
         rope.apply(&self.project_q(x, eps)?, offset)
     }
 
-    /// Attention of `[B, H, L, d]` queries over keys and values, as `[B, H, L, d]`.
-    fn scores(&self, q: &Array, k: &Array, v: &Array, mask: &AttnMask) -> Result<Array> {
-        // q and k are RMS-normalised, so the attention scale is 1 (MODELS.md §1.3).
-        Ok(scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            1.0,
-            mask.as_sdpa(),
-            None,
-        )?)
-    }
-
     /// Attention of `[B, H, L, d]` queries over keys and values, before the output projection:
     /// `[B, L, H·d]`.
     fn attend(&self, q: &Array, k: &Array, v: &Array, mask: &AttnMask) -> Result<Array> {
-        heads_joined(&self.scores(q, k, v, mask)?)
+        heads_joined(&scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            ATTENTION_SCALE,
+            mask.as_sdpa(),
+            None,
+        )?)
     }
 
     pub(crate) fn output(&self, q: &Array, k: &Array, v: &Array, mask: &AttnMask) -> Result<Array> {
         self.o_proj.forward(&self.attend(q, k, v, mask)?)
     }
 }
+
+/// q and k are RMS-normalised, so the attention scale is 1 (MODELS.md §1.3).
+const ATTENTION_SCALE: f32 = 1.0;
 
 /// GeGLU: `down(gelu_tanh(gate x) ⊙ up x)`.
 struct Mlp {
@@ -917,7 +914,7 @@ impl CausalLm for Gemma4 {
             .collect();
         let spans = spans(rows);
         // Per layer, per row: the keys and values a later KV-shared layer reads.
-        let mut kv: Vec<Vec<(Array, Array)>> = vec![Vec::new(); self.layers.len()];
+        let mut kv: Vec<Vec<KvSlots>> = vec![Vec::new(); self.layers.len()];
         // Per row, per layer kind: the mask its first layer of that kind built.
         let mut masks: Vec<HashMap<LayerKind, AttnMask>> = vec![HashMap::new(); rows.len()];
         // A decode step of several rows batches attention's per-row work along the batch axis.
@@ -979,26 +976,43 @@ impl CausalLm for Gemma4 {
             let mut outs = Vec::with_capacity(n);
             for (r, row) in rows.iter_mut().enumerate() {
                 let l = spans[r].1;
-                let (k, v) = match (layer.spec.shared_from, self.cache_slot[i], &new_kv) {
-                    (Some(src), _, _) => kv[src].get(r).cloned().ok_or_else(|| {
-                        ModelError::Invalid(format!(
-                            "layer {i} shares K/V with layer {src}, which has none"
-                        ))
-                    })?,
+                let kind = layer.spec.kind;
+                let q = &q_rows[r];
+                let attended = match (layer.spec.shared_from, self.cache_slot[i], &new_kv) {
+                    (Some(src), _, _) => {
+                        let kv = kv[src].get(r).cloned().ok_or_else(|| {
+                            ModelError::Invalid(format!(
+                                "layer {i} shares K/V with layer {src}, which has none"
+                            ))
+                        })?;
+                        let mask = masks[r].get(&kind).cloned().unwrap_or(AttnMask::None);
+                        let out = sdpa_slots(q, &kv, ATTENTION_SCALE, mask.as_sdpa(), None)?;
+                        Attended { out, kv, mask }
+                    }
                     (None, Some(slot), Some(new)) => {
                         let (k, v) = &new[r];
                         match &mut row.caches[slot] {
-                            LayerCache::Rotating(c) => {
-                                let kv = c.update(k, v)?;
-                                if let Entry::Vacant(e) = masks[r].entry(layer.spec.kind) {
-                                    e.insert(c.mask(l)?);
-                                }
-                                kv
+                            // One op for the write, the views and attention.
+                            LayerCache::Kv(c) => c.update_attend(q, k, v, ATTENTION_SCALE)?,
+                            LayerCache::Rotating(c) if l == 1 => {
+                                c.update_attend(q, k, v, ATTENTION_SCALE)?
                             }
-                            LayerCache::Kv(c) => {
-                                let kv = c.update(k, v)?;
-                                masks[r].entry(layer.spec.kind).or_insert_with(|| c.mask(l));
-                                kv
+                            // A batched write's window mask is worked out once per row, by the
+                            // first sliding layer; the others have the same history.
+                            LayerCache::Rotating(c) => {
+                                let (k, v) = c.update(k, v)?;
+                                let mask = match masks[r].entry(kind) {
+                                    Entry::Occupied(e) => e.get().clone(),
+                                    Entry::Vacant(e) => e.insert(c.mask(l)?).clone(),
+                                };
+                                let kv = KvSlots {
+                                    len: k.shape()[2] as usize,
+                                    keys: k,
+                                    values: v,
+                                };
+                                let out =
+                                    sdpa_slots(q, &kv, ATTENTION_SCALE, mask.as_sdpa(), None)?;
+                                Attended { out, kv, mask }
                             }
                             LayerCache::Latent(_) => {
                                 return Err(ModelError::Invalid(
@@ -1009,17 +1023,17 @@ impl CausalLm for Gemma4 {
                     }
                     _ => return Err(ModelError::Invalid(format!("layer {i} has no cache slot"))),
                 };
-                let mask = masks[r]
-                    .get(&layer.spec.kind)
-                    .cloned()
-                    .unwrap_or(AttnMask::None);
+                // A KV-shared layer reads its source's slots with the mask of its kind.
+                masks[r]
+                    .entry(kind)
+                    .or_insert_with(|| attended.mask.clone());
                 outs.push(if single {
                     // Kept as `[1, H, 1, d]`: the rows join along the batch axis below.
-                    layer.attn.scores(&q_rows[r], &k, &v, &mask)?
+                    attended.out
                 } else {
-                    layer.attn.attend(&q_rows[r], &k, &v, &mask)?
+                    heads_joined(&attended.out)?
                 });
-                kv[i].push((k, v));
+                kv[i].push(attended.kv);
             }
             let joined = if single {
                 rows_as_tokens(&outs)?
