@@ -1,7 +1,7 @@
 //! Caches that keep every position: full attention (keys + values) and MLA (one latent array).
 
-use crate::{time_len, Attended, AttnMask, CacheError, Result, STEP};
-use mlx::fast::KvSlots;
+use crate::{attention, time_len, Attended, AttnMask, CacheError, Result, STEP};
+use mlx::fast::{KvSlots, SdpaLayout};
 use mlx::{Array, Ix};
 
 /// A `[B, H, T, D]` buffer that grows along time in steps of [`STEP`] and holds `len` valid
@@ -145,6 +145,7 @@ impl KvCache {
         keys: &Array,
         values: &Array,
         scale: f32,
+        layout: SdpaLayout,
     ) -> Result<Attended> {
         let at = self.keys.len;
         let l = time_len(keys)?;
@@ -159,8 +160,13 @@ impl KvCache {
             len: at + l,
         };
         let mask = self.mask(l);
-        let (out, kv) =
-            mlx::fast::sdpa_write(q, (keys, values), &into, at, scale, mask.as_sdpa(), None)?;
+        let (out, kv) = mlx::fast::sdpa_write(
+            q,
+            (keys, values),
+            &into,
+            at,
+            attention(scale, &mask, layout),
+        )?;
         // The op takes the buffers over only if nothing else holds them when it runs.
         drop(into);
         self.keys.data = Some(kv.keys.clone());

@@ -19,7 +19,7 @@ pub use growing::{KvCache, LatentCache};
 pub use mask::AttnMask;
 pub use rotating::RotatingKvCache;
 
-use mlx::fast::KvSlots;
+use mlx::fast::{Attention, KvSlots, SdpaLayout};
 use mlx::Array;
 
 /// Errors of cache bookkeeping (MLX errors pass through).
@@ -35,13 +35,18 @@ pub enum CacheError {
 
 pub type Result<T> = std::result::Result<T, CacheError>;
 
-/// A cache update's attention (`[B, Hq, L, D]`), the cache slots it read (what a KV-shared
+/// A cache update's attention (laid out as asked), the cache slots it read (what a KV-shared
 /// layer attends to) and the mask it used over them.
 #[derive(Debug, Clone)]
 pub struct Attended {
     pub out: Array,
     pub kv: KvSlots,
     pub mask: AttnMask,
+}
+
+/// The attention of an update under the cache's mask.
+pub(crate) fn attention<'a>(scale: f32, mask: &'a AttnMask, layout: SdpaLayout) -> Attention<'a> {
+    Attention::new(scale, mask.as_sdpa()).with_layout(layout)
 }
 
 /// Allocation granularity along time, as in mlx-lm: growing by a step at a time keeps the

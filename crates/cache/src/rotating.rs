@@ -13,8 +13,8 @@
 //! rewind succeeds whenever the tokens the next query needs are still held, and is an error
 //! otherwise, never a silent divergence.
 
-use crate::{time_len, Attended, AttnMask, CacheError, Result, STEP};
-use mlx::fast::KvSlots;
+use crate::{attention, time_len, Attended, AttnMask, CacheError, Result, STEP};
+use mlx::fast::{KvSlots, SdpaLayout};
 use mlx::{Array, Ix};
 
 #[derive(Debug, Clone)]
@@ -188,6 +188,7 @@ impl RotatingKvCache {
         keys: &Array,
         values: &Array,
         scale: f32,
+        layout: SdpaLayout,
     ) -> Result<Attended> {
         let l = time_len(keys)?;
         if l != 1 {
@@ -199,7 +200,7 @@ impl RotatingKvCache {
                 keys: k,
                 values: v,
             };
-            let out = mlx::fast::sdpa_slots(q, &kv, scale, mask.as_sdpa(), None)?;
+            let out = mlx::fast::sdpa_slots(q, &kv, attention(scale, &mask, layout))?;
             return Ok(Attended { out, kv, mask });
         }
         let slot = self.slot_for_one(keys, values)?;
@@ -220,8 +221,13 @@ impl RotatingKvCache {
                 slots_of(k)
             },
         };
-        let (out, kv) =
-            mlx::fast::sdpa_write(q, (keys, values), &into, slot, scale, mask.as_sdpa(), None)?;
+        let (out, kv) = mlx::fast::sdpa_write(
+            q,
+            (keys, values),
+            &into,
+            slot,
+            attention(scale, &mask, layout),
+        )?;
         // The op takes the buffers over only if nothing else holds them when it runs.
         drop(into);
         self.keys = Some(kv.keys.clone());

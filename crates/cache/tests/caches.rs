@@ -5,7 +5,7 @@
 //! which never saw them.
 
 use cache::{AttnMask, KvCache, LatentCache, RotatingKvCache};
-use mlx::fast::scaled_dot_product_attention;
+use mlx::fast::{scaled_dot_product_attention, Attention, SdpaLayout};
 use mlx::{Array, Dtype, Ix};
 use proptest::prelude::*;
 
@@ -125,11 +125,11 @@ proptest! {
                 Op::Attend(l) => {
                     let start = c.offset();
                     let (wk, wv, q) = h.write(start, l);
-                    let a = c.update_attend(&q, &wk, &wv, 0.5).unwrap();
+                    let a = c.update_attend(&q, &wk, &wv, 0.5, SdpaLayout::Heads).unwrap();
                     prop_assert_eq!(c.offset(), start + l);
                     prop_assert!(close(&f32s(&a.out), &h.reference(start, start + l, Some(window))), "attend {l} at {start}");
                     // The slots it read, with its mask, are the same attention (a KV-shared layer's).
-                    let again = f32s(&mlx::fast::sdpa_slots(&q, &a.kv, 0.5, a.mask.as_sdpa(), None).unwrap());
+                    let again = f32s(&mlx::fast::sdpa_slots(&q, &a.kv, Attention::new(0.5, a.mask.as_sdpa())).unwrap());
                     prop_assert!(close(&again, &f32s(&a.out)));
                 }
                 Op::Rewind(n) => {
@@ -162,10 +162,10 @@ proptest! {
                 Op::Attend(l) => {
                     let start = c.offset();
                     let (wk, wv, q) = h.write(start, l);
-                    let a = c.update_attend(&q, &wk, &wv, 0.5).unwrap();
+                    let a = c.update_attend(&q, &wk, &wv, 0.5, SdpaLayout::Heads).unwrap();
                     prop_assert_eq!(c.offset(), start + l);
                     prop_assert!(close(&f32s(&a.out), &h.reference(start, start + l, None)), "attend {l} at {start}");
-                    let again = f32s(&mlx::fast::sdpa_slots(&q, &a.kv, 0.5, a.mask.as_sdpa(), None).unwrap());
+                    let again = f32s(&mlx::fast::sdpa_slots(&q, &a.kv, Attention::new(0.5, a.mask.as_sdpa())).unwrap());
                     prop_assert!(close(&again, &f32s(&a.out)));
                 }
                 Op::Rewind(n) => {
@@ -276,8 +276,8 @@ fn a_decode_steps_cache_write_updates_its_buffers_in_place() {
     let before = copies();
     let step = |c: &mut KvCache, r: &mut RotatingKvCache, p: usize| {
         let (k, v, q) = (rows(p, 1, 1), rows(p, 1, 2), rows(p, 1, 3));
-        let a = c.update_attend(&q, &k, &v, 0.5).unwrap();
-        let b = r.update_attend(&q, &k, &v, 0.5).unwrap();
+        let a = c.update_attend(&q, &k, &v, 0.5, SdpaLayout::Heads).unwrap();
+        let b = r.update_attend(&q, &k, &v, 0.5, SdpaLayout::Heads).unwrap();
         mlx::eval(&[&a.out, &b.out]).unwrap();
     };
     for p in 5..40 {

@@ -105,8 +105,16 @@ class Pool {
         // enough not to take a core from MLX's stream thread and the caller for long: on a
         // 2-core Zen 4 machine 2000 pauses gave a 4-bit decode step of 6.0-6.3 ms against
         // 7.0-7.4 ms with 20000 and 7.6-9.1 ms with 200-500 (`cargo bench --bench step`).
-        if (spin < 2000) {
+        // Past the first pauses the wait yields: the engine's main thread (building and
+        // encoding the next step, ~20% of a core in a 4-bit decode) then runs in these gaps
+        // instead of taking a core from the two threads inside a product later. `generate -n
+        // 200-300` on the 4-bit bench model at a 607-token prompt, interleaved with 2000
+        // pauses: medians of the per-round ratios 1.07, 1.07, 1.05 (8, 8, 16 rounds); 64
+        // pauses then 40 yields 1.06, 1.00; 256 then 200 yields 1.00.
+        if (spin < 256) {
           _mm_pause();
+        } else if (spin < 256 + 40) {
+          std::this_thread::yield();
         } else {
           // Asleep until the next call: the predicate is read under the mutex that bump()
           // takes after changing it, so no wake-up is lost.

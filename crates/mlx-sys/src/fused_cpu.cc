@@ -634,6 +634,9 @@ struct SdpaOp {
     bool has_sinks;
     int keys;
     int write_at;
+    // The output as [B, L, Hq·Dv] (each token's heads side by side, what the output projection
+    // reads) instead of [B, Hq, L, Dv]: no transpose or reshape op after it.
+    bool tokens;
     bool operator==(const Params&) const = default;
   };
   static constexpr const char* name = "MlxrCpuSdpa";
@@ -773,7 +776,7 @@ struct SdpaOp {
           sum += sr[1] * c;
           axpy(c, sr + 2, acc.data(), Dv);
         }
-        float* orow = o + (((size_t)b * Hq + h) * L + i) * Dv;
+        float* orow = o + (p.tokens ? ((size_t)b * L + i) * Hq + h : ((size_t)b * Hq + h) * L + i) * Dv;
         const float inv = 1.0f / sum;
         for (int d = 0; d < Dv; ++d) orow[d] = acc[d] * inv;
       }
@@ -1165,7 +1168,8 @@ std::optional<std::vector<mx::array>> cpu_sdpa_slots(
     float scale,
     bool causal,
     const std::optional<mx::array>& mask,
-    const std::optional<mx::array>& sinks) {
+    const std::optional<mx::array>& sinks,
+    bool tokens) {
   if (!on_cpu() || !is_f32(q) || !is_f32(k) || !is_f32(v)) return std::nullopt;
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) return std::nullopt;
   const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
@@ -1200,8 +1204,10 @@ std::optional<std::vector<mx::array>> cpu_sdpa_slots(
     if (!is_f32(*sinks) || sinks->ndim() != 1 || sinks->shape(0) != Hq) return std::nullopt;
     in.push_back(*sinks);
   }
-  const SdpaOp::Params p{scale, causal, mask.has_value(), bool_mask, sinks.has_value(), keys, write ? write_at : -1};
-  const mx::Shape out{B, Hq, L, (int)v.shape(3)};
+  const SdpaOp::Params p{scale, causal, mask.has_value(), bool_mask, sinks.has_value(), keys, write ? write_at : -1,
+                         tokens};
+  const int Dv = v.shape(3);
+  const mx::Shape out = tokens ? mx::Shape{B, L, Hq * Dv} : mx::Shape{B, Hq, L, Dv};
   if (!write) {
     auto o = fused<SdpaOp>(out, p, std::move(in));
     if (!o) return std::nullopt;

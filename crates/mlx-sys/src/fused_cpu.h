@@ -91,7 +91,7 @@ std::optional<std::vector<mlx::core::array>> cpu_qkv_heads(
 // softmax(q kᵀ · scale + mask) v over the first `keys` slots of k and v ([B, Hk, S, D]). With
 // k_new and v_new ([B, Hk, L, D]), their rows are first written at slots write_at.. of k and v:
 // {attention, k with them, v with them}, the buffers taken over where nothing else holds them.
-// Without: {attention}.
+// Without: {attention}. The attention is [B, Hq, L, Dv], or with `tokens` [B, L, Hq·Dv].
 std::optional<std::vector<mlx::core::array>> cpu_sdpa_slots(
     const mlx::core::array& q,
     const mlx::core::array& k,
@@ -103,7 +103,8 @@ std::optional<std::vector<mlx::core::array>> cpu_sdpa_slots(
     float scale,
     bool causal,
     const std::optional<mlx::core::array>& mask,
-    const std::optional<mlx::core::array>& sinks);
+    const std::optional<mlx::core::array>& sinks,
+    bool tokens);
 
 std::optional<mlx::core::array> cpu_gelu_tanh(const mlx::core::array& x);
 

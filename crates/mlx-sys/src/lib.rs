@@ -348,7 +348,8 @@ pub mod ffi {
             freqs: *const Arr,
         ) -> Result<UniquePtr<ArrVec>>;
         /// Attention over the first `keys` slots of `k` and `v`; with `k_new` and `v_new`,
-        /// their rows written at slot `write_at` first: [out] or [out, k', v'].
+        /// their rows written at slot `write_at` first: [out] or [out, k', v']; `out` is
+        /// [B, Hq, L, Dv], or with `tokens` [B, L, Hq·Dv].
         unsafe fn sdpa_slots(
             q: &Arr,
             k: &Arr,
@@ -361,6 +362,7 @@ pub mod ffi {
             mask_mode: &str,
             mask: *const Arr,
             sinks: *const Arr,
+            tokens: bool,
         ) -> Result<UniquePtr<ArrVec>>;
         fn gelu_tanh(x: &Arr) -> Result<UniquePtr<Arr>>;
         /// `cap · tanh(x / cap)`.

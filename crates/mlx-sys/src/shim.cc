@@ -771,7 +771,8 @@ std::unique_ptr<ArrVec> sdpa_slots(
     float scale,
     rust::Str mask_mode,
     const Arr* mask,
-    const Arr* sinks) {
+    const Arr* sinks,
+    bool tokens) {
   const auto& kb = k.a;
   const auto& vb = v.a;
   if (kb.ndim() != 4 || vb.ndim() != 4 || kb.shape(2) != vb.shape(2))
@@ -791,7 +792,7 @@ std::unique_ptr<ArrVec> sdpa_slots(
   const bool causal = mask_mode == "causal";
   if ((causal && !mask) || (mask_mode == "array" && mask) || (mask_mode.empty() && !mask)) {
     if (auto outs = cpu_sdpa_slots(q.a, kb, vb, keys, opt(k_new), opt(v_new), write_at, scale, causal,
-                                   opt(mask), opt(sinks)))
+                                   opt(mask), opt(sinks), tokens))
       return wrap_vec(std::move(*outs));
   }
   // The graph the kernel stands for: the writes, the views of the slots read, attention.
@@ -814,6 +815,10 @@ std::unique_ptr<ArrVec> sdpa_slots(
   };
   auto out = mx::fast::scaled_dot_product_attention(
       q.a, first(kw), first(vw), scale, std::string(mask_mode), opt(mask), opt(sinks));
+  if (tokens) {
+    const auto s = out.shape();
+    out = mx::reshape(mx::transpose(out, {0, 2, 1, 3}), {s[0], s[2], s[1] * s[3]});
+  }
   if (!k_new) return wrap_vec({out});
   return wrap_vec({out, kw, vw});
 }

@@ -253,7 +253,8 @@ std::unique_ptr<ArrVec> sdpa_slots(
     float scale,
     rust::Str mask_mode,
     const Arr* mask,
-    const Arr* sinks);
+    const Arr* sinks,
+    bool tokens);
 
 // 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³))).
 ArrPtr gelu_tanh(const Arr& x);

@@ -261,7 +261,13 @@ pub fn scaled_dot_product_attention(
         values: v.clone(),
         len: keys.max(0) as usize,
     };
-    sdpa_slots(q, &kv, scale, mask, sinks)
+    let attn = Attention {
+        scale,
+        mask,
+        sinks,
+        layout: SdpaLayout::Heads,
+    };
+    sdpa_slots(q, &kv, attn)
 }
 
 /// The first `len` time slots of a cache's key and value buffers (`[B, Hkv, S, D]`, `len ≤ S`):
@@ -290,6 +296,42 @@ impl KvSlots {
     }
 }
 
+/// How attention's output is laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SdpaLayout {
+    /// `[B, Hq, L, Dv]`, as the queries.
+    Heads,
+    /// `[B, L, Hq·Dv]`: each token's heads side by side, what an output projection reads (no
+    /// transpose or reshape op after attention).
+    Tokens,
+}
+
+/// What [`sdpa_slots`] and [`sdpa_write`] compute besides their inputs.
+#[derive(Debug, Clone, Copy)]
+pub struct Attention<'a> {
+    pub scale: f32,
+    /// If an array, it covers exactly the slots read.
+    pub mask: SdpaMask<'a>,
+    pub sinks: Option<&'a Array>,
+    pub layout: SdpaLayout,
+}
+
+impl<'a> Attention<'a> {
+    /// No sinks, heads apart.
+    pub fn new(scale: f32, mask: SdpaMask<'a>) -> Self {
+        Attention {
+            scale,
+            mask,
+            sinks: None,
+            layout: SdpaLayout::Heads,
+        }
+    }
+
+    pub fn with_layout(self, layout: SdpaLayout) -> Self {
+        Attention { layout, ..self }
+    }
+}
+
 fn mask_parts<'a>(mask: SdpaMask<'a>) -> (&'static str, Option<&'a Array>) {
     match mask {
         SdpaMask::None => ("", None),
@@ -302,16 +344,9 @@ fn slot_count(n: usize) -> Result<i32> {
     i32::try_from(n).map_err(|_| crate::Error::Mlx(format!("sdpa: {n} slots is too many")))
 }
 
-/// [`scaled_dot_product_attention`] over the slots `kv` names (the mask, if an array, covers
-/// exactly those `len` keys).
-pub fn sdpa_slots(
-    q: &Array,
-    kv: &KvSlots,
-    scale: f32,
-    mask: SdpaMask<'_>,
-    sinks: Option<&Array>,
-) -> Result<Array> {
-    let (mode, arr) = mask_parts(mask);
+/// [`scaled_dot_product_attention`] over the slots `kv` names.
+pub fn sdpa_slots(q: &Array, kv: &KvSlots, attn: Attention<'_>) -> Result<Array> {
+    let (mode, arr) = mask_parts(attn.mask);
     let none = std::ptr::null();
     // SAFETY: the pointers are null or point at arrays that outlive the call.
     let outs = crate::array::unpack(unsafe {
@@ -323,10 +358,11 @@ pub fn sdpa_slots(
             none,
             none,
             -1,
-            scale,
+            attn.scale,
             mode,
             ptr(arr),
-            ptr(sinks),
+            ptr(attn.sinks),
+            attn.layout == SdpaLayout::Tokens,
         )?
     })?;
     outs.into_iter()
@@ -344,11 +380,9 @@ pub fn sdpa_write(
     new: (&Array, &Array),
     into: &KvSlots,
     at: usize,
-    scale: f32,
-    mask: SdpaMask<'_>,
-    sinks: Option<&Array>,
+    attn: Attention<'_>,
 ) -> Result<(Array, KvSlots)> {
-    let (mode, arr) = mask_parts(mask);
+    let (mode, arr) = mask_parts(attn.mask);
     let (keys, values) = new;
     // SAFETY: the pointers are null or point at arrays that outlive the call.
     let outs = crate::array::unpack(unsafe {
@@ -360,10 +394,11 @@ pub fn sdpa_write(
             keys.arr(),
             values.arr(),
             slot_count(at)?,
-            scale,
+            attn.scale,
             mode,
             ptr(arr),
-            ptr(sinks),
+            ptr(attn.sinks),
+            attn.layout == SdpaLayout::Tokens,
         )?
     })?;
     let mut it = outs.into_iter();

@@ -5,7 +5,9 @@
 //! contiguous and transposed inputs; a decode step's per-head norm and rotation as one op. Each
 //! case also checks that the kernel, not MLX, answered.
 
-use mlx::fast::{self, FusedCounts, HeadsRotation, KvSlots, RopeFreqs, SdpaMask};
+use mlx::fast::{
+    self, Attention, FusedCounts, HeadsRotation, KvSlots, RopeFreqs, SdpaLayout, SdpaMask,
+};
 use mlx::{random, Array, Dtype};
 
 /// The switch and counters are per process: the tests take turns.
@@ -378,7 +380,8 @@ fn a_cache_write_and_its_attention_are_one_op() {
                 values: vb.clone(),
                 len,
             };
-            let (out, kv) = fast::sdpa_write(&q, (&kn, &vn), &into, at, 0.3, mask, None).unwrap();
+            let (out, kv) =
+                fast::sdpa_write(&q, (&kn, &vn), &into, at, Attention::new(0.3, mask)).unwrap();
             mlx::concatenate(&[&flat(&out), &flat(&kv.keys), &flat(&kv.values)], 0).unwrap()
         });
         assert_eq!(ran.sdpa, 1, "{what}: one op");
@@ -400,11 +403,12 @@ fn a_cache_write_and_its_attention_are_one_op() {
             values: vb.clone(),
             len,
         };
-        let (out, kv) = fast::sdpa_write(&q, (&kn, &vn), &into, at, 0.3, mask, None).unwrap();
+        let (out, kv) =
+            fast::sdpa_write(&q, (&kn, &vn), &into, at, Attention::new(0.3, mask)).unwrap();
         let (kview, vview) = kv.view().unwrap();
         let plain =
             fast::scaled_dot_product_attention(&q, &kview, &vview, 0.3, mask, None).unwrap();
-        let over_slots = fast::sdpa_slots(&q, &kv, 0.3, mask, None).unwrap();
+        let over_slots = fast::sdpa_slots(&q, &kv, Attention::new(0.3, mask)).unwrap();
         assert_eq!(
             out.to_vec::<f32>().unwrap(),
             plain.to_vec::<f32>().unwrap(),
@@ -415,6 +419,24 @@ fn a_cache_write_and_its_attention_are_one_op() {
             plain.to_vec::<f32>().unwrap(),
             "{what}"
         );
+        // Laid out by token, it is the same values with the heads joined, from the kernel and
+        // from MLX's graph.
+        let by_token = Attention::new(0.3, mask).with_layout(SdpaLayout::Tokens);
+        let (ours, theirs, shape, ran) = both(|| fast::sdpa_slots(&q, &kv, by_token).unwrap());
+        assert_eq!(ran.sdpa, 1, "{what}");
+        assert_eq!(shape, vec![b, l, hq * dv], "{what}");
+        let sh = plain.shape();
+        let joined = plain
+            .transpose(&[0, 2, 1, 3])
+            .unwrap()
+            .reshape(&[sh[0], sh[2], sh[1] * sh[3]])
+            .unwrap();
+        assert_eq!(
+            ours,
+            joined.to_vec::<f32>().unwrap(),
+            "{what}: tokens layout"
+        );
+        assert_close(&ours, &theirs, 1e-5, &format!("{what}: tokens layout, MLX"));
     }
 }
 
@@ -440,7 +462,7 @@ fn a_cache_write_takes_over_a_buffer_only_when_nothing_else_holds_it() {
         );
         let into = KvSlots { len: at + 1, ..kv };
         let (out, next) =
-            fast::sdpa_write(&q, (&k, &v), &into, at, 1.0, SdpaMask::None, None).unwrap();
+            fast::sdpa_write(&q, (&k, &v), &into, at, Attention::new(1.0, SdpaMask::None)).unwrap();
         drop(into);
         kv = next;
         if at == 20 {
@@ -482,7 +504,7 @@ fn attention_over_slots_refuses_slots_the_buffer_does_not_have() {
         values: normal(&[1, 1, 16, 8], 3),
         len: 17,
     };
-    let err = fast::sdpa_slots(&q, &kv, 1.0, SdpaMask::None, None).unwrap_err();
+    let err = fast::sdpa_slots(&q, &kv, Attention::new(1.0, SdpaMask::None)).unwrap_err();
     assert!(
         err.to_string()
             .contains("attention over 17 slots of a buffer of 16"),
@@ -490,16 +512,29 @@ fn attention_over_slots_refuses_slots_the_buffer_does_not_have() {
     );
     let row = normal(&[1, 1, 1, 8], 4);
     let into = KvSlots { len: 16, ..kv };
-    let err = fast::sdpa_write(&q, (&row, &row), &into, 16, 1.0, SdpaMask::None, None).unwrap_err();
+    let err = fast::sdpa_write(
+        &q,
+        (&row, &row),
+        &into,
+        16,
+        Attention::new(1.0, SdpaMask::None),
+    )
+    .unwrap_err();
     assert!(
         err.to_string()
             .contains("writing rows at slot 16 of a buffer of 16"),
         "{err}"
     );
     let wide = normal(&[1, 1, 1, 9], 5);
-    let err = fast::sdpa_write(&q, (&wide, &wide), &into, 3, 1.0, SdpaMask::None, None)
-        .and_then(|(o, _)| o.eval())
-        .unwrap_err();
+    let err = fast::sdpa_write(
+        &q,
+        (&wide, &wide),
+        &into,
+        3,
+        Attention::new(1.0, SdpaMask::None),
+    )
+    .and_then(|(o, _)| o.eval())
+    .unwrap_err();
     assert!(!err.to_string().is_empty());
 }
 

@@ -8,13 +8,14 @@ use crate::config::JsonFile;
 use crate::nn::{
     add_norm, add_norm_then_norm, forward_all, gelu_tanh, norm, Embedding, Experts, Linear, Rope,
 };
-use crate::packed::{
-    all_single, check_rows, heads_joined, join_rows, rows_as_tokens, single_row, spans, time_slice,
-};
+use crate::packed::{check_rows, heads_joined, join_rows, single_row, spans, time_slice};
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
 use cache::{Attended, AttnMask, KvCache, LayerCache, RotatingKvCache};
-use mlx::fast::{scaled_dot_product_attention, sdpa_slots, KvSlots};
+use mlx::fast::{
+    scaled_dot_product_attention, sdpa_slots, Attention as Sdpa, KvSlots, SdpaLayout::Tokens,
+    SdpaMask,
+};
 use mlx::{Array, Ix};
 use serde::Deserialize;
 use serde_json::Value;
@@ -917,8 +918,6 @@ impl CausalLm for Gemma4 {
         let mut kv: Vec<Vec<KvSlots>> = vec![Vec::new(); self.layers.len()];
         // Per row, per layer kind: the mask its first layer of that kind built.
         let mut masks: Vec<HashMap<LayerKind, AttnMask>> = vec![HashMap::new(); rows.len()];
-        // A decode step of several rows batches attention's per-row work along the batch axis.
-        let single = all_single(rows);
         // One new token per row (a decode step, of one sequence or several): each layer's
         // queries, keys and values come out of one op each, every row at its own position.
         let decode = rows.iter().all(|r| r.len == 1);
@@ -978,6 +977,8 @@ impl CausalLm for Gemma4 {
                 let l = spans[r].1;
                 let kind = layer.spec.kind;
                 let q = &q_rows[r];
+                // Each row's attention as `[1, l, H·d]`, the rows joined along time below.
+                let attn = Sdpa::new(ATTENTION_SCALE, SdpaMask::None).with_layout(Tokens);
                 let attended = match (layer.spec.shared_from, self.cache_slot[i], &new_kv) {
                     (Some(src), _, _) => {
                         let kv = kv[src].get(r).cloned().ok_or_else(|| {
@@ -986,16 +987,25 @@ impl CausalLm for Gemma4 {
                             ))
                         })?;
                         let mask = masks[r].get(&kind).cloned().unwrap_or(AttnMask::None);
-                        let out = sdpa_slots(q, &kv, ATTENTION_SCALE, mask.as_sdpa(), None)?;
+                        let out = sdpa_slots(
+                            q,
+                            &kv,
+                            Sdpa {
+                                mask: mask.as_sdpa(),
+                                ..attn
+                            },
+                        )?;
                         Attended { out, kv, mask }
                     }
                     (None, Some(slot), Some(new)) => {
                         let (k, v) = &new[r];
                         match &mut row.caches[slot] {
                             // One op for the write, the views and attention.
-                            LayerCache::Kv(c) => c.update_attend(q, k, v, ATTENTION_SCALE)?,
+                            LayerCache::Kv(c) => {
+                                c.update_attend(q, k, v, ATTENTION_SCALE, Tokens)?
+                            }
                             LayerCache::Rotating(c) if l == 1 => {
-                                c.update_attend(q, k, v, ATTENTION_SCALE)?
+                                c.update_attend(q, k, v, ATTENTION_SCALE, Tokens)?
                             }
                             // A batched write's window mask is worked out once per row, by the
                             // first sliding layer; the others have the same history.
@@ -1010,8 +1020,14 @@ impl CausalLm for Gemma4 {
                                     keys: k,
                                     values: v,
                                 };
-                                let out =
-                                    sdpa_slots(q, &kv, ATTENTION_SCALE, mask.as_sdpa(), None)?;
+                                let out = sdpa_slots(
+                                    q,
+                                    &kv,
+                                    Sdpa {
+                                        mask: mask.as_sdpa(),
+                                        ..attn
+                                    },
+                                )?;
                                 Attended { out, kv, mask }
                             }
                             LayerCache::Latent(_) => {
@@ -1027,19 +1043,10 @@ impl CausalLm for Gemma4 {
                 masks[r]
                     .entry(kind)
                     .or_insert_with(|| attended.mask.clone());
-                outs.push(if single {
-                    // Kept as `[1, H, 1, d]`: the rows join along the batch axis below.
-                    attended.out
-                } else {
-                    heads_joined(&attended.out)?
-                });
+                outs.push(attended.out);
                 kv[i].push(attended.kv);
             }
-            let joined = if single {
-                rows_as_tokens(&outs)?
-            } else {
-                join_rows(&outs)?
-            };
+            let joined = join_rows(&outs)?;
             let a = layer.attn.o_proj.forward(&joined)?;
             // Each residual update also normalises its result for the block that reads it next.
             let (h_attn, x_ff) = add_norm_then_norm(

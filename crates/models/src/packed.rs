@@ -83,12 +83,6 @@ pub(crate) fn join_rows(outs: &[Array]) -> Result<Array> {
     }
 }
 
-/// Whether every row feeds one token (a decode step): attention's per-row work then batches,
-/// the sequences along the batch axis.
-pub(crate) fn all_single(rows: &[PackedRow<'_>]) -> bool {
-    rows.len() > 1 && rows.iter().all(|r| r.len == 1)
-}
-
 /// `[B, H, L, D]` as `[B, L, H·D]`: heads moved back after time and joined. For one position
 /// (a decode step) the two layouts are the same memory and this is a reshape, a cheaper op than
 /// a transpose and a reshape.
@@ -100,12 +94,4 @@ pub(crate) fn heads_joined(x: &Array) -> Result<Array> {
         x.transpose(&[0, 2, 1, 3])?
             .reshape(&[s[0], s[2], s[1] * s[3]])?
     })
-}
-
-/// Per-row `[1, H, 1, D]` attention outputs as `[1, T, H·D]`.
-pub(crate) fn rows_as_tokens(outs: &[Array]) -> Result<Array> {
-    let refs: Vec<&Array> = outs.iter().collect();
-    let o = mlx::concatenate(&refs, 0)?; // [T, H, 1, D]
-    let s = o.shape();
-    Ok(o.reshape(&[1, s[0], s[1] * s[3]])?)
 }
