@@ -344,28 +344,41 @@ fn slot_count(n: usize) -> Result<i32> {
     i32::try_from(n).map_err(|_| crate::Error::Mlx(format!("sdpa: {n} slots is too many")))
 }
 
-/// [`scaled_dot_product_attention`] over the slots `kv` names.
-pub fn sdpa_slots(q: &Array, kv: &KvSlots, attn: Attention<'_>) -> Result<Array> {
+/// The one FFI call behind [`sdpa_slots`] (no `new` rows) and [`sdpa_write`].
+fn sdpa_ffi(
+    q: &Array,
+    kv: &KvSlots,
+    new: Option<((&Array, &Array), usize)>,
+    attn: Attention<'_>,
+) -> Result<Vec<Array>> {
     let (mode, arr) = mask_parts(attn.mask);
-    let none = std::ptr::null();
+    let (rows, at) = match new {
+        Some(((k, v), at)) => ((ptr(Some(k)), ptr(Some(v))), slot_count(at)?),
+        None => ((std::ptr::null(), std::ptr::null()), -1),
+    };
     // SAFETY: the pointers are null or point at arrays that outlive the call.
-    let outs = crate::array::unpack(unsafe {
+    crate::array::unpack(unsafe {
         ffi::sdpa_slots(
             q.arr(),
             kv.keys.arr(),
             kv.values.arr(),
             slot_count(kv.len)?,
-            none,
-            none,
-            -1,
+            rows.0,
+            rows.1,
+            at,
             attn.scale,
             mode,
             ptr(arr),
             ptr(attn.sinks),
             attn.layout == SdpaLayout::Tokens,
         )?
-    })?;
-    outs.into_iter()
+    })
+}
+
+/// [`scaled_dot_product_attention`] over the slots `kv` names.
+pub fn sdpa_slots(q: &Array, kv: &KvSlots, attn: Attention<'_>) -> Result<Array> {
+    sdpa_ffi(q, kv, None, attn)?
+        .into_iter()
         .next()
         .ok_or_else(|| crate::Error::Mlx("sdpa: expected an output".into()))
 }
@@ -382,26 +395,7 @@ pub fn sdpa_write(
     at: usize,
     attn: Attention<'_>,
 ) -> Result<(Array, KvSlots)> {
-    let (mode, arr) = mask_parts(attn.mask);
-    let (keys, values) = new;
-    // SAFETY: the pointers are null or point at arrays that outlive the call.
-    let outs = crate::array::unpack(unsafe {
-        ffi::sdpa_slots(
-            q.arr(),
-            into.keys.arr(),
-            into.values.arr(),
-            slot_count(into.len)?,
-            keys.arr(),
-            values.arr(),
-            slot_count(at)?,
-            attn.scale,
-            mode,
-            ptr(arr),
-            ptr(attn.sinks),
-            attn.layout == SdpaLayout::Tokens,
-        )?
-    })?;
-    let mut it = outs.into_iter();
+    let mut it = sdpa_ffi(q, into, Some((new, at)), attn)?.into_iter();
     match (it.next(), it.next(), it.next()) {
         (Some(out), Some(k), Some(v)) => Ok((
             out,

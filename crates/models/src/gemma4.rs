@@ -979,6 +979,18 @@ impl CausalLm for Gemma4 {
                 let q = &q_rows[r];
                 // Each row's attention as `[1, l, H·d]`, the rows joined along time below.
                 let attn = Sdpa::new(ATTENTION_SCALE, SdpaMask::None).with_layout(Tokens);
+                // Attention over slots that are already written.
+                let over = |kv: KvSlots, mask: AttnMask| -> Result<Attended> {
+                    let out = sdpa_slots(
+                        q,
+                        &kv,
+                        Sdpa {
+                            mask: mask.as_sdpa(),
+                            ..attn
+                        },
+                    )?;
+                    Ok(Attended { out, kv, mask })
+                };
                 let attended = match (layer.spec.shared_from, self.cache_slot[i], &new_kv) {
                     (Some(src), _, _) => {
                         let kv = kv[src].get(r).cloned().ok_or_else(|| {
@@ -986,16 +998,7 @@ impl CausalLm for Gemma4 {
                                 "layer {i} shares K/V with layer {src}, which has none"
                             ))
                         })?;
-                        let mask = masks[r].get(&kind).cloned().unwrap_or(AttnMask::None);
-                        let out = sdpa_slots(
-                            q,
-                            &kv,
-                            Sdpa {
-                                mask: mask.as_sdpa(),
-                                ..attn
-                            },
-                        )?;
-                        Attended { out, kv, mask }
+                        over(kv, masks[r].get(&kind).cloned().unwrap_or(AttnMask::None))?
                     }
                     (None, Some(slot), Some(new)) => {
                         let (k, v) = &new[r];
@@ -1020,15 +1023,7 @@ impl CausalLm for Gemma4 {
                                     keys: k,
                                     values: v,
                                 };
-                                let out = sdpa_slots(
-                                    q,
-                                    &kv,
-                                    Sdpa {
-                                        mask: mask.as_sdpa(),
-                                        ..attn
-                                    },
-                                )?;
-                                Attended { out, kv, mask }
+                                over(kv, mask)?
                             }
                             LayerCache::Latent(_) => {
                                 return Err(ModelError::Invalid(

@@ -133,3 +133,55 @@ fn packed_batches_are_checked() {
         .unwrap_err();
     assert!(e.to_string().contains("forward_packed"), "{e}");
 }
+
+/// A gemma4 decode step writes each layer's keys and values inside its attention op, into the
+/// cache's own buffers: no SliceUpdate or Slice for the caches, one attention op per layer (the
+/// KV-shared layers' included), and over many steps, wrapped sliding rings included, no buffer
+/// copied.
+#[test]
+fn a_gemma4_decode_step_writes_its_caches_in_place_inside_attention() {
+    for name in ["gemma4_e2b_like", "gemma4_31b_like", "gemma4_26b_a4b_like"] {
+        let m = load(&fixture(name), DtypeChoice::Fixed(Dtype::F32)).unwrap();
+        let model = &*m.model;
+        let mut caches = model.make_caches();
+        model
+            .forward(&tokens(&ids(1, 12)), &mut caches)
+            .unwrap()
+            .eval()
+            .unwrap();
+        let copies = || mlx::fast::fused_kernel_counts().sdpa_write_copies;
+        let before = copies();
+        for (step, &t) in ids(2, 20).iter().enumerate() {
+            let h = model.forward(&tokens(&[t]), &mut caches).unwrap();
+            let logits = model.logits(&h).unwrap();
+            // Past the first step, which regrows the rings a batched write left linear.
+            if step == 5 {
+                let ops = mlx::graph_ops(&[&logits]);
+                let count = |op: &str| ops.iter().find(|(n, _)| n == op).map_or(0, |(_, c)| *c);
+                assert_eq!(count("SliceUpdate"), 0, "{name}: {ops:?}");
+                let cfg: serde_json::Value = serde_json::from_slice(
+                    &std::fs::read(fixture(name).join("config.json")).unwrap(),
+                )
+                .unwrap();
+                let field = |k: &str| cfg[k].as_u64().or(cfg["text_config"][k].as_u64());
+                let layers = field("num_hidden_layers").unwrap() as usize;
+                // The only slices: each layer's per-layer embedding and its router's top experts,
+                // where the model has them.
+                let ple = field("hidden_size_per_layer_input").unwrap_or(0) > 0;
+                let moe = cfg["enable_moe_block"].as_bool().unwrap_or(false)
+                    || cfg["text_config"]["enable_moe_block"]
+                        .as_bool()
+                        .unwrap_or(false);
+                let slices = layers * (usize::from(ple) + usize::from(moe));
+                assert_eq!(count("Slice"), slices, "{name}: {ops:?}");
+                assert_eq!(count("MlxrCpuSdpa"), layers, "{name}: {ops:?}");
+            }
+            logits.eval().unwrap();
+        }
+        assert_eq!(
+            copies(),
+            before,
+            "{name}: a decode step copied a cache buffer"
+        );
+    }
+}
