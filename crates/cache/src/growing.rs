@@ -1,6 +1,6 @@
 //! Caches that keep every position: full attention (keys + values) and MLA (one latent array).
 
-use crate::{attention, time_len, Attended, AttnMask, CacheError, Result, STEP};
+use crate::{time_len, write_attend, Attended, AttnMask, CacheError, Result, STEP};
 use mlx::fast::{KvSlots, SdpaLayout};
 use mlx::{Array, Ix};
 
@@ -159,21 +159,12 @@ impl KvCache {
             values: self.values.reserve(values)?.clone(),
             len: at + l,
         };
-        let mask = self.mask(l);
-        let (out, kv) = mlx::fast::sdpa_write(
-            q,
-            (keys, values),
-            &into,
-            at,
-            attention(scale, &mask, layout),
-        )?;
-        // The op takes the buffers over only if nothing else holds them when it runs.
-        drop(into);
-        self.keys.data = Some(kv.keys.clone());
-        self.values.data = Some(kv.values.clone());
+        let a = write_attend(q, (keys, values), into, at, scale, self.mask(l), layout)?;
+        self.keys.data = Some(a.kv.keys.clone());
+        self.values.data = Some(a.kv.values.clone());
         self.keys.len = at + l;
         self.values.len = at + l;
-        Ok(Attended { out, kv, mask })
+        Ok(a)
     }
 
     /// The mask for the `l` queries of the last update: keys are positions `0..offset`, the

@@ -49,6 +49,24 @@ pub(crate) fn attention<'a>(scale: f32, mask: &'a AttnMask, layout: SdpaLayout) 
     Attention::new(scale, mask.as_sdpa()).with_layout(layout)
 }
 
+/// A cache's write of `new` at slot `at` of the buffers `into` and attention over them, one op
+/// (`sdpa_write`). `into` is taken, not borrowed: the op takes the buffers over only if
+/// nothing else holds them when it runs, so the caller must hand over its handles and keep
+/// the returned slots' buffers instead.
+pub(crate) fn write_attend(
+    q: &Array,
+    new: (&Array, &Array),
+    into: KvSlots,
+    at: usize,
+    scale: f32,
+    mask: AttnMask,
+    layout: SdpaLayout,
+) -> Result<Attended> {
+    let (out, kv) = mlx::fast::sdpa_write(q, new, &into, at, attention(scale, &mask, layout))?;
+    drop(into);
+    Ok(Attended { out, kv, mask })
+}
+
 /// Allocation granularity along time, as in mlx-lm: growing by a step at a time keeps the
 /// number of reallocations (each a copy of the whole buffer) logarithmic-free and small.
 pub const STEP: usize = 256;

@@ -13,7 +13,7 @@
 //! rewind succeeds whenever the tokens the next query needs are still held, and is an error
 //! otherwise, never a silent divergence.
 
-use crate::{attention, time_len, Attended, AttnMask, CacheError, Result, STEP};
+use crate::{attention, time_len, write_attend, Attended, AttnMask, CacheError, Result, STEP};
 use mlx::fast::{KvSlots, SdpaLayout};
 use mlx::{Array, Ix};
 
@@ -195,11 +195,7 @@ impl RotatingKvCache {
             // A batched write relinearises the ring (see `write_many`): no single slot range.
             let (k, v) = self.update(keys, values)?;
             let mask = self.mask(l)?;
-            let kv = KvSlots {
-                len: time_len(&k)?,
-                keys: k,
-                values: v,
-            };
+            let kv = KvSlots::all(k, v);
             let out = mlx::fast::sdpa_slots(q, &kv, attention(scale, &mask, layout))?;
             return Ok(Attended { out, kv, mask });
         }
@@ -221,18 +217,10 @@ impl RotatingKvCache {
                 slots_of(k)
             },
         };
-        let (out, kv) = mlx::fast::sdpa_write(
-            q,
-            (keys, values),
-            &into,
-            slot,
-            attention(scale, &mask, layout),
-        )?;
-        // The op takes the buffers over only if nothing else holds them when it runs.
-        drop(into);
-        self.keys = Some(kv.keys.clone());
-        self.values = Some(kv.values.clone());
-        Ok(Attended { out, kv, mask })
+        let a = write_attend(q, (keys, values), into, slot, scale, mask, layout)?;
+        self.keys = Some(a.kv.keys.clone());
+        self.values = Some(a.kv.values.clone());
+        Ok(a)
     }
 
     fn write_many(&mut self, k: &Array, v: &Array, l: usize) -> Result<()> {

@@ -385,8 +385,8 @@ inline bool can_take_over(const mlx::core::array& in, const mlx::core::array& ou
 
 // An MLX primitive for a CPU kernel `Op` (a `Params` struct with ==, a `name` and a static
 // `run(params, inputs, output)`, or `run_many(params, inputs, outputs)` for several outputs,
-// and optionally `donates` = true with `donor(params, output)`, the input whose buffer that
-// output may take over, or -1): allocates the float32 outputs, registers the buffers with the CPU stream's encoder and runs
+// and optionally `donor(params, output)`, the input whose buffer that output may take over, or
+// -1): allocates the float32 outputs, registers the buffers with the CPU stream's encoder and runs
 // the kernel there, in stream order, as MLX's own CPU ops do.
 template <class Op>
 class CpuPrimitive : public mlx::core::Primitive {
@@ -402,7 +402,7 @@ class CpuPrimitive : public mlx::core::Primitive {
       enc.set_input_array(a);
       ins.emplace_back(a);
     }
-    if constexpr (donates()) {
+    if constexpr (kDonates) {
       // Each output of a several-output op holds its own copy of the op's input list
       // (array::make_arrays), so by MLX's count (is_donatable) an input of such an op is never
       // free to give its buffer away. The other outputs' copies are dropped here, as MLX's
@@ -417,7 +417,7 @@ class CpuPrimitive : public mlx::core::Primitive {
     for (size_t o = 0; o < outputs.size(); ++o) {
       auto& out = outputs[o];
       int donor = -1;
-      if constexpr (donates()) donor = Op::donor(p_, o);
+      if constexpr (kDonates) donor = Op::donor(p_, o);
       if (donor >= 0 && can_take_over(inputs[donor], out)) {
         out.copy_shared_buffer(inputs[donor]);
       } else {
@@ -441,14 +441,8 @@ class CpuPrimitive : public mlx::core::Primitive {
 
   const char* name() const override { return Op::name; }
 
-  // Whether some output may take over an input's buffer (`Op::donates`, with `Op::donor`).
-  static constexpr bool donates() {
-    if constexpr (requires { Op::donates; }) {
-      return Op::donates;
-    } else {
-      return false;
-    }
-  }
+  // Whether some output may take over an input's buffer (`Op::donor`).
+  static constexpr bool kDonates = requires(const typename Op::Params& p) { Op::donor(p, size_t{0}); };
 
   bool is_equivalent(const mlx::core::Primitive& other) const override {
     auto* o = dynamic_cast<const CpuPrimitive*>(&other);

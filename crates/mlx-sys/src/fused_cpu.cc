@@ -36,13 +36,10 @@ template <class Op>
 struct Counted {
   using Params = typename Op::Params;
   static constexpr const char* name = Op::name;
-  static constexpr bool donates = requires(const Params& p) { Op::donor(p, size_t{0}); };
-  static int donor(const Params& p, size_t out) {
-    if constexpr (donates) {
-      return Op::donor(p, out);
-    } else {
-      return -1;
-    }
+  static int donor(const Params& p, size_t out)
+    requires requires { Op::donor(p, out); }
+  {
+    return Op::donor(p, out);
   }
   static void run_many(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
     if constexpr (requires { Op::run_many(p, in, outs); }) {

@@ -816,8 +816,10 @@ std::unique_ptr<ArrVec> sdpa_slots(
   auto out = mx::fast::scaled_dot_product_attention(
       q.a, first(kw), first(vw), scale, std::string(mask_mode), opt(mask), opt(sinks));
   if (tokens) {
+    // For one position the two layouts are the same memory: a reshape, no transpose.
     const auto s = out.shape();
-    out = mx::reshape(mx::transpose(out, {0, 2, 1, 3}), {s[0], s[2], s[1] * s[3]});
+    const auto t = s[2] == 1 ? out : mx::transpose(out, {0, 2, 1, 3});
+    out = mx::reshape(t, {s[0], s[2], s[1] * s[3]});
   }
   if (!k_new) return wrap_vec({out});
   return wrap_vec({out, kw, vw});

@@ -255,12 +255,7 @@ pub fn scaled_dot_product_attention(
     mask: SdpaMask<'_>,
     sinks: Option<&Array>,
 ) -> Result<Array> {
-    let keys = k.shape().get(2).copied().unwrap_or(0);
-    let kv = KvSlots {
-        keys: k.clone(),
-        values: v.clone(),
-        len: keys.max(0) as usize,
-    };
+    let kv = KvSlots::all(k.clone(), v.clone());
     let attn = Attention {
         scale,
         mask,
@@ -280,6 +275,12 @@ pub struct KvSlots {
 }
 
 impl KvSlots {
+    /// Every slot of `keys` and `values`.
+    pub fn all(keys: Array, values: Array) -> KvSlots {
+        let len = keys.shape().get(2).map_or(0, |&n| n.max(0) as usize);
+        KvSlots { keys, values, len }
+    }
+
     /// The slots as arrays of exactly `len` positions (views of the buffers).
     pub fn view(&self) -> Result<(Array, Array)> {
         let first = |a: &Array| -> Result<Array> {

@@ -8,14 +8,11 @@ use crate::config::JsonFile;
 use crate::nn::{
     add_norm, add_norm_then_norm, forward_all, gelu_tanh, norm, Embedding, Experts, Linear, Rope,
 };
-use crate::packed::{check_rows, heads_joined, join_rows, single_row, spans, time_slice};
+use crate::packed::{check_rows, join_rows, single_row, spans, time_slice};
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
 use cache::{Attended, AttnMask, KvCache, LayerCache, RotatingKvCache};
-use mlx::fast::{
-    scaled_dot_product_attention, sdpa_slots, Attention as Sdpa, KvSlots, SdpaLayout::Tokens,
-    SdpaMask,
-};
+use mlx::fast::{sdpa_slots, Attention as Sdpa, KvSlots, SdpaLayout::Tokens, SdpaMask};
 use mlx::{Array, Ix};
 use serde::Deserialize;
 use serde_json::Value;
@@ -477,14 +474,9 @@ impl Attention {
     /// Attention of `[B, H, L, d]` queries over keys and values, before the output projection:
     /// `[B, L, H·d]`.
     fn attend(&self, q: &Array, k: &Array, v: &Array, mask: &AttnMask) -> Result<Array> {
-        heads_joined(&scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            ATTENTION_SCALE,
-            mask.as_sdpa(),
-            None,
-        )?)
+        let kv = KvSlots::all(k.clone(), v.clone());
+        let attn = Sdpa::new(ATTENTION_SCALE, mask.as_sdpa()).with_layout(Tokens);
+        Ok(sdpa_slots(q, &kv, attn)?)
     }
 
     pub(crate) fn output(&self, q: &Array, k: &Array, v: &Array, mask: &AttnMask) -> Result<Array> {
@@ -1018,12 +1010,7 @@ impl CausalLm for Gemma4 {
                                     Entry::Occupied(e) => e.get().clone(),
                                     Entry::Vacant(e) => e.insert(c.mask(l)?).clone(),
                                 };
-                                let kv = KvSlots {
-                                    len: k.shape()[2] as usize,
-                                    keys: k,
-                                    values: v,
-                                };
-                                over(kv, mask)?
+                                over(KvSlots::all(k, v), mask)?
                             }
                             LayerCache::Latent(_) => {
                                 return Err(ModelError::Invalid(

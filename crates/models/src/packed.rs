@@ -82,16 +82,3 @@ pub(crate) fn join_rows(outs: &[Array]) -> Result<Array> {
         }
     }
 }
-
-/// `[B, H, L, D]` as `[B, L, H·D]`: heads moved back after time and joined. For one position
-/// (a decode step) the two layouts are the same memory and this is a reshape, a cheaper op than
-/// a transpose and a reshape.
-pub(crate) fn heads_joined(x: &Array) -> Result<Array> {
-    let s = x.shape();
-    Ok(if s[2] == 1 {
-        x.reshape(&[s[0], 1, s[1] * s[3]])?
-    } else {
-        x.transpose(&[0, 2, 1, 3])?
-            .reshape(&[s[0], s[2], s[1] * s[3]])?
-    })
-}
