@@ -106,6 +106,19 @@ void rms_norm_row(const float* xr, const float* w, float eps, int d, float* orow
   }
 }
 
+}  // namespace
+
+void norm_update_row(const NormUpdate& u, const float* x, const float* res, float* orow, float* next) {
+  rms_norm_row(x, u.w, u.eps, u.d, orow);
+  if (res)
+    for (int i = 0; i < u.d; ++i) orow[i] = res[i] + orow[i];
+  if (u.scaled)
+    for (int i = 0; i < u.d; ++i) orow[i] = orow[i] * u.scale;
+  if (next) rms_norm_row(orow, u.next_w, u.eps, u.d, next);
+}
+
+namespace {
+
 struct RmsNormOp {
   struct Params {
     float eps;
@@ -136,19 +149,10 @@ struct RmsNormOp {
     const size_t rows = in[0].size() / d;
     float* o = outs[0].data<float>();
     float* next = p.has_next ? outs[1].data<float>() : nullptr;
+    const NormUpdate u{w, p.eps, p.has_scale, scale, next_w, d};
     for_rows(rows, 64, [&](size_t r0, size_t r1) {
-      for (size_t r = r0; r < r1; ++r) {
-        float* orow = o + r * d;
-        rms_norm_row(x + r * d, w, p.eps, d, orow);
-        if (res) {
-          const float* rr = res + r * d;
-          for (int i = 0; i < d; ++i) orow[i] = rr[i] + orow[i];
-        }
-        if (p.has_scale) {
-          for (int i = 0; i < d; ++i) orow[i] = orow[i] * scale;
-        }
-        if (next) rms_norm_row(orow, next_w, p.eps, d, next + r * d);
-      }
+      for (size_t r = r0; r < r1; ++r)
+        norm_update_row(u, x + r * d, res ? res + r * d : nullptr, o + r * d, next ? next + r * d : nullptr);
     });
   }
 };
@@ -1025,14 +1029,23 @@ bool cpu_applies_rms_norm_residual(
     const std::optional<mx::array>& w,
     const std::optional<mx::array>& residual,
     const std::optional<mx::array>& scale) {
-  if (!on_cpu() || !is_f32(x) || x.ndim() == 0 || x.size() == 0) return false;
-  if (w && !norm_weight_fits(*w, x.shape(-1))) return false;
-  if (residual && (!is_f32(*residual) || residual->shape() != x.shape())) return false;
-  if (scale && (!residual || !is_f32(*scale) || scale->size() != 1)) return false;
-  return true;
+  return is_f32(x) && cpu_norm_update_applies(x.shape(), w, residual, scale, std::nullopt);
 }
 
 }  // namespace
+
+bool cpu_norm_update_applies(
+    const mx::Shape& shape,
+    const std::optional<mx::array>& w,
+    const std::optional<mx::array>& residual,
+    const std::optional<mx::array>& scale,
+    const std::optional<mx::array>& next_w) {
+  if (!on_cpu() || shape.empty() || shape.back() == 0) return false;
+  if (w && !norm_weight_fits(*w, shape.back())) return false;
+  if (residual && (!is_f32(*residual) || residual->shape() != shape)) return false;
+  if (scale && (!residual || !is_f32(*scale) || scale->size() != 1)) return false;
+  return !next_w || norm_weight_fits(*next_w, shape.back());
+}
 
 void set_fused_cpu_enabled(bool on) { g_enabled.store(on); }
 

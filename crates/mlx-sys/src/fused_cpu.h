@@ -47,6 +47,30 @@ std::optional<std::vector<mlx::core::array>> cpu_rms_norm_residual_norm(
     const std::optional<mlx::core::array>& scale,
     const mlx::core::array& next_w);
 
+// A post-norm block's residual update of one row of d values, as the RMS-norm kernel computes it:
+// orow = (res + rms_norm(x, w, eps)) · scale (res may be null, scale only if `scaled`), then,
+// with next_w, next = rms_norm(orow, next_w, eps) (next may be null). Kernels that end in this
+// update (a quantized product's epilogue) give the norm op's bits.
+struct NormUpdate {
+  const float* w;
+  float eps;
+  bool scaled;
+  float scale;
+  const float* next_w;
+  int d;
+};
+void norm_update_row(const NormUpdate& u, const float* x, const float* res, float* orow, float* next);
+
+// Whether the fused kernels are on and the update above takes rows of `shape` with these
+// operands (float32 norm weights of the last axis' size, a residual of the shape, a one-element
+// scale).
+bool cpu_norm_update_applies(
+    const mlx::core::Shape& shape,
+    const std::optional<mlx::core::array>& w,
+    const std::optional<mlx::core::array>& residual,
+    const std::optional<mlx::core::array>& scale,
+    const std::optional<mlx::core::array>& next_w);
+
 std::optional<mlx::core::array> cpu_rope(
     const mlx::core::array& x,
     int dims,

@@ -290,6 +290,21 @@ pub mod ffi {
             scale: *const Arr,
             next_w: &Arr,
         ) -> Result<UniquePtr<ArrVec>>;
+        /// `x @ dequantize(w)ᵀ`, then the residual update of `rms_norm_residual` (and with
+        /// `next_w` the next norm) of the product: one op on the CPU.
+        unsafe fn quantized_matmul_norm(
+            x: &Arr,
+            w: &Arr,
+            scales: &Arr,
+            biases: &Arr,
+            group_size: i32,
+            bits: i32,
+            norm_w: *const Arr,
+            eps: f32,
+            residual: &Arr,
+            scale: *const Arr,
+            next_w: *const Arr,
+        ) -> Result<UniquePtr<ArrVec>>;
         unsafe fn layer_norm(
             x: &Arr,
             w: *const Arr,

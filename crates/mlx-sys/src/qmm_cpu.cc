@@ -582,6 +582,45 @@ struct QuantizedMatmulOp {
   }
 };
 
+// x @ dequantize(w)ᵀ followed by a post-norm block's residual update of the product (an
+// attention block's o_proj, an MLP's down_proj, then norm_update_row: (residual +
+// rms_norm(product, norm_w)) · scale and the next block's input norm of that): one op instead of
+// two, the product's rows still in cache when they are normalised. The values are the two ops'
+// own (the same product, the same row update).
+struct QuantizedMatmulNormOp {
+  struct Params {
+    int group, bits;
+    float eps;
+    bool has_w, has_scale, has_next;
+    bool operator==(const Params&) const = default;
+  };
+  static constexpr const char* name = "MlxrCpuQuantizedMatmulNorm";
+
+  static void run_many(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
+    const auto &x = in[0], &w = in[1];
+    const Shape s{(int)(x.size() / x.shape(-1)), (int)w.shape(0), (int)x.shape(-1), p.bits, p.group};
+    std::vector<float> xc, wt, rt, st, nt;
+    const DensePacked q(w, in[2], in[3]);
+    // The product, reused between calls (the stream's thread makes them one at a time).
+    thread_local std::vector<float> y;
+    y.resize((size_t)s.M * s.N);
+    product(dense(x, xc), q.w, q.s, q.b, y.data(), s);
+    size_t at = 4;
+    const float* nw = p.has_w ? dense(in[at++], wt) : nullptr;
+    const float* res = dense(in[at++], rt);
+    const float scale = p.has_scale ? dense(in[at++], st)[0] : 1.0f;
+    const float* next_w = p.has_next ? dense(in[at++], nt) : nullptr;
+    const NormUpdate u{nw, p.eps, p.has_scale, scale, next_w, s.N};
+    float* o = outs[0].data<float>();
+    float* next = p.has_next ? outs[1].data<float>() : nullptr;
+    const float* yp = y.data();
+    for_rows(s.M, 64, [&](size_t r0, size_t r1) {
+      for (size_t r = r0; r < r1; ++r)
+        norm_update_row(u, yp + r * s.N, res + r * s.N, o + r * s.N, next ? next + r * s.N : nullptr);
+    });
+  }
+};
+
 // x @ dequantize(w_i)ᵀ for several matrices of one format that read the same x (an attention
 // block's q, k and v projections): one op instead of one each, x prepared once, and for few
 // rows one pass over the pool across all of their rows, so the small k and v matrices do not
@@ -802,6 +841,36 @@ std::optional<mx::array> cpu_quantized_matmul(
   auto shape = x.shape();
   shape.back() = w.shape(0);
   return make<QuantizedMatmulOp>(shape, {group_size, bits}, {x, w, scales, *biases});
+}
+
+std::optional<std::vector<mx::array>> cpu_quantized_matmul_norm(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const std::optional<mx::array>& biases,
+    int group_size,
+    int bits,
+    const std::optional<mx::array>& norm_w,
+    float eps,
+    const mx::array& residual,
+    const std::optional<mx::array>& scale,
+    const std::optional<mx::array>& next_w) {
+  if (!kernel_applies(x, w, scales, biases, true, group_size, bits) || w.ndim() != 2 ||
+      scales.ndim() != 2)
+    return std::nullopt;
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  if (!cpu_norm_update_applies(shape, norm_w, residual, scale, next_w)) return std::nullopt;
+  std::vector<mx::array> in{x, w, scales, *biases};
+  if (norm_w) in.push_back(*norm_w);
+  in.push_back(residual);
+  if (scale) in.push_back(*scale);
+  if (next_w) in.push_back(*next_w);
+  std::vector<mx::Shape> shapes(next_w ? 2 : 1, shape);
+  return make_many<QuantizedMatmulNormOp>(
+      std::move(shapes),
+      {group_size, bits, eps, norm_w.has_value(), scale.has_value(), next_w.has_value()},
+      std::move(in));
 }
 
 std::optional<mx::array> cpu_gather_qmm(

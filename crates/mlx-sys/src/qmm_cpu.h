@@ -20,6 +20,22 @@ std::optional<mlx::core::array> cpu_quantized_matmul(
     int group_size,
     int bits);
 
+// x @ dequantize(w)ᵀ (w 2-D, transposed) and then the residual update norm_update_row computes
+// (fused_cpu.h) of the product: {sum} or, with next_w, {sum, its norm}; nullopt where the
+// kernel or the update does not take these operands.
+std::optional<std::vector<mlx::core::array>> cpu_quantized_matmul_norm(
+    const mlx::core::array& x,
+    const mlx::core::array& w,
+    const mlx::core::array& scales,
+    const std::optional<mlx::core::array>& biases,
+    int group_size,
+    int bits,
+    const std::optional<mlx::core::array>& norm_w,
+    float eps,
+    const mlx::core::array& residual,
+    const std::optional<mlx::core::array>& scale,
+    const std::optional<mlx::core::array>& next_w);
+
 // gather_qmm (expert stacks w [E, N, ·], per-row expert ids) through the kernel, or nullopt.
 std::optional<mlx::core::array> cpu_gather_qmm(
     const mlx::core::array& x,

@@ -651,6 +651,27 @@ ArrPtr rms_norm_residual(const Arr& x, const Arr* w, float eps, const Arr& resid
   return wrap(scale ? mx::multiply(sum, scale->a) : sum);
 }
 
+std::unique_ptr<ArrVec> quantized_matmul_norm(
+    const Arr& x,
+    const Arr& w,
+    const Arr& scales,
+    const Arr& biases,
+    int32_t group_size,
+    int32_t bits,
+    const Arr* norm_w,
+    float eps,
+    const Arr& residual,
+    const Arr* scale,
+    const Arr* next_w) {
+  if (auto outs = cpu_quantized_matmul_norm(x.a, w.a, scales.a, biases.a, group_size, bits, opt(norm_w), eps,
+                                            residual.a, opt(scale), opt(next_w))) {
+    return wrap_vec(std::move(*outs));
+  }
+  auto y = quantized_matmul(x, w, scales, &biases, true, group_size, bits);
+  if (!next_w) return wrap_vec({rms_norm_residual(*y, norm_w, eps, residual, scale)->a});
+  return rms_norm_residual_norm(*y, norm_w, eps, residual, scale, *next_w);
+}
+
 std::unique_ptr<ArrVec> rms_norm_residual_norm(
     const Arr& x, const Arr* w, float eps, const Arr& residual, const Arr* scale, const Arr& next_w) {
   if (auto outs = cpu_rms_norm_residual_norm(x.a, opt(w), eps, residual.a, opt(scale), next_w.a)) {

@@ -191,6 +191,20 @@ ArrPtr rms_norm_residual(const Arr& x, const Arr* w, float eps, const Arr& resid
 // block's input norm, one op on the CPU.
 std::unique_ptr<ArrVec> rms_norm_residual_norm(
     const Arr& x, const Arr* w, float eps, const Arr& residual, const Arr* scale, const Arr& next_w);
+// x @ dequantize(w)ᵀ, then the residual update above of the product: {sum} or, with next_w,
+// {sum, rms_norm(sum, next_w)}; one op on the CPU.
+std::unique_ptr<ArrVec> quantized_matmul_norm(
+    const Arr& x,
+    const Arr& w,
+    const Arr& scales,
+    const Arr& biases,
+    int32_t group_size,
+    int32_t bits,
+    const Arr* norm_w,
+    float eps,
+    const Arr& residual,
+    const Arr* scale,
+    const Arr* next_w);
 ArrPtr layer_norm(const Arr& x, const Arr* w, const Arr* b, float eps);
 ArrPtr rope(
     const Arr& x,

@@ -66,6 +66,46 @@ pub fn rms_norm_residual_norm(
     }
 }
 
+/// `x @ dequantize(q)ᵀ`, then [`rms_norm_residual`] of the product (an attention block's
+/// output projection or an MLP's down projection and the residual update after it), and with
+/// `next` the update's result RMS-normalised again ([`rms_norm_residual_norm`]):
+/// `(sum, Some(norm(sum)))` or `(sum, None)`. One op on the CPU, with the bits of the product
+/// and the norm op it stands for.
+pub fn quantized_matmul_residual_norm(
+    x: &Array,
+    q: &crate::Quantized,
+    weight: Option<&Array>,
+    eps: f32,
+    residual: &Array,
+    scale: Option<&Array>,
+    next: Option<&Array>,
+) -> Result<(Array, Option<Array>)> {
+    // SAFETY: the pointers are null or point at arrays that outlive the call.
+    let outs = crate::array::unpack(unsafe {
+        ffi::quantized_matmul_norm(
+            x.arr(),
+            q.weight.arr(),
+            q.scales.arr(),
+            q.biases.arr(),
+            q.group_size,
+            q.bits,
+            ptr(weight),
+            eps,
+            residual.arr(),
+            ptr(scale),
+            ptr(next),
+        )?
+    })?;
+    let mut it = outs.into_iter();
+    match (it.next(), it.next(), next.is_some()) {
+        (Some(sum), normed, true) if normed.is_some() => Ok((sum, normed)),
+        (Some(sum), None, false) => Ok((sum, None)),
+        _ => Err(crate::Error::Mlx(
+            "quantized_matmul_residual_norm: unexpected number of outputs".into(),
+        )),
+    }
+}
+
 pub fn layer_norm(
     x: &Array,
     weight: Option<&Array>,

@@ -602,3 +602,94 @@ fn both_ways_of_unpacking_give_the_same_bits() {
         }
     }
 }
+
+/// A projection and the residual update after it (`quantized_matmul_residual_norm`) are one op
+/// with the bits of the two it stands for (the kernel's product, then the RMS-norm kernel's
+/// update) on the packed-rows and sgemm paths, with and without a norm weight, a scale and a
+/// next norm; within float tolerance of MLX's own ops; and operands the kernels do not take
+/// go to the ops it stands for (a residual of another shape: MLX's error, no crash).
+#[test]
+fn a_projection_and_its_residual_update_are_one_op() {
+    use mlx::fast;
+    let _one = serial();
+    mlx::set_quantized_kernel(true);
+    let mut case = 1300u64;
+    for (bits, group) in [(4, 64), (8, 32), (4, 128)] {
+        for (rows, n, k) in [(1, 96, 256), (3, 40, 512), (20, 64, 384)] {
+            case += 10;
+            let x = normal(&[1, rows, k], 1.0, case);
+            let q = normal(&[n, k], 0.05, case + 1)
+                .quantize(group, bits)
+                .unwrap();
+            let h = normal(&[1, rows, n], 1.0, case + 2);
+            let w = normal(&[n], 1.0, case + 3);
+            let next = normal(&[n], 1.0, case + 4);
+            let s = Array::from_slice(&[0.75f32], &[1]).unwrap();
+            mlx::eval(&[&x, &q.weight, &q.scales, &q.biases, &h, &w, &next, &s]).unwrap();
+            for (weight, scale, then) in [
+                (Some(&w), None, Some(&next)),
+                (None, Some(&s), Some(&next)),
+                (Some(&w), Some(&s), None),
+            ] {
+                let what = format!(
+                    "{bits}-bit g{group} {rows}x{k} @ {n}, weight {}, scale {}, next {}",
+                    weight.is_some(),
+                    scale.is_some(),
+                    then.is_some()
+                );
+                let fused = || {
+                    fast::quantized_matmul_residual_norm(&x, &q, weight, 1e-6, &h, scale, then)
+                        .unwrap()
+                };
+                let (sum, normed) = fused();
+                assert_eq!(
+                    ops_of(&sum),
+                    vec!["MlxrCpuQuantizedMatmulNorm".to_string()],
+                    "{what}"
+                );
+                assert_eq!(normed.is_some(), then.is_some(), "{what}");
+                assert_eq!(sum.shape(), vec![1, rows, n]);
+                // The two ops it stands for, each through mlx-runner's kernel.
+                let y = x.quantized_matmul(&q, true).unwrap();
+                let alone = fast::rms_norm_residual(&y, weight, 1e-6, &h, scale).unwrap();
+                assert_eq!(
+                    sum.to_vec::<f32>().unwrap(),
+                    alone.to_vec::<f32>().unwrap(),
+                    "{what}: the sum"
+                );
+                if let (Some(normed), Some(next)) = (&normed, then) {
+                    let renormed = fast::rms_norm(&alone, Some(next), 1e-6).unwrap();
+                    assert_eq!(
+                        normed.to_vec::<f32>().unwrap(),
+                        renormed.to_vec::<f32>().unwrap(),
+                        "{what}: its norm"
+                    );
+                }
+                // MLX's own, every kernel off.
+                mlx::set_quantized_kernel(false);
+                fast::set_fused_kernels(false);
+                let (mlx_sum, mlx_normed) = fused();
+                let theirs = mlx_sum.to_vec::<f32>().unwrap();
+                let theirs_normed = mlx_normed.map(|a| a.to_vec::<f32>().unwrap());
+                fast::set_fused_kernels(true);
+                mlx::set_quantized_kernel(true);
+                let close = |a: &[f32], b: &[f32], part: &str| {
+                    let most = b.iter().fold(1f32, |m, v| m.max(v.abs()));
+                    let d = a.iter().zip(b).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+                    assert!(d <= 1e-4 * most, "{what}, {part}: |ours - mlx| = {d}");
+                };
+                close(&sum.to_vec::<f32>().unwrap(), &theirs, "sum");
+                if let (Some(a), Some(b)) = (normed, theirs_normed) {
+                    close(&a.to_vec::<f32>().unwrap(), &b, "norm");
+                }
+            }
+        }
+    }
+    // A residual of another shape: not the kernel's; MLX's broadcasting refuses it.
+    let x = normal(&[1, 2, 256], 1.0, 1400);
+    let q = normal(&[32, 256], 0.05, 1401).quantize(64, 4).unwrap();
+    let bad = normal(&[1, 2, 16], 1.0, 1402);
+    let r = fast::quantized_matmul_residual_norm(&x, &q, None, 1e-6, &bad, None, None)
+        .and_then(|(a, _)| a.eval());
+    assert!(r.is_err(), "a residual of the wrong shape");
+}

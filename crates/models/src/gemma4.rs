@@ -504,7 +504,12 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Array) -> Result<Array> {
-        let a = match (&self.gate, &self.up) {
+        self.down.forward(&self.hidden(x)?)
+    }
+
+    /// `gelu(x Gᵀ) ⊙ x Uᵀ`, what the down projection reads.
+    fn hidden(&self, x: &Array) -> Result<Array> {
+        Ok(match (&self.gate, &self.up) {
             // One op for the two products and the gate, where the two are quantized alike.
             (Linear::Quantized(g), Linear::Quantized(u))
                 if g.bits == u.bits && g.group_size == u.group_size =>
@@ -512,8 +517,7 @@ impl Mlp {
                 x.quantized_geglu(g, u)?
             }
             _ => gelu_tanh(&self.gate.forward(x)?)?.multiply(&self.up.forward(x)?)?,
-        };
-        self.down.forward(&a)
+        })
     }
 }
 
@@ -670,8 +674,48 @@ impl DecoderLayer {
         eps: f32,
         scale: Option<&Array>,
     ) -> Result<Array> {
-        let f = self.feed_forward(h, &norm(h, Some(&self.pre_ffn_norm), eps)?, eps)?;
-        add_norm(h, &f, Some(&self.post_ffn_norm), eps, scale)
+        self.feed_forward_add_norm(h, &norm(h, Some(&self.pre_ffn_norm), eps)?, eps, scale)
+    }
+
+    /// `h + post_ffn_norm(feed_forward(h, x))`, times `scale` if given: without experts, the
+    /// down projection and the residual update are one op.
+    fn feed_forward_add_norm(
+        &self,
+        h: &Array,
+        x: &Array,
+        eps: f32,
+        scale: Option<&Array>,
+    ) -> Result<Array> {
+        let w = Some(&self.post_ffn_norm);
+        match &self.moe {
+            None => self
+                .mlp
+                .down
+                .forward_add_norm(&self.mlp.hidden(x)?, h, w, eps, scale),
+            Some(_) => add_norm(h, &self.feed_forward(h, x, eps)?, w, eps, scale),
+        }
+    }
+
+    /// [`DecoderLayer::feed_forward_add_norm`], and its result normalised by `next` (the next
+    /// block's input norm).
+    fn feed_forward_add_norm_then_norm(
+        &self,
+        h: &Array,
+        x: &Array,
+        eps: f32,
+        scale: Option<&Array>,
+        next: &Array,
+    ) -> Result<(Array, Array)> {
+        let w = Some(&self.post_ffn_norm);
+        match &self.moe {
+            None => {
+                let a = self.mlp.hidden(x)?;
+                self.mlp
+                    .down
+                    .forward_add_norm_then_norm(&a, h, w, eps, scale, next)
+            }
+            Some(_) => add_norm_then_norm(h, &self.feed_forward(h, x, eps)?, w, eps, scale, next),
+        }
     }
 
     /// The feed-forward block's output for the residual stream `h` and its pre-normed input
@@ -1029,38 +1073,36 @@ impl CausalLm for Gemma4 {
                 kv[i].push(attended.kv);
             }
             let joined = join_rows(&outs)?;
-            let a = layer.attn.o_proj.forward(&joined)?;
-            // Each residual update also normalises its result for the block that reads it next.
-            let (h_attn, x_ff) = add_norm_then_norm(
+            // Each residual update also normalises its result for the block that reads it next,
+            // in the op of the projection before it.
+            let (h_attn, x_ff) = layer.attn.o_proj.forward_add_norm_then_norm(
+                &joined,
                 &h,
-                &a,
                 Some(&layer.post_attn_norm),
                 eps,
                 None,
                 &layer.pre_ffn_norm,
             )?;
-            let f = layer.feed_forward(&h_attn, &x_ff, eps)?;
             let next = self.layers.get(i + 1).map_or(&self.norm, |l| &l.input_norm);
             // The layer scalar rides on the layer's last residual update.
             let scalar = &layer.layer_scalar;
             let (h_out, x_next) = match (&layer.ple, &ple) {
                 (Some(pl), Some(all)) => {
-                    let h = add_norm(&h_attn, &f, Some(&layer.post_ffn_norm), eps, None)?;
+                    let h = layer.feed_forward_add_norm(&h_attn, &x_ff, eps, None)?;
                     let this = all.index(&[Ix::full(), Ix::full(), Ix::At(i as i32)])?;
                     let g = gelu_tanh(&pl.gate.forward(&h)?)?.multiply(&this)?;
-                    add_norm_then_norm(
+                    pl.proj.forward_add_norm_then_norm(
+                        &g,
                         &h,
-                        &pl.proj.forward(&g)?,
                         Some(&pl.post_norm),
                         eps,
                         Some(scalar),
                         next,
                     )?
                 }
-                _ => add_norm_then_norm(
+                _ => layer.feed_forward_add_norm_then_norm(
                     &h_attn,
-                    &f,
-                    Some(&layer.post_ffn_norm),
+                    &x_ff,
                     eps,
                     Some(scalar),
                     next,

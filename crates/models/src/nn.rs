@@ -43,6 +43,58 @@ impl Linear {
             Linear::Quantized(q) => x.quantized_matmul(q, true)?,
         })
     }
+
+    /// [`add_norm`] of this layer's output: `(residual + norm(x Wᵀ, w)) · scale`, a post-norm
+    /// block's output projection and residual update; one op where W is quantized on the CPU.
+    pub fn forward_add_norm(
+        &self,
+        x: &Array,
+        residual: &Array,
+        w: Option<&Array>,
+        eps: f32,
+        scale: Option<&Array>,
+    ) -> Result<Array> {
+        Ok(match self {
+            Linear::Quantized(q) => {
+                mlx::fast::quantized_matmul_residual_norm(x, q, w, eps, residual, scale, None)?.0
+            }
+            Linear::Dense { .. } => add_norm(residual, &self.forward(x)?, w, eps, scale)?,
+        })
+    }
+
+    /// [`Linear::forward_add_norm`], and its result normalised again by `next` (the next
+    /// block's input norm): `(sum, norm(sum, next))`, as [`add_norm_then_norm`] gives them.
+    pub fn forward_add_norm_then_norm(
+        &self,
+        x: &Array,
+        residual: &Array,
+        w: Option<&Array>,
+        eps: f32,
+        scale: Option<&Array>,
+        next: &Array,
+    ) -> Result<(Array, Array)> {
+        match self {
+            Linear::Quantized(q) => {
+                match mlx::fast::quantized_matmul_residual_norm(
+                    x,
+                    q,
+                    w,
+                    eps,
+                    residual,
+                    scale,
+                    Some(next),
+                )? {
+                    (sum, Some(normed)) => Ok((sum, normed)),
+                    (_, None) => Err(crate::ModelError::Invalid(
+                        "a projection's residual update returned no next norm".into(),
+                    )),
+                }
+            }
+            Linear::Dense { .. } => {
+                add_norm_then_norm(residual, &self.forward(x)?, w, eps, scale, next)
+            }
+        }
+    }
 }
 
 /// `x Wᵢᵀ` for several layers that read the same `x` (an attention block's q, k and v): one op

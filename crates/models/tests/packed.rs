@@ -185,3 +185,32 @@ fn a_gemma4_decode_step_writes_its_caches_in_place_inside_attention() {
         );
     }
 }
+
+/// In a quantized gemma4 decode step each layer's attention output projection computes the
+/// residual update after it and the feed-forward block's input norm (one op, not two). The
+/// values are checked against mlx-lm by `golden.rs` (`gemma4_moe_q4_matches_mlx_lm`) and the
+/// op against the two it stands for in `quantized_kernel.rs`.
+#[test]
+fn a_quantized_gemma4_projection_computes_the_residual_update_after_it() {
+    let name = "gemma4_26b_a4b_like_q4";
+    let m = load(&fixture(name), DtypeChoice::Auto).unwrap();
+    let model = &*m.model;
+    let mut caches = model.make_caches();
+    model
+        .forward(&tokens(&ids(3, 9)), &mut caches)
+        .unwrap()
+        .eval()
+        .unwrap();
+    let h = model.forward(&tokens(&[17]), &mut caches).unwrap();
+    let logits = model.logits(&h).unwrap();
+    let ops = mlx::graph_ops(&[&logits]);
+    let count = |op: &str| ops.iter().find(|(n, _)| n == op).map_or(0, |(_, c)| *c);
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture(name).join("config.json")).unwrap()).unwrap();
+    let layers = cfg["num_hidden_layers"]
+        .as_u64()
+        .or(cfg["text_config"]["num_hidden_layers"].as_u64())
+        .unwrap() as usize;
+    assert_eq!(count("MlxrCpuQuantizedMatmulNorm"), layers, "{ops:?}");
+    logits.eval().unwrap();
+}
