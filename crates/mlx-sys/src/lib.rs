@@ -290,6 +290,19 @@ pub mod ffi {
             scale: *const Arr,
             next_w: &Arr,
         ) -> Result<UniquePtr<ArrVec>>;
+        /// `dequantize(w[ids]) · scale` (with `has_scale`): a quantized embedding lookup, one
+        /// op on the CPU.
+        #[allow(clippy::too_many_arguments)]
+        fn quantized_embedding(
+            ids: &Arr,
+            w: &Arr,
+            scales: &Arr,
+            biases: &Arr,
+            group_size: i32,
+            bits: i32,
+            scale: f32,
+            has_scale: bool,
+        ) -> Result<UniquePtr<Arr>>;
         /// `x @ dequantize(w)ᵀ`, then the residual update of `rms_norm_residual` (and with
         /// `next_w` the next norm) of the product: one op on the CPU.
         unsafe fn quantized_matmul_norm(

@@ -783,6 +783,46 @@ struct DequantizeOp {
   }
 };
 
+// dequantize(w[ids]) · scale: w [V, K·bits/32], scales and biases [V, K/group], ids int32 or
+// uint32 of any shape → [..ids, K]. A quantized embedding lookup is MLX's three gathers (and
+// their squeezes), the dequantization and the scaling, ten ops every decode step; here one.
+// Each row is dequantize_rows' and then one float32 multiply, so the values are those ops'. A
+// negative id counts from the end, as in MLX's take; an id outside [-V, V) gives zeros.
+struct QuantizedEmbeddingOp {
+  struct Params {
+    int group, bits;
+    bool has_scale;
+    float scale;
+    bool operator==(const Params&) const = default;
+  };
+  static constexpr const char* name = "MlxrCpuQuantizedEmbedding";
+
+  static void run(const Params& p, std::vector<View>& in, View& out) {
+    const auto& w = in[1];
+    const int V = (int)w.shape(0), K = (int)w.shape(1) * per_word(p.bits);
+    const Shape s{1, V, K, p.bits, p.group};
+    std::vector<int32_t> it;
+    const int32_t* ids = dense(in[0], it);
+    const bool unsigned_ids = in[0].dtype() == mx::uint32;
+    const DensePacked q(w, in[2], in[3]);
+    float* o = out.data<float>();
+    for_rows(in[0].size(), std::max(1, 4096 / K), [&](size_t t0, size_t t1) {
+      for (size_t t = t0; t < t1; ++t) {
+        int64_t id = unsigned_ids ? (int64_t)(uint32_t)ids[t] : (int64_t)ids[t];
+        if (id < 0) id += V;
+        float* row = o + t * K;
+        if (id < 0 || id >= V) {
+          std::fill(row, row + K, 0.0f);
+          continue;
+        }
+        dequantize_rows(q.w, q.s, q.b, row, s, (int)id, (int)id + 1, 0, K);
+        if (p.has_scale)
+          for (int k = 0; k < K; ++k) row[k] = row[k] * p.scale;
+      }
+    });
+  }
+};
+
 // The checks both products share: the CPU, float32 activations, supported bits and groups,
 // packed sizes that agree.
 // What every kernel here reads: the kernels on, the CPU, supported bits and groups, uint32
@@ -920,6 +960,25 @@ std::optional<mx::array> cpu_dequantize(
   auto shape = w.shape();
   shape.back() = w.shape(-1) * (32 / bits);
   return make<DequantizeOp>(shape, {group_size, bits}, {w, scales, *biases});
+}
+
+std::optional<mx::array> cpu_quantized_embedding(
+    const mx::array& ids,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits,
+    std::optional<float> scale) {
+  const bool fits = packed_format_applies(w, scales, biases, group_size, bits) && w.ndim() == 2 &&
+                    scales.ndim() == 2 && w.shape(0) == scales.shape(0) && w.shape(0) > 0 &&
+                    (size_t)w.shape(1) * (32 / bits) == (size_t)scales.shape(1) * group_size &&
+                    (ids.dtype() == mx::int32 || ids.dtype() == mx::uint32) && ids.size() > 0;
+  if (!fits) return std::nullopt;
+  auto shape = ids.shape();
+  shape.push_back(w.shape(1) * (32 / bits));
+  return make<QuantizedEmbeddingOp>(
+      shape, {group_size, bits, scale.has_value(), scale.value_or(1.0f)}, {ids, w, scales, biases});
 }
 
 std::optional<std::vector<mx::array>> cpu_quantized_matmuls(

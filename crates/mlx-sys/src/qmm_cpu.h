@@ -36,6 +36,17 @@ std::optional<std::vector<mlx::core::array>> cpu_quantized_matmul_norm(
     const std::optional<mlx::core::array>& scale,
     const std::optional<mlx::core::array>& next_w);
 
+// dequantize(w[ids]) · scale (a quantized embedding lookup: w, scales, biases 2-D, ids int32
+// or uint32 of any shape) through the kernel, or nullopt.
+std::optional<mlx::core::array> cpu_quantized_embedding(
+    const mlx::core::array& ids,
+    const mlx::core::array& w,
+    const mlx::core::array& scales,
+    const mlx::core::array& biases,
+    int group_size,
+    int bits,
+    std::optional<float> scale);
+
 // gather_qmm (expert stacks w [E, N, ·], per-row expert ids) through the kernel, or nullopt.
 std::optional<mlx::core::array> cpu_gather_qmm(
     const mlx::core::array& x,

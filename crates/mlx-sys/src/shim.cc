@@ -651,6 +651,24 @@ ArrPtr rms_norm_residual(const Arr& x, const Arr* w, float eps, const Arr& resid
   return wrap(scale ? mx::multiply(sum, scale->a) : sum);
 }
 
+ArrPtr quantized_embedding(
+    const Arr& ids,
+    const Arr& w,
+    const Arr& scales,
+    const Arr& biases,
+    int32_t group_size,
+    int32_t bits,
+    float scale,
+    bool has_scale) {
+  const std::optional<float> s = has_scale ? std::optional<float>(scale) : std::nullopt;
+  if (auto out = cpu_quantized_embedding(ids.a, w.a, scales.a, biases.a, group_size, bits, s)) {
+    return wrap(std::move(*out));
+  }
+  const Arr rw{mx::take(w.a, ids.a, 0)}, rs{mx::take(scales.a, ids.a, 0)}, rb{mx::take(biases.a, ids.a, 0)};
+  auto rows = dequantize(rw, rs, &rb, group_size, bits);
+  return has_scale ? wrap(mx::multiply(rows->a, mx::array(scale, mx::float32))) : std::move(rows);
+}
+
 std::unique_ptr<ArrVec> quantized_matmul_norm(
     const Arr& x,
     const Arr& w,

@@ -191,6 +191,16 @@ ArrPtr rms_norm_residual(const Arr& x, const Arr* w, float eps, const Arr& resid
 // block's input norm, one op on the CPU.
 std::unique_ptr<ArrVec> rms_norm_residual_norm(
     const Arr& x, const Arr* w, float eps, const Arr& residual, const Arr* scale, const Arr& next_w);
+// dequantize(w[ids]) · scale (with has_scale): a quantized embedding lookup, one op on the CPU.
+ArrPtr quantized_embedding(
+    const Arr& ids,
+    const Arr& w,
+    const Arr& scales,
+    const Arr& biases,
+    int32_t group_size,
+    int32_t bits,
+    float scale,
+    bool has_scale);
 // x @ dequantize(w)ᵀ, then the residual update above of the product: {sum} or, with next_w,
 // {sum, rms_norm(sum, next_w)}; one op on the CPU.
 std::unique_ptr<ArrVec> quantized_matmul_norm(

@@ -559,6 +559,22 @@ impl Array {
 }
 
 impl Quantized {
+    /// Rows `ids` (int32 or uint32, any shape) of the matrix, dequantized and times `scale`:
+    /// `[..ids, K]`, a quantized embedding lookup. One op on the CPU, with the values of the
+    /// gathers, [`Quantized::dequantize`] and the float32 multiply it stands for.
+    pub fn lookup(&self, ids: &Array, scale: Option<f32>) -> Result<Array> {
+        Ok(Array::from_raw(ffi::quantized_embedding(
+            ids.arr(),
+            self.weight.arr(),
+            self.scales.arr(),
+            self.biases.arr(),
+            self.group_size,
+            self.bits,
+            scale.unwrap_or(1.0),
+            scale.is_some(),
+        )?))
+    }
+
     /// Back to a dense matrix.
     pub fn dequantize(&self) -> Result<Array> {
         // SAFETY: the pointer points at an array that outlives the call.

@@ -693,3 +693,79 @@ fn a_projection_and_its_residual_update_are_one_op() {
         .and_then(|(a, _)| a.eval());
     assert!(r.is_err(), "a residual of the wrong shape");
 }
+
+/// A quantized embedding lookup (`Quantized::lookup`) is one op with the bits of the gathers,
+/// the kernel's dequantization and the float32 multiply it stands for, within float tolerance
+/// of MLX's own ops; ids of any shape, int32 or uint32, negative ids counted from the end as
+/// in MLX's take, ids past the table zeros.
+#[test]
+fn a_quantized_embedding_lookup_is_one_op() {
+    let _one = serial();
+    mlx::set_quantized_kernel(true);
+    let mut case = 1500u64;
+    for (bits, group) in [(4, 32), (4, 64), (8, 64), (8, 128)] {
+        case += 1;
+        let q = normal(&[50, 256], 0.05, case)
+            .quantize(group, bits)
+            .unwrap();
+        mlx::eval(&[&q.weight, &q.scales, &q.biases]).unwrap();
+        let int = |v: &[i32], shape: &[i32]| Array::from_slice(v, shape).unwrap();
+        let uint = Array::from_slice(&[3u32, 49, 0], &[3]).unwrap();
+        for (ids, scale) in [
+            (int(&[7], &[1, 1]), Some(16.0f32)),
+            (int(&[1, 0, 49, 7, 7, 20], &[2, 3]), Some(27.712_812)),
+            (int(&[-1, -50, 5], &[3]), None),
+            (uint.clone(), Some(0.5)),
+        ] {
+            let what = format!("{bits}-bit g{group} ids {:?}", ids.to_vec::<i32>().ok());
+            let ours = q.lookup(&ids, scale).unwrap();
+            assert_eq!(
+                ops_of(&ours),
+                vec!["MlxrCpuQuantizedEmbedding".to_string()],
+                "{what}"
+            );
+            let mut shape = ids.shape();
+            shape.push(256);
+            assert_eq!(ours.shape(), shape, "{what}");
+            // The ops it stands for: negative ids wrapped as take wraps them.
+            let wrapped = ids
+                .astype(Dtype::I32)
+                .unwrap()
+                .add_scalar(50.0)
+                .unwrap()
+                .remainder_scalar(50.0)
+                .unwrap();
+            let part = |a: &Array| a.take(&wrapped, 0).unwrap();
+            let table = mlx::Quantized {
+                weight: part(&q.weight),
+                scales: part(&q.scales),
+                biases: part(&q.biases),
+                ..q.clone()
+            };
+            let apart = |table: &mlx::Quantized| {
+                let rows = table.dequantize().unwrap();
+                match scale {
+                    Some(s) => rows.multiply_scalar(f64::from(s)).unwrap(),
+                    None => rows,
+                }
+            };
+            let got = ours.to_vec::<f32>().unwrap();
+            assert_eq!(got, apart(&table).to_vec::<f32>().unwrap(), "{what}");
+            mlx::set_quantized_kernel(false);
+            let theirs = apart(&table);
+            // With the kernel off the lookup is those ops.
+            let fallback = q.lookup(&ids, scale).unwrap().to_vec::<f32>().unwrap();
+            mlx::set_quantized_kernel(true);
+            assert_eq!(
+                fallback,
+                theirs.to_vec::<f32>().unwrap(),
+                "{what}: kernel off"
+            );
+            let d = max_diff(&ours, &theirs);
+            assert!(d <= 1e-6 * scale_of(&theirs), "{what}: |ours - mlx| = {d}");
+        }
+        // Past the table: zeros, not a read outside it.
+        let past = q.lookup(&int(&[50, 1000], &[2]), None).unwrap();
+        assert!(past.to_vec::<f32>().unwrap().iter().all(|&v| v == 0.0));
+    }
+}

@@ -846,8 +846,9 @@ impl Gemma4 {
 
     /// `E[ids] · √H`, the scale cast to the compute dtype first (as transformers does).
     pub fn embed_scaled(&self, tokens: &Array) -> Result<Array> {
-        let e = self.embed.lookup(tokens)?;
-        Ok(e.multiply_scalar(f64::from(self.cfg.hidden_size).sqrt())?)
+        // √H rounded to float32, as a float32 array times a weak scalar multiplies by it.
+        let scale = f64::from(self.cfg.hidden_size).sqrt() as f32;
+        self.embed.lookup_scaled(tokens, scale)
     }
 
     /// `[B, L, num_layers, P]` per-layer inputs (MODELS.md §1.3).
@@ -857,8 +858,7 @@ impl Gemma4 {
         let shape = [s[0], s[1], l, p];
         let token_part = ple
             .embed
-            .lookup(tokens)?
-            .multiply_scalar(f64::from(p).sqrt())?
+            .lookup_scaled(tokens, f64::from(p).sqrt() as f32)?
             .reshape(&shape)?;
         let ctx = ple
             .model_proj

@@ -212,6 +212,15 @@ impl Embedding {
         })
     }
 
+    /// [`Embedding::lookup`] times `scale` (gemma4's √H): one op where the table is quantized
+    /// on the CPU, with the values of the lookup and the float32 multiply.
+    pub fn lookup_scaled(&self, ids: &Array, scale: f32) -> Result<Array> {
+        Ok(match self {
+            Embedding::Quantized(q) => q.lookup(ids, Some(scale))?,
+            _ => self.lookup(ids)?.multiply_scalar(f64::from(scale))?,
+        })
+    }
+
     /// `h Eᵀ`: the tied head.
     pub fn as_linear(&self, h: &Array) -> Result<Array> {
         Ok(match self {
