@@ -484,4 +484,9 @@ std::optional<std::vector<mlx::core::array>> make_many(
       std::move(shapes), dtypes, std::make_shared<CpuPrimitive<Op>>(stream, p), std::move(inputs));
 }
 
+// x [..., K] (row-major) times each of n packed matrices (mats: w, scales, biases per matrix,
+// 2-D, one format) into outs[i] [..., N_i], row-major: the quantized kernel's products of one
+// x, prepared once and, for few rows, computed in one pass over the pool (qmm_cpu.cc).
+void quantized_products(const View& x, const View* mats, size_t n, int group, int bits, float* const* outs);
+
 }  // namespace mlxr

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "mlx-sys/src/cpu_common.h"
+#include "mlx-sys/src/qmm_cpu.h"
 
 namespace mx = mlx::core;
 
@@ -348,19 +349,57 @@ struct QkvHeadsOp {
   // in: q [1, T, q_heads·d], k and v [1, T, kv_heads·d], q_norm [d], k_norm [d], offsets
   // (int32, one or T), then the wavelengths where the rotation has them.
   static void run_many(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
-    std::vector<float> qt, kt, vt, wqt, wkt;
+    std::vector<float> qt, kt, vt;
     const float* y[3] = {dense(in[0], qt), dense(in[1], kt), dense(in[2], vt)};
-    const float* w[3] = {dense(in[3], wqt), dense(in[4], wkt), nullptr};
-    const int heads[3] = {p.q_heads, p.kv_heads, p.kv_heads};
-    const int d = in[0].shape(-1) / p.q_heads;
-    const size_t rows = in[0].size() / in[0].shape(-1);
-    const Offsets offsets(in[5]);
-    const RopeAngles angles(p.rope, p.rope.has_freqs ? &in[6] : nullptr);
+    heads(p, y, in[0].shape(-1) / p.q_heads, in[0].size() / in[0].shape(-1), in.data() + 3, outs);
+  }
+
+  // The three parts' heads from row-major q, k and v rows (y), each head d wide; rest: q_norm,
+  // k_norm, offsets and the wavelengths where the rotation has them.
+  static void heads(const Params& p, const float* const y[3], int d, size_t rows, const View* rest,
+                    std::vector<View>& outs) {
+    std::vector<float> wqt, wkt;
+    const float* w[3] = {dense(rest[0], wqt), dense(rest[1], wkt), nullptr};
+    const int counts[3] = {p.q_heads, p.kv_heads, p.kv_heads};
+    const Offsets offsets(rest[2]);
+    const RopeAngles angles(p.rope, p.rope.has_freqs ? &rest[3] : nullptr);
     for (size_t t = 0; t < rows; ++t) {
       angles.at((0.0f + offsets[t]) * p.rope.scale);
       for (int part = 0; part < 3; ++part)
-        norm_heads(y[part], w[part], p.eps, d, heads[part], t, outs[part].data<float>(), part < 2 ? &angles : nullptr);
+        norm_heads(y[part], w[part], p.eps, d, counts[part], t, outs[part].data<float>(), part < 2 ? &angles : nullptr);
     }
+  }
+};
+
+// The q, k and v projections of x (quantized, one format) and then QkvHeadsOp of them: a decode
+// step's attention input in one op instead of two. With two matrices the keys are the values
+// (k_eq_v). The values are the two ops' own (the same products, the same heads).
+struct QuantizedQkvHeadsOp {
+  struct Params {
+    QkvHeadsOp::Params heads;
+    int group, bits, matrices;
+    bool operator==(const Params&) const = default;
+  };
+  static constexpr const char* name = "MlxrCpuQuantizedQkvHeads";
+  static constexpr FusedKind kind = FusedKind::HeadsNormRope;
+
+  // in: x [..., K], (w, scales, biases) per matrix, then QkvHeadsOp's q_norm, k_norm, offsets
+  // and wavelengths.
+  static void run_many(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
+    const View& x = in[0];
+    const size_t rows = x.size() / x.shape(-1);
+    const int n = p.matrices;
+    // The raw projections end to end, reused between calls (the stream's thread makes them one
+    // at a time).
+    thread_local std::vector<float> raw;
+    size_t total = 0;
+    for (int i = 0; i < n; ++i) total += (size_t)in[1 + 3 * i].shape(0);
+    raw.resize(rows * total);
+    float* parts[3] = {raw.data(), nullptr, nullptr};
+    for (int i = 1; i < n; ++i) parts[i] = parts[i - 1] + rows * in[1 + 3 * (i - 1)].shape(0);
+    quantized_products(x, in.data() + 1, n, p.group, p.bits, parts);
+    const float* y[3] = {parts[0], parts[1], n == 3 ? parts[2] : parts[1]};
+    QkvHeadsOp::heads(p.heads, y, in[1].shape(0) / p.heads.q_heads, rows, in.data() + 1 + 3 * n, outs);
   }
 };
 
@@ -1165,6 +1204,43 @@ std::optional<std::vector<mx::array>> cpu_qkv_heads(
   const RopeParams rp{rope.dims, rope.traditional, rope.base.value_or(1.0f), rope.scale, rope.freqs.has_value()};
   return fused_many<QkvHeadsOp>(
       {{T, q_heads, 1, d}, {T, kv_heads, 1, d}, {T, kv_heads, 1, d}}, {q_heads, kv_heads, eps, rp}, std::move(in));
+}
+
+std::optional<std::vector<mx::array>> cpu_quantized_qkv_heads(
+    const mx::array& x,
+    const std::vector<mx::array>& ws,
+    const std::vector<mx::array>& scales,
+    const std::vector<mx::array>& biases,
+    int group_size,
+    int bits,
+    int q_heads,
+    int kv_heads,
+    const mx::array& q_norm,
+    const mx::array& k_norm,
+    float eps,
+    const HeadsRope& rope,
+    const mx::array& offsets) {
+  const size_t n = ws.size();
+  if (!on_cpu() || (n != 2 && n != 3) || scales.size() != n || biases.size() != n || q_heads <= 0 ||
+      kv_heads <= 0)
+    return std::nullopt;
+  for (size_t i = 0; i < n; ++i)
+    if (!cpu_qmm_applies(x, ws[i], scales[i], biases[i], group_size, bits)) return std::nullopt;
+  if (ws[0].shape(0) % q_heads != 0) return std::nullopt;
+  const int d = ws[0].shape(0) / q_heads;
+  for (size_t i = 1; i < n; ++i)
+    if (ws[i].shape(0) != kv_heads * d) return std::nullopt;
+  const int T = (int)(x.size() / x.shape(-1));
+  if (!norm_weight_fits(q_norm, d) || !norm_weight_fits(k_norm, d)) return std::nullopt;
+  if (!rope_applies(rope.dims, d, rope.base.has_value(), rope.freqs, offsets, (size_t)T)) return std::nullopt;
+  std::vector<mx::array> in{x};
+  for (size_t i = 0; i < n; ++i) in.insert(in.end(), {ws[i], scales[i], biases[i]});
+  in.insert(in.end(), {q_norm, k_norm, offsets});
+  if (rope.freqs) in.push_back(*rope.freqs);
+  const RopeParams rp{rope.dims, rope.traditional, rope.base.value_or(1.0f), rope.scale, rope.freqs.has_value()};
+  return fused_many<QuantizedQkvHeadsOp>(
+      {{T, q_heads, 1, d}, {T, kv_heads, 1, d}, {T, kv_heads, 1, d}},
+      {{q_heads, kv_heads, eps, rp}, group_size, bits, (int)n}, std::move(in));
 }
 
 std::optional<std::vector<mx::array>> cpu_sdpa_slots(

@@ -112,6 +112,23 @@ std::optional<std::vector<mlx::core::array>> cpu_qkv_heads(
     const HeadsRope& rope,
     const mlx::core::array& offsets);
 
+// x @ dequantize(w_i)ᵀ for q, k and (unless ws has two: k_eq_v, the values are the keys) v, then
+// cpu_qkv_heads of them, one op; nullopt where the kernels do not take these operands.
+std::optional<std::vector<mlx::core::array>> cpu_quantized_qkv_heads(
+    const mlx::core::array& x,
+    const std::vector<mlx::core::array>& ws,
+    const std::vector<mlx::core::array>& scales,
+    const std::vector<mlx::core::array>& biases,
+    int group_size,
+    int bits,
+    int q_heads,
+    int kv_heads,
+    const mlx::core::array& q_norm,
+    const mlx::core::array& k_norm,
+    float eps,
+    const HeadsRope& rope,
+    const mlx::core::array& offsets);
+
 // softmax(q kᵀ · scale + mask) v over the first `keys` slots of k and v ([B, Hk, S, D]). With
 // k_new and v_new ([B, Hk, L, D]), their rows are first written at slots write_at.. of k and v:
 // {attention, k with them, v with them}, the buffers taken over where nothing else holds them.

@@ -375,6 +375,28 @@ pub mod ffi {
             offsets: &Arr,
             freqs: *const Arr,
         ) -> Result<UniquePtr<ArrVec>>;
+        /// `quantized_matmuls` of `x` (q, k and with three matrices v; with two the values are
+        /// the keys), then `qkv_heads` of them: one op on the CPU.
+        unsafe fn quantized_qkv_heads(
+            x: &Arr,
+            w: &ArrVec,
+            scales: &ArrVec,
+            biases: &ArrVec,
+            group_size: i32,
+            bits: i32,
+            q_heads: i32,
+            kv_heads: i32,
+            q_norm: &Arr,
+            k_norm: &Arr,
+            eps: f32,
+            dims: i32,
+            traditional: bool,
+            base: f32,
+            has_base: bool,
+            scale: f32,
+            offsets: &Arr,
+            freqs: *const Arr,
+        ) -> Result<UniquePtr<ArrVec>>;
         /// Attention over the first `keys` slots of `k` and `v`; with `k_new` and `v_new`,
         /// their rows written at slot `write_at` first: [out] or [out, k', v']; `out` is
         /// [B, Hq, L, Dv], or with `tokens` [B, L, Hq·Dv].

@@ -634,20 +634,27 @@ struct QuantizedMatmulsOp {
   static constexpr const char* name = "MlxrCpuQuantizedMatmuls";
 
   static void run_many(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
-    const auto& x = in[0];
+    std::vector<float*> o;
+    for (auto& out : outs) o.push_back(out.data<float>());
+    quantized_products(in[0], in.data() + 1, outs.size(), p.group, p.bits, o.data());
+  }
+};
+
+}  // namespace
+
+void quantized_products(const View& x, const View* mats, size_t n, int group, int bits, float* const* outs) {
     const int M = (int)(x.size() / x.shape(-1)), K = (int)x.shape(-1);
-    const size_t n = outs.size();
     std::vector<float> xc;
     const float* xp = dense(x, xc);
     std::vector<std::unique_ptr<DensePacked>> qs;
     std::vector<Shape> shapes;
     for (size_t i = 0; i < n; ++i) {
-      qs.push_back(std::make_unique<DensePacked>(in[1 + 3 * i], in[2 + 3 * i], in[3 + 3 * i]));
-      shapes.push_back(Shape{M, (int)in[1 + 3 * i].shape(0), K, p.bits, p.group});
+      qs.push_back(std::make_unique<DensePacked>(mats[3 * i], mats[3 * i + 1], mats[3 * i + 2]));
+      shapes.push_back(Shape{M, (int)mats[3 * i].shape(0), K, bits, group});
     }
     if (M >= SGEMM_ROWS || !has_avx2()) {
       for (size_t i = 0; i < n; ++i)
-        product(xp, qs[i]->w, qs[i]->s, qs[i]->b, outs[i].data<float>(), shapes[i]);
+        product(xp, qs[i]->w, qs[i]->s, qs[i]->b, outs[i], shapes[i]);
       return;
     }
     const PreparedX px = prepare_x(xp, shapes[0]);
@@ -658,13 +665,13 @@ struct QuantizedMatmulsOp {
       for (size_t i = 0; i < n; ++i) {
         const int a = std::max((int)n0, start[i]), b = std::min((int)n1, start[i + 1]);
         if (a < b)
-          qmv_range(px, qs[i]->w, qs[i]->s, qs[i]->b, outs[i].data<float>(), shapes[i],
-                    a - start[i], b - start[i]);
+          qmv_range(px, qs[i]->w, qs[i]->s, qs[i]->b, outs[i], shapes[i], a - start[i], b - start[i]);
       }
     });
     g_rows_path.fetch_add(n);
-  }
-};
+}
+
+namespace {
 
 // act(x @ dequantize(gate)ᵀ) ⊙ (x @ dequantize(up)ᵀ) with act gelu_tanh (gemma4's GeGLU) or
 // silu (GLM's SwiGLU): an MLP before its down projection, in one op instead of four or five (two
@@ -979,6 +986,17 @@ std::optional<mx::array> cpu_quantized_embedding(
   shape.push_back(w.shape(1) * (32 / bits));
   return make<QuantizedEmbeddingOp>(
       shape, {group_size, bits, scale.has_value(), scale.value_or(1.0f)}, {ids, w, scales, biases});
+}
+
+bool cpu_qmm_applies(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits) {
+  return kernel_applies(x, w, scales, biases, true, group_size, bits) && w.ndim() == 2 &&
+         scales.ndim() == 2;
 }
 
 std::optional<std::vector<mx::array>> cpu_quantized_matmuls(

@@ -47,6 +47,15 @@ std::optional<mlx::core::array> cpu_quantized_embedding(
     int bits,
     std::optional<float> scale);
 
+// Whether the kernel takes x @ dequantize(w)ᵀ for this x and 2-D packed matrix (and is on).
+bool cpu_qmm_applies(
+    const mlx::core::array& x,
+    const mlx::core::array& w,
+    const mlx::core::array& scales,
+    const mlx::core::array& biases,
+    int group_size,
+    int bits);
+
 // gather_qmm (expert stacks w [E, N, ·], per-row expert ids) through the kernel, or nullopt.
 std::optional<mlx::core::array> cpu_gather_qmm(
     const mlx::core::array& x,

@@ -799,6 +799,42 @@ std::unique_ptr<ArrVec> qkv_heads(
   return wrap_vec({qo->a, ko->a, vo->a});
 }
 
+std::unique_ptr<ArrVec> quantized_qkv_heads(
+    const Arr& x,
+    const ArrVec& w,
+    const ArrVec& scales,
+    const ArrVec& biases,
+    int32_t group_size,
+    int32_t bits,
+    int32_t q_heads,
+    int32_t kv_heads,
+    const Arr& q_norm,
+    const Arr& k_norm,
+    float eps,
+    int32_t dims,
+    bool traditional,
+    float base,
+    bool has_base,
+    float scale,
+    const Arr& offsets,
+    const Arr* freqs) {
+  const size_t n = w.v.size();
+  if ((n != 2 && n != 3) || scales.v.size() != n || biases.v.size() != n) {
+    throw std::invalid_argument("quantized_qkv_heads: takes two or three matrices, each with scales and biases");
+  }
+  std::optional<float> b = has_base ? std::optional<float>(base) : std::nullopt;
+  const HeadsRope rope{dims, traditional, b, scale, opt(freqs)};
+  if (auto outs = cpu_quantized_qkv_heads(x.a, w.v, scales.v, biases.v, group_size, bits, q_heads, kv_heads,
+                                          q_norm.a, k_norm.a, eps, rope, offsets.a)) {
+    return wrap_vec(std::move(*outs));
+  }
+  // The two ops it stands for.
+  auto raw = quantized_matmuls(x, w, scales, biases, group_size, bits);
+  const Arr q{raw->v[0]}, k{raw->v[1]}, v{raw->v[n == 3 ? 2 : 1]};
+  return qkv_heads(q, k, v, q_heads, kv_heads, q_norm, k_norm, eps, dims, traditional, base, has_base, scale,
+                   offsets, freqs);
+}
+
 std::unique_ptr<ArrVec> sdpa_slots(
     const Arr& q,
     const Arr& k,

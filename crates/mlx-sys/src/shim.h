@@ -266,6 +266,27 @@ std::unique_ptr<ArrVec> qkv_heads(
     float scale,
     const Arr& offsets,
     const Arr* freqs);
+// quantized_matmuls of x (q, k and, with three matrices, v; with two the values are the keys)
+// and then qkv_heads of them: one op on the CPU.
+std::unique_ptr<ArrVec> quantized_qkv_heads(
+    const Arr& x,
+    const ArrVec& w,
+    const ArrVec& scales,
+    const ArrVec& biases,
+    int32_t group_size,
+    int32_t bits,
+    int32_t q_heads,
+    int32_t kv_heads,
+    const Arr& q_norm,
+    const Arr& k_norm,
+    float eps,
+    int32_t dims,
+    bool traditional,
+    float base,
+    bool has_base,
+    float scale,
+    const Arr& offsets,
+    const Arr* freqs);
 std::unique_ptr<ArrVec> sdpa_slots(
     const Arr& q,
     const Arr& k,

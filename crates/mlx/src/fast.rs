@@ -66,6 +66,66 @@ pub fn rms_norm_residual_norm(
     }
 }
 
+/// [`qkv_heads`] of `x`'s quantized projections `mats` (q, k and v, one format; two matrices:
+/// the values are the keys): a decode step's queries, keys and values from the layer's normed
+/// input in one op on the CPU, with the bits of `quantized_matmuls` and [`qkv_heads`].
+#[allow(clippy::too_many_arguments)]
+pub fn quantized_qkv_heads(
+    x: &Array,
+    mats: &[&crate::Quantized],
+    q_heads: i32,
+    kv_heads: i32,
+    q_norm: &Array,
+    k_norm: &Array,
+    eps: f32,
+    rotation: HeadsRotation<'_>,
+    offsets: &Array,
+) -> Result<(Array, Array, Array)> {
+    let first = mats
+        .first()
+        .ok_or_else(|| crate::Error::Mlx("quantized_qkv_heads: no matrices".into()))?;
+    if mats
+        .iter()
+        .any(|q| q.bits != first.bits || q.group_size != first.group_size)
+    {
+        return Err(crate::Error::Mlx(
+            "quantized_qkv_heads: matrices of different formats".into(),
+        ));
+    }
+    let (base, has_base, f) = rotation.freqs.parts();
+    let pack = |f: fn(&crate::Quantized) -> &Array| crate::array::pack(mats.iter().map(|q| f(q)));
+    // SAFETY: the pointers are null or point at arrays that outlive the call.
+    let outs = crate::array::unpack(unsafe {
+        ffi::quantized_qkv_heads(
+            x.arr(),
+            &pack(|q| &q.weight),
+            &pack(|q| &q.scales),
+            &pack(|q| &q.biases),
+            first.group_size,
+            first.bits,
+            q_heads,
+            kv_heads,
+            q_norm.arr(),
+            k_norm.arr(),
+            eps,
+            rotation.dims,
+            rotation.traditional,
+            base,
+            has_base,
+            rotation.scale,
+            offsets.arr(),
+            f,
+        )?
+    })?;
+    let mut it = outs.into_iter();
+    match (it.next(), it.next(), it.next()) {
+        (Some(q), Some(k), Some(v)) => Ok((q, k, v)),
+        _ => Err(crate::Error::Mlx(
+            "quantized_qkv_heads: expected three outputs".into(),
+        )),
+    }
+}
+
 /// `x @ dequantize(q)ᵀ`, then [`rms_norm_residual`] of the product (an attention block's
 /// output projection or an MLP's down projection and the residual update after it), and with
 /// `next` the update's result RMS-normalised again ([`rms_norm_residual_norm`]):

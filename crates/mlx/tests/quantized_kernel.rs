@@ -769,3 +769,119 @@ fn a_quantized_embedding_lookup_is_one_op() {
         assert!(past.to_vec::<f32>().unwrap().iter().all(|&v| v == 0.0));
     }
 }
+
+/// A layer's q/k/v projections and their heads' norms and rotation (`quantized_qkv_heads`) are
+/// one op with the bits of `quantized_matmuls` followed by `qkv_heads` (three matrices, and two
+/// where the values are the keys), one row or several at their own positions, base or explicit
+/// wavelengths; within float tolerance of MLX's own ops with every kernel off (then the call is
+/// the ops it stands for); matrices of two formats a clear error.
+#[test]
+fn a_layers_projections_and_their_heads_are_one_op() {
+    use mlx::fast::{self, HeadsRotation, RopeFreqs};
+    let _one = serial();
+    mlx::set_quantized_kernel(true);
+    let mut case = 1700u64;
+    let inv: Vec<f32> = (0..16).map(|j| 1.0 + j as f32 * 7.5).collect();
+    let wavelengths = Array::from_slice(&inv, &[16]).unwrap();
+    for (bits, group) in [(4, 64), (8, 32)] {
+        for (t, k_eq_v, custom) in [(1, false, false), (3, true, true), (2, false, true)] {
+            case += 10;
+            let (hq, hk, d, k) = (4, 2, 32, 256);
+            let x = normal(&[1, t, k], 1.0, case);
+            let mat = |n: i32, seed| normal(&[n, k], 0.05, seed).quantize(group, bits).unwrap();
+            let (wq, wk, wv) = (
+                mat(hq * d, case + 1),
+                mat(hk * d, case + 2),
+                mat(hk * d, case + 3),
+            );
+            let (nq, nk) = (normal(&[d], 1.0, case + 4), normal(&[d], 1.0, case + 5));
+            let positions: Vec<i32> = (0..t).map(|i| 3 + 97 * i).collect();
+            let offsets = Array::from_slice(&positions, &[t]).unwrap();
+            let rotation = HeadsRotation {
+                dims: d,
+                traditional: false,
+                freqs: if custom {
+                    RopeFreqs::Custom(&wavelengths)
+                } else {
+                    RopeFreqs::Base(10000.0)
+                },
+                scale: 1.0,
+            };
+            let mats: Vec<&mlx::Quantized> = if k_eq_v {
+                vec![&wq, &wk]
+            } else {
+                vec![&wq, &wk, &wv]
+            };
+            let held: Vec<&Array> = mats
+                .iter()
+                .flat_map(|q| [&q.weight, &q.scales, &q.biases])
+                .chain([&x, &nq, &nk, &offsets, &wavelengths])
+                .collect();
+            mlx::eval(&held).unwrap();
+            let what = format!("{bits}-bit g{group} t {t} k_eq_v {k_eq_v} custom {custom}");
+            let fused = || {
+                fast::quantized_qkv_heads(&x, &mats, hq, hk, &nq, &nk, 1e-6, rotation, &offsets)
+                    .unwrap()
+            };
+            let (q, kk, v) = fused();
+            assert_eq!(
+                ops_of(&q),
+                vec!["MlxrCpuQuantizedQkvHeads".to_string()],
+                "{what}"
+            );
+            // The two ops it stands for, each through mlx-runner's kernels.
+            let raw = x.quantized_matmuls(&mats).unwrap();
+            let rv = if k_eq_v { &raw[1] } else { &raw[2] };
+            let apart = fast::qkv_heads(
+                &raw[0], &raw[1], rv, hq, hk, &nq, &nk, 1e-6, rotation, &offsets,
+            )
+            .unwrap();
+            for (i, (got, alone)) in [(&q, &apart.0), (&kk, &apart.1), (&v, &apart.2)]
+                .into_iter()
+                .enumerate()
+            {
+                assert_eq!(got.shape(), alone.shape(), "{what}: part {i}");
+                assert_eq!(
+                    got.to_vec::<f32>().unwrap(),
+                    alone.to_vec::<f32>().unwrap(),
+                    "{what}: part {i}"
+                );
+            }
+            // MLX's own ops, every kernel off.
+            mlx::set_quantized_kernel(false);
+            fast::set_fused_kernels(false);
+            let theirs = fused();
+            let theirs = [&theirs.0, &theirs.1, &theirs.2].map(|a| a.to_vec::<f32>().unwrap());
+            fast::set_fused_kernels(true);
+            mlx::set_quantized_kernel(true);
+            for (i, (ours, theirs)) in [&q, &kk, &v].into_iter().zip(theirs).enumerate() {
+                let ours = ours.to_vec::<f32>().unwrap();
+                let most = theirs.iter().fold(1f32, |m, y| m.max(y.abs()));
+                let diff = ours
+                    .iter()
+                    .zip(&theirs)
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                assert!(
+                    diff <= 1e-4 * most,
+                    "{what}: part {i}: |ours - mlx| = {diff}"
+                );
+            }
+        }
+    }
+    // Two formats in one call: refused with a clear error.
+    let x = normal(&[1, 1, 256], 1.0, 1800);
+    let a = normal(&[64, 256], 0.05, 1801).quantize(64, 4).unwrap();
+    let b = normal(&[32, 256], 0.05, 1802).quantize(64, 8).unwrap();
+    let n = normal(&[16], 1.0, 1803);
+    let one = Array::from_slice(&[0i32], &[1]).unwrap();
+    let rotation = HeadsRotation {
+        dims: 16,
+        traditional: false,
+        freqs: RopeFreqs::Base(10000.0),
+        scale: 1.0,
+    };
+    let err = fast::quantized_qkv_heads(&x, &[&a, &b], 4, 2, &n, &n, 1e-6, rotation, &one)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("different formats"), "{err}");
+}

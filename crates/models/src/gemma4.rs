@@ -13,7 +13,7 @@ use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
 use cache::{Attended, AttnMask, KvCache, LayerCache, RotatingKvCache};
 use mlx::fast::{sdpa_slots, Attention as Sdpa, KvSlots, SdpaLayout::Tokens, SdpaMask};
-use mlx::{Array, Ix};
+use mlx::{Array, Ix, Quantized};
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::hash_map::Entry;
@@ -401,6 +401,24 @@ impl Attention {
         Ok((q_raw, kv))
     }
 
+    /// The q, k and (unless the keys are the values) v projections, where this layer has keys
+    /// and all are quantized alike: what one q/k/v op takes.
+    fn quantized_qkv(&self) -> Option<Vec<&Quantized>> {
+        let mut layers = vec![&self.q_proj, self.k_proj.as_ref()?];
+        layers.extend(&self.v_proj);
+        let mats: Vec<&Quantized> = layers
+            .into_iter()
+            .map(|l| match l {
+                Linear::Quantized(q) => Some(q),
+                Linear::Dense { .. } => None,
+            })
+            .collect::<Option<_>>()?;
+        let first = mats[0];
+        mats.iter()
+            .all(|q| q.bits == first.bits && q.group_size == first.group_size)
+            .then_some(mats)
+    }
+
     fn k_norm(&self) -> Result<&Array> {
         self.k_norm
             .as_ref()
@@ -434,6 +452,19 @@ impl Attention {
         rope: &Rope,
         offsets: &Array,
     ) -> Result<(Array, Option<(Array, Array)>)> {
+        if let Some(mats) = self.quantized_qkv() {
+            let (q, k, v) = rope.quantized_qkv_rows(
+                x,
+                &mats,
+                self.heads,
+                self.kv_heads,
+                &self.q_norm,
+                self.k_norm()?,
+                eps,
+                offsets,
+            )?;
+            return Ok((q, Some((k, v))));
+        }
         let (q_raw, kv) = self.project_qkv(x)?;
         match kv {
             Some((k_raw, v_raw)) => {

@@ -385,6 +385,33 @@ impl Rope {
         )?)
     }
 
+    /// [`Rope::qkv_rows`] of `x`'s quantized projections `mats` (q, k and v; two when the
+    /// values are the keys): one op on the CPU, the projections' and the heads' bits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn quantized_qkv_rows(
+        &self,
+        x: &Array,
+        mats: &[&Quantized],
+        heads: i32,
+        kv_heads: i32,
+        q_norm: &Array,
+        k_norm: &Array,
+        eps: f32,
+        offsets: &Array,
+    ) -> Result<(Array, Array, Array)> {
+        Ok(mlx::fast::quantized_qkv_heads(
+            x,
+            mats,
+            heads,
+            kv_heads,
+            q_norm,
+            k_norm,
+            eps,
+            self.rotation(),
+            offsets,
+        )?)
+    }
+
     /// Rotates `x: [B, H, L, D]`, row `b` for positions `offsets[b]..offsets[b]+L`, in one
     /// operation (a decode step of several sequences).
     pub fn apply_rows(&self, x: &Array, offsets: &[usize]) -> Result<Array> {

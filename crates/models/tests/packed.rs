@@ -187,7 +187,8 @@ fn a_gemma4_decode_step_writes_its_caches_in_place_inside_attention() {
 }
 
 /// In a quantized gemma4 decode step each layer's attention output projection computes the
-/// residual update after it and the feed-forward block's input norm (one op, not two). The
+/// residual update after it and the feed-forward block's input norm (one op, not two), and its
+/// q/k/v projections their heads' norms and rotation. The
 /// values are checked against mlx-lm by `golden.rs` (`gemma4_moe_q4_matches_mlx_lm`) and the
 /// op against the two it stands for in `quantized_kernel.rs`.
 #[test]
@@ -212,5 +213,16 @@ fn a_quantized_gemma4_projection_computes_the_residual_update_after_it() {
         .or(cfg["text_config"]["num_hidden_layers"].as_u64())
         .unwrap() as usize;
     assert_eq!(count("MlxrCpuQuantizedMatmulNorm"), layers, "{ops:?}");
+    // And each layer with keys of its own makes its queries, keys and values in one op.
+    let shared = cfg["num_kv_shared_layers"]
+        .as_u64()
+        .or(cfg["text_config"]["num_kv_shared_layers"].as_u64())
+        .unwrap_or(0) as usize;
+    assert_eq!(
+        count("MlxrCpuQuantizedQkvHeads"),
+        layers - shared,
+        "{ops:?}"
+    );
+    assert_eq!(count("MlxrCpuQuantizedMatmuls"), 0, "{ops:?}");
     logits.eval().unwrap();
 }
