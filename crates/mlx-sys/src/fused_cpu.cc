@@ -1178,6 +1178,37 @@ std::optional<mx::array> cpu_heads_norm_rope(
       {T, heads, 1, d}, {heads, eps, w.has_value(), rope.has_value(), rp}, std::move(in));
 }
 
+namespace {
+
+// The heads of a q/k/v op over T rows of heads d wide: its params where the norms and the
+// rotation apply (their inputs appended to `in`: q_norm, k_norm, offsets, the wavelengths),
+// else nullopt.
+std::optional<QkvHeadsOp::Params> qkv_heads_part(
+    int q_heads,
+    int kv_heads,
+    const mx::array& q_norm,
+    const mx::array& k_norm,
+    float eps,
+    const HeadsRope& rope,
+    const mx::array& offsets,
+    int d,
+    int T,
+    std::vector<mx::array>& in) {
+  if (!norm_weight_fits(q_norm, d) || !norm_weight_fits(k_norm, d)) return std::nullopt;
+  if (!rope_applies(rope.dims, d, rope.base.has_value(), rope.freqs, offsets, (size_t)T)) return std::nullopt;
+  in.insert(in.end(), {q_norm, k_norm, offsets});
+  if (rope.freqs) in.push_back(*rope.freqs);
+  const RopeParams rp{rope.dims, rope.traditional, rope.base.value_or(1.0f), rope.scale, rope.freqs.has_value()};
+  return QkvHeadsOp::Params{q_heads, kv_heads, eps, rp};
+}
+
+// The op's outputs: [T, heads, 1, d] queries, keys and values.
+std::vector<mx::Shape> qkv_heads_shapes(const QkvHeadsOp::Params& p, int d, int T) {
+  return {{T, p.q_heads, 1, d}, {T, p.kv_heads, 1, d}, {T, p.kv_heads, 1, d}};
+}
+
+}  // namespace
+
 std::optional<std::vector<mx::array>> cpu_qkv_heads(
     const mx::array& q,
     const mx::array& k,
@@ -1197,13 +1228,10 @@ std::optional<std::vector<mx::array>> cpu_qkv_heads(
   const int T = (int)(q.size() / q.shape(-1));
   for (const auto* y : {&k, &v})
     if (y->shape(-1) != kv_heads * d || (int)(y->size() / y->shape(-1)) != T) return std::nullopt;
-  if (!norm_weight_fits(q_norm, d) || !norm_weight_fits(k_norm, d)) return std::nullopt;
-  if (!rope_applies(rope.dims, d, rope.base.has_value(), rope.freqs, offsets, (size_t)T)) return std::nullopt;
-  std::vector<mx::array> in{q, k, v, q_norm, k_norm, offsets};
-  if (rope.freqs) in.push_back(*rope.freqs);
-  const RopeParams rp{rope.dims, rope.traditional, rope.base.value_or(1.0f), rope.scale, rope.freqs.has_value()};
-  return fused_many<QkvHeadsOp>(
-      {{T, q_heads, 1, d}, {T, kv_heads, 1, d}, {T, kv_heads, 1, d}}, {q_heads, kv_heads, eps, rp}, std::move(in));
+  std::vector<mx::array> in{q, k, v};
+  const auto p = qkv_heads_part(q_heads, kv_heads, q_norm, k_norm, eps, rope, offsets, d, T, in);
+  if (!p) return std::nullopt;
+  return fused_many<QkvHeadsOp>(qkv_heads_shapes(*p, d, T), *p, std::move(in));
 }
 
 std::optional<std::vector<mx::array>> cpu_quantized_qkv_heads(
@@ -1231,16 +1259,11 @@ std::optional<std::vector<mx::array>> cpu_quantized_qkv_heads(
   for (size_t i = 1; i < n; ++i)
     if (ws[i].shape(0) != kv_heads * d) return std::nullopt;
   const int T = (int)(x.size() / x.shape(-1));
-  if (!norm_weight_fits(q_norm, d) || !norm_weight_fits(k_norm, d)) return std::nullopt;
-  if (!rope_applies(rope.dims, d, rope.base.has_value(), rope.freqs, offsets, (size_t)T)) return std::nullopt;
   std::vector<mx::array> in{x};
   for (size_t i = 0; i < n; ++i) in.insert(in.end(), {ws[i], scales[i], biases[i]});
-  in.insert(in.end(), {q_norm, k_norm, offsets});
-  if (rope.freqs) in.push_back(*rope.freqs);
-  const RopeParams rp{rope.dims, rope.traditional, rope.base.value_or(1.0f), rope.scale, rope.freqs.has_value()};
-  return fused_many<QuantizedQkvHeadsOp>(
-      {{T, q_heads, 1, d}, {T, kv_heads, 1, d}, {T, kv_heads, 1, d}},
-      {{q_heads, kv_heads, eps, rp}, group_size, bits, (int)n}, std::move(in));
+  const auto p = qkv_heads_part(q_heads, kv_heads, q_norm, k_norm, eps, rope, offsets, d, T, in);
+  if (!p) return std::nullopt;
+  return fused_many<QuantizedQkvHeadsOp>(qkv_heads_shapes(*p, d, T), {*p, group_size, bits, (int)n}, std::move(in));
 }
 
 std::optional<std::vector<mx::array>> cpu_sdpa_slots(

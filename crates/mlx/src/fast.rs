@@ -117,13 +117,7 @@ pub fn quantized_qkv_heads(
             f,
         )?
     })?;
-    let mut it = outs.into_iter();
-    match (it.next(), it.next(), it.next()) {
-        (Some(q), Some(k), Some(v)) => Ok((q, k, v)),
-        _ => Err(crate::Error::Mlx(
-            "quantized_qkv_heads: expected three outputs".into(),
-        )),
-    }
+    three(outs, "quantized_qkv_heads")
 }
 
 /// `x @ dequantize(q)ᵀ`, then [`rms_norm_residual`] of the product (an attention block's
@@ -326,12 +320,15 @@ pub fn qkv_heads(
             f,
         )?
     })?;
+    three(outs, "qkv_heads")
+}
+
+/// A q/k/v op's three outputs.
+fn three(outs: Vec<Array>, op: &str) -> Result<(Array, Array, Array)> {
     let mut it = outs.into_iter();
     match (it.next(), it.next(), it.next()) {
         (Some(q), Some(k), Some(v)) => Ok((q, k, v)),
-        _ => Err(crate::Error::Mlx(
-            "qkv_heads: expected three outputs".into(),
-        )),
+        _ => Err(crate::Error::Mlx(format!("{op}: expected three outputs"))),
     }
 }
 
