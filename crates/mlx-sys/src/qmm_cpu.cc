@@ -643,32 +643,32 @@ struct QuantizedMatmulsOp {
 }  // namespace
 
 void quantized_products(const View& x, const View* mats, size_t n, int group, int bits, float* const* outs) {
-    const int M = (int)(x.size() / x.shape(-1)), K = (int)x.shape(-1);
-    std::vector<float> xc;
-    const float* xp = dense(x, xc);
-    std::vector<std::unique_ptr<DensePacked>> qs;
-    std::vector<Shape> shapes;
+  const int M = (int)(x.size() / x.shape(-1)), K = (int)x.shape(-1);
+  std::vector<float> xc;
+  const float* xp = dense(x, xc);
+  std::vector<std::unique_ptr<DensePacked>> qs;
+  std::vector<Shape> shapes;
+  for (size_t i = 0; i < n; ++i) {
+    qs.push_back(std::make_unique<DensePacked>(mats[3 * i], mats[3 * i + 1], mats[3 * i + 2]));
+    shapes.push_back(Shape{M, (int)mats[3 * i].shape(0), K, bits, group});
+  }
+  if (M >= SGEMM_ROWS || !has_avx2()) {
+    for (size_t i = 0; i < n; ++i)
+      product(xp, qs[i]->w, qs[i]->s, qs[i]->b, outs[i], shapes[i]);
+    return;
+  }
+  const PreparedX px = prepare_x(xp, shapes[0]);
+  // The matrices' rows end to end; a chunk of that joint range computes its part of each.
+  std::vector<int> start(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) start[i + 1] = start[i] + shapes[i].N;
+  for_rows(start[n], rows_per_chunk(shapes[0]), [&](size_t n0, size_t n1) {
     for (size_t i = 0; i < n; ++i) {
-      qs.push_back(std::make_unique<DensePacked>(mats[3 * i], mats[3 * i + 1], mats[3 * i + 2]));
-      shapes.push_back(Shape{M, (int)mats[3 * i].shape(0), K, bits, group});
+      const int a = std::max((int)n0, start[i]), b = std::min((int)n1, start[i + 1]);
+      if (a < b)
+        qmv_range(px, qs[i]->w, qs[i]->s, qs[i]->b, outs[i], shapes[i], a - start[i], b - start[i]);
     }
-    if (M >= SGEMM_ROWS || !has_avx2()) {
-      for (size_t i = 0; i < n; ++i)
-        product(xp, qs[i]->w, qs[i]->s, qs[i]->b, outs[i], shapes[i]);
-      return;
-    }
-    const PreparedX px = prepare_x(xp, shapes[0]);
-    // The matrices' rows end to end; a chunk of that joint range computes its part of each.
-    std::vector<int> start(n + 1, 0);
-    for (size_t i = 0; i < n; ++i) start[i + 1] = start[i] + shapes[i].N;
-    for_rows(start[n], rows_per_chunk(shapes[0]), [&](size_t n0, size_t n1) {
-      for (size_t i = 0; i < n; ++i) {
-        const int a = std::max((int)n0, start[i]), b = std::min((int)n1, start[i + 1]);
-        if (a < b)
-          qmv_range(px, qs[i]->w, qs[i]->s, qs[i]->b, outs[i], shapes[i], a - start[i], b - start[i]);
-      }
-    });
-    g_rows_path.fetch_add(n);
+  });
+  g_rows_path.fetch_add(n);
 }
 
 namespace {
@@ -882,9 +882,7 @@ std::optional<mx::array> cpu_quantized_matmul(
     bool transpose,
     int group_size,
     int bits) {
-  const bool fits = kernel_applies(x, w, scales, biases, transpose, group_size, bits) &&
-                    w.ndim() == 2 && scales.ndim() == 2;
-  if (!fits) return std::nullopt;
+  if (!transpose || !cpu_qmm_applies(x, w, scales, biases, group_size, bits)) return std::nullopt;
   auto shape = x.shape();
   shape.back() = w.shape(0);
   return make<QuantizedMatmulOp>(shape, {group_size, bits}, {x, w, scales, *biases});
@@ -902,9 +900,7 @@ std::optional<std::vector<mx::array>> cpu_quantized_matmul_norm(
     const mx::array& residual,
     const std::optional<mx::array>& scale,
     const std::optional<mx::array>& next_w) {
-  if (!kernel_applies(x, w, scales, biases, true, group_size, bits) || w.ndim() != 2 ||
-      scales.ndim() != 2)
-    return std::nullopt;
+  if (!cpu_qmm_applies(x, w, scales, biases, group_size, bits)) return std::nullopt;
   auto shape = x.shape();
   shape.back() = w.shape(0);
   if (!cpu_norm_update_applies(shape, norm_w, residual, scale, next_w)) return std::nullopt;
@@ -992,7 +988,7 @@ bool cpu_qmm_applies(
     const mx::array& x,
     const mx::array& w,
     const mx::array& scales,
-    const mx::array& biases,
+    const std::optional<mx::array>& biases,
     int group_size,
     int bits) {
   return kernel_applies(x, w, scales, biases, true, group_size, bits) && w.ndim() == 2 &&
@@ -1011,9 +1007,7 @@ std::optional<std::vector<mx::array>> cpu_quantized_matmuls(
   std::vector<mx::Shape> shapes;
   std::vector<mx::array> inputs{x};
   for (size_t i = 0; i < ws.size(); ++i) {
-    if (!kernel_applies(x, ws[i], scales[i], biases[i], true, group_size, bits) || ws[i].ndim() != 2 ||
-        scales[i].ndim() != 2)
-      return std::nullopt;
+    if (!cpu_qmm_applies(x, ws[i], scales[i], biases[i], group_size, bits)) return std::nullopt;
     auto shape = x.shape();
     shape.back() = ws[i].shape(0);
     shapes.push_back(std::move(shape));

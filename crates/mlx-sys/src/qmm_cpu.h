@@ -52,7 +52,7 @@ bool cpu_qmm_applies(
     const mlx::core::array& x,
     const mlx::core::array& w,
     const mlx::core::array& scales,
-    const mlx::core::array& biases,
+    const std::optional<mlx::core::array>& biases,
     int group_size,
     int bits);
 

@@ -720,6 +720,11 @@ ArrPtr rope_at(
     return wrap(std::move(*out));
   return wrap(mx::fast::rope(x, dims, traditional, b, scale, offset, opt(freqs)));
 }
+
+// The rotation of the heads kernels, from the FFI's flattened form (a base only with has_base).
+HeadsRope heads_rope(int32_t dims, bool traditional, float base, bool has_base, float scale, const Arr* freqs) {
+  return {dims, traditional, has_base ? std::optional<float>(base) : std::nullopt, scale, opt(freqs)};
+}
 }  // namespace
 
 ArrPtr rope(
@@ -759,9 +764,8 @@ ArrPtr heads_norm_rope(
     float scale,
     const Arr& offsets,
     const Arr* freqs) {
-  std::optional<float> b = has_base ? std::optional<float>(base) : std::nullopt;
   std::optional<HeadsRope> rope;
-  if (rotate) rope = HeadsRope{dims, traditional, b, scale, opt(freqs)};
+  if (rotate) rope = heads_rope(dims, traditional, base, has_base, scale, freqs);
   if (auto out = cpu_heads_norm_rope(y.a, heads, opt(w), eps, rope, offsets.a)) return wrap(std::move(*out));
   // The ops it stands for.
   const int d = y.a.shape(-1) / std::max(1, heads);
@@ -787,8 +791,7 @@ std::unique_ptr<ArrVec> qkv_heads(
     float scale,
     const Arr& offsets,
     const Arr* freqs) {
-  std::optional<float> b = has_base ? std::optional<float>(base) : std::nullopt;
-  const HeadsRope rope{dims, traditional, b, scale, opt(freqs)};
+  const HeadsRope rope = heads_rope(dims, traditional, base, has_base, scale, freqs);
   if (auto outs = cpu_qkv_heads(q.a, k.a, v.a, q_heads, kv_heads, q_norm.a, k_norm.a, eps, rope, offsets.a)) {
     return wrap_vec(std::move(*outs));
   }
@@ -822,8 +825,7 @@ std::unique_ptr<ArrVec> quantized_qkv_heads(
   if ((n != 2 && n != 3) || scales.v.size() != n || biases.v.size() != n) {
     throw std::invalid_argument("quantized_qkv_heads: takes two or three matrices, each with scales and biases");
   }
-  std::optional<float> b = has_base ? std::optional<float>(base) : std::nullopt;
-  const HeadsRope rope{dims, traditional, b, scale, opt(freqs)};
+  const HeadsRope rope = heads_rope(dims, traditional, base, has_base, scale, freqs);
   if (auto outs = cpu_quantized_qkv_heads(x.a, w.v, scales.v, biases.v, group_size, bits, q_heads, kv_heads,
                                           q_norm.a, k_norm.a, eps, rope, offsets.a)) {
     return wrap_vec(std::move(*outs));

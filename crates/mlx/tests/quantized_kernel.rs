@@ -774,7 +774,7 @@ fn a_quantized_embedding_lookup_is_one_op() {
 /// one op with the bits of `quantized_matmuls` followed by `qkv_heads` (three matrices, and two
 /// where the values are the keys), one row or several at their own positions, base or explicit
 /// wavelengths; within float tolerance of MLX's own ops with every kernel off (then the call is
-/// the ops it stands for); matrices of two formats a clear error.
+/// the ops it stands for); matrices of two formats, or other than two or three, a clear error.
 #[test]
 fn a_layers_projections_and_their_heads_are_one_op() {
     use mlx::fast::{self, HeadsRotation, RopeFreqs};
@@ -884,4 +884,11 @@ fn a_layers_projections_and_their_heads_are_one_op() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("different formats"), "{err}");
+    // One matrix, or four: refused with a clear error, no crash.
+    for mats in [vec![&a], vec![&a, &a, &a, &a]] {
+        let err = fast::quantized_qkv_heads(&x, &mats, 4, 2, &n, &n, 1e-6, rotation, &one)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("two or three matrices"), "{err}");
+    }
 }

@@ -6,7 +6,8 @@
 
 use crate::config::JsonFile;
 use crate::nn::{
-    add_norm, add_norm_then_norm, forward_all, gelu_tanh, norm, Embedding, Experts, Linear, Rope,
+    add_norm, add_norm_then_norm, forward_all, gelu_tanh, norm, quantized_alike, Embedding,
+    Experts, Linear, Rope,
 };
 use crate::packed::{check_rows, join_rows, single_row, spans, time_slice};
 use crate::weights::{Vb, Weights};
@@ -406,17 +407,7 @@ impl Attention {
     fn quantized_qkv(&self) -> Option<Vec<&Quantized>> {
         let mut layers = vec![&self.q_proj, self.k_proj.as_ref()?];
         layers.extend(&self.v_proj);
-        let mats: Vec<&Quantized> = layers
-            .into_iter()
-            .map(|l| match l {
-                Linear::Quantized(q) => Some(q),
-                Linear::Dense { .. } => None,
-            })
-            .collect::<Option<_>>()?;
-        let first = mats[0];
-        mats.iter()
-            .all(|q| q.bits == first.bits && q.group_size == first.group_size)
-            .then_some(mats)
+        quantized_alike(&layers)
     }
 
     fn k_norm(&self) -> Result<&Array> {

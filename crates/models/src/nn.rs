@@ -100,24 +100,26 @@ impl Linear {
 /// `x Wᵢᵀ` for several layers that read the same `x` (an attention block's q, k and v): one op
 /// when all are quantized in one format ([`Array::quantized_matmuls`]), else one product each.
 pub fn forward_all(x: &Array, layers: &[&Linear]) -> Result<Vec<Array>> {
-    let quantized: Option<Vec<&Quantized>> = layers
+    match quantized_alike(layers) {
+        Some(qs) if qs.len() > 1 => Ok(x.quantized_matmuls(&qs)?),
+        _ => layers.iter().map(|l| l.forward(x)).collect(),
+    }
+}
+
+/// The layers' quantized matrices, where every layer is quantized and all in one format (bits
+/// and group size): what one op over several of them takes.
+pub fn quantized_alike<'a>(layers: &[&'a Linear]) -> Option<Vec<&'a Quantized>> {
+    let qs: Vec<&Quantized> = layers
         .iter()
         .map(|l| match l {
             Linear::Quantized(q) => Some(q),
             Linear::Dense { .. } => None,
         })
-        .collect();
-    match quantized {
-        Some(qs)
-            if qs.len() > 1
-                && qs
-                    .iter()
-                    .all(|q| q.bits == qs[0].bits && q.group_size == qs[0].group_size) =>
-        {
-            Ok(x.quantized_matmuls(&qs)?)
-        }
-        _ => layers.iter().map(|l| l.forward(x)).collect(),
-    }
+        .collect::<Option<_>>()?;
+    let first = *qs.first()?;
+    qs.iter()
+        .all(|q| q.bits == first.bits && q.group_size == first.group_size)
+        .then_some(qs)
 }
 
 /// Expert matrices `[E, out, in]` applied per token to its selected experts in one
