@@ -37,9 +37,20 @@ pub fn fixture_without_weights(name: &str) -> tempfile::TempDir {
     dir
 }
 
+/// A port nothing listens on now and that no other test in this process was given: tests run
+/// on parallel threads, and two of them picking the same port before either child binds it
+/// would each talk to the other's process.
 pub fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 pub fn binary() -> Command {
@@ -68,38 +79,62 @@ impl Runner {
         extra: &[&str],
         env: &[(&str, &std::ffi::OsStr)],
     ) -> Runner {
-        let port = free_port();
-        let mut child = binary()
-            .args(["runner", "--model"])
-            .arg(model)
-            .args(["--port", &port.to_string()])
-            .args(extra)
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut err = child.stderr.take().unwrap();
-        let stderr = std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = err.read_to_string(&mut s);
-            s
-        });
-        let r = Runner {
-            child,
-            port,
-            stderr: Some(stderr),
-        };
-        r.wait_ready();
-        r
+        // Another process (another test binary's runner) can take the port between our pick and
+        // the child's bind: then the child exits, or the other process answers; pick again.
+        for _ in 0..8 {
+            let port = free_port();
+            let mut child = binary()
+                .args(["runner", "--model"])
+                .arg(model)
+                .args(["--port", &port.to_string()])
+                .args(extra)
+                .envs(env.iter().copied())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut err = child.stderr.take().unwrap();
+            let stderr = std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = err.read_to_string(&mut s);
+                s
+            });
+            let mut r = Runner {
+                child,
+                port,
+                stderr: Some(stderr),
+            };
+            if r.wait_ready() {
+                return r;
+            }
+        }
+        panic!("no free port for the runner after 8 tries");
     }
 
-    fn wait_ready(&self) {
+    /// True once our own child answers ready; false if the port turned out to be another
+    /// process's. A child that exits for any other reason fails the test with its stderr.
+    fn wait_ready(&mut self) -> bool {
         let start = Instant::now();
+        let ours = self.child.id();
         loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                let err = self.stderr.take().unwrap().join().unwrap_or_default();
+                if err.contains("cannot listen") {
+                    return false;
+                }
+                panic!("runner exited while loading ({status}): {err}");
+            }
             if let Ok(resp) = ureq::get(&self.url("/v1/status")).call() {
                 if resp.status() == 200 {
-                    return;
+                    let body: Value = resp
+                        .into_string()
+                        .ok()
+                        .and_then(|s| serde_json::from_str(&s).ok())
+                        .unwrap_or_default();
+                    if body["Pid"].as_u64() == Some(u64::from(ours)) {
+                        return true;
+                    }
+                    return false;
                 }
             }
             assert!(
