@@ -9,6 +9,8 @@ use runner::protocol::{CompletionChunk, CompletionRequest};
 use runner::text::{TextPiece, TextStream};
 use runner::{Ctx, Event, Generation, GenerationParams};
 use sample::Sampler;
+use std::io::Write;
+use std::path::PathBuf;
 
 /// jemalloc for Rust's allocations too (its symbols already stand in for malloc process-wide):
 /// a decode step's graph and MLX's buffers are many short-lived allocations, which glibc's
@@ -25,8 +27,6 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 #[no_mangle]
 #[allow(non_upper_case_globals)]
 pub static malloc_conf: &[u8; 21] = b"oversize_threshold:0\0";
-use std::io::Write;
-use std::path::PathBuf;
 
 #[derive(Parser)]
 #[command(name = "mlx-runner", version, about = "A local LLM runner on MLX")]

@@ -438,21 +438,32 @@ fn eight_concurrent_clients_each_get_their_own_output() {
 fn sigterm_ends_streams_and_exits_zero() {
     let r = Runner::start("gemma4_31b_like", &[]);
     // Three long greedy streams whose first 400 tokens hold no EOS (checked with generate).
+    // The runner is told to stop once each has streamed its first line: a fixed wait could
+    // outlast a stream, which ends at the fixture's 512-token context in a few hundred ms.
+    let (started, streaming) = std::sync::mpsc::channel();
     let streams: Vec<_> = ["Once", "Twice", "Thrice"]
         .into_iter()
         .map(|p| {
             let url = r.url("/v1/completions");
+            let started = started.clone();
             std::thread::spawn(move || {
                 let b = json!({"Prompt": p, "Options": {"num_predict": 100000, "temperature": 0}})
                     .to_string();
                 let resp = ureq::post(&url).send_string(&b).unwrap();
+                let mut body = BufReader::new(resp.into_reader());
                 let mut s = String::new();
-                let _ = resp.into_reader().read_to_string(&mut s);
+                let _ = body.read_line(&mut s);
+                let _ = started.send(());
+                let _ = body.read_to_string(&mut s);
                 s
             })
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(500));
+    for _ in 0..3 {
+        streaming
+            .recv_timeout(Duration::from_secs(30))
+            .expect("a stream did not start");
+    }
     let start = Instant::now();
     let (status, _) = r.terminate();
     assert!(status.success(), "{status:?}");

@@ -131,10 +131,7 @@ impl Runner {
                         .ok()
                         .and_then(|s| serde_json::from_str(&s).ok())
                         .unwrap_or_default();
-                    if body["Pid"].as_u64() == Some(u64::from(ours)) {
-                        return true;
-                    }
-                    return false;
+                    return body["Pid"].as_u64() == Some(u64::from(ours));
                 }
             }
             assert!(
