@@ -55,6 +55,9 @@ enum Command {
     Show(ShowArgs),
     /// Remove models from the store (blobs another model uses stay).
     Rm(RmArgs),
+    /// `serve`'s chat-template renderer: JSON lines in, JSON lines out (internal).
+    #[command(hide = true)]
+    RenderWorker,
 }
 
 #[derive(clap::Args)]
@@ -331,6 +334,11 @@ struct ServeArgs {
     /// How long a model may take to load [env MLX_RUNNER_LOAD_TIMEOUT; default 5m].
     #[arg(long)]
     load_timeout: Option<String>,
+    /// A runner that sends no token and does not answer its status for this long is stopped
+    /// (its streams end with an error; the next request starts a new one)
+    /// [env MLX_RUNNER_STALL_TIMEOUT; default 30s].
+    #[arg(long)]
+    stall_timeout: Option<String>,
     /// Extra allowed browser origins, comma-separated [env MLX_RUNNER_ORIGINS].
     #[arg(long)]
     origins: Option<String>,
@@ -386,6 +394,14 @@ fn serve(a: ServeArgs) -> Result<()> {
         serve::sched::KeepAlive::For(d) if !d.is_zero() => d,
         _ => std::time::Duration::from_secs(300),
     };
+    let stall_timeout = match duration_setting(
+        env_or(a.stall_timeout, "MLX_RUNNER_STALL_TIMEOUT"),
+        "stall timeout",
+        30,
+    )? {
+        serve::sched::KeepAlive::For(d) if !d.is_zero() => d,
+        _ => anyhow::bail!("the stall timeout must be a positive duration"),
+    };
     let cfg = serve::ServeConfig {
         addr,
         models: std::env::var_os("MLX_RUNNER_MODELS").map(PathBuf::from),
@@ -397,6 +413,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         max_loaded: count(a.max_loaded_models, "MLX_RUNNER_MAX_LOADED_MODELS", 3)?,
         parallel: count(a.num_parallel, "MLX_RUNNER_NUM_PARALLEL", 4)?,
         load_timeout,
+        stall_timeout,
         origins: env_or(a.origins, "MLX_RUNNER_ORIGINS")
             .map(|o| o.split(',').map(String::from).collect())
             .unwrap_or_default(),
@@ -531,8 +548,29 @@ fn raise_open_file_limit() {
     }
 }
 
+/// Hands jemalloc's free pages back to the system now, in every arena. Its decay is lazy (it
+/// runs on later allocations), so an idle process would hold a large request's pages.
+#[cfg(target_os = "linux")]
+fn purge_jemalloc() {
+    // MALLCTL_ARENAS_ALL.
+    const ALL: &[u8] = b"arena.4096.purge\0";
+    // SAFETY: a NUL-terminated control name; purge reads and writes nothing through the
+    // pointers, which are null.
+    unsafe {
+        tikv_jemalloc_sys::mallctl(
+            ALL.as_ptr().cast(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            0,
+        );
+    }
+}
+
 fn main() {
     raise_open_file_limit();
+    #[cfg(target_os = "linux")]
+    runner::process::set_memory_release(purge_jemalloc);
     // MLX's own kernels and op graphs instead of ours on the CPU (comparisons, bisecting).
     if std::env::var("MLX_RUNNER_KERNELS").as_deref() == Ok("mlx") {
         mlx::set_quantized_kernel(false);
@@ -544,6 +582,7 @@ fn main() {
         Command::Generate(args) => generate(args),
         Command::Runner(args) => runner(args),
         Command::Serve(args) => serve(args),
+        Command::RenderWorker => serve::template::worker_main().context("rendering"),
         Command::Create(args) => create(args),
         Command::List => list(),
         Command::Show(args) => show(args),

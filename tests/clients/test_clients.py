@@ -46,7 +46,13 @@ def runners():
             continue
         fields = stat[stat.rfind(")") + 2 :].split()
         if int(fields[1]) == SERVE_PID and fields[0] != "Z":
-            out.append(int(p))
+            try:
+                args = open(f"/proc/{p}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            # Not serve's template renderers.
+            if len(args) > 1 and args[1] == b"runner":
+                out.append(int(p))
     return out
 
 

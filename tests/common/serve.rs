@@ -108,9 +108,12 @@ impl Serve {
         create(self.dir.path(), &self.models, name, modelfile);
     }
 
-    /// The runner processes serve has spawned.
+    /// The runner processes serve has spawned (not its template renderers).
     pub fn runners(&self) -> Vec<u32> {
         children_of(self.child.id())
+            .into_iter()
+            .filter(|&p| subcommand(p).as_deref() == Some("runner"))
+            .collect()
     }
 }
 
@@ -140,6 +143,13 @@ fn create(dir: &std::path::Path, models: &std::path::Path, name: &str, modelfile
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// The subcommand a process of ours runs (`runner`, `render-worker`, ...).
+pub fn subcommand(pid: u32) -> Option<String> {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let arg = cmdline.split(|&b| b == 0).nth(1)?;
+    Some(String::from_utf8_lossy(arg).into_owned())
 }
 
 pub fn children_of(pid: u32) -> Vec<u32> {

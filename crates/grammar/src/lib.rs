@@ -10,6 +10,14 @@
 //! JSON is generated compact (no optional whitespace), unless the schema says otherwise in
 //! llguidance's own `x-guidance` key: whitespace is the one thing a schema never bounds, and a
 //! model that keeps choosing it would never finish.
+//!
+//! Schemas are read as ollama's `format` is (through llama.cpp's schema converter) and as
+//! OpenAI's strict mode requires: `"json"` is an object, and an object schema that lists
+//! `properties` without saying `additionalProperties` has exactly those keys.
+//!
+//! A format is a program the request brings, so compiling one is bounded ([`Bounds`]: its
+//! size, nesting and property count, each refused with the bound's name) and runs on a thread
+//! whose stack is sized for the nesting allowed: no format can take the process down.
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, TokRxInfo, TokTrie, TokenId};
@@ -69,14 +77,151 @@ impl Format {
             schema
         };
         match self {
-            Format::Json => TopLevelGrammar::from_json_schema(compact(serde_json::json!({}))),
+            Format::Json => {
+                TopLevelGrammar::from_json_schema(compact(serde_json::json!({"type": "object"})))
+            }
             Format::Schema(Value::Bool(true)) => {
                 TopLevelGrammar::from_json_schema(compact(serde_json::json!({})))
             }
-            Format::Schema(s) => TopLevelGrammar::from_json_schema(compact(s.clone())),
+            Format::Schema(s) => {
+                let mut s = s.clone();
+                closed_objects(&mut s);
+                TopLevelGrammar::from_json_schema(compact(s))
+            }
             Format::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
         }
     }
+}
+
+/// An object schema that lists `properties` and says nothing of others admits no others
+/// (llama.cpp's converter, which ollama's `format` goes through, reads it so; pydantic's
+/// schemas leave the key out). Walks only where JSON Schema puts subschemas, so a property
+/// that happens to be named `properties` is not mistaken for a schema.
+fn closed_objects(schema: &mut Value) {
+    let Value::Object(o) = schema else { return };
+    if o.get("properties").is_some_and(Value::is_object)
+        && !o.contains_key("additionalProperties")
+        && !o.contains_key("patternProperties")
+        && !o.contains_key("unevaluatedProperties")
+    {
+        o.insert("additionalProperties".into(), Value::Bool(false));
+    }
+    for (key, sub) in o.iter_mut() {
+        match key.as_str() {
+            "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas" => {
+                if let Value::Object(m) = sub {
+                    m.values_mut().for_each(closed_objects);
+                }
+            }
+            "items" | "prefixItems" | "anyOf" | "oneOf" | "allOf" => match sub {
+                Value::Array(a) => a.iter_mut().for_each(closed_objects),
+                other => closed_objects(other),
+            },
+            "additionalItems"
+            | "contains"
+            | "not"
+            | "if"
+            | "then"
+            | "else"
+            | "additionalProperties"
+            | "unevaluatedProperties"
+            | "unevaluatedItems"
+            | "propertyNames" => closed_objects(sub),
+            _ => {}
+        }
+    }
+}
+
+/// What a format may be, so that compiling it stays within a second or two and a bounded stack,
+/// and enforcing it within llguidance's per-step limits. Compile time grows with the square of
+/// an object's optional properties (2,000 take ~2 s in a debug build, 5,000 ~13 s), which is
+/// why the property bound is below OpenAI's 5,000; nesting is far past what real schemas use.
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    /// Bytes of the schema (as JSON) or of the Lark grammar.
+    pub max_bytes: usize,
+    /// Nesting of objects and arrays in the schema's JSON.
+    pub max_depth: usize,
+    /// Properties, summed over every object in the schema.
+    pub max_properties: usize,
+}
+
+pub const BOUNDS: Bounds = Bounds {
+    max_bytes: 512 << 10,
+    max_depth: 64,
+    max_properties: 2_000,
+};
+
+impl Bounds {
+    /// Refuses a format past a bound, naming it.
+    pub fn check(&self, format: &Format) -> Result<()> {
+        let bytes = match format {
+            Format::Json => return Ok(()),
+            Format::Lark(g) => g.len(),
+            Format::Schema(s) => serde_json::to_string(s).map(|t| t.len()).unwrap_or(0),
+        };
+        if bytes > self.max_bytes {
+            return Err(GrammarError::Invalid(format!(
+                "Format is too large: {bytes} bytes, over the limit of {} bytes",
+                self.max_bytes
+            )));
+        }
+        let Format::Schema(s) = format else {
+            return Ok(());
+        };
+        let (mut depth, mut properties) = (0, 0);
+        measure(s, 1, &mut depth, &mut properties);
+        if depth > self.max_depth {
+            return Err(GrammarError::Invalid(format!(
+                "Format nests too deeply: {depth} levels of JSON objects and arrays, over the limit of {}",
+                self.max_depth
+            )));
+        }
+        if properties > self.max_properties {
+            return Err(GrammarError::Invalid(format!(
+                "Format has too many properties: {properties}, over the limit of {}",
+                self.max_properties
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The deepest nesting and the number of properties in a schema's JSON.
+fn measure(v: &Value, level: usize, depth: &mut usize, properties: &mut usize) {
+    *depth = (*depth).max(level);
+    match v {
+        Value::Object(o) => {
+            if let Some(Value::Object(p)) = o.get("properties") {
+                *properties += p.len();
+            }
+            o.values()
+                .for_each(|c| measure(c, level + 1, depth, properties));
+        }
+        Value::Array(a) => a
+            .iter()
+            .for_each(|c| measure(c, level + 1, depth, properties)),
+        _ => {}
+    }
+}
+
+/// Stack for compiling a format: llguidance's schema compiler recurses by the schema's
+/// nesting and its property lists; a format within [`BOUNDS`] needs well under this. Only the
+/// pages used are ever touched.
+const COMPILE_STACK: usize = 256 << 20;
+
+/// llguidance's messages, in the terms of the request.
+fn plain(e: &str) -> String {
+    let e = e.lines().next().unwrap_or_default().trim();
+    let lower = e.to_ascii_lowercase();
+    let why = if lower.contains("schema too large") || lower.contains("too many") {
+        format!("too complex to enforce ({e}); simplify the schema")
+    } else if lower.contains("unsatisfiable") {
+        format!("admits no value ({e})")
+    } else {
+        e.to_string()
+    };
+    format!("invalid Format: {why}")
 }
 
 /// A model's tokens as llguidance sees them, and the factory that compiles formats over them.
@@ -130,6 +275,17 @@ impl Vocabulary {
         let mut factory = ParserFactory::new_simple(&(env as llguidance::toktrie::TokEnv))
             .map_err(|e| GrammarError::Vocabulary(e.to_string()))?;
         factory.set_stderr_log_level(0);
+        // An object of n optional properties makes Earley rows of about 4n items: rows sized
+        // for the properties [`BOUNDS`] allow, so a schema that compiles is also enforced to
+        // its end. Errors are for the request, without llguidance's parser state.
+        let limits = factory.limits_mut();
+        limits.max_items_in_row = limits
+            .max_items_in_row
+            .max(4 * BOUNDS.max_properties + 2_000);
+        limits.step_max_items = limits
+            .step_max_items
+            .max(8 * BOUNDS.max_properties + 10_000);
+        limits.verbose_errors = false;
         Ok(Vocabulary {
             factory,
             eos: eos.into(),
@@ -141,21 +297,51 @@ impl Vocabulary {
         self.size
     }
 
-    /// Compiles `format` for one request; an invalid schema or grammar is named in the error.
+    /// Compiles `format` for one request under [`BOUNDS`], on a thread of its own with a
+    /// stack sized for them; an invalid or oversized schema or grammar is named in the error.
     pub fn constrain(&self, format: &Format) -> Result<Constraint> {
+        BOUNDS.check(format)?;
+        let compiled = std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("grammar".into())
+                .stack_size(COMPILE_STACK)
+                .spawn_scoped(scope, || self.compile(format))
+                .map_err(|e| {
+                    GrammarError::Invalid(format!("no thread to compile the Format on: {e}"))
+                })?
+                .join()
+                // llguidance asserts on what it does not expect.
+                .unwrap_or_else(|_| {
+                    Err(GrammarError::Invalid(
+                        "Format could not be compiled into a grammar".into(),
+                    ))
+                })
+        })?;
+        Ok(compiled)
+    }
+
+    fn compile(&self, format: &Format) -> Result<Constraint> {
         let parser = self
             .factory
             .create_parser(format.grammar())
-            .map_err(|e| GrammarError::Invalid(format!("invalid Format: {e}")))?;
+            .map_err(|e| GrammarError::Invalid(plain(&e.to_string())))?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
-            return Err(GrammarError::Invalid(format!("invalid Format: {e}")));
+            return Err(GrammarError::Invalid(plain(&e)));
         }
-        Ok(Constraint {
+        let mut c = Constraint {
             matcher,
             eos: Arc::clone(&self.eos),
             size: self.size,
-        })
+        };
+        // A grammar with no first token (a `$ref` that only refers back to itself, parts that
+        // contradict) is the request's error, found now rather than mid-stream.
+        if c.allowed().is_err() {
+            return Err(GrammarError::Invalid(
+                "Format admits no value: no text can start it (a $ref that only refers back to itself, or parts that contradict each other)".into(),
+            ));
+        }
+        Ok(c)
     }
 }
 
@@ -220,8 +406,11 @@ impl Allowed {
 }
 
 impl Constraint {
+    /// The matcher's error, without the parser state llguidance appends to it.
     fn failed(&self, e: impl std::fmt::Display) -> GrammarError {
-        GrammarError::Matcher(self.matcher.get_error().unwrap_or_else(|| e.to_string()))
+        let full = self.matcher.get_error().unwrap_or_else(|| e.to_string());
+        let first = full.lines().next().unwrap_or_default().trim();
+        GrammarError::Matcher(first.to_string())
     }
 
     /// The tokens that may come next: those the grammar allows and, when it accepts (or is
@@ -335,16 +524,7 @@ mod tests {
     /// EOS comes exactly when the value is complete, and rollback undoes tokens.
     #[test]
     fn a_walk_through_a_schema() {
-        let mut vocab: serde_json::Map<String, Value> = (0u32..256)
-            .map(|b| (format!("<0x{b:02X}>"), json!(b)))
-            .collect();
-        vocab.insert("<eos>".into(), json!(256));
-        let tokenizer = json!({
-            "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}]},
-            "added_tokens": [{"id": 256, "content": "<eos>", "special": true}],
-            "model": {"vocab": vocab},
-        });
-        let v = Vocabulary::new(&tokenizer, 260, &[256]).unwrap();
+        let v = bytes_vocabulary();
         let mut c = v
             .constrain(&Format::Schema(json!({"enum": ["ab", "ac"]})))
             .unwrap();
@@ -366,5 +546,105 @@ mod tests {
             v.constrain(&Format::Lark("start: (".into())),
             Err(GrammarError::Invalid(_))
         ));
+    }
+
+    /// One token per byte, and `<eos>` (256).
+    fn bytes_vocabulary() -> Vocabulary {
+        let mut vocab: serde_json::Map<String, Value> = (0u32..256)
+            .map(|b| (format!("<0x{b:02X}>"), json!(b)))
+            .collect();
+        vocab.insert("<eos>".into(), json!(256));
+        let tokenizer = json!({
+            "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}]},
+            "added_tokens": [{"id": 256, "content": "<eos>", "special": true}],
+            "model": {"vocab": vocab},
+        });
+        Vocabulary::new(&tokenizer, 260, &[256]).unwrap()
+    }
+
+    /// Whether `text` is a complete answer under `format`.
+    fn accepts(v: &Vocabulary, format: &Format, text: &str) -> bool {
+        let mut c = v.constrain(format).unwrap();
+        for b in text.bytes() {
+            if !c.allowed().unwrap().contains(b as u32) || c.consume(b as u32).is_err() {
+                return false;
+            }
+        }
+        c.is_accepting()
+    }
+
+    #[test]
+    fn json_mode_is_an_object() {
+        let v = bytes_vocabulary();
+        assert!(accepts(&v, &Format::Json, r#"{"a":[1,2.5,"x"]}"#));
+        assert!(accepts(&v, &Format::Json, "{}"));
+        for other in ["1.5", "true", "\"text\"", "[1]", "null"] {
+            assert!(!accepts(&v, &Format::Json, other), "{other}");
+        }
+    }
+
+    #[test]
+    fn listed_properties_are_the_only_ones_unless_the_schema_says_otherwise() {
+        let v = bytes_vocabulary();
+        let person = json!({"type": "object", "properties": {"name": {"type": "string"},
+            "pet": {"type": "object", "properties": {"kind": {"type": "string"}}}},
+            "required": ["name"]});
+        let f = Format::Schema(person.clone());
+        assert!(accepts(&v, &f, r#"{"name":"a","pet":{"kind":"cat"}}"#));
+        assert!(!accepts(&v, &f, r#"{"name":"a","age":3}"#));
+        assert!(!accepts(
+            &v,
+            &f,
+            r#"{"name":"a","pet":{"kind":"cat","x":1}}"#
+        ));
+        let mut open = person;
+        open["additionalProperties"] = json!(true);
+        assert!(accepts(
+            &v,
+            &Format::Schema(open),
+            r#"{"name":"a","age":3}"#
+        ));
+        // A property named `properties` is a property, not a schema keyword.
+        let f = Format::Schema(json!({"type": "object",
+            "properties": {"properties": {"type": "integer"}}, "required": ["properties"]}));
+        assert!(accepts(&v, &f, r#"{"properties":1}"#));
+        // In definitions and alternatives too.
+        let f = Format::Schema(json!({"$defs": {"p": {"type": "object",
+            "properties": {"a": {"type": "integer"}}}},
+            "anyOf": [{"$ref": "#/$defs/p"}, {"type": "array", "items": {"$ref": "#/$defs/p"}}]}));
+        assert!(accepts(&v, &f, r#"[{"a":1}]"#));
+        assert!(!accepts(&v, &f, r#"[{"a":1,"b":2}]"#));
+    }
+
+    #[test]
+    fn formats_past_a_bound_are_refused_naming_it() {
+        let v = bytes_vocabulary();
+        let props = |n: usize| {
+            let p: serde_json::Map<String, Value> = (0..n)
+                .map(|i| (format!("p{i}"), json!({"type": "integer"})))
+                .collect();
+            Format::Schema(json!({"type": "object", "properties": p}))
+        };
+        let err = |f: &Format| match v.constrain(f) {
+            Err(GrammarError::Invalid(m)) => m,
+            other => panic!("{other:?}"),
+        };
+        assert!(err(&props(BOUNDS.max_properties + 1)).contains("too many properties"));
+        let deep = (0..BOUNDS.max_depth).fold(
+            json!({"type": "integer"}),
+            |inner, _| json!({"type": "array", "items": inner}),
+        );
+        assert!(err(&Format::Schema(deep)).contains("nests too deeply"));
+        let big = Format::Lark(format!("start: \"{}\"", "a".repeat(BOUNDS.max_bytes)));
+        assert!(err(&big).contains("too large"));
+        let cycle = Format::Schema(json!({"$defs": {"a": {"$ref": "#/$defs/b"},
+            "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}));
+        assert!(err(&cycle).contains("admits no value"));
+        // Up to the bounds, a format compiles: on a thread with room for it.
+        let deepest = (0..BOUNDS.max_depth - 2).fold(
+            json!({"type": "integer"}),
+            |inner, _| json!({"type": "array", "items": inner}),
+        );
+        assert!(v.constrain(&Format::Schema(deepest)).is_ok());
     }
 }

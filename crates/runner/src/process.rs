@@ -15,6 +15,27 @@ pub struct RunnerOptions {
     pub http: HttpLimits,
 }
 
+/// How this process hands free memory back to the system; the binary knows its allocator.
+static RELEASE: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
+
+/// Installs the process's way of handing free memory back (see [`release_free_memory`]).
+pub fn set_memory_release(release: fn()) {
+    let _ = RELEASE.set(release);
+}
+
+/// Hands the allocator's free memory back to the system, after a request that used a lot of
+/// it: the installed release, else glibc's `malloc_trim` (glibc keeps freed arenas otherwise).
+pub fn release_free_memory() {
+    if let Some(release) = RELEASE.get() {
+        return release();
+    }
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free memory; it has no preconditions.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Why the runner stopped serving.
 enum Exit {
     Signal(&'static str),

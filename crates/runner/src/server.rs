@@ -214,22 +214,13 @@ async fn encode(app: &AppState, tok: Arc<Tokenizer>, text: String) -> Result<Vec
         let ids = tok.encode(&text);
         drop(text);
         if large {
-            release_free_memory();
+            crate::process::release_free_memory();
         }
         ids
     })
     .await
     .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
     .map_err(|e| ApiError::bad_request(e.to_string()))
-}
-
-/// Returns the allocator's free memory to the system (glibc keeps freed arenas otherwise).
-fn release_free_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only releases free memory; it has no preconditions.
-    unsafe {
-        libc::malloc_trim(0);
-    }
 }
 
 /// Sets the engine's cancel flag when the response stream is dropped (the client went away).

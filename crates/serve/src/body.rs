@@ -2,8 +2,47 @@
 //! a 408 or 413, never a held connection), then parsed as a JSON object; a refusal says why.
 
 use crate::pipeline::ApiError;
+use axum::body::Body;
 use axum::extract::{FromRequest, Request};
+use axum::middleware::Next;
+use axum::response::Response;
+use http_body_util::BodyExt;
 use serde_json::Value;
+
+/// A request body past this is large: the memory its parsing and rendering took is handed back
+/// to the system once its answer is sent, rather than held by the allocator while serve idles.
+const LARGE_REQUEST: u64 = 1 << 20;
+
+/// Hands free memory back after a large request's answer has been sent (or dropped).
+pub async fn release_after_large(req: Request, next: Next) -> Response {
+    let large = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .is_some_and(|n| n > LARGE_REQUEST);
+    let resp = next.run(req).await;
+    if !large {
+        return resp;
+    }
+    let release = ReleaseOnDrop;
+    resp.map(|b| {
+        Body::new(b.map_frame(move |f| {
+            let _held = &release;
+            f
+        }))
+    })
+}
+
+struct ReleaseOnDrop;
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn_blocking(runner::process::release_free_memory);
+        }
+    }
+}
 
 /// The largest request body (a long conversation with tool results fits; a blob upload has its
 /// own route).

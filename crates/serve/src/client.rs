@@ -95,6 +95,8 @@ pub struct RunnerError {
     pub message: String,
     /// The request never reached the runner (its process is gone, or going).
     pub unreachable: bool,
+    /// The connection to the runner was lost mid-answer (the runner did not say this).
+    pub lost: bool,
 }
 
 impl RunnerError {
@@ -103,6 +105,14 @@ impl RunnerError {
             status,
             message: message.into(),
             unreachable: false,
+            lost: false,
+        }
+    }
+
+    fn lost(message: impl Into<String>) -> RunnerError {
+        RunnerError {
+            lost: true,
+            ..RunnerError::new(500, message)
         }
     }
 }
@@ -123,14 +133,26 @@ pub struct Status {
 }
 
 pub async fn status(client: &HttpClient, port: u16) -> Result<(u16, Status), String> {
+    status_within(client, port, Duration::from_secs(5)).await
+}
+
+/// `GET /v1/status`, answered within `within` or an error.
+pub async fn status_within(
+    client: &HttpClient,
+    port: u16,
+    within: Duration,
+) -> Result<(u16, Status), String> {
+    tokio::time::timeout(within, status_answer(client, port))
+        .await
+        .map_err(|_| format!("no status answer within {} s", within.as_secs_f64()))?
+}
+
+async fn status_answer(client: &HttpClient, port: u16) -> Result<(u16, Status), String> {
     let uri = format!("http://127.0.0.1:{port}/v1/status");
     let req = hyper::Request::get(uri)
         .body(Full::new(Bytes::new()))
         .map_err(|e| e.to_string())?;
-    let resp = tokio::time::timeout(Duration::from_secs(5), client.request(req))
-        .await
-        .map_err(|_| "status timed out".to_string())?
-        .map_err(|e| e.to_string())?;
+    let resp = client.request(req).await.map_err(|e| e.to_string())?;
     let code = resp.status().as_u16();
     let body = resp
         .into_body()
@@ -150,6 +172,16 @@ pub async fn complete(
     req: &CompletionRequest,
 ) -> Result<impl Stream<Item = Result<Chunk, RunnerError>> + Send + 'static, RunnerError> {
     let body = serde_json::to_vec(req).map_err(|e| RunnerError::new(500, e.to_string()))?;
+    if body.len() > runner::server::MAX_BODY {
+        return Err(RunnerError::new(
+            400,
+            format!(
+                "the request is too large for a runner: {} bytes as JSON, over its limit of {} bytes",
+                body.len(),
+                runner::server::MAX_BODY
+            ),
+        ));
+    }
     let http = hyper::Request::post(format!("http://127.0.0.1:{port}/v1/completions"))
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body)))
@@ -229,18 +261,16 @@ where
                     Some(Err(e)) => {
                         st.finished = true;
                         return Some((
-                            Err(RunnerError::new(
-                                500,
-                                format!("the runner stopped mid-answer: {e}"),
-                            )),
+                            Err(RunnerError::lost(format!(
+                                "the runner stopped mid-answer: {e}"
+                            ))),
                             st,
                         ));
                     }
                     None => {
                         st.finished = true;
                         return Some((
-                            Err(RunnerError::new(
-                                500,
+                            Err(RunnerError::lost(
                                 "the runner stopped before the completion ended",
                             )),
                             st,

@@ -103,6 +103,24 @@ async fn upload(app: &App, digest: &str, body: Body) -> Result<(), ApiError> {
     result
 }
 
+/// A checkpoint file's name as `files` gives it: one plain name that a file system can hold.
+fn file_name_ok(name: &str) -> Result<(), &'static str> {
+    if name.is_empty() || name == "." || name == ".." {
+        return Err("not a file name");
+    }
+    if name.contains(['/', '\\']) {
+        return Err("a file name, not a path");
+    }
+    if name.chars().any(char::is_control) {
+        return Err("control characters (NUL included) are not allowed");
+    }
+    // NAME_MAX on the file systems a store lives on.
+    if name.len() > 255 {
+        return Err("longer than 255 bytes");
+    }
+    Ok(())
+}
+
 /// A folder of links named as the checkpoint's files, each to its uploaded blob: the
 /// checkpoint directory `create` reads.
 fn checkpoint_dir(
@@ -120,14 +138,11 @@ fn checkpoint_dir(
         .tempdir_in(store.uploads())
         .map_err(|e| ApiError::new(500, e.to_string()))?;
     for (name, digest) in map {
-        let plain = !name.is_empty()
-            && !name.contains('/')
-            && !name.contains('\\')
-            && name != "."
-            && name != "..";
-        if !plain {
-            return Err(ApiError::bad(format!("{what}: invalid file name {name:?}")));
-        }
+        file_name_ok(name).map_err(|why| {
+            let shown: String = name.chars().take(64).collect();
+            let more = if shown.len() < name.len() { "…" } else { "" };
+            ApiError::bad(format!("{what}: invalid file name {shown:?}{more}: {why}"))
+        })?;
         let digest = digest.as_str().ok_or_else(|| {
             ApiError::bad(format!("{what}: the digest of {name} must be a string"))
         })?;
@@ -203,6 +218,10 @@ fn modelfile(app: &App, v: &Value) -> Result<(store::Modelfile, Vec<tempfile::Te
         return Err(ApiError::bad("parameters must be an object"));
     }
     mf.template = text(v, "template")?;
+    if let Some(t) = &mf.template {
+        // Stored, it would fail every chat: refused now, with the parser's reason.
+        crate::template::check(t).map_err(|e| ApiError::bad(e.to_string()))?;
+    }
     mf.system = text(v, "system")?;
     match &v["license"] {
         Value::Null => {}

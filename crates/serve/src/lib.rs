@@ -35,6 +35,8 @@ pub struct ServeConfig {
     pub max_loaded: usize,
     pub parallel: usize,
     pub load_timeout: Duration,
+    /// A runner with no token and no status answer for this long is frozen: stopped.
+    pub stall_timeout: Duration,
     pub origins: Vec<String>,
     /// The executable spawned as `runner`.
     pub exe: PathBuf,
@@ -44,6 +46,8 @@ pub struct App {
     pub cfg: ServeConfig,
     pub catalog: catalog::Catalog,
     pub sched: Arc<Scheduler>,
+    /// Renders prompts in worker processes.
+    pub renderer: template::Renderer,
     /// Held by the create in progress.
     pub creating: Arc<tokio::sync::Mutex<()>>,
     /// Each model's special tokens by text, by manifest digest (tokenizer.json is large).
@@ -131,6 +135,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/models", get(openai_api::models))
         .route("/v1/models/{*name}", get(openai_api::model))
         .layer(axum::extract::DefaultBodyLimit::max(body::MAX_BODY))
+        .layer(axum::middleware::from_fn(body::release_after_large))
         .layer(axum::middleware::from_fn_with_state(
             http_limits(),
             runner::listen::refuse_oversized,
@@ -157,16 +162,19 @@ pub async fn run(cfg: ServeConfig) -> anyhow::Result<()> {
         exe: cfg.exe.clone(),
         max_loaded: cfg.max_loaded,
         load_timeout: cfg.load_timeout,
+        stall_timeout: cfg.stall_timeout,
         parallel: cfg.parallel,
     });
     let listener = tokio::net::TcpListener::bind(cfg.addr)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cfg.addr))?;
     let addr = listener.local_addr()?;
+    let renderer = template::Renderer::new(cfg.exe.clone());
     let app = Arc::new(App {
         cfg,
         catalog,
         sched: sched.clone(),
+        renderer,
         creating: Default::default(),
         special: Default::default(),
     });

@@ -3,10 +3,11 @@
 //! pieces (content, thinking, tool calls) and a final summary.
 
 use crate::catalog::{FindError, Model};
+use crate::client::RunnerError;
 use crate::client::{self, Chunk, CompletionRequest, TokenLogprob};
 use crate::options;
 use crate::parse::{self, Parsed};
-use crate::sched::{KeepAlive, Lease, LoadError, Target};
+use crate::sched::{KeepAlive, Lease, LoadError, Runner, Target};
 use crate::template;
 use crate::App;
 use futures::{Stream, StreamExt};
@@ -147,9 +148,17 @@ fn template_source(m: &Model, input: &Input) -> Option<String> {
 }
 
 /// The prompt `input` renders to for `m`: the raw prompt, or the messages (with the model's
-/// SYSTEM and MESSAGEs first) through its chat template.
-pub fn prompt(m: &Model, input: &Input) -> Result<String, ApiError> {
+/// SYSTEM and MESSAGEs first) through its chat template, rendered under [`template::LIMITS`]
+/// in a render worker.
+pub async fn prompt(app: &App, m: &Model, input: &Input) -> Result<String, ApiError> {
+    let max = template::LIMITS.max_output;
     if let Some(raw) = &input.raw {
+        if raw.len() > max {
+            return Err(ApiError::bad(format!(
+                "the prompt is {} bytes, larger than the {max} bytes a runner accepts",
+                raw.len()
+            )));
+        }
         return Ok(raw.clone());
     }
     let mut messages: Vec<Value> = Vec::new();
@@ -163,30 +172,73 @@ pub fn prompt(m: &Model, input: &Input) -> Result<String, ApiError> {
     messages.extend(input.messages.iter().cloned());
     let Some(source) = template_source(m, input) else {
         // No template at all: the messages' text, in order.
-        return Ok(messages
+        let text = messages
             .iter()
             .filter_map(|m| m["content"].as_str())
             .collect::<Vec<_>>()
-            .join("\n"));
+            .join("\n");
+        if text.len() > max {
+            return Err(ApiError::bad(
+                template::RenderError::TooLarge(max).to_string(),
+            ));
+        }
+        return Ok(text);
     };
-    let bos = m.special_token("bos_token");
-    let eos = m.special_token("eos_token");
-    let ctx = template::Context {
-        messages: &messages,
-        tools: (!input.tools.is_empty()).then_some(input.tools.as_slice()),
+    let ctx = template::OwnedContext {
+        messages,
+        tools: (!input.tools.is_empty()).then(|| input.tools.clone()),
         // Always, as ollama's renderers do: a conversation that ends with an assistant
         // message gets a new assistant turn.
         add_generation_prompt: true,
-        bos_token: &bos,
-        eos_token: &eos,
+        bos_token: m.special_token("bos_token"),
+        eos_token: m.special_token("eos_token"),
         enable_thinking: input.think,
     };
-    template::render(&source, &ctx).map_err(|e| ApiError::new(500, e))
+    app.renderer
+        .render(source, ctx, template::LIMITS)
+        .await
+        .map_err(|e| ApiError::bad(e.to_string()))
+}
+
+/// Each tool as both APIs define one: `{"type": "function", "function": {"name": ...,
+/// "description"?, "parameters"?}}`. One that is not is the client's mistake, refused rather than
+/// passed to a template that would skip or mangle it.
+fn check_tools(tools: &[Value]) -> Result<(), ApiError> {
+    for (i, t) in tools.iter().enumerate() {
+        let bad = |why: &str| Err(ApiError::bad(format!("invalid tool {i}: {why}")));
+        let Some(t) = t.as_object() else {
+            return bad("a tool must be an object");
+        };
+        match t.get("type") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if s == "function" => {}
+            Some(other) => return bad(&format!("type must be \"function\", got {other}")),
+        }
+        let Some(f) = t.get("function").and_then(Value::as_object) else {
+            return bad("function must be an object with a name");
+        };
+        match f.get("name") {
+            Some(Value::String(n)) if !n.trim().is_empty() => {}
+            _ => return bad("function.name must be a non-empty string"),
+        }
+        if let Some(p) = f.get("parameters") {
+            if !(p.is_object() || p.is_null()) {
+                return bad("function.parameters must be a JSON Schema object");
+            }
+        }
+        if let Some(d) = f.get("description") {
+            if !(d.is_string() || d.is_null()) {
+                return bad("function.description must be a string");
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Starts a completion: everything that can be refused is refused before the stream starts.
 pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Running, ApiError> {
     let started = Instant::now();
+    check_tools(&input.tools)?;
     if let Some(forced) = &input.forced {
         if !input.format.is_null() {
             return Err(ApiError::bad(
@@ -235,7 +287,7 @@ pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Runnin
         // template hears the decision.
         input.think = Some(thinking);
     }
-    let prompt = prompt(m, &input)?;
+    let prompt = prompt(app, m, &input).await?;
     let family = if input.raw.is_some() {
         ""
     } else {
@@ -259,7 +311,14 @@ pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Runnin
     let (lease, chunks, load_duration) = loop {
         let lease = app.sched.acquire(&target(m), ka).await?;
         let load_duration = started.elapsed();
-        match client::complete(&app.sched.client, lease.runner.port, &req).await {
+        let answer = watched(
+            app,
+            &lease.runner,
+            client::complete(&app.sched.client, lease.runner.port, &req),
+        )
+        .await
+        .unwrap_or_else(Err);
+        match answer {
             Ok(chunks) => break (lease, chunks, load_duration),
             Err(e) if e.unreachable && attempt == 0 => {
                 attempt += 1;
@@ -274,7 +333,9 @@ pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Runnin
             }
             Err(e) => {
                 let mut msg = e.message;
-                if !lease.runner.alive() {
+                if lease.runner.frozen() {
+                    msg = frozen_error(app.sched.stall_timeout()).message;
+                } else if !lease.runner.alive() {
                     msg = format!("the runner exited: {}", lease.runner.last_error());
                 }
                 return Err(ApiError::new(e.status, msg));
@@ -293,7 +354,105 @@ pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Runnin
         started,
         load_duration,
         prompt,
-        events: Box::pin(events(chunks, parser, lease)),
+        events: Box::pin(events(
+            watch_stream(app.clone(), lease.runner.clone(), chunks),
+            parser,
+            lease,
+        )),
+    })
+}
+
+/// How often a runner that has said nothing is asked whether it is still there.
+const PROBE_EVERY: Duration = Duration::from_secs(5);
+
+/// `fut` (a call to `runner`), or an error once the runner has gone quiet: no answer for
+/// [`PROBE_EVERY`] and then no status answer within the stall timeout. A runner that is
+/// merely busy (a long prefill, a queue behind `--parallel` requests) answers its status, and
+/// is waited on.
+async fn watched<T>(
+    app: &App,
+    runner: &Runner,
+    fut: impl std::future::Future<Output = T>,
+) -> Result<T, client::RunnerError> {
+    tokio::pin!(fut);
+    let stall = app.sched.stall_timeout();
+    loop {
+        tokio::select! {
+            out = &mut fut => return Ok(out),
+            _ = tokio::time::sleep(PROBE_EVERY.min(stall)) => {}
+        }
+        let quiet = Instant::now();
+        let answered = tokio::select! {
+            out = &mut fut => return Ok(out),
+            ok = runner.responsive(&app.sched.client, stall) => ok,
+        };
+        if !answered && runner.alive() {
+            runner.kill_frozen(quiet.elapsed());
+            return Err(frozen_error(stall));
+        }
+    }
+}
+
+fn frozen_error(stall: Duration) -> client::RunnerError {
+    client::RunnerError {
+        status: 500,
+        message: format!(
+            "the model runner stopped responding (no token and no status answer for {} s) and was stopped; the next request starts a new one",
+            stall.as_secs_f64()
+        ),
+        // Never reached it: the request may be tried again on a new runner.
+        unreachable: true,
+        lost: true,
+    }
+}
+
+/// A lost connection's error in the runner's terms: frozen, or dead with its last words. Its
+/// exit may take a moment to be known (its last lines are read first).
+async fn explained(app: &App, runner: &Runner, e: RunnerError) -> RunnerError {
+    if !e.lost {
+        return e;
+    }
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while runner.alive() && !runner.frozen() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let message = if runner.frozen() {
+        frozen_error(app.sched.stall_timeout()).message
+    } else if !runner.alive() {
+        format!(
+            "the model runner exited unexpectedly: {}",
+            runner.last_error()
+        )
+    } else {
+        e.message
+    };
+    RunnerError { message, ..e }
+}
+
+/// The runner's chunks, each awaited under [`watched`].
+fn watch_stream(
+    app: Arc<App>,
+    runner: Arc<Runner>,
+    chunks: impl Stream<Item = Result<Chunk, client::RunnerError>> + Send + 'static,
+) -> impl Stream<Item = Result<Chunk, client::RunnerError>> + Send + 'static {
+    let chunks = Box::pin(chunks);
+    futures::stream::unfold(Some(chunks), move |st| {
+        let (app, runner) = (app.clone(), runner.clone());
+        async move {
+            let mut chunks = st?;
+            match watched(&app, &runner, chunks.next()).await {
+                Ok(Some(Ok(c))) => Some((Ok(c), Some(chunks))),
+                Ok(Some(Err(e))) => Some((Err(explained(&app, &runner, e).await), None)),
+                Ok(None) => None,
+                Err(e) => Some((
+                    Err(RunnerError {
+                        unreachable: false,
+                        ..e
+                    }),
+                    None,
+                )),
+            }
+        }
     })
 }
 
@@ -327,17 +486,7 @@ fn events(
         .map(move |c| {
             let _hold = &lease;
             match c {
-                Err(e) => {
-                    let msg = if lease.runner.alive() {
-                        e.message
-                    } else {
-                        format!(
-                            "the model runner exited unexpectedly: {}",
-                            lease.runner.last_error()
-                        )
-                    };
-                    vec![Event::Error(ApiError::new(e.status.max(500), msg))]
-                }
+                Err(e) => vec![Event::Error(ApiError::new(e.status.max(500), e.message))],
                 Ok(c) => {
                     let parsed = parser.add(&c.content, c.done);
                     let mut out = Vec::new();

@@ -29,6 +29,9 @@ pub struct SchedConfig {
     pub exe: PathBuf,
     pub max_loaded: usize,
     pub load_timeout: Duration,
+    /// A runner that sends no token and does not answer `/v1/status` for this long is
+    /// frozen (stopped by a signal, or wedged): it is killed.
+    pub stall_timeout: Duration,
     /// The runner's `--parallel`.
     pub parallel: usize,
 }
@@ -67,8 +70,82 @@ pub struct Runner {
     active: AtomicUsize,
     idle: Mutex<Idle>,
     dead: AtomicBool,
+    /// Killed for not answering: streams that end with it say so.
+    frozen: AtomicBool,
     exited: Notify,
-    last_error: Arc<Mutex<String>>,
+    log: Arc<Mutex<Tail>>,
+}
+
+/// The runner's last lines on stderr, with when each came, and how it exited.
+#[derive(Debug, Default)]
+struct Tail {
+    lines: std::collections::VecDeque<(Instant, String)>,
+    exit: Option<(Instant, String)>,
+}
+
+impl Tail {
+    const KEPT: usize = 64;
+
+    fn push(&mut self, line: String) {
+        if self.lines.len() == Self::KEPT {
+            self.lines.pop_front();
+        }
+        self.lines.push_back((Instant::now(), line));
+    }
+
+    /// What the runner said as it died: its last error-looking line from the moments before
+    /// it exited (a panic's message, not the backtrace note after it), and the exit status.
+    /// Lines from long before the exit are not its last words.
+    fn last_words(&self) -> String {
+        const RECENT: Duration = Duration::from_secs(3);
+        let Some((at, status)) = &self.exit else {
+            return self
+                .lines
+                .back()
+                .map(|(_, l)| l.clone())
+                .unwrap_or_default();
+        };
+        let recent: Vec<&str> = self
+            .lines
+            .iter()
+            .filter(|(t, _)| at.saturating_duration_since(*t) <= RECENT)
+            .map(|(_, l)| l.as_str())
+            .filter(|l| !l.starts_with("note: ") && !l.trim_start().starts_with("at "))
+            .collect();
+        // An error it printed (a panic, a fatal error, a failed load, C++'s terminate), not
+        // its ordinary log lines, however recent.
+        let telling = |l: &&&str| {
+            let lower = l.to_ascii_lowercase();
+            let ordinary = [" info ", " debug ", " trace "]
+                .iter()
+                .any(|level| lower.contains(level));
+            !ordinary
+                && [
+                    "panicked",
+                    "fatal",
+                    "error",
+                    "abort",
+                    "terminate",
+                    "killed",
+                    "out of memory",
+                ]
+                .iter()
+                .any(|w| lower.contains(w))
+        };
+        let words = recent.iter().rposition(|l| telling(&l)).map(|i| {
+            // C++'s `what():` follows the line that names the exception.
+            match recent.get(i + 1) {
+                Some(next) if next.trim_start().starts_with("what()") => {
+                    format!("{} {}", recent[i], next.trim())
+                }
+                _ => recent[i].to_string(),
+            }
+        });
+        match words {
+            Some(w) => format!("{w} ({status})"),
+            None => format!("it exited without a word ({status})"),
+        }
+    }
 }
 
 impl Runner {
@@ -91,9 +168,38 @@ impl Runner {
         }
     }
 
-    /// The runner's last line on stderr: the reason it failed, when it did.
+    /// Why the runner failed, in its last words: see [`Tail::last_words`].
     pub fn last_error(&self) -> String {
-        self.last_error.lock().unwrap().clone()
+        self.log.lock().unwrap().last_words()
+    }
+
+    /// Whether it was killed for not answering.
+    pub fn frozen(&self) -> bool {
+        self.frozen.load(Ordering::SeqCst)
+    }
+
+    /// Whether the runner answers `/v1/status` within `within`. Its HTTP side runs beside the
+    /// engine, so a runner busy with a long prefill still answers; a stopped or wedged one
+    /// does not.
+    pub async fn responsive(&self, client: &HttpClient, within: Duration) -> bool {
+        matches!(
+            client::status_within(client, self.port, within).await,
+            Ok((200, _))
+        )
+    }
+
+    /// Kills a runner that stopped answering; its reaper notices the exit and the next request
+    /// starts a new one.
+    pub fn kill_frozen(&self, waited: Duration) {
+        if self.alive() && !self.frozen.swap(true, Ordering::SeqCst) {
+            tracing::error!(
+                model = %self.name,
+                seconds = waited.as_secs_f64(),
+                "the runner stopped answering; killing it"
+            );
+            self.idle.lock().unwrap().stopping = true;
+            self.signal(libc::SIGKILL);
+        }
     }
 
     fn signal(&self, sig: libc::c_int) {
@@ -219,6 +325,10 @@ impl Scheduler {
     }
 
     /// Every live runner.
+    pub fn stall_timeout(&self) -> Duration {
+        self.cfg.stall_timeout
+    }
+
     pub fn loaded(&self) -> Vec<Arc<Runner>> {
         let slots: Vec<_> = self.slots.lock().unwrap().values().cloned().collect();
         slots
@@ -421,10 +531,12 @@ impl Scheduler {
             ))
         })?;
         let pid = child.id().unwrap_or_default();
-        let last_error = Arc::new(Mutex::new(String::new()));
+        let log = Arc::new(Mutex::new(Tail::default()));
+        let (read_tx, read_rx) = tokio::sync::oneshot::channel::<()>();
         if let Some(stderr) = child.stderr.take() {
-            let (last, name) = (last_error.clone(), target.name.clone());
+            let (log, name) = (log.clone(), target.name.clone());
             tokio::spawn(async move {
+                let _done = read_tx;
                 // Read to the end whatever comes (a runner blocked on a full pipe would stall).
                 let mut reader = tokio::io::BufReader::new(stderr);
                 let mut buf = Vec::new();
@@ -437,7 +549,7 @@ impl Scheduler {
                             let line = strip_ansi(line.trim_end());
                             tracing::debug!(target: "runner", model = %name, "{line}");
                             if !line.trim().is_empty() {
-                                *last.lock().unwrap() = line;
+                                log.lock().unwrap().push(line);
                             }
                         }
                         Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
@@ -456,26 +568,30 @@ impl Scheduler {
             active: AtomicUsize::new(0),
             idle: Mutex::new(Idle::default()),
             dead: AtomicBool::new(false),
+            frozen: AtomicBool::new(false),
             exited: Notify::new(),
-            last_error,
+            log,
         });
         // The reaper of this process: the only place `dead` is set.
         let watched = runner.clone();
         let (exit_tx, mut exit_rx) = tokio::sync::watch::channel(None);
         tokio::spawn(async move {
             let status = child.wait().await;
+            let status = status.map(|s| s.to_string()).unwrap_or_default();
+            // Its last lines may still be in the pipe: read them before it is known dead.
+            let _ = tokio::time::timeout(Duration::from_millis(500), read_rx).await;
+            watched.log.lock().unwrap().exit = Some((Instant::now(), status.clone()));
             watched.dead.store(true, Ordering::SeqCst);
             watched.exited.notify_waiters();
-            let _ = exit_tx.send(Some(status.map(|s| s.to_string()).unwrap_or_default()));
+            let _ = exit_tx.send(Some(status));
         });
         let deadline = started + self.cfg.load_timeout;
         loop {
             tokio::select! {
                 _ = exit_rx.changed() => {
                     let why = runner.last_error();
-                    let status = exit_rx.borrow().clone().unwrap_or_default();
                     return Err(LoadError::Failed(format!(
-                        "the runner for {} exited while loading ({status}): {why}",
+                        "the runner for {} exited while loading: {why}",
                         target.name
                     )));
                 }
@@ -568,4 +684,75 @@ fn strip_ansi(s: &str) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tail(lines: &[(u64, &str)], exit_at: u64, status: &str) -> Tail {
+        let t0 = Instant::now();
+        let mut t = Tail::default();
+        for &(ms, l) in lines {
+            t.lines
+                .push_back((t0 + Duration::from_millis(ms), l.to_string()));
+        }
+        t.exit = Some((t0 + Duration::from_millis(exit_at), status.to_string()));
+        t
+    }
+
+    #[test]
+    fn last_words_are_what_the_runner_said_as_it_died() {
+        let ready = "2026-12-03T06:33:18Z  INFO runner::process: runner ready model=gem";
+        // Killed without a word: the status, not its old log line.
+        let t = tail(&[(0, ready)], 500, "signal: 9 (SIGKILL)");
+        assert_eq!(
+            t.last_words(),
+            "it exited without a word (signal: 9 (SIGKILL))"
+        );
+        // A panic: its message, not the backtrace note after it.
+        let t = tail(
+            &[
+                (0, ready),
+                (900, "thread 'engine' panicked at src/x.rs:1:1:"),
+                (901, "index out of bounds"),
+                (
+                    902,
+                    "note: run with `RUST_BACKTRACE=1` environment variable",
+                ),
+            ],
+            1000,
+            "signal: 6 (SIGABRT)",
+        );
+        assert_eq!(
+            t.last_words(),
+            "thread 'engine' panicked at src/x.rs:1:1: (signal: 6 (SIGABRT))"
+        );
+        // C++'s terminate with the exception's text.
+        let t = tail(
+            &[
+                (
+                    10,
+                    "terminate called after throwing an instance of 'std::runtime_error'",
+                ),
+                (11, "  what():  [malloc] out of memory"),
+            ],
+            20,
+            "signal: 6 (SIGABRT)",
+        );
+        assert!(t.last_words().contains("what():  [malloc] out of memory"));
+        // An error from long before the exit is not its last words.
+        let t = tail(&[(0, "error: an old one")], 60_000, "exit status: 1");
+        assert_eq!(t.last_words(), "it exited without a word (exit status: 1)");
+        // A failed load.
+        let t = tail(
+            &[(0, ready), (5, "error: model.safetensors is truncated")],
+            10,
+            "exit status: 1",
+        );
+        assert_eq!(
+            t.last_words(),
+            "error: model.safetensors is truncated (exit status: 1)"
+        );
+    }
 }

@@ -44,7 +44,37 @@ impl Access {
     }
 
     pub fn origin_allowed(&self, origin: &str) -> bool {
-        self.origins.iter().any(|p| wildcard(p, origin))
+        well_formed(origin) && self.origins.iter().any(|p| origin_matches(p, origin))
+    }
+}
+
+/// An origin as browsers send it: `scheme://host[:port]`, nothing else. User-info
+/// (`http://localhost:80@evil.com`), a path, a query or a fragment is never part of a real one,
+/// and would let a wildcard port match another host.
+fn well_formed(origin: &str) -> bool {
+    let Some((scheme, authority)) = origin.split_once("://") else {
+        return false;
+    };
+    !scheme.is_empty()
+        && scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+        && !authority.chars().any(|c| {
+            matches!(c, '@' | '/' | '\\' | '?' | '#') || c.is_whitespace() || c.is_control()
+        })
+}
+
+/// A pattern's `:*` is a port: digits only. Any other `*` matches any text.
+fn origin_matches(pattern: &str, origin: &str) -> bool {
+    match pattern.strip_suffix(":*") {
+        Some(base) => {
+            origin
+                .strip_prefix(base)
+                .and_then(|rest| rest.strip_prefix(':'))
+                .is_some_and(|port| !port.is_empty() && port.chars().all(|c| c.is_ascii_digit()))
+                || (base.contains('*') && wildcard(pattern, origin))
+        }
+        None => wildcard(pattern, origin),
     }
 }
 
@@ -157,5 +187,13 @@ mod tests {
         assert!(a.origin_allowed("chrome-extension://abc"));
         assert!(!a.origin_allowed("https://evil.example.com"));
         assert!(!a.origin_allowed("http://localhost.evil.com"));
+        // User-info, paths and non-numeric ports are never a real origin.
+        assert!(!a.origin_allowed("http://localhost:80@evil.com"));
+        assert!(!a.origin_allowed("http://localhost@evil.com"));
+        assert!(!a.origin_allowed("http://localhost:3000/x"));
+        assert!(!a.origin_allowed("http://localhost:3000x"));
+        assert!(!a.origin_allowed("http://localhost:"));
+        assert!(!a.origin_allowed("chrome-extension://abc@evil.com"));
+        assert!(a.origin_allowed("http://[::1]:8080"));
     }
 }

@@ -1,10 +1,62 @@
 //! Prompts from chat messages: a Jinja chat template (the Modelfile's TEMPLATE, the model's own
 //! `chat_template`, or our template for its family) rendered by minijinja with Python's string
 //! and dict methods, as transformers renders it.
+//!
+//! A template is a program, and a request may bring its own (ollama's `template`, or one stored
+//! with `/api/create`), so rendering is bounded ([`Limits`]): instructions by minijinja's fuel,
+//! nesting by its recursion limit, the rendered text by its size. Fuel cannot bound memory (one
+//! `{% set s = s ~ s %}` doubles a string), so `serve` renders in worker processes
+//! ([`Renderer`]) whose memory the kernel caps, killed at a wall-clock bound or when their
+//! request goes away: no template can hold serve's threads, memory or signals.
 
 use crate::families;
 use minijinja::{Environment, Error, ErrorKind, Value as JValue};
 use serde::Serialize;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// The bounds one render runs under.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// minijinja instructions (a loop's iteration is a few). The family templates use about
+    /// 60 a message; a million is a conversation of ~15,000 messages.
+    pub fuel: u64,
+    /// Nesting of loops, conditions, macro calls and includes.
+    pub recursion: usize,
+    /// Bytes of rendered text: what a runner accepts as a prompt, less the request around it.
+    pub max_output: usize,
+}
+
+/// The bounds of a request's render.
+pub const LIMITS: Limits = Limits {
+    fuel: 1_000_000,
+    recursion: 200,
+    max_output: 30 << 20,
+};
+
+/// Why a prompt could not be rendered. Every one is the request's doing (its messages, its
+/// template, or a template it chose), so each is a 400 naming the reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, serde::Deserialize)]
+pub enum RenderError {
+    #[error("the chat template does not parse: {0}")]
+    Syntax(String),
+    #[error("the chat template failed: {0}")]
+    Failed(String),
+    #[error(
+        "the chat template ran past its limit of {0} steps (is there a loop that does not end?)"
+    )]
+    OutOfFuel(u64),
+    #[error("the chat template nests deeper than {0} levels")]
+    TooDeep(usize),
+    #[error("the rendered prompt is larger than {0} bytes")]
+    TooLarge(usize),
+    #[error("the chat template needed more than {0} MiB of memory")]
+    OutOfMemory(u64),
+    #[error("the chat template took longer than {0} s to render")]
+    TooSlow(String),
+    /// The request went away while its prompt was rendering.
+    #[error("the request was cancelled")]
+    Cancelled,
+}
 
 /// What a template is rendered with (the names transformers passes).
 #[derive(Debug, Clone, Serialize)]
@@ -29,8 +81,10 @@ pub fn builtin(family: &str) -> Option<&'static str> {
     }
 }
 
-fn environment() -> Environment<'static> {
+fn environment(limits: &Limits) -> Environment<'static> {
     let mut env = Environment::new();
+    env.set_fuel(Some(limits.fuel));
+    env.set_recursion_limit(limits.recursion);
     minijinja_contrib::add_to_environment(&mut env);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     // Chat templates are written for Python's Jinja: keep the template's own whitespace.
@@ -108,14 +162,336 @@ pub fn python_json(v: &serde_json::Value) -> String {
     }
 }
 
-/// Renders `source` with `ctx`; the error names the template's problem, for a 400/500.
-pub fn render(source: &str, ctx: &Context) -> Result<String, String> {
-    let env = environment();
+/// Whether `source` parses as a template (the parser's own nesting limit bounds the work).
+pub fn check(source: &str) -> Result<(), RenderError> {
+    environment(&LIMITS)
+        .template_from_str(source)
+        .map(drop)
+        .map_err(|e| RenderError::Syntax(e.to_string()))
+}
+
+/// Renders `source` with `ctx` under [`LIMITS`], on the calling thread.
+pub fn render(source: &str, ctx: &Context) -> Result<String, RenderError> {
+    render_with(source, ctx, &LIMITS, &AtomicBool::new(false))
+}
+
+/// Renders `source` with `ctx` under `limits`; stops at its next write once `cancel` is set.
+pub fn render_with(
+    source: &str,
+    ctx: &Context,
+    limits: &Limits,
+    cancel: &AtomicBool,
+) -> Result<String, RenderError> {
+    let env = environment(limits);
     let tmpl = env
         .template_from_str(source)
-        .map_err(|e| format!("the chat template does not parse: {e:#}"))?;
-    tmpl.render(ctx)
-        .map_err(|e| format!("the chat template failed: {e:#}"))
+        .map_err(|e| RenderError::Syntax(e.to_string()))?;
+    let mut out = Bounded {
+        text: Vec::new(),
+        max: limits.max_output,
+        cancel,
+        stopped: None,
+    };
+    let rendered = tmpl.render_captured_to(ctx, &mut out).map(drop);
+    match rendered {
+        Ok(()) => String::from_utf8(out.text)
+            .map_err(|_| RenderError::Failed("the rendered text is not UTF-8".into())),
+        Err(_) if out.stopped.is_some() => {
+            Err(out.stopped.take().unwrap_or(RenderError::Cancelled))
+        }
+        Err(e) => Err(match e.kind() {
+            ErrorKind::OutOfFuel => RenderError::OutOfFuel(limits.fuel),
+            _ if e.to_string().contains("recursion limit exceeded") => {
+                RenderError::TooDeep(limits.recursion)
+            }
+            _ => RenderError::Failed(e.to_string()),
+        }),
+    }
+}
+
+/// The rendered text, refusing to grow past its bound or to go on for a request that is gone.
+struct Bounded<'a> {
+    text: Vec<u8>,
+    max: usize,
+    cancel: &'a AtomicBool,
+    stopped: Option<RenderError>,
+}
+
+impl std::io::Write for Bounded<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.cancel.load(Ordering::Relaxed) {
+            self.stopped = Some(RenderError::Cancelled);
+        } else if self.text.len() + buf.len() > self.max {
+            self.stopped = Some(RenderError::TooLarge(self.max));
+        }
+        if self.stopped.is_some() {
+            return Err(std::io::Error::other("rendering stopped"));
+        }
+        self.text.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Stack for the worker's render thread: minijinja's recursion limit is validated against a
+/// few MiB; the pages are only touched as deep as a template goes.
+const RENDER_STACK: usize = 64 << 20;
+
+/// Renders at most this many prompts at once: hostile templates can occupy these workers, not
+/// the async runtime or every core.
+const RENDERERS: usize = 4;
+
+/// What one worker may allocate beyond what it holds at start (the rendered prompt, its
+/// context, minijinja's values).
+pub const WORKER_MEMORY: u64 = 512 << 20;
+
+/// A render that takes longer than this is stopped (fuel ends any loop long before; this
+/// bounds what fuel does not count, such as one huge string operation).
+pub const RENDER_TIME: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// What a worker is asked: one line of JSON.
+#[derive(Serialize, serde::Deserialize)]
+struct WorkRequest {
+    source: String,
+    ctx: OwnedContext,
+    fuel: u64,
+    recursion: usize,
+    max_output: usize,
+}
+
+/// What a worker answers: one line of JSON.
+#[derive(Serialize, serde::Deserialize)]
+enum WorkReply {
+    Ok(String),
+    Err(RenderError),
+}
+
+/// Render worker processes (`mlx-runner render-worker`), started on demand and reused; each
+/// render has one to itself. A worker that runs out of memory dies (its allocation fails),
+/// one that runs past its time limit or whose request is dropped is killed; either way the
+/// next render gets a fresh one.
+pub struct Renderer {
+    exe: std::path::PathBuf,
+    time: std::time::Duration,
+    idle: std::sync::Mutex<Vec<Worker>>,
+    slots: tokio::sync::Semaphore,
+}
+
+struct Worker {
+    child: tokio::process::Child,
+    stdin: tokio::process::ChildStdin,
+    stdout: tokio::io::BufReader<tokio::process::ChildStdout>,
+}
+
+impl Renderer {
+    /// Workers are `exe render-worker`.
+    pub fn new(exe: std::path::PathBuf) -> Renderer {
+        Renderer {
+            exe,
+            time: RENDER_TIME,
+            idle: Default::default(),
+            slots: tokio::sync::Semaphore::new(RENDERERS),
+        }
+    }
+
+    /// The wall-clock bound of one render (default [`RENDER_TIME`]).
+    pub fn with_time_limit(mut self, time: std::time::Duration) -> Renderer {
+        self.time = time;
+        self
+    }
+
+    fn spawn(&self) -> Result<Worker, RenderError> {
+        let mut child = tokio::process::Command::new(&self.exe)
+            .arg("render-worker")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| RenderError::Failed(format!("cannot start a template renderer: {e}")))?;
+        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            return Err(RenderError::Failed(
+                "the template renderer has no pipes".into(),
+            ));
+        };
+        Ok(Worker {
+            child,
+            stdin,
+            stdout: tokio::io::BufReader::new(stdout),
+        })
+    }
+
+    /// A worker that is still alive, from the pool or new.
+    fn worker(&self) -> Result<Worker, RenderError> {
+        while let Some(mut w) = self.idle.lock().unwrap().pop() {
+            if matches!(w.child.try_wait(), Ok(None)) {
+                return Ok(w);
+            }
+        }
+        self.spawn()
+    }
+
+    /// Renders `source` with `ctx` under `limits` in a worker. Dropping the future kills the
+    /// worker, so a request that goes away stops its render at once.
+    pub async fn render(
+        &self,
+        source: String,
+        ctx: OwnedContext,
+        limits: Limits,
+    ) -> Result<String, RenderError> {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+        let _slot = self
+            .slots
+            .acquire()
+            .await
+            .map_err(|_| RenderError::Cancelled)?;
+        let mut w = self.worker()?;
+        let mut line = serde_json::to_vec(&WorkRequest {
+            source,
+            ctx,
+            fuel: limits.fuel,
+            recursion: limits.recursion,
+            max_output: limits.max_output,
+        })
+        .map_err(|e| RenderError::Failed(e.to_string()))?;
+        line.push(b'\n');
+        let exchange = async {
+            w.stdin.write_all(&line).await?;
+            w.stdin.flush().await?;
+            let mut answer = Vec::new();
+            w.stdout.read_until(b'\n', &mut answer).await?;
+            Ok::<_, std::io::Error>(answer)
+        };
+        let answer = match tokio::time::timeout(self.time, exchange).await {
+            Err(_) => return Err(RenderError::TooSlow(self.time.as_secs_f64().to_string())),
+            Ok(Ok(a)) if !a.is_empty() => a,
+            // It died mid-render: out of memory, unless something else killed it.
+            Ok(_) => {
+                let status =
+                    tokio::time::timeout(std::time::Duration::from_secs(2), w.child.wait()).await;
+                return Err(match status {
+                    Ok(Ok(st)) if died_of_memory(&st) => {
+                        RenderError::OutOfMemory(WORKER_MEMORY >> 20)
+                    }
+                    _ => RenderError::Failed("the template renderer exited".into()),
+                });
+            }
+        };
+        let reply: WorkReply = serde_json::from_slice(&answer).map_err(|e| {
+            RenderError::Failed(format!("unreadable answer from the renderer: {e}"))
+        })?;
+        self.idle.lock().unwrap().push(w);
+        match reply {
+            WorkReply::Ok(text) => Ok(text),
+            WorkReply::Err(e) => Err(e),
+        }
+    }
+}
+
+/// A failed allocation aborts (SIGABRT); the kernel's OOM killer sends SIGKILL.
+fn died_of_memory(status: &std::process::ExitStatus) -> bool {
+    use std::os::unix::process::ExitStatusExt;
+    matches!(status.signal(), Some(libc::SIGABRT) | Some(libc::SIGKILL))
+}
+
+/// `mlx-runner render-worker`: renders the requests on stdin, one JSON line each, answering
+/// each on stdout, until stdin closes. Its memory is capped at what it holds now plus
+/// [`WORKER_MEMORY`]; it dies with its parent.
+pub fn worker_main() -> std::io::Result<()> {
+    let thread = std::thread::Builder::new()
+        .name("render".into())
+        .stack_size(RENDER_STACK)
+        .spawn(|| {
+            // After the thread exists: its stack is part of the baseline, not the budget.
+            confine(WORKER_MEMORY);
+            work(std::io::stdin().lock(), std::io::stdout().lock())
+        })?;
+    thread
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("the render thread panicked")))
+}
+
+fn work(input: impl std::io::BufRead, mut output: impl std::io::Write) -> std::io::Result<()> {
+    let never = AtomicBool::new(false);
+    for line in input.lines() {
+        let line = line?;
+        let reply = match serde_json::from_str::<WorkRequest>(&line) {
+            Err(e) => WorkReply::Err(RenderError::Failed(format!(
+                "a malformed render request: {e}"
+            ))),
+            Ok(req) => {
+                let limits = Limits {
+                    fuel: req.fuel,
+                    recursion: req.recursion,
+                    max_output: req.max_output,
+                };
+                match render_with(&req.source, &req.ctx.borrowed(), &limits, &never) {
+                    Ok(text) => WorkReply::Ok(text),
+                    Err(e) => WorkReply::Err(e),
+                }
+            }
+        };
+        serde_json::to_writer(&mut output, &reply)?;
+        output.write_all(b"\n")?;
+        output.flush()?;
+    }
+    Ok(())
+}
+
+/// Caps this process's data (heap and private mappings) at its current size plus `budget`,
+/// and has it killed when its parent dies.
+fn confine(budget: u64) {
+    #[cfg(target_os = "linux")]
+    {
+        let now = std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmData:"))
+                    .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            })
+            .unwrap_or(0)
+            * 1024;
+        let cap = libc::rlimit {
+            rlim_cur: now + budget,
+            rlim_max: now + budget,
+        };
+        // SAFETY: setrlimit and prctl take plain values; neither touches our memory.
+        unsafe {
+            libc::setrlimit(libc::RLIMIT_DATA, &cap);
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = budget;
+}
+
+/// A [`Context`] that owns its parts, to be sent to a render worker.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct OwnedContext {
+    pub messages: Vec<serde_json::Value>,
+    #[serde(default)]
+    pub tools: Option<Vec<serde_json::Value>>,
+    pub add_generation_prompt: bool,
+    pub bos_token: String,
+    pub eos_token: String,
+    pub enable_thinking: Option<bool>,
+}
+
+impl OwnedContext {
+    pub fn borrowed(&self) -> Context<'_> {
+        Context {
+            messages: &self.messages,
+            tools: self.tools.as_deref(),
+            add_generation_prompt: self.add_generation_prompt,
+            bos_token: &self.bos_token,
+            eos_token: &self.eos_token,
+            enable_thinking: self.enable_thinking,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -156,7 +532,7 @@ mod tests {
             "<s><USER>xhello\n<ASSISTANT>hi b=\"é\" a=[1, 2]\n2<ASSISTANT>"
         );
         let bad = [json!({"role": "robot", "content": "x"})];
-        let e = render(t, &ctx(&bad)).unwrap_err();
+        let e = render(t, &ctx(&bad)).unwrap_err().to_string();
         assert!(e.contains("bad role robot"), "{e}");
     }
 }
