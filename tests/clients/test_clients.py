@@ -1,4 +1,4 @@
-"""The official `ollama` and `openai` Python clients against `mlx-runner serve`.
+"""The official `ollama`, `openai` and `anthropic` Python clients against `mlx-runner serve`.
 
 Run by tests/clients.rs, which starts `serve` over a store holding the fixture models `gem`
 (gemma4) and `glm` (GLM4-MoE-Lite) and passes its address (MLX_SERVE_URL), its pid
@@ -13,6 +13,7 @@ import os
 import signal
 import time
 
+import anthropic
 import ollama
 import openai
 
@@ -22,6 +23,7 @@ FIXTURE = os.environ["MLX_FIXTURE_DIR"]
 
 client = ollama.Client(host=URL)
 oai = openai.OpenAI(base_url=URL + "/v1", api_key="unused")
+ant = anthropic.Anthropic(base_url=URL, api_key="unused", max_retries=0)
 GREEDY = {"temperature": 0, "num_predict": 12}
 
 
@@ -308,6 +310,115 @@ def _():
         raise AssertionError("bad temperature accepted")
     except openai.BadRequestError:
         pass
+
+
+@check("openai: json_object mode answers an object; n and logit_bias are refused, not ignored")
+def _():
+    for seed in range(4):
+        r = oai.chat.completions.create(
+            model="gem", messages=[{"role": "user", "content": "JSON please"}], seed=seed, max_tokens=200,
+            response_format={"type": "json_object"},
+        )
+        if r.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(r.choices[0].message.content), dict), r.choices[0].message.content
+    for extra in ({"n": 2}, {"logit_bias": {"5": 10}}):
+        try:
+            oai.chat.completions.create(model="gem", messages=[{"role": "user", "content": "x"}], **extra)
+            raise AssertionError(f"{extra} accepted")
+        except openai.BadRequestError as e:
+            assert str(e), extra
+
+
+@check("ollama and openai: embeddings are refused with a reason")
+def _():
+    try:
+        client.embed(model="gem", input="hello")
+        raise AssertionError("embeddings from a text model")
+    except ollama.ResponseError as e:
+        assert "does not support embeddings" in str(e), e
+    try:
+        oai.embeddings.create(model="gem", input="hello")
+        raise AssertionError("embeddings from a text model")
+    except openai.BadRequestError as e:
+        assert "does not support embeddings" in str(e), e
+
+
+@check("anthropic: messages, streaming and not, with a system prompt")
+def _():
+    msgs = [{"role": "user", "content": "Hello"}]
+    # Current SDKs send no sampling parameters; older ones and raw HTTP do, and serve reads them.
+    greedy = {"extra_body": {"temperature": 0}}
+    m = ant.messages.create(model="gem", max_tokens=8, system="Be brief.", messages=msgs, **greedy)
+    assert m.type == "message" and m.role == "assistant", m
+    assert m.stop_reason in ("end_turn", "max_tokens") and m.usage.output_tokens > 0, m
+    text = "".join(b.text for b in m.content if b.type == "text")
+    with ant.messages.stream(model="gem", max_tokens=8, system="Be brief.", messages=msgs, **greedy) as s:
+        streamed = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert streamed == text, (streamed, text)
+    assert final.usage.output_tokens == m.usage.output_tokens and final.stop_reason == m.stop_reason
+
+
+@check("anthropic: a forced tool_use, its tool_result, the answer")
+def _():
+    tools = [{
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                           "days": {"type": "integer"}}, "required": ["city"]},
+    }]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    m = ant.messages.create(model="gem", max_tokens=200, tools=tools, tool_choice={"type": "any"}, messages=msgs)
+    assert m.stop_reason == "tool_use", m
+    use = [b for b in m.content if b.type == "tool_use"][0]
+    assert use.name == "get_weather" and isinstance(use.input["city"], str), use
+    msgs.append({"role": "assistant", "content": [b.model_dump() for b in m.content]})
+    msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]})
+    answer = ant.messages.create(model="gem", max_tokens=5, tools=tools, messages=msgs)
+    assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use"), answer
+    with ant.messages.stream(model="gem", max_tokens=200, tools=tools, messages=msgs[:1],
+                             tool_choice={"type": "tool", "name": "get_weather"}) as s:
+        final = s.get_final_message()
+    uses = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and uses and isinstance(uses[0].input["city"], str), final
+
+
+@check("anthropic: thinking blocks, token counts, errors in Anthropic's shape")
+def _():
+    m = ant.messages.create(model="glm", max_tokens=12, messages=[{"role": "user", "content": "Hi"}],
+                            thinking={"type": "enabled", "budget_tokens": 1024})
+    assert m.content and all(b.type in ("thinking", "text") for b in m.content), m
+    # GLM's prompt ends inside a thought: what comes first is thinking.
+    assert m.content[0].type == "thinking", m
+    n = ant.messages.count_tokens(model="gem", messages=[{"role": "user", "content": "Hello there"}])
+    assert n.input_tokens > 2, n
+    try:
+        ant.messages.create(model="nope", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+        raise AssertionError("unknown model accepted")
+    except anthropic.NotFoundError as e:
+        assert e.body["error"]["type"] == "not_found_error", e.body
+    try:
+        ant.messages.create(model="gem", max_tokens=-1, messages=[{"role": "user", "content": "x"}])
+        raise AssertionError("max_tokens -1 accepted")
+    except anthropic.BadRequestError as e:
+        assert "max_tokens" in e.body["error"]["message"], e.body
+
+
+@check("anthropic: output_config.format gives exactly the schema's keys")
+def _():
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "age"]}
+    done = 0
+    for seed in range(4):
+        m = ant.messages.create(model="gem", max_tokens=60, messages=[{"role": "user", "content": "A person"}],
+                                output_config={"format": {"type": "json_schema", "schema": person}},
+                                extra_body={"temperature": 0.9, "seed": seed})
+        if m.stop_reason == "end_turn":
+            v = json.loads(m.content[0].text)
+            assert set(v) == {"name", "age"}, v
+            done += 1
+    assert done > 0
 
 
 print("all client checks passed")

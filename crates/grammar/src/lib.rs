@@ -77,9 +77,7 @@ impl Format {
             schema
         };
         match self {
-            Format::Json => {
-                TopLevelGrammar::from_json_schema(compact(serde_json::json!({"type": "object"})))
-            }
+            Format::Json => TopLevelGrammar::from_lark(JSON_OBJECT.to_string()),
             Format::Schema(Value::Bool(true)) => {
                 TopLevelGrammar::from_json_schema(compact(serde_json::json!({})))
             }
@@ -93,11 +91,23 @@ impl Format {
     }
 }
 
+/// `"json"`: an object, compact, its numbers within what every JSON reader holds (llama.cpp's
+/// `json.gbnf`, which ollama's `"json"` is, bounds digits too): at most 16 digits before the
+/// point and a two-digit exponent, so no `1e400` that a reader turns into an error or infinity.
+const JSON_OBJECT: &str = r#"start: object
+value: object | array | STRING | NUMBER | "true" | "false" | "null"
+object: "{" (pair ("," pair)*)? "}"
+pair: STRING ":" value
+array: "[" (value ("," value)*)? "]"
+STRING: /"(\\(["\\\/bfnrt]|u[0-9a-fA-F]{4})|[^"\\\x00-\x1F\x7F])*"/
+NUMBER: /-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][-+]?[0-9]{1,2})?/
+"#;
+
 /// An object schema that lists `properties` and says nothing of others admits no others
 /// (llama.cpp's converter, which ollama's `format` goes through, reads it so; pydantic's
 /// schemas leave the key out). Walks only where JSON Schema puts subschemas, so a property
 /// that happens to be named `properties` is not mistaken for a schema.
-fn closed_objects(schema: &mut Value) {
+pub fn closed_objects(schema: &mut Value) {
     let Value::Object(o) = schema else { return };
     if o.get("properties").is_some_and(Value::is_object)
         && !o.contains_key("additionalProperties")
@@ -578,6 +588,16 @@ mod tests {
         let v = bytes_vocabulary();
         assert!(accepts(&v, &Format::Json, r#"{"a":[1,2.5,"x"]}"#));
         assert!(accepts(&v, &Format::Json, "{}"));
+        assert!(accepts(
+            &v,
+            &Format::Json,
+            r#"{"a\"b\u00e9":{"n":-0.5e-12,"t":true,"z":null,"e":[]}}"#
+        ));
+        // Numbers every reader holds.
+        assert!(!accepts(&v, &Format::Json, r#"{"x":1e400}"#));
+        assert!(!accepts(&v, &Format::Json, r#"{"x":01}"#));
+        assert!(!accepts(&v, &Format::Json, r#"{"x":12345678901234567}"#));
+        assert!(!accepts(&v, &Format::Json, "{ }"));
         for other in ["1.5", "true", "\"text\"", "[1]", "null"] {
             assert!(!accepts(&v, &Format::Json, other), "{other}");
         }

@@ -164,6 +164,32 @@ async fn status_answer(client: &HttpClient, port: u16) -> Result<(u16, Status), 
     Ok((code, s))
 }
 
+/// `POST /v1/tokenize`: the ids of `text` by the runner's tokenizer.
+pub async fn tokenize(client: &HttpClient, port: u16, text: &str) -> Result<Vec<u32>, RunnerError> {
+    let http = hyper::Request::post(format!("http://127.0.0.1:{port}/v1/tokenize"))
+        .body(Full::new(Bytes::from(text.to_string())))
+        .map_err(|e| RunnerError::new(500, e.to_string()))?;
+    let resp = client.request(http).await.map_err(|e| RunnerError {
+        unreachable: true,
+        ..RunnerError::new(500, format!("the runner did not answer: {e}"))
+    })?;
+    let code = resp.status().as_u16();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    if code != 200 {
+        return Err(RunnerError::new(
+            code,
+            String::from_utf8_lossy(&body).trim().to_string(),
+        ));
+    }
+    serde_json::from_slice(&body)
+        .map_err(|e| RunnerError::new(500, format!("unreadable token ids from the runner: {e}")))
+}
+
 /// Starts a completion; the stream yields the runner's chunks up to and including the one with
 /// `Done`, or an error (a refused request, an in-stream error, or a runner that went away).
 pub async fn complete(

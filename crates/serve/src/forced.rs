@@ -31,6 +31,67 @@ fn lit(s: &str) -> String {
     serde_json::to_string(s).expect("strings serialize")
 }
 
+/// An integer argument: an i64 as JSON writes it (no `-0`, which JSON readers take for a float).
+const INTEGER: &str = "/(0|-?[1-9][0-9]{0,17})/";
+
+/// A number argument: JSON's syntax, within what an f64 holds (at most 15 digits before the
+/// point and after it, a two-digit exponent).
+const NUMBER: &str = "/-?(0|[1-9][0-9]{0,14})(\\.[0-9]{1,15})?([eE][-+]?[0-9]{1,2})?/";
+
+/// The largest integer every parser reads back exactly (JSON readers that go through f64
+/// included): 2^53 - 1.
+const SAFE_INTEGER: i64 = (1 << 53) - 1;
+
+fn has_bounds(schema: &Value) -> bool {
+    ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"]
+        .iter()
+        .any(|k| schema.get(*k).is_some())
+}
+
+/// A schema whose values the call parsers read back as the types it declares: objects that
+/// list their properties have only those (as a `format` does), and numbers have bounds, so
+/// llguidance's JSON never writes one an f64 or i64 cannot hold (`1e999`, forty digits).
+fn readable(schema: &Value) -> Value {
+    let mut s = schema.clone();
+    ::grammar::closed_objects(&mut s);
+    bound_numbers(&mut s);
+    s
+}
+
+fn bound_numbers(v: &mut Value) {
+    match v {
+        Value::Object(o) => {
+            let ty = |t: &str| match o.get("type") {
+                Some(Value::String(s)) => s == t,
+                Some(Value::Array(a)) => a.iter().any(|x| x == t),
+                _ => false,
+            };
+            let limit = if ty("integer") {
+                Some(Value::from(SAFE_INTEGER))
+            } else if ty("number") {
+                Some(Value::from(1e15))
+            } else {
+                None
+            };
+            if let Some(limit) = limit {
+                let neg = match &limit {
+                    Value::Number(n) if n.is_i64() => Value::from(-SAFE_INTEGER),
+                    _ => Value::from(-1e15),
+                };
+                if !o.contains_key("maximum") && !o.contains_key("exclusiveMaximum") {
+                    o.insert("maximum".into(), limit);
+                }
+                if !o.contains_key("minimum") && !o.contains_key("exclusiveMinimum") {
+                    o.insert("minimum".into(), neg);
+                }
+            }
+            o.values_mut().for_each(bound_numbers);
+        }
+        Value::Array(a) => a.iter_mut().for_each(bound_numbers),
+        _ => {}
+    }
+}
+
 /// A value's grammar by its schema, delimited so it cannot run into the closing mark.
 fn value(schema: &Value, string: &dyn Fn(&str) -> String) -> String {
     if let Some(options) = schema["enum"].as_array() {
@@ -51,11 +112,15 @@ fn value(schema: &Value, string: &dyn Fn(&str) -> String) -> String {
         _ => "string",
     };
     match ty {
-        "integer" => "/-?[0-9]{1,18}/".into(),
-        "number" => "/-?[0-9]{1,18}(\\.[0-9]{1,17})?([eE][-+]?[0-9]{1,3})?/".into(),
+        // JSON's own syntax (no leading zeros), and sizes the parsers read back exactly: an
+        // i64, a finite f64. A bounded schema goes through llguidance's JSON, which keeps to
+        // its minimum and maximum.
+        "integer" | "number" if has_bounds(schema) => format!("%json {}", readable(schema)),
+        "integer" => INTEGER.into(),
+        "number" => NUMBER.into(),
         "boolean" => "(\"true\" | \"false\")".into(),
         "null" => "\"null\"".into(),
-        "array" | "object" => format!("%json {}", schema),
+        "array" | "object" => format!("%json {}", readable(schema)),
         // Any text without `<` (which would start the closing mark), newlines included, as
         // long as the schema allows.
         _ => {
@@ -253,7 +318,7 @@ mod tests {
             "{g}"
         );
         assert!(
-            g.contains("opt0_0: \"days\" \":\" /-?[0-9]{1,18}/ (\",\" opt0_1)? | opt0_1"),
+            g.contains("opt0_0: \"days\" \":\" /(0|-?[1-9][0-9]{0,17})/ (\",\" opt0_1)? | opt0_1"),
             "{g}"
         );
         assert!(g.contains("%json {\"type\":\"array\""), "{g}");

@@ -3,6 +3,7 @@
 //! model in a `mlx-runner runner` child process that it spawns, watches and stops
 //! (docs/SERVE.md).
 
+mod anthropic_api;
 mod body;
 pub mod catalog;
 pub mod client;
@@ -17,6 +18,7 @@ pub mod pipeline;
 pub mod sched;
 mod security;
 pub mod template;
+mod unserved;
 
 use axum::routing::{get, post};
 use axum::Router;
@@ -134,6 +136,18 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/completions", post(openai_api::completions))
         .route("/v1/models", get(openai_api::models))
         .route("/v1/models/{*name}", get(openai_api::model))
+        .route("/v1/messages", post(anthropic_api::messages_route))
+        .route(
+            "/v1/messages/count_tokens",
+            post(anthropic_api::count_tokens),
+        )
+        .route("/api/embed", post(unserved::embed))
+        .route("/api/embeddings", post(unserved::embed))
+        .route("/v1/embeddings", post(unserved::openai_embeddings))
+        .route("/api/pull", post(unserved::registry))
+        .route("/api/push", post(unserved::registry))
+        .fallback(unserved::not_found)
+        .method_not_allowed_fallback(unserved::method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(body::MAX_BODY))
         .layer(axum::middleware::from_fn(body::release_after_large))
         .layer(axum::middleware::from_fn_with_state(

@@ -95,6 +95,43 @@ fn options(v: &Value) -> Result<Map<String, Value>, ApiError> {
     Ok(o)
 }
 
+/// Fields we do not implement are refused, never accepted and ignored: a client that asks for
+/// two choices or biased logits must not get one choice or plain ones without knowing.
+fn refuse_unsupported(v: &Value) -> Result<(), ApiError> {
+    match &v["n"] {
+        Value::Null => {}
+        n if n.as_u64() == Some(1) => {}
+        other => {
+            return Err(ApiError::bad(format!(
+                "n must be 1 (got {other}): one choice per request; send several requests, which share the prompt's cached prefix"
+            )))
+        }
+    }
+    match &v["logit_bias"] {
+        Value::Null => {}
+        Value::Object(m) if m.is_empty() => {}
+        _ => {
+            return Err(ApiError::bad(
+                "logit_bias is not supported: use a response_format (a JSON schema) to constrain the output",
+            ))
+        }
+    }
+    match &v["best_of"] {
+        Value::Null => {}
+        n if n.as_u64() == Some(1) => {}
+        other => return Err(ApiError::bad(format!("best_of must be 1 (got {other})"))),
+    }
+    if v["echo"] == true {
+        return Err(ApiError::bad("echo is not supported"));
+    }
+    if v["suffix"].as_str().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::bad(
+            "suffix is not supported: the models served here do not insert",
+        ));
+    }
+    Ok(())
+}
+
 fn format(v: &Value) -> Result<Value, ApiError> {
     let rf = &v["response_format"];
     if rf.is_null() {
@@ -255,6 +292,7 @@ async fn complete(app: Arc<App>, v: Value, kind: Kind) -> Result<Response, ApiEr
         .as_str()
         .ok_or_else(|| ApiError::bad("model is required"))?
         .to_string();
+    refuse_unsupported(&v)?;
     let m = pipeline::find(&app, &model)?;
     let mut input = Input {
         model: model.clone(),

@@ -357,10 +357,22 @@ fn gemma4_call(body: &str) -> Option<(String, Value)> {
         return Some((name, json!({})));
     }
     let json_text = gemma4_args_to_json(args);
-    let value: Value = serde_json::from_str(&json_text)
+    let mut value: Value = serde_json::from_str(&json_text)
         .or_else(|_| serde_json::from_str(&format!("{json_text}}}")))
         .ok()?;
+    unsigned_zeros(&mut value);
     value.is_object().then_some((name, value))
+}
+
+/// JSON's `-0` reads as the float −0.0; as an argument it is the integer 0 (an integer schema
+/// admits it, and a caller matching on integers must get one).
+fn unsigned_zeros(v: &mut Value) {
+    match v {
+        Value::Number(n) if n.as_f64() == Some(0.0) && n.is_f64() => *v = Value::from(0),
+        Value::Array(a) => a.iter_mut().for_each(unsigned_zeros),
+        Value::Object(o) => o.values_mut().for_each(unsigned_zeros),
+        _ => {}
+    }
 }
 
 /// gemma4's argument syntax as JSON: `<|"|>…<|"|>` spans become JSON strings of their verbatim

@@ -456,6 +456,27 @@ fn watch_stream(
     })
 }
 
+/// How many tokens `input`'s prompt is for `m`, by its runner's tokenizer (the runner is loaded
+/// for it).
+pub async fn count_tokens(app: &Arc<App>, m: &Model, mut input: Input) -> Result<u64, ApiError> {
+    check_tools(&input.tools)?;
+    if m.capabilities().iter().any(|c| c == "thinking") {
+        input.think = Some(input.think.unwrap_or(true));
+    }
+    let prompt = prompt(app, m, &input).await?;
+    let ka = keep_alive(app, input.keep_alive);
+    let lease = app.sched.acquire(&target(m), ka).await?;
+    let ids = watched(
+        app,
+        &lease.runner,
+        client::tokenize(&app.sched.client, lease.runner.port, &prompt),
+    )
+    .await
+    .unwrap_or_else(Err)
+    .map_err(|e| ApiError::new(e.status, e.message))?;
+    Ok(ids.len() as u64)
+}
+
 /// A whole answer, for a request that does not stream: every piece joined, and the summary.
 pub async fn collect(
     mut events: std::pin::Pin<Box<dyn Stream<Item = Event> + Send>>,
