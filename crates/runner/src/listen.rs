@@ -160,7 +160,9 @@ pub async fn serve(
             let _slot = match slot {
                 Slot::Now(s) => s,
                 Slot::Soon(slots) => {
-                    match tokio::time::timeout(Duration::from_secs(1), slots.acquire_owned()).await
+                    // The evicted one gives its slot back at its task's next turn; a loaded
+                    // machine may take a moment to run it.
+                    match tokio::time::timeout(Duration::from_secs(3), slots.acquire_owned()).await
                     {
                         Ok(Ok(s)) => s,
                         _ => {
