@@ -1,7 +1,8 @@
 //! The official `ollama`, `openai` and `anthropic` Python clients (pinned in
 //! tests/clients/requirements.txt, installed into target/clients-venv by tests/clients/venv.sh)
 //! drive `serve` end to end (tests/clients/test_clients.py), and so do the libraries people
-//! build on them: langchain-ollama, langchain-openai, instructor and llama-index's ollama LLM
+//! build on them: langchain-ollama, langchain-openai, litellm, instructor and llama-index's
+//! ollama LLM
 //! (tests/clients/libraries.txt in target/libraries-venv; tests/clients/test_libraries.py).
 
 mod common;
@@ -39,6 +40,7 @@ fn libraries_built_on_the_clients_work_against_serve() {
         // Offline: no library may reach for the network (telemetry, tokenizer downloads).
         .env("LANGCHAIN_TRACING_V2", "false")
         .env("HF_HUB_OFFLINE", "1")
+        .env("LITELLM_LOCAL_MODEL_COST_MAP", "True")
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -127,13 +127,13 @@ fn endpoints_we_do_not_serve_answer_in_their_apis_shape() {
         assert!(v["error"].as_str().unwrap().contains("no registry"), "{v}");
     }
     // Unknown paths and methods: never an empty body.
-    let (code, v) = s.post("/v1/responses", &json!({"model": "gem", "input": "hi"}));
+    let (code, v) = s.post("/v1/audio/speech", &json!({"model": "gem", "input": "hi"}));
     assert_eq!(code, 404);
     assert!(
         v["error"]["message"]
             .as_str()
             .unwrap()
-            .contains("/v1/responses"),
+            .contains("/v1/audio/speech"),
         "{v}"
     );
     let (code, v) = s.send("GET", "/api/nothing", "");
@@ -235,4 +235,105 @@ fn anthropic_messages_stream_their_events_in_order() {
     );
     assert_eq!(code, 200, "{v}");
     assert!(v["input_tokens"].as_u64().unwrap() > 1, "{v}");
+}
+
+/// An SSE stream's (event, data) pairs from `path`.
+fn events_at(s: &Serve, path: &str, body: &Value) -> Vec<(String, Value)> {
+    let r = ureq::post(&s.url(path))
+        .send_string(&body.to_string())
+        .unwrap();
+    let mut out = Vec::new();
+    let mut event = String::new();
+    for line in BufReader::new(r.into_reader()).lines() {
+        let line = line.unwrap();
+        if let Some(e) = line.strip_prefix("event: ") {
+            event = e.to_string();
+        } else if let Some(d) = line.strip_prefix("data: ") {
+            out.push((event.clone(), serde_json::from_str(d).unwrap()));
+        }
+    }
+    out
+}
+
+#[test]
+fn the_responses_api_streams_numbered_events_and_function_calls() {
+    let s = Serve::start(&[]);
+    let body = json!({"model": "gem", "input": "Hello", "max_output_tokens": 6, "temperature": 0});
+    let (code, whole) = s.post("/v1/responses", &body);
+    assert_eq!(code, 200, "{whole}");
+    assert_eq!(whole["object"], "response");
+    assert_eq!(whole["status"], "incomplete");
+    assert_eq!(whole["incomplete_details"]["reason"], "max_output_tokens");
+    assert_eq!(whole["usage"]["output_tokens"], 6);
+    let text = whole["output"][0]["content"][0]["text"].as_str().unwrap();
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let ev = events_at(&s, "/v1/responses", &streamed);
+    let names: Vec<&str> = ev.iter().map(|(e, _)| e.as_str()).collect();
+    assert_eq!(
+        names[..4],
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added"
+        ]
+    );
+    assert_eq!(
+        names[names.len() - 4..],
+        [
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.incomplete"
+        ]
+    );
+    for (i, (e, d)) in ev.iter().enumerate() {
+        assert_eq!(d["type"], e.as_str());
+        assert_eq!(d["sequence_number"], i, "{e}");
+    }
+    let deltas: String = ev
+        .iter()
+        .filter(|(e, _)| e == "response.output_text.delta")
+        .filter_map(|(_, d)| d["delta"].as_str())
+        .collect();
+    assert_eq!(deltas, text);
+    // A required call: a function_call item with its arguments as JSON.
+    let tools = json!([{"type": "function", "name": "get_weather", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}]);
+    let call = json!({"model": "gem", "input": "Weather?", "tools": tools, "tool_choice": "required",
+        "max_output_tokens": 200, "seed": 3});
+    let (code, r) = s.post("/v1/responses", &call);
+    assert_eq!(code, 200, "{r}");
+    assert_eq!(r["status"], "completed");
+    let item = &r["output"][0];
+    assert_eq!(item["type"], "function_call", "{r}");
+    let args: Value = serde_json::from_str(item["arguments"].as_str().unwrap()).unwrap();
+    assert!(args["city"].is_string());
+    let mut streamed = call.clone();
+    streamed["stream"] = json!(true);
+    let ev = events_at(&s, "/v1/responses", &streamed);
+    let done = ev
+        .iter()
+        .find(|(e, _)| e == "response.function_call_arguments.done")
+        .expect("no function call streamed");
+    assert_eq!(done.1["arguments"], item["arguments"]);
+    assert_eq!(ev.last().unwrap().0, "response.completed");
+    // Its output back in the input.
+    let (code, r) = s.post(
+        "/v1/responses",
+        &json!({"model": "gem", "tools": tools, "max_output_tokens": 4, "input": [
+            {"role": "user", "content": "Weather?"}, item,
+            {"type": "function_call_output", "call_id": item["call_id"], "output": "sunny"}]}),
+    );
+    assert_eq!(code, 200, "{r}");
+    let (code, v) = s.post(
+        "/v1/responses",
+        &json!({"model": "gem", "input": "x", "previous_response_id": "resp_1"}),
+    );
+    assert_eq!(code, 400);
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("not stored"));
 }

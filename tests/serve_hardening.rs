@@ -482,5 +482,38 @@ fn renderers_are_reused_and_end_with_serve() {
         1,
         "one sequential client needs one renderer"
     );
+
+    // A render whose client leaves stops with it: its worker is killed, not left to run.
+    let body = generate(
+        "{% set ns = namespace(s='') %}{% for i in range(60000) %}{% set ns.s = ns.s ~ ('y' * 4000) %}{% endfor %}{{ ns.s | length }}",
+        "x",
+    )
+    .to_string();
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", s.port)).unwrap();
+    write!(
+        c,
+        "POST /api/generate HTTP/1.1\r\nhost: localhost\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(700));
+    let rendering: Vec<u32> = children_of(s.child.id())
+        .into_iter()
+        .filter(|&p| subcommand(p).as_deref() == Some("render-worker"))
+        .collect();
+    assert_eq!(
+        rendering, renderers,
+        "the idle renderer takes the next render"
+    );
+    drop(c);
+    let t = Instant::now();
+    while alive(rendering[0]) {
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "the render went on after its client left"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(answers_tags(&s));
     stop_leaving_nothing(s);
 }

@@ -329,6 +329,40 @@ def _():
             assert str(e), extra
 
 
+@check("openai: the Responses API, streaming and not, with a function call round trip")
+def _():
+    r = oai.responses.create(model="gem", input="Hello", instructions="Be brief.", max_output_tokens=8, temperature=0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens", r
+    assert r.usage.output_tokens == 8 and isinstance(r.output_text, str), r
+    events = list(oai.responses.create(model="gem", input="Hello", instructions="Be brief.", max_output_tokens=8,
+                                       temperature=0, stream=True))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    # Cut by max_output_tokens: the stream ends incomplete, as OpenAI's does.
+    assert events[-1].type == "response.incomplete", events[-1]
+    assert streamed == r.output_text == events[-1].response.output_text, (streamed, r.output_text)
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+                             "required": ["city"]}}]
+    with oai.responses.stream(model="gem", input="Weather in Paris?", tools=tools, tool_choice="required",
+                              max_output_tokens=200) as s:
+        r = s.get_final_response()
+    assert r.status == "completed", r
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert calls and calls[0].name == "get_weather", r.output
+    args = json.loads(calls[0].arguments)
+    assert isinstance(args["city"], str), args
+    history = [{"role": "user", "content": "Weather in Paris?"}, calls[0].model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}]
+    after = oai.responses.create(model="gem", input=history, tools=tools, max_output_tokens=6)
+    assert after.output and after.usage.input_tokens > 0, after
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "age"]}
+    r = oai.responses.create(model="glm", input="A person", max_output_tokens=80, extra_body={"seed": 1},
+                             text={"format": {"type": "json_schema", "name": "person", "schema": schema}})
+    assert set(json.loads(r.output_text)) == {"name", "age"}, r.output_text
+
+
 @check("ollama and openai: embeddings are refused with a reason")
 def _():
     try:

@@ -119,4 +119,27 @@ def _():
     assert isinstance(p, Person), p
 
 
+@check("litellm: ollama and openai-compatible routes, JSON mode, a required tool call")
+def _():
+    import litellm
+
+    r = litellm.completion(model="ollama_chat/gem", api_base=URL, messages=[{"role": "user", "content": "Hi"}],
+                           max_tokens=8, temperature=0)
+    assert isinstance(r.choices[0].message.content, str), r
+    r = litellm.completion(model="openai/gem", api_base=URL + "/v1", api_key="unused", max_tokens=120, seed=3,
+                           messages=[{"role": "user", "content": "JSON"}], response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict), r.choices[0].message.content
+    r = litellm.completion(model="openai/gem", api_base=URL + "/v1", api_key="unused", max_tokens=200,
+                           messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER],
+                           tool_choice="required")
+    call = r.choices[0].message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and isinstance(args["days"], int), args
+    try:
+        litellm.embedding(model="ollama/gem", api_base=URL, input=["hello"])
+        raise AssertionError("embeddings from a text model")
+    except Exception as e:
+        assert "does not support embeddings" in str(e), e
+
+
 print("all library checks passed")

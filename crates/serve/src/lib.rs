@@ -15,6 +15,7 @@ mod openai_api;
 pub mod options;
 pub mod parse;
 pub mod pipeline;
+mod responses_api;
 pub mod sched;
 mod security;
 pub mod template;
@@ -136,6 +137,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/completions", post(openai_api::completions))
         .route("/v1/models", get(openai_api::models))
         .route("/v1/models/{*name}", get(openai_api::model))
+        .route("/v1/responses", post(responses_api::responses))
         .route("/v1/messages", post(anthropic_api::messages_route))
         .route(
             "/v1/messages/count_tokens",
