@@ -81,12 +81,14 @@ impl Growing {
                 got: format!("positions {start}..{end} of a cache holding {}", self.len),
             });
         }
+        // `contiguous`, not `copy`: MLX's copy shares the buffer, so a stored "copy" of a few
+        // positions would keep the live cache's whole allocation alive, unaccounted.
         Ok(d.index(&[
             Ix::full(),
             Ix::full(),
             Ix::slice(Some(start as i32), Some(end as i32), 1),
         ])?
-        .copy()?)
+        .contiguous()?)
     }
 
     pub(crate) fn view(&self) -> Result<Array> {

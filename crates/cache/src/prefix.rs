@@ -399,6 +399,18 @@ fn copy_run(caches: &[LayerCache], start: usize, end: usize) -> Result<CacheRun>
             })
         })
         .collect::<Result<Vec<_>>>()?;
+    // Computed now: an unevaluated copy is a graph whose input is the live cache's buffer,
+    // which it would keep alive (its whole allocation, counted as the copy's few positions)
+    // until a restore happened to evaluate it.
+    let arrays: Vec<&Array> = layers
+        .iter()
+        .flat_map(|l| match l {
+            LayerRun::Kv(k, v) => vec![k, v],
+            LayerRun::Latent(r) => vec![r],
+            LayerRun::None => vec![],
+        })
+        .collect();
+    mlx::eval(&arrays)?;
     Ok(CacheRun {
         len: end - start,
         pieces: vec![Piece {

@@ -86,9 +86,11 @@ unary! {
     isnan => IsNan;
     isinf => IsInf;
     stop_gradient => StopGradient;
-    /// A new array with its own copy of the data.
+    /// A new array over the same data: MLX's `copy` shares its input's buffer, so a copy of a
+    /// slice keeps the whole sliced buffer alive. For bytes of its own, use [`Array::contiguous`].
     copy => Copy;
-    /// The same values laid out row-contiguously.
+    /// The same values laid out row-contiguously, in a buffer of their own unless the input's
+    /// is already that layout and at most 16 KB larger (MLX's rule): a slice's own copy.
     contiguous => Contiguous;
 }
 
