@@ -31,7 +31,8 @@ fn answers_tags(s: &Serve) -> bool {
     ok && t.elapsed() < Duration::from_secs(1)
 }
 
-/// The crowd test measures latency: it runs alone, not beside this file's CPU-heavy bombs.
+/// These tests measure latency (`/api/tags` within a second) while loading the machine on
+/// purpose: each runs alone, not beside another's bombs.
 static QUIET: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn quiet() -> std::sync::MutexGuard<'static, ()> {
@@ -164,6 +165,7 @@ fn template_bombs_are_refused_while_serve_keeps_answering() {
 
 #[test]
 fn template_errors_and_oversized_prompts_are_client_errors() {
+    let _quiet = quiet();
     let s = Serve::start(&[]);
     for (tmpl, why) in [
         ("{{ foo.bar.baz }}", "undefined value"),
@@ -272,6 +274,7 @@ fn format_bombs_are_refused_and_the_runner_survives() {
 
 #[test]
 fn a_frozen_runner_is_stopped_and_replaced() {
+    let _quiet = quiet();
     let s = Serve::start(&[("MLX_RUNNER_STALL_TIMEOUT", "2s")]);
     let r = ureq::post(&s.url("/api/generate"))
         .send_string(
@@ -327,6 +330,7 @@ fn a_frozen_runner_is_stopped_and_replaced() {
 
 #[test]
 fn a_dead_runners_error_is_its_own_last_words() {
+    let _quiet = quiet();
     let s = Serve::start(&[]);
     let r = ureq::post(&s.url("/api/generate"))
         .send_string(
@@ -404,6 +408,7 @@ fn a_crowd_of_half_sent_requests_does_not_lock_clients_out() {
 
 #[test]
 fn malformed_tools_file_names_and_origins_are_refused() {
+    let _quiet = quiet();
     let s = Serve::start(&[]);
     let nope = json!([{"type": "function", "function": "nope"}]);
     let (code, v) = s.post(
@@ -464,6 +469,7 @@ fn malformed_tools_file_names_and_origins_are_refused() {
 /// Serve's renderers are its own children, and go with it.
 #[test]
 fn renderers_are_reused_and_end_with_serve() {
+    let _quiet = quiet();
     let s = Serve::start(&[]);
     for _ in 0..6 {
         let (code, v) = s.post(

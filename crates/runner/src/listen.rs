@@ -141,9 +141,9 @@ pub async fn serve(
         let slot = match Arc::clone(&slots).try_acquire_owned() {
             Ok(slot) => Slot::Now(slot),
             Err(_) => match open.evict() {
-                // The evicted connection gives its slot back as soon as its task sees it.
-                true => Slot::Soon(Arc::clone(&slots)),
-                false => {
+                // The evicted connection hands its slot over as soon as its task sees it.
+                Some(handoff) => Slot::Soon(handoff, Arc::clone(&slots)),
+                None => {
                     tokio::spawn(refuse(stream));
                     continue;
                 }
@@ -157,20 +157,15 @@ pub async fn serve(
         let served = graceful.watch(served);
         let open = Arc::clone(&open);
         tokio::spawn(async move {
-            let _slot = match slot {
+            let slot = match slot {
                 Slot::Now(s) => s,
-                Slot::Soon(slots) => {
-                    // The evicted one gives its slot back at its task's next turn; a loaded
-                    // machine may take a moment to run it.
-                    match tokio::time::timeout(Duration::from_secs(3), slots.acquire_owned()).await
-                    {
-                        Ok(Ok(s)) => s,
-                        _ => {
-                            open.remove(&conn);
-                            return;
-                        }
+                Slot::Soon(handoff, slots) => match receive(handoff, &slots).await {
+                    Some(s) => s,
+                    None => {
+                        open.remove(&conn);
+                        return;
                     }
-                }
+                },
             };
             conn.seated.store(true, Ordering::SeqCst);
             tokio::select! {
@@ -178,6 +173,12 @@ pub async fn serve(
                 _ = conn.evicted.notified() => {}
             }
             open.remove(&conn);
+            // Evicted: the slot goes straight to the connection it was closed for (released to
+            // the pool, another accept could take it first and leave that one waiting).
+            let taker = conn.handoff.lock().unwrap().take();
+            if let Some(taker) = taker {
+                let _ = taker.send(slot);
+            }
         });
     }
     if let Ok(graceful) = Arc::try_unwrap(graceful) {
@@ -185,9 +186,31 @@ pub async fn serve(
     }
 }
 
+type Permit = tokio::sync::OwnedSemaphorePermit;
+
 enum Slot {
-    Now(tokio::sync::OwnedSemaphorePermit),
-    Soon(Arc<Semaphore>),
+    Now(Permit),
+    /// The slot of a connection being evicted for this one, handed over by its task.
+    Soon(tokio::sync::oneshot::Receiver<Permit>, Arc<Semaphore>),
+}
+
+/// The evicted connection's slot; should its task have ended on its own before it could hand
+/// the slot over (its permit went back to the pool), one from the pool.
+async fn receive(
+    handoff: tokio::sync::oneshot::Receiver<Permit>,
+    slots: &Arc<Semaphore>,
+) -> Option<Permit> {
+    // A loaded machine may take a moment to run the evicted connection's task.
+    match tokio::time::timeout(Duration::from_secs(3), handoff).await {
+        Ok(Ok(permit)) => Some(permit),
+        Ok(Err(_)) => {
+            tokio::time::timeout(Duration::from_secs(1), Arc::clone(slots).acquire_owned())
+                .await
+                .ok()
+                .and_then(Result::ok)
+        }
+        Err(_) => None,
+    }
 }
 
 /// One open connection, as eviction sees it.
@@ -203,6 +226,8 @@ struct Connection {
     /// to give back).
     seated: AtomicBool,
     evicted: Notify,
+    /// Where its slot goes when it is evicted.
+    handoff: Mutex<Option<tokio::sync::oneshot::Sender<Permit>>>,
 }
 
 #[derive(Default)]
@@ -220,6 +245,7 @@ impl Connections {
             idle_since: Mutex::new(Instant::now()),
             seated: AtomicBool::new(false),
             evicted: Notify::new(),
+            handoff: Mutex::new(None),
         });
         self.all.lock().unwrap().push(Arc::clone(&c));
         c
@@ -230,8 +256,9 @@ impl Connections {
     }
 
     /// Closes the connection that is least a loss: not being served, never having completed a
-    /// request before one that has, the longest idle first. False when every one is busy.
-    fn evict(&self) -> bool {
+    /// request before one that has, the longest idle first; its slot comes through the
+    /// receiver. None when every one is busy.
+    fn evict(&self) -> Option<tokio::sync::oneshot::Receiver<Permit>> {
         let mut all = self.all.lock().unwrap();
         let victim = all
             .iter()
@@ -246,14 +273,11 @@ impl Connections {
                 )
             })
             .map(|(i, _)| i);
-        match victim {
-            Some(i) => {
-                let c = all.swap_remove(i);
-                c.evicted.notify_one();
-                true
-            }
-            None => false,
-        }
+        let c = all.swap_remove(victim?);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        *c.handoff.lock().unwrap() = Some(tx);
+        c.evicted.notify_one();
+        Some(rx)
     }
 }
 
