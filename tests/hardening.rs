@@ -170,7 +170,9 @@ fn a_huge_prompt_is_refused_without_tokenizing_it() {
         "{msg}"
     );
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
-    // Concurrent large tokenizations run one at a time and the runner stays up.
+    // Concurrent large tokenizations run one at a time and the runner stays up, and what they
+    // took (hundreds of MB of tokenizer state each) is handed back afterwards.
+    let before = rss_mib(r.child.id());
     let big = "word ".repeat(400_000); // 2 MB
     let handles: Vec<_> = (0..4)
         .map(|_| {
@@ -194,7 +196,22 @@ fn a_huge_prompt_is_refused_without_tokenizing_it() {
         counts.iter().all(|&c| c == counts[0] && c > 100_000),
         "{counts:?}"
     );
+    std::thread::sleep(Duration::from_millis(500));
+    let after = rss_mib(r.child.id());
+    assert!(
+        after < before + 100,
+        "the runner holds {after} MiB after large tokenizations, {before} MiB before"
+    );
     assert!(serving(&r));
+}
+
+fn rss_mib(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .unwrap()
+        / 1024
 }
 
 /// A parent that dies while the model is still loading takes the runner with it. The model's

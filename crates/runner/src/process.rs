@@ -36,6 +36,33 @@ pub fn release_free_memory() {
     }
 }
 
+/// Hands free memory back when dropped (off the async threads): held by the answer to a large
+/// request, so that what building and sending it took is given back once it is sent.
+pub struct ReleaseOnDrop;
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn_blocking(release_free_memory);
+        } else {
+            release_free_memory();
+        }
+    }
+}
+
+/// `resp` with its body holding a [`ReleaseOnDrop`]: free memory is handed back once the body
+/// has been sent or dropped.
+pub fn release_after(resp: axum::response::Response) -> axum::response::Response {
+    use http_body_util::BodyExt;
+    let release = ReleaseOnDrop;
+    resp.map(|b| {
+        axum::body::Body::new(b.map_frame(move |f| {
+            let _held = &release;
+            f
+        }))
+    })
+}
+
 /// Why the runner stopped serving.
 enum Exit {
     Signal(&'static str),

@@ -167,8 +167,15 @@ async fn tokenize(State(app): State<AppState>, body: Body) -> Result<Response, A
         let text = std::str::from_utf8(&body)
             .map_err(|_| ApiError::bad_request("body is not UTF-8 text"))?;
         let tok = tokenizer(&app)?;
+        let large = text.len() > LARGE_TEXT;
         let ids = encode(&app, tok, text.to_string()).await?;
-        Ok(Json(ids).into_response())
+        let resp = Json(ids).into_response();
+        // The ids' JSON is as large as the tokenization was: handed back once it is sent.
+        Ok(if large {
+            crate::process::release_after(resp)
+        } else {
+            resp
+        })
     };
     run.await.map_err(|e| bad(&app, e))
 }

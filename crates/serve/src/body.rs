@@ -2,11 +2,9 @@
 //! a 408 or 413, never a held connection), then parsed as a JSON object; a refusal says why.
 
 use crate::pipeline::ApiError;
-use axum::body::Body;
 use axum::extract::{FromRequest, Request};
 use axum::middleware::Next;
 use axum::response::Response;
-use http_body_util::BodyExt;
 use serde_json::Value;
 
 /// A request body past this is large: the memory its parsing and rendering took is handed back
@@ -22,25 +20,10 @@ pub async fn release_after_large(req: Request, next: Next) -> Response {
         .and_then(|v| v.parse::<u64>().ok())
         .is_some_and(|n| n > LARGE_REQUEST);
     let resp = next.run(req).await;
-    if !large {
-        return resp;
-    }
-    let release = ReleaseOnDrop;
-    resp.map(|b| {
-        Body::new(b.map_frame(move |f| {
-            let _held = &release;
-            f
-        }))
-    })
-}
-
-struct ReleaseOnDrop;
-
-impl Drop for ReleaseOnDrop {
-    fn drop(&mut self) {
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn_blocking(runner::process::release_free_memory);
-        }
+    if large {
+        runner::process::release_after(resp)
+    } else {
+        resp
     }
 }
 
