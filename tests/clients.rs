@@ -55,16 +55,7 @@ fn libraries_built_on_the_clients_work_against_serve() {
 #[test]
 fn official_python_clients_work_against_serve() {
     let root = env!("CARGO_MANIFEST_DIR");
-    let venv = Command::new("bash")
-        .arg(format!("{root}/tests/clients/venv.sh"))
-        .output()
-        .expect("running tests/clients/venv.sh");
-    assert!(
-        venv.status.success(),
-        "could not install the Python clients: {}",
-        String::from_utf8_lossy(&venv.stderr)
-    );
-    let python = String::from_utf8(venv.stdout).unwrap().trim().to_string();
+    let python = python("clients-venv", "requirements.txt");
     let s = Serve::start(&[]);
     let out = Command::new(&python)
         .arg(format!("{root}/tests/clients/test_clients.py"))

@@ -148,23 +148,9 @@ fn endpoints_we_do_not_serve_answer_in_their_apis_shape() {
     assert_eq!(v["error"]["type"], "not_found_error", "{v}");
 }
 
-/// An SSE stream's (event, data) pairs.
+/// An Anthropic SSE stream's (event, data) pairs.
 fn events(s: &Serve, body: &Value) -> Vec<(String, Value)> {
-    let r = ureq::post(&s.url("/v1/messages"))
-        .send_string(&body.to_string())
-        .unwrap();
-    assert_eq!(r.header("content-type"), Some("text/event-stream"));
-    let mut out = Vec::new();
-    let mut event = String::new();
-    for line in BufReader::new(r.into_reader()).lines() {
-        let line = line.unwrap();
-        if let Some(e) = line.strip_prefix("event: ") {
-            event = e.to_string();
-        } else if let Some(d) = line.strip_prefix("data: ") {
-            out.push((event.clone(), serde_json::from_str(d).unwrap()));
-        }
-    }
-    out
+    events_at(s, "/v1/messages", body)
 }
 
 #[test]
@@ -242,6 +228,7 @@ fn events_at(s: &Serve, path: &str, body: &Value) -> Vec<(String, Value)> {
     let r = ureq::post(&s.url(path))
         .send_string(&body.to_string())
         .unwrap();
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
     let mut out = Vec::new();
     let mut event = String::new();
     for line in BufReader::new(r.into_reader()).lines() {

@@ -12,10 +12,10 @@ use crate::body::{json_body, JsonBody};
 use crate::forced::Forced;
 use crate::parse::Parsed;
 use crate::pipeline::{self, ApiError, Event, Input, Summary};
+use crate::sse::{self, id};
 use crate::App;
-use axum::body::Body;
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use serde_json::{json, Map, Value};
@@ -39,11 +39,6 @@ fn error_body(e: &ApiError) -> Value {
         _ => "api_error",
     };
     json!({"type": "error", "error": {"type": kind, "message": e.message}, "request_id": id("req")})
-}
-
-fn id(prefix: &str) -> String {
-    let bytes: [u8; 12] = rand::random();
-    format!("{prefix}_{}", hex::encode(bytes))
 }
 
 fn bad(message: impl Into<String>) -> ApiError {
@@ -411,10 +406,6 @@ pub async fn messages_route(State(app): State<Arc<App>>, body: JsonBody) -> Resp
     run.await.unwrap_or_else(|e| error(&e))
 }
 
-fn sse(event: &str, data: &Value) -> bytes::Bytes {
-    bytes::Bytes::from(format!("event: {event}\ndata: {data}\n\n"))
-}
-
 /// Content blocks as Anthropic streams them: each opened, grown by deltas, closed; thinking,
 /// then text, then each tool call whole.
 #[derive(Default)]
@@ -428,7 +419,7 @@ struct Blocks {
 impl Blocks {
     fn close(&mut self, out: &mut Vec<bytes::Bytes>) {
         if self.open.take().is_some() {
-            out.push(sse(
+            out.push(sse::event(
                 "content_block_stop",
                 &json!({"type": "content_block_stop", "index": self.index}),
             ));
@@ -446,7 +437,7 @@ impl Blocks {
                 "thinking" => json!({"type": "thinking", "thinking": "", "signature": ""}),
                 _ => json!({"type": "text", "text": ""}),
             };
-            out.push(sse(
+            out.push(sse::event(
                 "content_block_start",
                 &json!({"type": "content_block_start", "index": self.index, "content_block": block}),
             ));
@@ -456,7 +447,7 @@ impl Blocks {
             "thinking" => json!({"type": "thinking_delta", "thinking": text}),
             _ => json!({"type": "text_delta", "text": text}),
         };
-        out.push(sse(
+        out.push(sse::event(
             "content_block_delta",
             &json!({"type": "content_block_delta", "index": self.index, "delta": delta}),
         ));
@@ -470,17 +461,17 @@ impl Blocks {
             self.close(&mut out);
             let mut start = tool_use(call);
             start["input"] = json!({});
-            out.push(sse(
+            out.push(sse::event(
                 "content_block_start",
                 &json!({"type": "content_block_start", "index": self.index, "content_block": start}),
             ));
-            out.push(sse(
+            out.push(sse::event(
                 "content_block_delta",
                 &json!({"type": "content_block_delta", "index": self.index,
                     "delta": {"type": "input_json_delta",
                         "partial_json": call["function"]["arguments"].to_string()}}),
             ));
-            out.push(sse(
+            out.push(sse::event(
                 "content_block_stop",
                 &json!({"type": "content_block_stop", "index": self.index}),
             ));
@@ -509,14 +500,14 @@ fn streamed(
             let mut out = Vec::new();
             if !started {
                 started = true;
-                out.push(sse(
+                out.push(sse::event(
                     "message_start",
                     &json!({"type": "message_start", "message": {
                     "id": message_id, "type": "message", "role": "assistant", "model": model,
                     "content": [], "stop_reason": null, "stop_sequence": null,
                     "usage": {"input_tokens": 0, "output_tokens": 0}}}),
                 ));
-                out.push(sse("ping", &json!({"type": "ping"})));
+                out.push(sse::event("ping", &json!({"type": "ping"})));
             }
             let last = match ev {
                 Event::Piece { parsed, .. } => {
@@ -525,14 +516,14 @@ fn streamed(
                 }
                 Event::Done(s) => {
                     blocks.close(&mut out);
-                    out.push(sse("message_delta", &json!({"type": "message_delta",
+                    out.push(sse::event("message_delta", &json!({"type": "message_delta",
                         "delta": {"stop_reason": stop_reason(&s, blocks.calls > 0), "stop_sequence": null},
                         "usage": usage(&s)})));
-                    out.push(sse("message_stop", &json!({"type": "message_stop"})));
+                    out.push(sse::event("message_stop", &json!({"type": "message_stop"})));
                     true
                 }
                 Event::Error(e) => {
-                    out.push(sse("error", &error_body(&e)));
+                    out.push(sse::event("error", &error_body(&e)));
                     true
                 }
             };
@@ -546,13 +537,7 @@ fn streamed(
             }
         }
     });
-    let body =
-        tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok::<_, std::convert::Infallible>);
-    Response::builder()
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(body))
-        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+    sse::response(rx)
 }
 
 /// `POST /v1/messages/count_tokens`: the rendered prompt's tokens, by the model's own

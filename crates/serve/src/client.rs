@@ -164,28 +164,47 @@ async fn status_answer(client: &HttpClient, port: u16) -> Result<(u16, Status), 
     Ok((code, s))
 }
 
-/// `POST /v1/tokenize`: the ids of `text` by the runner's tokenizer.
-pub async fn tokenize(client: &HttpClient, port: u16, text: &str) -> Result<Vec<u32>, RunnerError> {
-    let http = hyper::Request::post(format!("http://127.0.0.1:{port}/v1/tokenize"))
-        .body(Full::new(Bytes::from(text.to_string())))
+/// `POST` of `body` to the runner's `path`: its answer when 200, else the runner's refusal (or
+/// an unreachable runner) as an error.
+async fn post(
+    client: &HttpClient,
+    port: u16,
+    path: &str,
+    body: Vec<u8>,
+) -> Result<hyper::Response<hyper::body::Incoming>, RunnerError> {
+    let http = hyper::Request::post(format!("http://127.0.0.1:{port}{path}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
         .map_err(|e| RunnerError::new(500, e.to_string()))?;
     let resp = client.request(http).await.map_err(|e| RunnerError {
         unreachable: true,
         ..RunnerError::new(500, format!("the runner did not answer: {e}"))
     })?;
     let code = resp.status().as_u16();
+    if code == 200 {
+        return Ok(resp);
+    }
     let body = resp
         .into_body()
         .collect()
         .await
         .map(|b| b.to_bytes())
         .unwrap_or_default();
-    if code != 200 {
-        return Err(RunnerError::new(
-            code,
-            String::from_utf8_lossy(&body).trim().to_string(),
-        ));
-    }
+    Err(RunnerError::new(
+        code,
+        String::from_utf8_lossy(&body).trim().to_string(),
+    ))
+}
+
+/// `POST /v1/tokenize`: the ids of `text` by the runner's tokenizer.
+pub async fn tokenize(client: &HttpClient, port: u16, text: &str) -> Result<Vec<u32>, RunnerError> {
+    let resp = post(client, port, "/v1/tokenize", text.as_bytes().to_vec()).await?;
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| RunnerError::lost(format!("the runner stopped mid-answer: {e}")))?
+        .to_bytes();
     serde_json::from_slice(&body)
         .map_err(|e| RunnerError::new(500, format!("unreadable token ids from the runner: {e}")))
 }
@@ -208,29 +227,8 @@ pub async fn complete(
             ),
         ));
     }
-    let http = hyper::Request::post(format!("http://127.0.0.1:{port}/v1/completions"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body)))
-        .map_err(|e| RunnerError::new(500, e.to_string()))?;
-    let resp = client.request(http).await.map_err(|e| RunnerError {
-        unreachable: true,
-        ..RunnerError::new(500, format!("the runner did not answer: {e}"))
-    })?;
-    let code = resp.status().as_u16();
-    if code != 200 {
-        let body = resp
-            .into_body()
-            .collect()
-            .await
-            .map(|b| b.to_bytes())
-            .unwrap_or_default();
-        return Err(RunnerError::new(
-            code,
-            String::from_utf8_lossy(&body).trim().to_string(),
-        ));
-    }
-    let frames = resp.into_body().into_data_stream();
-    Ok(lines(frames))
+    let resp = post(client, port, "/v1/completions", body).await?;
+    Ok(lines(resp.into_body().into_data_stream()))
 }
 
 /// Splits the body into JSON lines and reads each; ends after `Done` or the first error. A body

@@ -18,6 +18,7 @@ pub mod pipeline;
 mod responses_api;
 pub mod sched;
 mod security;
+mod sse;
 pub mod template;
 mod unserved;
 

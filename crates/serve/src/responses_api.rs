@@ -13,19 +13,13 @@ use crate::forced::Forced;
 use crate::openai_api;
 use crate::parse::Parsed;
 use crate::pipeline::{self, ApiError, Event, Input, Summary};
+use crate::sse::{self, id};
 use crate::App;
-use axum::body::Body;
 use axum::extract::State;
-use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
-
-fn id(prefix: &str) -> String {
-    let bytes: [u8; 12] = rand::random();
-    format!("{prefix}_{}", hex::encode(bytes))
-}
 
 fn bad(message: impl Into<String>) -> ApiError {
     ApiError::bad(message)
@@ -428,7 +422,7 @@ impl Stream {
         data["type"] = kind.into();
         data["sequence_number"] = self.sequence.into();
         self.sequence += 1;
-        bytes::Bytes::from(format!("event: {kind}\ndata: {data}\n\n"))
+        sse::event(kind, &data)
     }
 
     fn response(&self, status: &str) -> Value {
@@ -618,13 +612,7 @@ fn streamed(
             }
         }
     });
-    let body =
-        tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok::<_, std::convert::Infallible>);
-    Response::builder()
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(body))
-        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+    sse::response(rx)
 }
 
 #[cfg(test)]
