@@ -68,10 +68,7 @@ proptest! {
         match out {
             Ok(text) => prop_assert!(text.len() <= limits.max_output),
             Err(RenderError::Cancelled) => prop_assert!(false, "cancelled: {}", source),
-            Err(RenderError::Failed(m)) => prop_assert!(
-                !m.contains("renderer exited") && !m.contains("unreadable"),
-                "{m}: {source}"
-            ),
+            Err(RenderError::Unavailable(m)) => prop_assert!(false, "the renderer failed: {m}: {source}"),
             Err(_) => {}
         }
     }

@@ -197,7 +197,10 @@ pub async fn prompt(app: &App, m: &Model, input: &Input) -> Result<String, ApiEr
     app.renderer
         .render(source, ctx, template::LIMITS)
         .await
-        .map_err(|e| ApiError::bad(e.to_string()))
+        .map_err(|e| match e {
+            template::RenderError::Unavailable(_) => ApiError::new(500, e.to_string()),
+            _ => ApiError::bad(e.to_string()),
+        })
 }
 
 /// Each tool as both APIs define one: `{"type": "function", "function": {"name": ...,

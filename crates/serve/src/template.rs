@@ -56,6 +56,10 @@ pub enum RenderError {
     /// The request went away while its prompt was rendering.
     #[error("the request was cancelled")]
     Cancelled,
+    /// Serve's own failure (no renderer could be started, one died of something else): not
+    /// the request's doing.
+    #[error("the template renderer failed: {0}")]
+    Unavailable(String),
 }
 
 /// What a template is rendered with (the names transformers passes).
@@ -311,11 +315,9 @@ impl Renderer {
             .stderr(std::process::Stdio::null())
             .kill_on_drop(true)
             .spawn()
-            .map_err(|e| RenderError::Failed(format!("cannot start a template renderer: {e}")))?;
+            .map_err(|e| RenderError::Unavailable(format!("cannot start one: {e}")))?;
         let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
-            return Err(RenderError::Failed(
-                "the template renderer has no pipes".into(),
-            ));
+            return Err(RenderError::Unavailable("it has no pipes".into()));
         };
         Ok(Worker {
             child,
@@ -356,7 +358,7 @@ impl Renderer {
             recursion: limits.recursion,
             max_output: limits.max_output,
         })
-        .map_err(|e| RenderError::Failed(e.to_string()))?;
+        .map_err(|e| RenderError::Unavailable(e.to_string()))?;
         line.push(b'\n');
         let exchange = async {
             w.stdin.write_all(&line).await?;
@@ -376,13 +378,12 @@ impl Renderer {
                     Ok(Ok(st)) if died_of_memory(&st) => {
                         RenderError::OutOfMemory(WORKER_MEMORY >> 20)
                     }
-                    _ => RenderError::Failed("the template renderer exited".into()),
+                    _ => RenderError::Unavailable("it exited".into()),
                 });
             }
         };
-        let reply: WorkReply = serde_json::from_slice(&answer).map_err(|e| {
-            RenderError::Failed(format!("unreadable answer from the renderer: {e}"))
-        })?;
+        let reply: WorkReply = serde_json::from_slice(&answer)
+            .map_err(|e| RenderError::Unavailable(format!("an unreadable answer: {e}")))?;
         self.idle.lock().unwrap().push(w);
         match reply {
             WorkReply::Ok(text) => Ok(text),
