@@ -363,12 +363,17 @@ async fn handle(
     let svc = hyper_util::service::TowerToHyperService::new(app);
     let resp = svc.call(Request::from_parts(parts, body)).await?;
     // The answer holds the request's count until hyper has sent (or dropped) all of it.
-    Ok(resp.map(|b| {
+    Ok(holding(resp, flight))
+}
+
+/// `resp` with its body holding `held` until the body has been sent or dropped.
+pub fn holding<T: Send + Sync + 'static>(resp: Response, held: T) -> Response {
+    resp.map(|b| {
         Body::new(b.map_frame(move |f| {
-            let _held = &flight;
+            let _held = &held;
             f
         }))
-    }))
+    })
 }
 
 /// A connection past the cap: a short, complete answer, then the socket is closed.

@@ -53,14 +53,7 @@ impl Drop for ReleaseOnDrop {
 /// `resp` with its body holding a [`ReleaseOnDrop`]: free memory is handed back once the body
 /// has been sent or dropped.
 pub fn release_after(resp: axum::response::Response) -> axum::response::Response {
-    use http_body_util::BodyExt;
-    let release = ReleaseOnDrop;
-    resp.map(|b| {
-        axum::body::Body::new(b.map_frame(move |f| {
-            let _held = &release;
-            f
-        }))
-    })
+    crate::listen::holding(resp, ReleaseOnDrop)
 }
 
 /// Why the runner stopped serving.

@@ -66,23 +66,19 @@ fn bound_numbers(v: &mut Value) {
                 Some(Value::Array(a)) => a.iter().any(|x| x == t),
                 _ => false,
             };
-            let limit = if ty("integer") {
-                Some(Value::from(SAFE_INTEGER))
+            let bounds = if ty("integer") {
+                Some((Value::from(-SAFE_INTEGER), Value::from(SAFE_INTEGER)))
             } else if ty("number") {
-                Some(Value::from(1e15))
+                Some((Value::from(-1e15), Value::from(1e15)))
             } else {
                 None
             };
-            if let Some(limit) = limit {
-                let neg = match &limit {
-                    Value::Number(n) if n.is_i64() => Value::from(-SAFE_INTEGER),
-                    _ => Value::from(-1e15),
-                };
+            if let Some((min, max)) = bounds {
                 if !o.contains_key("maximum") && !o.contains_key("exclusiveMaximum") {
-                    o.insert("maximum".into(), limit);
+                    o.insert("maximum".into(), max);
                 }
                 if !o.contains_key("minimum") && !o.contains_key("exclusiveMinimum") {
-                    o.insert("minimum".into(), neg);
+                    o.insert("minimum".into(), min);
                 }
             }
             o.values_mut().for_each(bound_numbers);

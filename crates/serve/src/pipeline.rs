@@ -238,9 +238,10 @@ fn check_tools(tools: &[Value]) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Starts a completion: everything that can be refused is refused before the stream starts.
-pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Running, ApiError> {
-    let started = Instant::now();
+/// What the request decides before anything is rendered, for a completion and for a token count
+/// alike: tools checked, a forced call's grammar as the format, thinking on or off (refused where
+/// the model or the format cannot have it), and the merged options.
+fn decide(app: &App, m: &Model, input: &mut Input) -> Result<(Map<String, Value>, bool), ApiError> {
     check_tools(&input.tools)?;
     if let Some(forced) = &input.forced {
         if !input.format.is_null() {
@@ -290,6 +291,13 @@ pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Runnin
         // template hears the decision.
         input.think = Some(thinking);
     }
+    Ok((opts, thinking))
+}
+
+/// Starts a completion: everything that can be refused is refused before the stream starts.
+pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Running, ApiError> {
+    let started = Instant::now();
+    let (mut opts, thinking) = decide(app, m, &mut input)?;
     let prompt = prompt(app, m, &input).await?;
     let family = if input.raw.is_some() {
         ""
@@ -325,11 +333,7 @@ pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Runnin
             Ok(chunks) => break (lease, chunks, load_duration),
             Err(e) if e.unreachable && attempt == 0 => {
                 attempt += 1;
-                let deadline = Instant::now() + Duration::from_secs(2);
-                while lease.runner.alive() && Instant::now() < deadline {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                if lease.runner.alive() {
+                if !lease.runner.exited_within(Duration::from_secs(2)).await {
                     return Err(ApiError::new(500, e.message));
                 }
                 tracing::warn!(model = %m.display(), "the runner died; starting a new one");
@@ -415,10 +419,8 @@ async fn explained(app: &App, runner: &Runner, e: RunnerError) -> RunnerError {
     if !e.lost {
         return e;
     }
-    let deadline = Instant::now() + Duration::from_secs(2);
-    while runner.alive() && !runner.frozen() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // A frozen one was killed: it too is known dead in a moment.
+    runner.exited_within(Duration::from_secs(2)).await;
     let message = if runner.frozen() {
         frozen_error(app.sched.stall_timeout()).message
     } else if !runner.alive() {
@@ -460,12 +462,10 @@ fn watch_stream(
 }
 
 /// How many tokens `input`'s prompt is for `m`, by its runner's tokenizer (the runner is loaded
-/// for it).
+/// for it), rendered as its completion would render it.
 pub async fn count_tokens(app: &Arc<App>, m: &Model, mut input: Input) -> Result<u64, ApiError> {
-    check_tools(&input.tools)?;
-    if m.capabilities().iter().any(|c| c == "thinking") {
-        input.think = Some(input.think.unwrap_or(true));
-    }
+    // The prompt the completion would render: a forced call or a format turns thinking off.
+    decide(app, m, &mut input)?;
     let prompt = prompt(app, m, &input).await?;
     let ka = keep_alive(app, input.keep_alive);
     let lease = app.sched.acquire(&target(m), ka).await?;

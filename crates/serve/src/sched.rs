@@ -226,18 +226,29 @@ impl Runner {
     /// SIGTERM (the runner ends its streams and exits), SIGKILL after `grace`.
     async fn stop(&self, grace: Duration) {
         self.idle.lock().unwrap().stopping = true;
-        let exited = self.exited.notified();
-        tokio::pin!(exited);
-        exited.as_mut().enable();
         if !self.alive() {
             return;
         }
         self.signal(libc::SIGTERM);
-        if tokio::time::timeout(grace, exited.as_mut()).await.is_err() {
+        if !self.exited_within(grace).await {
             tracing::warn!(model = %self.name, "runner ignored SIGTERM; killing it");
             self.signal(libc::SIGKILL);
-            let _ = tokio::time::timeout(Duration::from_secs(5), exited).await;
+            self.exited_within(Duration::from_secs(5)).await;
         }
+    }
+
+    /// Whether the runner is known dead within `within` (its reaper has seen it exit and read
+    /// its last words).
+    pub async fn exited_within(&self, within: Duration) -> bool {
+        let exited = self.exited.notified();
+        tokio::pin!(exited);
+        // Registered before `dead` is read: the reaper stores it before notifying.
+        exited.as_mut().enable();
+        if !self.alive() {
+            return true;
+        }
+        let _ = tokio::time::timeout(within, exited).await;
+        !self.alive()
     }
 }
 
@@ -324,11 +335,11 @@ impl Scheduler {
             .clone()
     }
 
-    /// Every live runner.
     pub fn stall_timeout(&self) -> Duration {
         self.cfg.stall_timeout
     }
 
+    /// Every live runner.
     pub fn loaded(&self) -> Vec<Arc<Runner>> {
         let slots: Vec<_> = self.slots.lock().unwrap().values().cloned().collect();
         slots
@@ -574,28 +585,23 @@ impl Scheduler {
         });
         // The reaper of this process: the only place `dead` is set.
         let watched = runner.clone();
-        let (exit_tx, mut exit_rx) = tokio::sync::watch::channel(None);
         tokio::spawn(async move {
             let status = child.wait().await;
             let status = status.map(|s| s.to_string()).unwrap_or_default();
             // Its last lines may still be in the pipe: read them before it is known dead.
             let _ = tokio::time::timeout(Duration::from_millis(500), read_rx).await;
-            watched.log.lock().unwrap().exit = Some((Instant::now(), status.clone()));
+            watched.log.lock().unwrap().exit = Some((Instant::now(), status));
             watched.dead.store(true, Ordering::SeqCst);
             watched.exited.notify_waiters();
-            let _ = exit_tx.send(Some(status));
         });
         let deadline = started + self.cfg.load_timeout;
         loop {
-            tokio::select! {
-                _ = exit_rx.changed() => {
-                    let why = runner.last_error();
-                    return Err(LoadError::Failed(format!(
-                        "the runner for {} exited while loading: {why}",
-                        target.name
-                    )));
-                }
-                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+            if runner.exited_within(Duration::from_millis(50)).await {
+                let why = runner.last_error();
+                return Err(LoadError::Failed(format!(
+                    "the runner for {} exited while loading: {why}",
+                    target.name
+                )));
             }
             if let Ok((200, s)) = client::status(&self.client, port).await {
                 // Ready, and our own child (not another process that took the port).

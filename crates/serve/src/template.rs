@@ -12,10 +12,9 @@
 use crate::families;
 use minijinja::{Environment, Error, ErrorKind, Value as JValue};
 use serde::Serialize;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The bounds one render runs under.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Serialize, serde::Deserialize)]
 pub struct Limits {
     /// minijinja instructions (a loop's iteration is a few). The family templates use about
     /// 60 a message; a million is a conversation of ~15,000 messages.
@@ -33,8 +32,8 @@ pub const LIMITS: Limits = Limits {
     max_output: 30 << 20,
 };
 
-/// Why a prompt could not be rendered. Every one is the request's doing (its messages, its
-/// template, or a template it chose), so each is a 400 naming the reason.
+/// Why a prompt could not be rendered. All but [`RenderError::Unavailable`] are the request's
+/// doing (its messages, its template, or a template it chose): a 400 naming the reason.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, serde::Deserialize)]
 pub enum RenderError {
     #[error("the chat template does not parse: {0}")]
@@ -53,9 +52,6 @@ pub enum RenderError {
     OutOfMemory(u64),
     #[error("the chat template took longer than {0} s to render")]
     TooSlow(String),
-    /// The request went away while its prompt was rendering.
-    #[error("the request was cancelled")]
-    Cancelled,
     /// Serve's own failure (no renderer could be started, one died of something else): not
     /// the request's doing.
     #[error("the template renderer failed: {0}")]
@@ -176,16 +172,12 @@ pub fn check(source: &str) -> Result<(), RenderError> {
 
 /// Renders `source` with `ctx` under [`LIMITS`], on the calling thread.
 pub fn render(source: &str, ctx: &Context) -> Result<String, RenderError> {
-    render_with(source, ctx, &LIMITS, &AtomicBool::new(false))
+    render_with(source, ctx, &LIMITS)
 }
 
-/// Renders `source` with `ctx` under `limits`; stops at its next write once `cancel` is set.
-pub fn render_with(
-    source: &str,
-    ctx: &Context,
-    limits: &Limits,
-    cancel: &AtomicBool,
-) -> Result<String, RenderError> {
+/// Renders `source` with `ctx` under `limits`, on the calling thread (serve calls this in a
+/// worker process, which is killed to cancel it).
+pub fn render_with(source: &str, ctx: &Context, limits: &Limits) -> Result<String, RenderError> {
     let env = environment(limits);
     let tmpl = env
         .template_from_str(source)
@@ -193,16 +185,13 @@ pub fn render_with(
     let mut out = Bounded {
         text: Vec::new(),
         max: limits.max_output,
-        cancel,
-        stopped: None,
+        full: false,
     };
     let rendered = tmpl.render_captured_to(ctx, &mut out).map(drop);
     match rendered {
         Ok(()) => String::from_utf8(out.text)
             .map_err(|_| RenderError::Failed("the rendered text is not UTF-8".into())),
-        Err(_) if out.stopped.is_some() => {
-            Err(out.stopped.take().unwrap_or(RenderError::Cancelled))
-        }
+        Err(_) if out.full => Err(RenderError::TooLarge(limits.max_output)),
         Err(e) => Err(match e.kind() {
             ErrorKind::OutOfFuel => RenderError::OutOfFuel(limits.fuel),
             _ if e.to_string().contains("recursion limit exceeded") => {
@@ -213,23 +202,19 @@ pub fn render_with(
     }
 }
 
-/// The rendered text, refusing to grow past its bound or to go on for a request that is gone.
-struct Bounded<'a> {
+/// The rendered text, refusing to grow past its bound.
+struct Bounded {
     text: Vec<u8>,
     max: usize,
-    cancel: &'a AtomicBool,
-    stopped: Option<RenderError>,
+    /// It refused to grow (minijinja reports only that a write failed).
+    full: bool,
 }
 
-impl std::io::Write for Bounded<'_> {
+impl std::io::Write for Bounded {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        if self.cancel.load(Ordering::Relaxed) {
-            self.stopped = Some(RenderError::Cancelled);
-        } else if self.text.len() + buf.len() > self.max {
-            self.stopped = Some(RenderError::TooLarge(self.max));
-        }
-        if self.stopped.is_some() {
-            return Err(std::io::Error::other("rendering stopped"));
+        if self.text.len() + buf.len() > self.max {
+            self.full = true;
+            return Err(std::io::Error::other("the rendered text is too large"));
         }
         self.text.extend_from_slice(buf);
         Ok(buf.len())
@@ -261,9 +246,7 @@ pub const RENDER_TIME: std::time::Duration = std::time::Duration::from_secs(10);
 struct WorkRequest {
     source: String,
     ctx: OwnedContext,
-    fuel: u64,
-    recursion: usize,
-    max_output: usize,
+    limits: Limits,
 }
 
 /// What a worker answers: one line of JSON.
@@ -349,14 +332,12 @@ impl Renderer {
             .slots
             .acquire()
             .await
-            .map_err(|_| RenderError::Cancelled)?;
+            .map_err(|_| RenderError::Unavailable("the renderers are closed".into()))?;
         let mut w = self.worker()?;
         let mut line = serde_json::to_vec(&WorkRequest {
             source,
             ctx,
-            fuel: limits.fuel,
-            recursion: limits.recursion,
-            max_output: limits.max_output,
+            limits,
         })
         .map_err(|e| RenderError::Unavailable(e.to_string()))?;
         line.push(b'\n');
@@ -416,24 +397,17 @@ pub fn worker_main() -> std::io::Result<()> {
 }
 
 fn work(input: impl std::io::BufRead, mut output: impl std::io::Write) -> std::io::Result<()> {
-    let never = AtomicBool::new(false);
     for line in input.lines() {
         let line = line?;
         let reply = match serde_json::from_str::<WorkRequest>(&line) {
-            Err(e) => WorkReply::Err(RenderError::Failed(format!(
+            // Serve's own mistake, not the request's.
+            Err(e) => WorkReply::Err(RenderError::Unavailable(format!(
                 "a malformed render request: {e}"
             ))),
-            Ok(req) => {
-                let limits = Limits {
-                    fuel: req.fuel,
-                    recursion: req.recursion,
-                    max_output: req.max_output,
-                };
-                match render_with(&req.source, &req.ctx.borrowed(), &limits, &never) {
-                    Ok(text) => WorkReply::Ok(text),
-                    Err(e) => WorkReply::Err(e),
-                }
-            }
+            Ok(req) => match render_with(&req.source, &req.ctx.borrowed(), &req.limits) {
+                Ok(text) => WorkReply::Ok(text),
+                Err(e) => WorkReply::Err(e),
+            },
         };
         serde_json::to_writer(&mut output, &reply)?;
         output.write_all(b"\n")?;
