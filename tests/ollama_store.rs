@@ -1,6 +1,6 @@
 //! Models in ollama's own store. The stores here are written by a writer that follows
 //! `ollama create --experimental` step by step (each step names the file of ollama's source it
-//! follows; summarised in ../shared/design/OLLAMA_STORE_FORMAT.md), from the float fixtures,
+//! follows; summarised in docs/STORE.md), from the float fixtures,
 //! and the runner loads them by name from `$OLLAMA_MODELS`, as a parent that passes
 //! `--model gemma4:e4b` expects.
 

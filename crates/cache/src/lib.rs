@@ -1,5 +1,5 @@
-//! Attention caches, owned by the caller and passed into a model's forward call (STYLE.md: the
-//! model is weights plus a function; the runner owns the state, so that the prefix tree,
+//! Attention caches, owned by the caller and passed into a model's forward call (the model is
+//! weights plus a function; the runner owns the state, so that the prefix tree,
 //! snapshots and speculation rollback can manipulate it).
 //!
 //! Three kinds, all storing `[B, H, T, D]` arrays with time on axis 2:

@@ -1,8 +1,8 @@
 //! Model loading and forward passes: gemma4 (all variants) and GLM4-MoE-Lite on MLX.
 //!
 //! A model is weights plus a function ([`CausalLm`]): the caller creates the layer caches with
-//! [`CausalLm::make_caches`], keeps them, and passes them into every [`CausalLm::forward`] call
-//! (STYLE.md). [`load`] reads a model directory (HF or mlx-lm layout, sharded or not, dense or
+//! [`CausalLm::make_caches`], keeps them, and passes them into every [`CausalLm::forward`] call.
+//! [`load`] reads a model directory (HF or mlx-lm layout, sharded or not, dense or
 //! mlx-lm quantized) and its tokenizer, failing with an error that names the file, field or
 //! tensor at fault.
 
