@@ -163,33 +163,43 @@ pub const BOUNDS: Bounds = Bounds {
 };
 
 impl Bounds {
-    /// Refuses a format past a bound, naming it.
+    /// Refuses a format past a bound, naming it. The cost is bounded by the bounds, not by the
+    /// format: a schema of millions of properties is refused after reading its first bytes'
+    /// worth, never serialized or walked whole.
     pub fn check(&self, format: &Format) -> Result<()> {
-        let bytes = match format {
-            Format::Json => return Ok(()),
-            Format::Lark(g) => g.len(),
-            Format::Schema(s) => serde_json::to_string(s).map(|t| t.len()).unwrap_or(0),
-        };
-        if bytes > self.max_bytes {
-            return Err(GrammarError::Invalid(format!(
+        let too_large = |bytes: String| {
+            GrammarError::Invalid(format!(
                 "Format is too large: {bytes} bytes, over the limit of {} bytes",
                 self.max_bytes
-            )));
-        }
-        let Format::Schema(s) = format else {
-            return Ok(());
+            ))
         };
-        let (mut depth, mut properties) = (0, 0);
-        measure(s, 1, &mut depth, &mut properties);
-        if depth > self.max_depth {
+        let s = match format {
+            Format::Json => return Ok(()),
+            Format::Lark(g) if g.len() > self.max_bytes => {
+                return Err(too_large(g.len().to_string()))
+            }
+            Format::Lark(_) => return Ok(()),
+            Format::Schema(s) => s,
+        };
+        let mut counted = Counted {
+            bytes: 0,
+            limit: self.max_bytes,
+        };
+        if serde_json::to_writer(&mut counted, s).is_err() {
+            return Err(too_large(format!("over {}", self.max_bytes)));
+        }
+        let mut shape = Shape::default();
+        // Within the byte bound, a walk is short; it still stops at the first bound crossed.
+        let over = shape.measure(s, 1, self);
+        if over && shape.depth > self.max_depth {
             return Err(GrammarError::Invalid(format!(
-                "Format nests too deeply: {depth} levels of JSON objects and arrays, over the limit of {}",
+                "Format nests too deeply: over {} levels of JSON objects and arrays",
                 self.max_depth
             )));
         }
-        if properties > self.max_properties {
+        if over {
             return Err(GrammarError::Invalid(format!(
-                "Format has too many properties: {properties}, over the limit of {}",
+                "Format has too many properties: over the limit of {}",
                 self.max_properties
             )));
         }
@@ -197,21 +207,53 @@ impl Bounds {
     }
 }
 
-/// The deepest nesting and the number of properties in a schema's JSON.
-fn measure(v: &Value, level: usize, depth: &mut usize, properties: &mut usize) {
-    *depth = (*depth).max(level);
-    match v {
-        Value::Object(o) => {
-            if let Some(Value::Object(p)) = o.get("properties") {
-                *properties += p.len();
-            }
-            o.values()
-                .for_each(|c| measure(c, level + 1, depth, properties));
+/// A writer that only counts, and fails once past `limit`.
+struct Counted {
+    bytes: usize,
+    limit: usize,
+}
+
+impl std::io::Write for Counted {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.bytes += buf.len();
+        if self.bytes > self.limit {
+            return Err(std::io::ErrorKind::FileTooLarge.into());
         }
-        Value::Array(a) => a
-            .iter()
-            .for_each(|c| measure(c, level + 1, depth, properties)),
-        _ => {}
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The deepest nesting and the properties seen so far in a schema's JSON.
+#[derive(Default)]
+struct Shape {
+    depth: usize,
+    properties: usize,
+}
+
+impl Shape {
+    /// Walks `v` at nesting `level`; true as soon as a bound is crossed.
+    fn measure(&mut self, v: &Value, level: usize, bounds: &Bounds) -> bool {
+        self.depth = self.depth.max(level);
+        if self.depth > bounds.max_depth {
+            return true;
+        }
+        match v {
+            Value::Object(o) => {
+                if let Some(Value::Object(p)) = o.get("properties") {
+                    self.properties += p.len();
+                    if self.properties > bounds.max_properties {
+                        return true;
+                    }
+                }
+                o.values().any(|c| self.measure(c, level + 1, bounds))
+            }
+            Value::Array(a) => a.iter().any(|c| self.measure(c, level + 1, bounds)),
+            _ => false,
+        }
     }
 }
 
@@ -657,6 +699,28 @@ mod tests {
         assert!(err(&Format::Schema(deep)).contains("nests too deeply"));
         let big = Format::Lark(format!("start: \"{}\"", "a".repeat(BOUNDS.max_bytes)));
         assert!(err(&big).contains("too large"));
+        // Objects of objects: 400,000 properties, megabytes as JSON. Refused on the byte bound
+        // after writing just past it; the rest is never serialized.
+        let inner: serde_json::Map<String, Value> = (0..2_000)
+            .map(|i| (format!("p{i}"), json!({"type": "boolean"})))
+            .collect();
+        let outer: serde_json::Map<String, Value> = (0..200)
+            .map(|i| {
+                (
+                    format!("o{i}"),
+                    json!({"type": "object", "properties": inner}),
+                )
+            })
+            .collect();
+        let huge = Format::Schema(json!({"type": "object", "properties": outer}));
+        assert!(
+            err(&huge).contains("too large: over 524288 bytes"),
+            "{}",
+            err(&huge)
+        );
+        let mut w = Counted { bytes: 0, limit: 4 };
+        assert!(std::io::Write::write_all(&mut w, b"abcd").is_ok());
+        assert!(std::io::Write::write_all(&mut w, b"e").is_err());
         let cycle = Format::Schema(json!({"$defs": {"a": {"$ref": "#/$defs/b"},
             "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}));
         assert!(err(&cycle).contains("admits no value"));
