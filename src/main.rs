@@ -152,6 +152,7 @@ impl DraftArgs {
             parallel: 1,
             prefill_chunk: 512,
             cache_budget: None,
+            memory_limit: None,
             cache_interval: 256,
             draft,
             draft_depth: if self.no_draft {
@@ -180,6 +181,40 @@ fn capped_depth(n: usize, flag: &str) -> usize {
     } else {
         n
     }
+}
+
+/// Bytes as people write them: `1000`, `512MB`, `64GiB`, `1.5G` (a bare K, M, G or T is
+/// binary, as memory is sized).
+fn parse_bytes(v: &str) -> std::result::Result<u64, String> {
+    let t = v.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let n: f64 = number
+        .parse()
+        .map_err(|_| format!("{v:?} is not a number of bytes (e.g. 1000, 512MB, 64GiB)"))?;
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024f64.powi(2),
+        "g" | "gib" => 1024f64.powi(3),
+        "t" | "tib" => 1024f64.powi(4),
+        u => {
+            return Err(format!(
+                "{u:?} is not a unit of bytes (B, KB, MB, GB, KiB, MiB, GiB)"
+            ))
+        }
+    };
+    let bytes = n * scale;
+    if !(1.0..1.8e19).contains(&bytes) {
+        return Err(format!("{v:?} is out of range"));
+    }
+    Ok(bytes as u64)
 }
 
 fn seconds(v: f64, flag: &str) -> Result<std::time::Duration> {
@@ -339,6 +374,11 @@ struct ServeArgs {
     /// [env MLX_RUNNER_STALL_TIMEOUT; default 30s].
     #[arg(long)]
     stall_timeout: Option<String>,
+    /// Memory all runners together may use, in bytes or with a unit (64GiB, 512MB); models
+    /// are placed within it, unloading the least recently used idle ones first
+    /// [env MLX_RUNNER_MEMORY_LIMIT; default: what the machine has available].
+    #[arg(long)]
+    memory_limit: Option<String>,
     /// Extra allowed browser origins, comma-separated [env MLX_RUNNER_ORIGINS].
     #[arg(long)]
     origins: Option<String>,
@@ -414,6 +454,9 @@ fn serve(a: ServeArgs) -> Result<()> {
         parallel: count(a.num_parallel, "MLX_RUNNER_NUM_PARALLEL", 4)?,
         load_timeout,
         stall_timeout,
+        memory_limit: env_or(a.memory_limit, "MLX_RUNNER_MEMORY_LIMIT")
+            .map(|v| parse_bytes(&v).map_err(|e| anyhow::anyhow!("the memory limit: {e}")))
+            .transpose()?,
         origins: env_or(a.origins, "MLX_RUNNER_ORIGINS")
             .map(|o| o.split(',').map(String::from).collect())
             .unwrap_or_default(),
@@ -450,9 +493,15 @@ struct RunnerArgs {
     /// Tokens per prefill forward pass.
     #[arg(long, default_value_t = 512)]
     prefill_chunk: usize,
-    /// Bytes the prefix cache may hold (default: a quarter of MLX's memory limit).
+    /// Bytes the prefix cache may hold (default: a quarter of what the memory plan leaves
+    /// once every sequence's KV cache at the full context is counted).
     #[arg(long)]
     cache_budget: Option<usize>,
+    /// Bytes this runner may use in all, weights included (default: what the machine, or its
+    /// cgroup, has available once the weights are loaded). The context and the prefix-cache
+    /// budget are planned within it.
+    #[arg(long, value_parser = parse_bytes)]
+    memory_limit: Option<u64>,
     /// Prompt tokens between sliding-window snapshots kept by the prefix cache.
     #[arg(long, default_value_t = 256)]
     cache_interval: usize,
@@ -676,6 +725,7 @@ fn runner(a: RunnerArgs) -> Result<()> {
             parallel: a.parallel,
             prefill_chunk: a.prefill_chunk,
             cache_budget: a.cache_budget,
+            memory_limit: a.memory_limit.map(|b| b as usize),
             cache_interval: a.cache_interval,
             ..engine
         },
@@ -944,4 +994,21 @@ fn rm(a: RmArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn bytes_are_read_with_their_units() {
+        assert_eq!(parse_bytes("1000"), Ok(1000));
+        assert_eq!(parse_bytes("512MB"), Ok(512_000_000));
+        assert_eq!(parse_bytes("64GiB"), Ok(64 << 30));
+        assert_eq!(parse_bytes(" 1.5g "), Ok(3 << 29));
+        assert_eq!(parse_bytes("2 KiB"), Ok(2048));
+        for bad in ["", "GiB", "-1", "12 parsecs", "0", "1e40"] {
+            assert!(parse_bytes(bad).is_err(), "{bad}");
+        }
+    }
 }

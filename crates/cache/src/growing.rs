@@ -118,6 +118,14 @@ impl Growing {
     pub(crate) fn nbytes(&self) -> usize {
         self.data.as_ref().map_or(0, Array::nbytes)
     }
+
+    /// Bytes of one position (every row and head of it); 0 before the first write.
+    pub(crate) fn bytes_per_position(&self) -> usize {
+        match self.capacity() {
+            0 => 0,
+            c => self.nbytes() / c,
+        }
+    }
 }
 
 /// Keys and values of a full-attention layer: every position is kept.
@@ -193,6 +201,11 @@ impl KvCache {
         self.keys.nbytes() + self.values.nbytes()
     }
 
+    /// Bytes of one position's keys and values; 0 before the first update.
+    pub fn bytes_per_position(&self) -> usize {
+        self.keys.bytes_per_position() + self.values.bytes_per_position()
+    }
+
     /// A cache holding `keys` and `values` (`[B, H, T, D]`) as positions `0..T`.
     pub fn from_state(keys: Array, values: Array) -> Result<KvCache> {
         Ok(KvCache {
@@ -253,6 +266,11 @@ impl LatentCache {
 
     pub fn nbytes(&self) -> usize {
         self.rows.nbytes()
+    }
+
+    /// Bytes of one position's row; 0 before the first update.
+    pub fn bytes_per_position(&self) -> usize {
+        self.rows.bytes_per_position()
     }
 
     /// A cache holding `rows` (`[B, 1, T, r+dr]`) as positions `0..T`.

@@ -104,6 +104,25 @@ impl LayerCache {
             LayerCache::Latent(c) => c.nbytes(),
         }
     }
+
+    /// Bytes one position costs in this cache (its dtype, heads and widths); 0 before the
+    /// first update, which is what fixes them.
+    pub fn bytes_per_position(&self) -> usize {
+        match self {
+            LayerCache::Kv(c) => c.bytes_per_position(),
+            LayerCache::Rotating(c) => c.bytes_per_position(),
+            LayerCache::Latent(c) => c.bytes_per_position(),
+        }
+    }
+
+    /// The most positions the cache keeps between updates: a sliding window's ring; `None`
+    /// for a cache that keeps every position.
+    pub fn most_positions(&self) -> Option<usize> {
+        match self {
+            LayerCache::Rotating(c) => Some(c.ring()),
+            LayerCache::Kv(_) | LayerCache::Latent(_) => None,
+        }
+    }
 }
 
 /// The time length of a `[B, H, L, D]` update.

@@ -80,6 +80,21 @@ impl RotatingKvCache {
         self.keys.as_ref().map_or(0, Array::nbytes) + self.values.as_ref().map_or(0, Array::nbytes)
     }
 
+    /// Bytes of one slot's keys and values; 0 before the first update.
+    pub fn bytes_per_position(&self) -> usize {
+        match self.slots() {
+            0 => 0,
+            s => self.nbytes() / s,
+        }
+    }
+
+    /// The slots the ring keeps between updates: its window and the slack for rewinds. (A
+    /// prefill chunk is appended before the ring is cut back, so it briefly holds a chunk
+    /// more.)
+    pub fn ring(&self) -> usize {
+        self.capacity
+    }
+
     /// The last `keep` held tokens of `a` in time order, followed by `pad` empty slots.
     fn linear(&self, a: &Array, keep: usize, pad: usize) -> Result<Array> {
         let s = self.slots();

@@ -10,6 +10,7 @@ use crate::depth::DepthController;
 use crate::generate::{
     step_together, Ctx, Event, GenerateError, Generation, GenerationParams, RawLogprob,
 };
+use crate::memory;
 use crate::metrics::Metrics;
 use crate::protocol::{DoneReason, Stats};
 use crate::speculate::DraftModel;
@@ -28,13 +29,17 @@ pub struct EngineConfig {
     /// The target's files: a checkpoint directory or a stored model.
     pub model: ModelFiles,
     pub dtype: DtypeChoice,
-    /// Context length; defaults to the model's maximum.
+    /// Context length; defaults to the model's maximum, cut to what the memory holds
+    /// ([`crate::memory::plan`]). One asked for that cannot be held fails the load.
     pub ctx_size: Option<usize>,
     /// Sequences stepped concurrently.
     pub parallel: usize,
     pub prefill_chunk: usize,
-    /// Bytes the prefix cache may hold; `None`: a quarter of MLX's memory limit.
+    /// Bytes the prefix cache may hold; `None`: a share of what the memory plan leaves.
     pub cache_budget: Option<usize>,
+    /// Bytes the runner may use in all, weights included; `None`: what the machine has
+    /// available once the weights are loaded.
+    pub memory_limit: Option<usize>,
     /// Prompt tokens between sliding-window snapshots.
     pub cache_interval: usize,
     /// The drafter's files (`--draft`, or the draft a stored model carries); GLM's own MTP
@@ -124,6 +129,9 @@ pub struct Shared {
     pub grammar: OnceLock<std::result::Result<Arc<grammar::Vocabulary>, String>>,
     /// MLX active + cache bytes, refreshed by the engine after every turn.
     pub memory: AtomicU64,
+    /// The memory plan's: what was available after the weights, and the prefix cache's share.
+    pub memory_available: AtomicU64,
+    pub cache_budget: AtomicU64,
     pub cache_memory: AtomicU64,
     pub metrics: Metrics,
     pub architecture: OnceLock<&'static str>,
@@ -187,16 +195,26 @@ fn engine_main(
     if let Some(d) = &draft {
         tracing::info!(drafter = d.name(), "speculative decoding on");
     }
-    let ctx_len = cfg
-        .ctx_size
-        .unwrap_or(model.model.max_context())
-        .min(model.model.max_context());
+    let plan = match plan_memory(&cfg, &model, draft.as_ref()) {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = loaded.send(Err(e));
+            return;
+        }
+    };
+    let ctx_len = plan.context;
     shared.context_length.store(ctx_len, Ordering::Relaxed);
+    shared
+        .memory_available
+        .store(plan.available as u64, Ordering::Relaxed);
+    shared
+        .cache_budget
+        .store(plan.prefix_budget as u64, Ordering::Relaxed);
     shared
         .vocab_size
         .store(model.model.vocab_size(), Ordering::Relaxed);
     let _ = shared.architecture.set(model.model.architecture());
-    let budget = cfg.cache_budget.unwrap_or(mlx::memory::limit() / 4);
+    let budget = plan.prefix_budget;
     let controllers = (0..BATCH_BUCKETS)
         .map(|_| DepthController::new(cfg.max_draft_depth, cfg.draft_depth))
         .collect();
@@ -220,6 +238,62 @@ fn engine_main(
         .set(Arc::clone(&engine.model.tokenizer));
     let _ = loaded.send(Ok(()));
     engine.run(rx);
+}
+
+/// The memory plan for this model and configuration, logged; its error is the load's.
+fn plan_memory(
+    cfg: &EngineConfig,
+    model: &LoadedModel,
+    draft: Option<&DraftModel>,
+) -> Result<memory::MemoryPlan, String> {
+    let cost = memory::measure(model, draft)?;
+    let weights = mlx::memory::active();
+    let (available, source) = match cfg.memory_limit {
+        Some(limit) if limit <= weights => {
+            return Err(format!(
+                "the weights alone take {}, more than --memory-limit {}",
+                memory::Bytes(weights),
+                memory::Bytes(limit)
+            ))
+        }
+        Some(limit) => (limit - weights, "--memory-limit less the weights"),
+        None => match memory::machine_available() {
+            Some(a) => (a, "available on this machine after loading the weights"),
+            None => (
+                mlx::memory::limit().saturating_sub(weights),
+                "MLX's memory limit less the weights",
+            ),
+        },
+    };
+    let plan = memory::plan(&memory::PlanInput {
+        available,
+        source,
+        cost,
+        sequences: cfg.parallel.max(1),
+        chunk: cfg.prefill_chunk.max(1),
+        max_context: model.model.max_context(),
+        asked_context: cfg.ctx_size,
+        asked_budget: cfg.cache_budget,
+    })?;
+    if let Some(max) = plan.clamped_from {
+        tracing::warn!(
+            "context cut from the model's {max} tokens to {}: {} of KV cache for {} is what \
+             fits in half of the {} {source} (--ctx-size, --parallel or --memory-limit change \
+             it)",
+            plan.context,
+            memory::Bytes(plan.live_caches),
+            memory::sequences(cfg.parallel.max(1)),
+            memory::Bytes(available),
+        );
+    }
+    tracing::info!(
+        context = plan.context,
+        kv_cache = %memory::Bytes(plan.live_caches),
+        prefix_cache_budget = %memory::Bytes(plan.prefix_budget),
+        available = %memory::Bytes(available),
+        "memory plan"
+    );
+    Ok(plan)
 }
 
 /// Batch sizes with a depth controller of their own: 1, 2, 3–4, 5–8, more.

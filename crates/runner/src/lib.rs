@@ -5,6 +5,7 @@ pub mod depth;
 pub mod engine;
 pub mod generate;
 pub mod listen;
+pub mod memory;
 pub mod metrics;
 pub mod process;
 pub mod protocol;

@@ -123,7 +123,7 @@ fn gauge(out: &mut String, name: &str, help: &str, v: u64) {
 
 impl Metrics {
     /// The exposition text; `memory` and `cache_memory` are current gauges in bytes.
-    pub fn render(&self, memory: u64, cache_memory: u64) -> String {
+    pub fn render(&self, memory: u64, cache_memory: u64, cache_budget: u64) -> String {
         let mut o = String::new();
         counter(
             &mut o,
@@ -223,6 +223,12 @@ impl Metrics {
             "mlx_runner_prefix_cache_bytes",
             "Memory held by the prefix cache's snapshots.",
             cache_memory,
+        );
+        gauge(
+            &mut o,
+            "mlx_runner_prefix_cache_budget_bytes",
+            "What the prefix cache may hold, from the memory plan made at start.",
+            cache_budget,
         );
         self.time_to_first_token.render(
             &mut o,

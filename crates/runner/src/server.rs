@@ -116,6 +116,9 @@ async fn status(State(app): State<AppState>) -> Response {
         "Progress": if ready { 100 } else { 0 },
         "ContextLength": app.shared.context_length.load(Ordering::Relaxed),
         "Memory": app.shared.memory.load(Ordering::Relaxed),
+        // Ours: the memory plan made at start (docs/PROTOCOL.md, "Memory").
+        "MemoryAvailable": app.shared.memory_available.load(Ordering::Relaxed),
+        "CacheBudget": app.shared.cache_budget.load(Ordering::Relaxed),
         // Ours: a parent that chose the port can check it is talking to its own child.
         "Pid": std::process::id(),
     });
@@ -138,6 +141,7 @@ async fn metrics(State(app): State<AppState>) -> Response {
     let text = s.metrics.render(
         s.memory.load(Ordering::Relaxed),
         s.cache_memory.load(Ordering::Relaxed),
+        s.cache_budget.load(Ordering::Relaxed),
     );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }

@@ -32,6 +32,7 @@ fn engine(target: &str, draft: Option<&str>, drafting: bool, interval: usize) ->
         parallel: 1,
         prefill_chunk: 512,
         cache_budget: Some(1 << 30),
+        memory_limit: None,
         cache_interval: interval,
         draft: draft.map(|d| ModelFiles::dir(&fixture(d)).unwrap()),
         draft_depth: if drafting { None } else { Some(0) },

@@ -30,6 +30,7 @@ fn config(
         parallel: 1,
         prefill_chunk: 512,
         cache_budget: None,
+        memory_limit: None,
         cache_interval: 256,
         draft: draft.map(|d| ModelFiles::dir(&fixture(d)).unwrap()),
         draft_depth: depth,

@@ -41,6 +41,8 @@ pub struct ServeConfig {
     pub load_timeout: Duration,
     /// A runner with no token and no status answer for this long is frozen: stopped.
     pub stall_timeout: Duration,
+    /// Bytes all runners together may use (`None`: what the machine has available).
+    pub memory_limit: Option<u64>,
     pub origins: Vec<String>,
     /// The executable spawned as `runner`.
     pub exe: PathBuf,
@@ -181,6 +183,7 @@ pub async fn run(cfg: ServeConfig) -> anyhow::Result<()> {
         load_timeout: cfg.load_timeout,
         stall_timeout: cfg.stall_timeout,
         parallel: cfg.parallel,
+        memory_limit: cfg.memory_limit,
     });
     let listener = tokio::net::TcpListener::bind(cfg.addr)
         .await

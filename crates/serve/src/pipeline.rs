@@ -123,6 +123,7 @@ pub fn target(m: &Model) -> Target {
         name: m.name.to_string(),
         digest: m.digest().to_string(),
         ctx_size: None,
+        size: m.size,
     }
 }
 

@@ -34,6 +34,10 @@ pub struct SchedConfig {
     pub stall_timeout: Duration,
     /// The runner's `--parallel`.
     pub parallel: usize,
+    /// Bytes every runner together may use; `None`: what the machine has available. Models
+    /// are placed within it (see [`Scheduler::make_room`]) and each runner plans its context
+    /// and prefix cache within its share (`--memory-limit`).
+    pub memory_limit: Option<u64>,
 }
 
 /// What a runner is started for.
@@ -44,6 +48,9 @@ pub struct Target {
     /// The manifest digest: a model re-created under the same name gets a new runner.
     pub digest: String,
     pub ctx_size: Option<u64>,
+    /// The model's bytes on disk (weights, draft, tokenizer): what its first load is
+    /// estimated from.
+    pub size: u64,
 }
 
 #[derive(Debug, Default)]
@@ -300,6 +307,9 @@ pub struct Scheduler {
     /// Held while making room for a runner and starting it: loads happen one at a time, so
     /// two of them cannot both fit under the limit.
     placement: tokio::sync::Mutex<()>,
+    /// The most memory each model's runners have reported (by digest): a model's next load
+    /// is placed by what it took, not by an estimate.
+    needs: Mutex<HashMap<String, u64>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -321,6 +331,7 @@ impl Scheduler {
             changed: Notify::new(),
             shutting_down: AtomicBool::new(false),
             placement: tokio::sync::Mutex::new(()),
+            needs: Mutex::new(HashMap::new()),
         });
         tokio::spawn(reaper(Arc::downgrade(&s)));
         s
@@ -380,7 +391,7 @@ impl Scheduler {
             let task = tokio::spawn(async move {
                 let _loading = loading;
                 let _placing = sched.placement.lock().await;
-                sched.make_room(&t.name).await?;
+                sched.make_room(&t).await?;
                 let r = sched.spawn(&t).await?;
                 {
                     let mut idle = r.idle.lock().unwrap();
@@ -443,10 +454,48 @@ impl Scheduler {
         })
     }
 
-    /// Unloads runners until one more fits: the least recently used idle one first; when all
-    /// are busy, waits for one to become idle (up to the load timeout).
-    async fn make_room(&self, key: &str) -> Result<(), LoadError> {
+    /// What loading `target` will take: what its runners took before, else twice its bytes on
+    /// disk (a 16-bit checkpoint computed in float32 on the CPU doubles; a quantized one's
+    /// packed weights do not, so this errs on the side of room).
+    fn need(&self, target: &Target) -> u64 {
+        let known = self.needs.lock().unwrap().get(&target.digest).copied();
+        known.unwrap_or(target.size.saturating_mul(2))
+    }
+
+    /// Records what a runner reports using, for its model's next placement.
+    fn noted(&self, r: &Runner, memory: u64) {
+        r.memory.store(memory, Ordering::SeqCst);
+        let mut needs = self.needs.lock().unwrap();
+        let n = needs.entry(r.digest.clone()).or_default();
+        *n = (*n).max(memory);
+    }
+
+    /// The memory free for one more runner beside `others`: within `--memory-limit`, what
+    /// the others (asked now) leave of it; else what the machine has available.
+    async fn room(&self, others: &[Arc<Runner>]) -> Option<u64> {
+        match self.cfg.memory_limit {
+            Some(limit) => {
+                let mut used = 0u64;
+                for r in others {
+                    if let Ok((200, st)) = client::status(&self.client, r.port).await {
+                        self.noted(r, st.memory);
+                    }
+                    used = used.saturating_add(r.memory.load(Ordering::SeqCst));
+                }
+                Some(limit.saturating_sub(used))
+            }
+            None => runner::memory::machine_available().map(|b| b as u64),
+        }
+    }
+
+    /// Unloads runners until one more fits, in count (`--max-loaded-models`) and in memory
+    /// (what `target` is expected to take against [`Scheduler::room`]): the least recently
+    /// used idle one first; when all are busy, waits for one to become idle (up to the load
+    /// timeout). A model that does not fit even alone is still started, and its runner's own
+    /// plan decides (it refuses a context it cannot hold).
+    async fn make_room(&self, target: &Target) -> Result<(), LoadError> {
         let deadline = Instant::now() + self.cfg.load_timeout;
+        let need = self.need(target);
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
@@ -454,9 +503,16 @@ impl Scheduler {
             let others: Vec<_> = self
                 .loaded()
                 .into_iter()
-                .filter(|r| r.name != key)
+                .filter(|r| r.name != target.name)
                 .collect();
-            if others.len() < self.cfg.max_loaded.max(1) {
+            let crowded = others.len() >= self.cfg.max_loaded.max(1);
+            let room = if others.is_empty() {
+                None
+            } else {
+                self.room(&others).await
+            };
+            let short = room.is_some_and(|r| need > r);
+            if !crowded && !short {
                 return Ok(());
             }
             let mut idle: Vec<_> = others
@@ -466,7 +522,16 @@ impl Scheduler {
                 .collect();
             idle.sort_by_key(|r| r.idle.lock().unwrap().last_used);
             if let Some(v) = idle.into_iter().find(|r| r.begin_stop()) {
-                tracing::info!(model = %v.name, "unloading the least recently used model to make room");
+                if crowded {
+                    tracing::info!(model = %v.name, "unloading the least recently used model to make room");
+                } else {
+                    tracing::info!(
+                        model = %v.name,
+                        need,
+                        room = room.unwrap_or_default(),
+                        "unloading the least recently used model to make room in memory"
+                    );
+                }
                 self.unload(&v).await;
                 continue;
             }
@@ -474,10 +539,20 @@ impl Scheduler {
                 .await
                 .is_err()
             {
-                return Err(LoadError::Busy(format!(
-                    "{} models are loaded and all are busy; try again later",
-                    others.len()
-                )));
+                return Err(LoadError::Busy(if crowded {
+                    format!(
+                        "{} models are loaded and all are busy; try again later",
+                        others.len()
+                    )
+                } else {
+                    format!(
+                        "{} needs about {need} bytes and {} are free beside the {} busy models \
+                         loaded; try again later",
+                        target.name,
+                        room.unwrap_or_default(),
+                        others.len()
+                    )
+                }));
             }
         }
     }
@@ -530,6 +605,16 @@ impl Scheduler {
             .arg(self.cfg.parallel.to_string());
         if let Some(n) = target.ctx_size {
             cmd.arg("--ctx-size").arg(n.to_string());
+        }
+        // Its share of the limit: what the runners already loaded leave.
+        if self.cfg.memory_limit.is_some() {
+            let others: Vec<_> = self
+                .loaded()
+                .into_iter()
+                .filter(|r| r.name != target.name)
+                .collect();
+            let share = self.room(&others).await.unwrap_or_default();
+            cmd.arg("--memory-limit").arg(share.to_string());
         }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -609,7 +694,7 @@ impl Scheduler {
                     runner
                         .context_length
                         .store(s.context_length, Ordering::SeqCst);
-                    runner.memory.store(s.memory, Ordering::SeqCst);
+                    self.noted(&runner, s.memory);
                     tracing::info!(
                         model = %target.name,
                         port,
