@@ -391,8 +391,8 @@ impl Scheduler {
             let task = tokio::spawn(async move {
                 let _loading = loading;
                 let _placing = sched.placement.lock().await;
-                sched.make_room(&t).await?;
-                let r = sched.spawn(&t).await?;
+                let share = sched.make_room(&t).await?;
+                let r = sched.spawn(&t, share).await?;
                 {
                     let mut idle = r.idle.lock().unwrap();
                     let now = Instant::now();
@@ -492,8 +492,9 @@ impl Scheduler {
     /// (what `target` is expected to take against [`Scheduler::room`]): the least recently
     /// used idle one first; when all are busy, waits for one to become idle (up to the load
     /// timeout). A model that does not fit even alone is still started, and its runner's own
-    /// plan decides (it refuses a context it cannot hold).
-    async fn make_room(&self, target: &Target) -> Result<(), LoadError> {
+    /// plan decides (it refuses a context it cannot hold). Returns the new runner's share
+    /// under `--memory-limit`: what the runners left loaded leave of it.
+    async fn make_room(&self, target: &Target) -> Result<Option<u64>, LoadError> {
         let deadline = Instant::now() + self.cfg.load_timeout;
         let need = self.need(target);
         loop {
@@ -506,14 +507,13 @@ impl Scheduler {
                 .filter(|r| r.name != target.name)
                 .collect();
             let crowded = others.len() >= self.cfg.max_loaded.max(1);
-            let room = if others.is_empty() {
-                None
-            } else {
-                self.room(&others).await
+            let room = match (self.cfg.memory_limit, others.is_empty()) {
+                (limit, true) => limit,
+                _ => self.room(&others).await,
             };
-            let short = room.is_some_and(|r| need > r);
+            let short = !others.is_empty() && room.is_some_and(|r| need > r);
             if !crowded && !short {
-                return Ok(());
+                return Ok(self.cfg.memory_limit.and(room));
             }
             let mut idle: Vec<_> = others
                 .iter()
@@ -592,7 +592,8 @@ impl Scheduler {
         self.changed.notify_waiters();
     }
 
-    async fn spawn(&self, target: &Target) -> Result<Arc<Runner>, LoadError> {
+    /// Starts a runner for `target`, with `--memory-limit share` when there is one.
+    async fn spawn(&self, target: &Target, share: Option<u64>) -> Result<Arc<Runner>, LoadError> {
         let started = Instant::now();
         let port = free_port().map_err(|e| LoadError::Failed(format!("no free port: {e}")))?;
         let mut cmd = tokio::process::Command::new(&self.cfg.exe);
@@ -606,14 +607,7 @@ impl Scheduler {
         if let Some(n) = target.ctx_size {
             cmd.arg("--ctx-size").arg(n.to_string());
         }
-        // Its share of the limit: what the runners already loaded leave.
-        if self.cfg.memory_limit.is_some() {
-            let others: Vec<_> = self
-                .loaded()
-                .into_iter()
-                .filter(|r| r.name != target.name)
-                .collect();
-            let share = self.room(&others).await.unwrap_or_default();
+        if let Some(share) = share {
             cmd.arg("--memory-limit").arg(share.to_string());
         }
         cmd.stdin(Stdio::null())
