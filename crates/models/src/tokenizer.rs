@@ -7,6 +7,24 @@ use crate::{ModelError, Result};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
+/// Texts longer than this are tokenized in pieces of this many bytes: the tokenizer's working
+/// memory is tens of bytes per byte of text (alignments, token strings, offsets), so a 31 MiB
+/// text took 3.5 GB at once.
+const PIECE: usize = 256 << 10;
+/// How far from a piece's ends its tokens are trusted (see [`Tokenizer::encode_in_pieces`]).
+const MARGIN: usize = 4 << 10;
+
+/// A piece's end, its ids and their absolute byte offsets.
+type Piece = (usize, Vec<u32>, Vec<(usize, usize)>);
+
+/// The largest char boundary at or before `i`.
+fn char_floor(s: &str, mut i: usize) -> usize {
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     path: PathBuf,
@@ -113,27 +131,157 @@ impl Tokenizer {
 
     /// Token ids for `text`, with special tokens added exactly as the tokenizer config says:
     /// the post-processor of `tokenizer.json`, corrected by `add_bos_token` when it is set.
+    /// A long text is tokenized in pieces ([`Tokenizer::encode_in_pieces`]), so that its
+    /// memory is bounded by the piece, not the text.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let mut ids = self
+        Ok(self.encode_in_pieces(text, PIECE, MARGIN)?.0)
+    }
+
+    /// The whole text through the tokenizer at once (what [`Tokenizer::encode`] must equal).
+    pub fn encode_whole(&self, text: &str) -> Result<Vec<u32>> {
+        let ids = self
             .inner
             .encode(text, true)
             .map_err(|e| self.err(e))?
             .get_ids()
             .to_vec();
+        self.correct_bos(ids, || {
+            Ok(self
+                .inner
+                .encode(text, false)
+                .map_err(|e| self.err(e))?
+                .get_ids()
+                .first()
+                .copied())
+        })
+    }
+
+    /// `add_bos_token` over the post-processor's ids; `first` is the text's own first id
+    /// (without special tokens), asked only when needed.
+    fn correct_bos(
+        &self,
+        mut ids: Vec<u32>,
+        first: impl FnOnce() -> Result<Option<u32>>,
+    ) -> Result<Vec<u32>> {
         if let Some(bos) = self.bos {
             let starts = ids.first() == Some(&bos);
             match self.add_bos {
                 Some(true) if !starts => ids.insert(0, bos),
-                Some(false) if starts => {
-                    let plain = self.inner.encode(text, false).map_err(|e| self.err(e))?;
-                    if plain.get_ids().first() != Some(&bos) {
-                        ids.remove(0);
-                    }
+                Some(false) if starts && first()? != Some(bos) => {
+                    ids.remove(0);
                 }
                 _ => {}
             }
         }
         Ok(ids)
+    }
+
+    /// [`Tokenizer::encode`] with pieces of `piece` bytes trusted `margin` bytes away from
+    /// their ends; also says whether the pieces were used (a text whose pieces could not be
+    /// joined is tokenized whole).
+    ///
+    /// A tokenizer's output near a point depends only on the text near it (pre-tokenizers
+    /// split words, merges stay inside them), but how far "near" reaches is the tokenizer's
+    /// business, so the join is checked rather than assumed: the next piece starts about three
+    /// margins before the current one ends, at one of its token boundaries, and the two are
+    /// joined at a boundary both share only if they agree, token for token and offset for
+    /// offset, over everything from a margin past the next piece's start to a margin before the
+    /// current piece's end. Where they do not (a word longer than the margin, a tokenizer that
+    /// looks further), the text is tokenized whole, as it always was.
+    pub fn encode_in_pieces(
+        &self,
+        text: &str,
+        piece: usize,
+        margin: usize,
+    ) -> Result<(Vec<u32>, bool)> {
+        let margin = margin.max(1);
+        let piece = piece.max(8 * margin);
+        if text.len() <= piece {
+            return Ok((self.encode_whole(text)?, false));
+        }
+        let Some(content) = self.pieces(text, piece, margin)? else {
+            return Ok((self.encode_whole(text)?, false));
+        };
+        let Some((prefix, suffix)) = self.specials()? else {
+            return Ok((self.encode_whole(text)?, false));
+        };
+        let first = content.first().copied();
+        let mut ids = prefix;
+        ids.extend(content);
+        ids.extend(suffix);
+        Ok((self.correct_bos(ids, || Ok(first))?, true))
+    }
+
+    /// What the post-processor puts before and after a text's own ids (found on a probe).
+    fn specials(&self) -> Result<Option<(Vec<u32>, Vec<u32>)>> {
+        let probe = "a";
+        let with = self.inner.encode(probe, true).map_err(|e| self.err(e))?;
+        let without = self.inner.encode(probe, false).map_err(|e| self.err(e))?;
+        let (w, o) = (with.get_ids(), without.get_ids());
+        Ok((0..=w.len().saturating_sub(o.len()))
+            .find(|&i| &w[i..i + o.len()] == o)
+            .map(|i| (w[..i].to_vec(), w[i + o.len()..].to_vec())))
+    }
+
+    /// The text's own ids, piece by piece; `None` where two pieces could not be joined.
+    fn pieces(&self, text: &str, piece: usize, margin: usize) -> Result<Option<Vec<u32>>> {
+        // A piece's tokens with absolute byte offsets.
+        let encode = |start: usize| -> Result<Piece> {
+            let end = char_floor(text, (start + piece).min(text.len()));
+            let e = self
+                .inner
+                .encode(&text[start..end], false)
+                .map_err(|e| self.err(e))?;
+            let offs = e
+                .get_offsets()
+                .iter()
+                .map(|&(a, b)| (start + a, start + b))
+                .collect();
+            Ok((end, e.get_ids().to_vec(), offs))
+        };
+        // A token that starts where every token before it has ended.
+        let boundary = |offs: &[(usize, usize)], j: usize| j == 0 || offs[j - 1].1 <= offs[j].0;
+        let mut out = Vec::new();
+        let (mut end, mut ids, mut offs) = encode(0)?;
+        let mut from = 0;
+        while end < text.len() {
+            // The next piece's start: a boundary about three margins before this piece's end.
+            let back = end - 3 * margin;
+            let Some(b) = (from + 1..ids.len()).find(|&j| {
+                offs[j].0 >= back && boundary(&offs, j) && text.is_char_boundary(offs[j].0)
+            }) else {
+                return Ok(None);
+            };
+            let (next_end, next_ids, next_offs) = encode(offs[b].0)?;
+            // Trusted in both: from a margin into the next piece to a margin before this end.
+            let (lo, hi) = (offs[b].0 + margin, end - margin);
+            let joined = (b..ids.len())
+                .filter(|&j| offs[j].0 >= lo && boundary(&offs, j))
+                .find_map(|j| {
+                    let k = next_offs.iter().position(|o| o.0 == offs[j].0)?;
+                    if !boundary(&next_offs, k) {
+                        return None;
+                    }
+                    let span = ids[j..]
+                        .iter()
+                        .zip(&offs[j..])
+                        .take_while(|(_, o)| o.1 <= hi);
+                    let n = span.clone().count();
+                    let agree = n > 0
+                        && next_ids.len() >= k + n
+                        && span
+                            .zip(next_ids[k..].iter().zip(&next_offs[k..]))
+                            .all(|((a, oa), (b, ob))| a == b && oa == ob);
+                    agree.then_some((j, k))
+                });
+            let Some((j, k)) = joined else {
+                return Ok(None);
+            };
+            out.extend_from_slice(&ids[from..j]);
+            (end, ids, offs, from) = (next_end, next_ids, next_offs, k);
+        }
+        out.extend_from_slice(&ids[from..]);
+        Ok(Some(out))
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String> {

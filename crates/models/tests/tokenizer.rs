@@ -108,3 +108,90 @@ fn a_byte_that_breaks_earlier_text_still_streams_sensibly() {
     assert_eq!(s.push(&t, 4 + 0xA5).unwrap(), "");
     assert_eq!(s.flush(&t).unwrap(), "\u{FFFD}");
 }
+
+/// Fragments random texts are made of: words, runs of spaces and newlines, tabs, digits,
+/// punctuation, accents, CJK, emoji, special-token strings and long runs of one character.
+const FRAGMENTS: &[&str] = &[
+    "the",
+    "quick",
+    "brown",
+    " fox",
+    "jumps",
+    "über",
+    "naïve",
+    "中文",
+    "字",
+    "🙂",
+    "👍🏽",
+    "123",
+    "4567",
+    "3.14",
+    ",",
+    ".",
+    "!",
+    "?",
+    "'s",
+    "\"",
+    "(",
+    ")",
+    "{",
+    "}",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<bos>",
+    "\t",
+    "\r\n",
+    "-",
+    "_",
+    "/",
+    "http://x.y/z",
+    "aaaaaaaaaaaaaaaaaaaa",
+    "                    ",
+    "\n\n\n\n",
+    "ééééé",
+    "==",
+    "->",
+];
+
+fn text_of(picks: &[(usize, usize)]) -> String {
+    let mut s = String::new();
+    for &(f, sep) in picks {
+        s.push_str(FRAGMENTS[f % FRAGMENTS.len()]);
+        s.push_str(["", " ", "  ", "\n", " \n ", "\t"][sep % 6]);
+    }
+    s
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 48, failure_persistence: None, ..Default::default() })]
+    /// Tokenizing in pieces gives exactly the ids of tokenizing the whole text, for both
+    /// tokenizers, whatever the text (pieces of 1 KiB trusted 32 bytes from their ends).
+    #[test]
+    fn pieces_give_the_whole_texts_ids(
+        picks in proptest::collection::vec((0usize..64, 0usize..6), 300..2500),
+        margin in 16usize..64,
+    ) {
+        let text = text_of(&picks);
+        for model in ["gemma4_e2b_like", "glm4_moe_lite"] {
+            let t = Tokenizer::load(&fixture(model)).unwrap();
+            let (ids, _) = t.encode_in_pieces(&text, 1024, margin).unwrap();
+            proptest::prop_assert_eq!(ids, t.encode_whole(&text).unwrap(), "{}", model);
+        }
+    }
+}
+
+#[test]
+fn long_texts_are_tokenized_in_pieces_and_joined_exactly() {
+    let prose = text_of(&(0..20_000).map(|i| (i * 7 % 23, i % 6)).collect::<Vec<_>>());
+    for model in ["gemma4_e2b_like", "glm4_moe_lite"] {
+        let t = Tokenizer::load(&fixture(model)).unwrap();
+        let (ids, pieced) = t.encode_in_pieces(&prose, 4096, 128).unwrap();
+        assert!(pieced, "{model}: ordinary text joins at every piece");
+        assert_eq!(ids, t.encode_whole(&prose).unwrap(), "{model}");
+        assert_eq!(t.encode(&prose).unwrap(), ids, "{model}");
+        // One word longer than the margin everywhere: no trusted join, tokenized whole.
+        let word = "a".repeat(40_000);
+        let (ids, _) = t.encode_in_pieces(&word, 4096, 128).unwrap();
+        assert_eq!(ids, t.encode_whole(&word).unwrap(), "{model}");
+    }
+}
