@@ -4,6 +4,9 @@
 //! 16 tokens after a hit, on the gemma4-shaped benchmark model (target/bench-model, written by
 //! `cargo bench --bench generate`), reported from the runner's own PromptEvalDuration.
 //! (2) Memory the cache holds over 100 random multi-turn conversations, against its budget.
+//! (3) Time to first token for the same ~2,000-token prompt after the runner is killed and
+//! started again: cold (an empty disk tier), against resumed from the disk tier's blocks;
+//! five rounds, medians.
 
 mod common;
 use common::{root, runner};
@@ -91,6 +94,7 @@ fn main() {
     );
     println!("\nhit / cold: {:.3}", ht / ct);
     drop(_s);
+    restart(&model, &prompt);
 
     // (2) 100 random conversations, three turns each, under a 16 MiB budget.
     let budget = 16u64 << 20;
@@ -126,5 +130,56 @@ fn main() {
         "peak cache memory {:.2} MiB ({:.0}% of the budget); {hits} of 300 requests hit (first turns share \"Conversation\")",
         peak / 1048576.0,
         peak / budget as f64 * 100.0
+    );
+}
+
+/// (3): the disk tier across a restart.
+fn restart(model: &std::path::Path, prompt: &str) {
+    let (mut cold, mut resumed, mut cached, mut held) = (Vec::new(), Vec::new(), 0, 0u64);
+    let (mut cold_wall, mut resumed_wall) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        let dir = tempfile::tempdir().unwrap();
+        let args = ["--cache-dir", dir.path().to_str().unwrap()];
+        let (s, port) = runner(model, &args);
+        let t = std::time::Instant::now();
+        let c = complete(port, prompt, 1);
+        cold_wall.push(t.elapsed().as_secs_f64() * 1e3);
+        // The blocks are written after the answer; wait for the writer to finish.
+        let mut last = -1.0;
+        loop {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            let w = metric(port, "mlx_runner_prefix_disk_written_total");
+            if w == last && w > 0.0 {
+                break;
+            }
+            last = w;
+        }
+        held = metric(port, "mlx_runner_prefix_disk_bytes") as u64;
+        drop(s);
+        let (_s, port) = runner(model, &args);
+        let t = std::time::Instant::now();
+        let r = complete(port, prompt, 1);
+        resumed_wall.push(t.elapsed().as_secs_f64() * 1e3);
+        assert_eq!(
+            r["Text"], c["Text"],
+            "a resumed runner answers as a cold one"
+        );
+        cached = r["CachedTokens"].as_u64().unwrap();
+        cold.push(c["PromptEvalDuration"].as_f64().unwrap() / 1e6);
+        resumed.push(r["PromptEvalDuration"].as_f64().unwrap() / 1e6);
+    }
+    let (c, r) = (common::median(cold), common::median(resumed));
+    let (cw, rw) = (common::median(cold_wall), common::median(resumed_wall));
+    println!("\n## Time to first token across a restart (disk tier), medians of 5\n");
+    println!("| | cached | PromptEvalDuration | request to first token (client) |");
+    println!("|---|---|---|---|");
+    println!("| cold runner, empty disk tier | 0 | {c:.0} ms | {cw:.0} ms |");
+    println!("| restarted runner, same prompt | {cached} | {r:.0} ms | {rw:.0} ms |");
+    println!(
+        "\nresumed / cold: {:.3} (client: {:.3}, reading and checking the blocks included); \
+         the disk tier held {:.1} MiB of blocks",
+        r / c,
+        rw / cw,
+        held as f64 / 1048576.0
     );
 }

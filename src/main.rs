@@ -134,11 +134,7 @@ struct DraftArgs {
 impl DraftArgs {
     /// The engine configuration for the model given as `model` (a directory or a stored name),
     /// and the stored model's parameters.
-    fn engine(
-        &self,
-        model: &str,
-        dtype: DtypeChoice,
-    ) -> Result<(EngineConfig, serde_json::Map<String, serde_json::Value>)> {
+    fn engine(&self, model: &str, dtype: DtypeChoice) -> Result<(EngineConfig, ModelContext)> {
         let m = model_files(model)?;
         let draft = match &self.draft {
             Some(d) => Some(draft_files(d)?),
@@ -154,6 +150,7 @@ impl DraftArgs {
             cache_budget: None,
             memory_limit: None,
             cache_interval: 256,
+            cache_disk: None,
             draft,
             draft_depth: if self.no_draft {
                 Some(0)
@@ -163,7 +160,13 @@ impl DraftArgs {
             max_draft_depth: capped_depth(self.max_draft_depth, "--max-draft-depth"),
             draft_position: self.draft_position,
         };
-        Ok((cfg, m.parameters))
+        Ok((
+            cfg,
+            ModelContext {
+                parameters: m.parameters,
+                store: m.store,
+            },
+        ))
     }
 }
 
@@ -276,6 +279,30 @@ fn model_name(arg: &str) -> Result<store::ModelName> {
     arg.parse().map_err(anyhow::Error::msg)
 }
 
+/// What a model given on the command line brings besides its files.
+struct ModelContext {
+    /// A stored model's PARAMETERs.
+    parameters: serde_json::Map<String, serde_json::Value>,
+    /// Our store's root, for a stored model.
+    store: Option<PathBuf>,
+}
+
+/// Where the prefix cache's disk tier goes and what it may hold: `--cache-dir`, else the
+/// store's `prefix-cache` for a stored model; `--cache-disk-budget`, else a tenth of the free
+/// space there, at most 10 GiB.
+fn disk_tier(
+    dir: Option<PathBuf>,
+    store: Option<&std::path::Path>,
+    budget: Option<u64>,
+) -> Option<runner::DiskConfig> {
+    let dir = dir.or_else(|| store.map(|s| s.join("prefix-cache")))?;
+    let budget = budget.unwrap_or_else(|| {
+        let free = runner::memory::disk_free(&dir).unwrap_or(0);
+        (free / 10).min(10 << 30)
+    });
+    (budget > 0).then_some(runner::DiskConfig { dir, budget })
+}
+
 /// A model given on the command line.
 struct ModelArg {
     files: ModelFiles,
@@ -283,6 +310,8 @@ struct ModelArg {
     draft: Option<ModelFiles>,
     /// A stored model's PARAMETERs.
     parameters: serde_json::Map<String, serde_json::Value>,
+    /// Our store's root, for a stored model (where its prefix cache's disk tier goes).
+    store: Option<PathBuf>,
 }
 
 /// A model on the command line: a checkpoint directory, else a model in the store (with the
@@ -294,6 +323,7 @@ fn model_files(arg: &str) -> Result<ModelArg> {
             files: ModelFiles::dir(dir)?,
             draft: None,
             parameters: Default::default(),
+            store: None,
         });
     }
     let name: store::ModelName = arg.parse().map_err(|e: String| {
@@ -308,6 +338,8 @@ fn model_files(arg: &str) -> Result<ModelArg> {
         files: r.target,
         draft: r.draft,
         parameters: r.parameters,
+        // Ours even for a model read from ollama's store: we do not write into theirs.
+        store: Some(open_store()?.root().to_path_buf()),
     })
 }
 
@@ -502,9 +534,19 @@ struct RunnerArgs {
     /// budget are planned within it.
     #[arg(long, value_parser = parse_bytes)]
     memory_limit: Option<u64>,
-    /// Prompt tokens between sliding-window snapshots kept by the prefix cache.
+    /// Prompt tokens between sliding-window snapshots kept by the prefix cache (and the
+    /// length of the blocks its disk tier writes).
     #[arg(long, default_value_t = 256)]
     cache_interval: usize,
+    /// The prefix cache's disk tier: blocks of finished sequences that a runner started again
+    /// resumes from (default: `prefix-cache` in the store, for a stored model; none for a
+    /// model directory).
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    /// Bytes the disk tier's directory may hold, all models together (default: a tenth of the
+    /// free space there, at most 10 GiB); 0 turns the tier off.
+    #[arg(long, value_parser = parse_bytes)]
+    cache_disk_budget: Option<u64>,
     /// Log at debug level.
     #[arg(long)]
     verbose: bool,
@@ -714,19 +756,26 @@ fn runner(a: RunnerArgs) -> Result<()> {
     if let Some(w) = reference_blas_warning() {
         tracing::warn!("{w}");
     }
-    let (engine, stored) = a.draft.engine(&a.model, a.dtype)?;
+    let (engine, model) = a.draft.engine(&a.model, a.dtype)?;
+    let stored = &model.parameters;
+    let cache_disk = disk_tier(
+        a.cache_dir.clone(),
+        model.store.as_deref(),
+        a.cache_disk_budget,
+    );
     // A stored model's num_ctx is the runner's context length unless --ctx-size says otherwise.
     // Its other PARAMETERs are not applied to requests: the parent merges them into each
     // request's options before sending it (as ollama's does), so a key it leaves out means
     // Go's zero value, not a stored default.
     let opts = RunnerOptions {
         engine: EngineConfig {
-            ctx_size: a.ctx_size.or(stored_ctx(&stored)),
+            ctx_size: a.ctx_size.or(stored_ctx(stored)),
             parallel: a.parallel,
             prefill_chunk: a.prefill_chunk,
             cache_budget: a.cache_budget,
             memory_limit: a.memory_limit.map(|b| b as usize),
             cache_interval: a.cache_interval,
+            cache_disk,
             ..engine
         },
         host: a.host,
@@ -816,7 +865,8 @@ fn generate(a: GenerateArgs) -> Result<()> {
     if let Some(w) = reference_blas_warning() {
         eprintln!("warning: {w}");
     }
-    let (cfg, stored) = a.draft.engine(&a.model, a.dtype)?;
+    let (cfg, model) = a.draft.engine(&a.model, a.dtype)?;
+    let stored = model.parameters;
     let req = a.request(&stored)?;
     let mut loaded = models::load_files(&cfg.model, a.dtype)?;
     let draft = runner::engine::load_drafter(&cfg, &mut loaded).map_err(anyhow::Error::msg)?;

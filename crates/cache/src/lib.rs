@@ -9,6 +9,7 @@
 //!
 //! Every cache has an explicit `offset` (tokens seen) and `rewind(n)`.
 
+pub mod disk;
 mod growing;
 mod mask;
 pub mod prefix;

@@ -135,7 +135,7 @@ impl Segment for CacheRun {
 /// The whole state of every rotating layer at one position (`None` for other layers).
 #[derive(Debug, Clone)]
 pub struct CacheCheckpoint {
-    layers: Vec<Option<RotatingKvCache>>,
+    pub(crate) layers: Vec<Option<RotatingKvCache>>,
 }
 
 impl CacheCheckpoint {

@@ -282,6 +282,42 @@ impl RotatingKvCache {
         Ok(Some((k, v, self.key_positions())))
     }
 
+    /// The held keys and values in time order (oldest first), or `None` when empty: the
+    /// whole state of the cache besides its window, capacity and offset.
+    pub fn linear_state(&self) -> Result<Option<(Array, Array)>> {
+        match (&self.keys, &self.values) {
+            (Some(k), Some(v)) if self.count > 0 => Ok(Some((
+                self.linear(k, self.count, 0)?,
+                self.linear(v, self.count, 0)?,
+            ))),
+            _ => Ok(None),
+        }
+    }
+
+    /// A cache shaped like this one (its window and capacity) holding `keys` and `values`
+    /// (`[B, H, T, D]`, time order, as [`RotatingKvCache::linear_state`] gives them) as the
+    /// `T` positions before `offset`.
+    pub fn with_linear_state(&self, keys: Array, values: Array, offset: usize) -> Result<Self> {
+        let count = time_len(&keys)?;
+        if time_len(&values)? != count || count == 0 || count > offset {
+            return Err(CacheError::Shape {
+                got: format!(
+                    "{count} keys and {} values held at position {offset}",
+                    time_len(&values)?
+                ),
+            });
+        }
+        Ok(RotatingKvCache {
+            window: self.window,
+            capacity: self.capacity,
+            keys: Some(keys),
+            values: Some(values),
+            start: 0,
+            count,
+            offset,
+        })
+    }
+
     /// Positions of the slots [`RotatingKvCache::update`] returned (`-1` for an empty slot).
     pub fn key_positions(&self) -> Vec<i32> {
         let s = self.slots();

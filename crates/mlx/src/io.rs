@@ -35,7 +35,8 @@ fn format_err(path: &Path, message: impl Into<String>) -> Error {
     }
 }
 
-fn dtype_of(d: safetensors::Dtype) -> Option<Dtype> {
+/// The MLX dtype of a safetensors dtype (`None`: one MLX has no equal of).
+pub fn dtype_of(d: safetensors::Dtype) -> Option<Dtype> {
     use safetensors::Dtype as S;
     Some(match d {
         S::BOOL => Dtype::Bool,
@@ -226,7 +227,8 @@ pub fn load_safetensors_mlx(path: impl AsRef<Path>) -> Result<HashMap<String, Ar
     Ok(names.into_iter().zip(arrays).collect())
 }
 
-fn safetensors_dtype(d: Dtype) -> Option<safetensors::Dtype> {
+/// The safetensors dtype of an MLX dtype (`None`: one safetensors cannot hold).
+pub fn safetensors_dtype(d: Dtype) -> Option<safetensors::Dtype> {
     use safetensors::Dtype as S;
     Some(match d {
         Dtype::Bool => S::BOOL,

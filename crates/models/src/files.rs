@@ -76,6 +76,44 @@ impl ModelFiles {
         })
     }
 
+    /// A key that changes whenever what the model computes could: each file's digest where the
+    /// store gave one, else its canonical path, length and modification time (hashing a
+    /// directory's weights at every start would cost a full read of them). What the prefix
+    /// cache's disk tier files blocks under.
+    pub fn identity(&self) -> String {
+        let digest = |p: &Path| self.digests.iter().find(|(d, _)| d == p).map(|(_, h)| h);
+        let mut h = Sha256::new();
+        let mut names: Vec<(&String, &PathBuf)> = self.files.iter().collect();
+        names.sort();
+        let named = names
+            .into_iter()
+            .map(|(n, p)| (n.as_str(), p))
+            .chain(self.tensors.iter().map(|p| ("tensors", p)));
+        for (name, path) in named {
+            h.update(name.as_bytes());
+            h.update([0]);
+            match digest(path) {
+                Some(d) => h.update(d.as_bytes()),
+                None => {
+                    let real = path.canonicalize().unwrap_or_else(|_| path.clone());
+                    h.update(real.to_string_lossy().as_bytes());
+                    if let Ok(md) = std::fs::metadata(path) {
+                        h.update(md.len().to_le_bytes());
+                        let t = md
+                            .modified()
+                            .ok()
+                            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                            .unwrap_or_default();
+                        h.update(t.as_nanos().to_le_bytes());
+                    }
+                }
+            }
+            h.update([0]);
+        }
+        h.update(self.tensor_prefix.as_bytes());
+        hex::encode(h.finalize())
+    }
+
     /// Checks every file with a digest, reading them on as many threads as there are cores.
     pub fn verify(&self) -> Result<()> {
         if self.digests.is_empty() {

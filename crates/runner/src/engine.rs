@@ -14,6 +14,7 @@ use crate::memory;
 use crate::metrics::Metrics;
 use crate::protocol::{DoneReason, Stats};
 use crate::speculate::DraftModel;
+use cache::disk::{DiskConfig, DiskStats, DiskTier};
 use cache::prefix::{needs_checkpoints, PrefixCache};
 use models::{DtypeChoice, LoadedModel, ModelFiles, Tokenizer};
 use sample::Sampler;
@@ -40,8 +41,10 @@ pub struct EngineConfig {
     /// Bytes the runner may use in all, weights included; `None`: what the machine has
     /// available once the weights are loaded.
     pub memory_limit: Option<usize>,
-    /// Prompt tokens between sliding-window snapshots.
+    /// Prompt tokens between sliding-window snapshots, and the disk tier's block length.
     pub cache_interval: usize,
+    /// The prefix cache's disk tier (what a runner started again resumes from); `None`: off.
+    pub cache_disk: Option<DiskConfig>,
     /// The drafter's files (`--draft`, or the draft a stored model carries); GLM's own MTP
     /// layer is used when there is none.
     pub draft: Option<ModelFiles>,
@@ -133,6 +136,8 @@ pub struct Shared {
     pub memory_available: AtomicU64,
     pub cache_budget: AtomicU64,
     pub cache_memory: AtomicU64,
+    /// The disk tier's counters and its budget, once it is open.
+    pub disk: OnceLock<(Arc<DiskStats>, u64)>,
     pub metrics: Metrics,
     pub architecture: OnceLock<&'static str>,
 }
@@ -218,7 +223,12 @@ fn engine_main(
     let controllers = (0..BATCH_BUCKETS)
         .map(|_| DepthController::new(cfg.max_draft_depth, cfg.draft_depth))
         .collect();
+    let disk = open_disk(&cfg, &model, draft.as_ref());
+    if let Some(d) = &disk {
+        let _ = shared.disk.set((Arc::clone(d.stats()), d.budget()));
+    }
     let mut engine = Engine {
+        disk,
         draft,
         controllers,
         prefix: PrefixCache::new(budget, cfg.cache_interval),
@@ -238,6 +248,48 @@ fn engine_main(
         .set(Arc::clone(&engine.model.tokenizer));
     let _ = loaded.send(Ok(()));
     engine.run(rx);
+}
+
+/// The disk tier, when configured and usable (a directory that cannot be used turns it off with
+/// a warning: it is a cache, not a reason to refuse to serve).
+fn open_disk(
+    cfg: &EngineConfig,
+    model: &LoadedModel,
+    draft: Option<&DraftModel>,
+) -> Option<DiskTier> {
+    let d = cfg.cache_disk.as_ref().filter(|d| d.budget > 0)?;
+    // What the caches' contents depend on: the weights, the drafter's, the compute dtype and
+    // the device (the layout of the caches themselves is part of each block's name).
+    let key = format!(
+        "{}|{}|{}|{:?}|{}",
+        model.model.architecture(),
+        cfg.model.identity(),
+        match (draft, &cfg.draft) {
+            (Some(_), Some(f)) => f.identity(),
+            (Some(d), None) => d.name().to_string(),
+            (None, _) => "-".into(),
+        },
+        cfg.dtype,
+        mlx::default_device(),
+    );
+    match DiskTier::open(d, &key, cfg.cache_interval.max(1)) {
+        Ok(t) => {
+            tracing::info!(
+                dir = %d.dir.display(),
+                budget = %memory::Bytes(d.budget as usize),
+                held = %memory::Bytes(t.stats().bytes.load(Ordering::Relaxed) as usize),
+                "prefix cache disk tier"
+            );
+            Some(t)
+        }
+        Err(e) => {
+            tracing::warn!(
+                "prefix cache disk tier off: cannot use {}: {e}",
+                d.dir.display()
+            );
+            None
+        }
+    }
 }
 
 /// The memory plan for this model and configuration, logged; its error is the load's.
@@ -328,6 +380,9 @@ struct Engine {
     /// whole step's time; a large batch learns to draft shallower, down to not at all.
     controllers: Vec<DepthController>,
     prefix: PrefixCache,
+    /// Blocks of finished sequences on disk, for runners started later (and this one, once
+    /// memory evicted them).
+    disk: Option<DiskTier>,
     cfg: EngineConfig,
     shared: Arc<Shared>,
     active: Vec<Active>,
@@ -404,7 +459,7 @@ impl Engine {
             let prompt = &job.params.prompt;
             let drafting = self.draft.is_some() && !job.params.options.logprobs;
             let fresh = self.fresh_caches(drafting);
-            let restored = match self.prefix.restore(prompt, fresh) {
+            let mut restored = match self.prefix.restore(prompt, fresh) {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::warn!("prefix cache restore failed, starting cold: {e}");
@@ -416,6 +471,19 @@ impl Engine {
                 }
             };
             let m = &self.shared.metrics;
+            if let Some(disk) = &self.disk {
+                if let Some(d) = disk.restore(prompt, self.fresh_caches(drafting), restored.cached)
+                {
+                    m.disk_hits.fetch_add(1, Ordering::Relaxed);
+                    m.disk_tokens
+                        .fetch_add(d.restored.cached as u64, Ordering::Relaxed);
+                    let matched = restored.matched.max(d.restored.matched);
+                    restored = cache::prefix::Restored {
+                        matched,
+                        ..d.restored
+                    };
+                }
+            }
             if restored.cached > 0 {
                 m.cache_hits.fetch_add(1, Ordering::Relaxed);
                 m.cached_tokens
@@ -697,6 +765,11 @@ impl Engine {
             }
         }
         let (caches, fed, taken) = a.gen.into_parts();
+        if let Some(disk) = &self.disk {
+            if let Err(e) = disk.store(&fed, &caches, &taken) {
+                tracing::warn!("prefix cache blocks not written: {e}");
+            }
+        }
         if let Err(e) = self.prefix.insert(&fed, &caches, taken) {
             tracing::warn!("prefix cache insert failed: {e}");
         }

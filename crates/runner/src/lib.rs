@@ -14,5 +14,6 @@ pub mod speculate;
 pub mod stop;
 pub mod text;
 
+pub use cache::disk::DiskConfig;
 pub use generate::{Ctx, Event, GenerateError, Generation, GenerationParams, RawLogprob};
 pub use speculate::DraftModel;

@@ -21,6 +21,24 @@ const DEFAULT_CONTEXT_PERCENT: usize = 50;
 /// The default prefix-cache budget: this share of what the live caches leave.
 const PREFIX_PERCENT: usize = 25;
 
+/// Bytes free to an unprivileged writer on the filesystem holding `path` (or the nearest
+/// existing directory above it).
+pub fn disk_free(path: &std::path::Path) -> Option<u64> {
+    let mut p = path;
+    while !p.exists() {
+        p = p.parent()?;
+    }
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: a NUL-terminated path and a zeroed struct statvfs fills.
+    unsafe {
+        let mut st: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(c.as_ptr(), &mut st) != 0 {
+            return None;
+        }
+        Some(st.f_bavail as u64 * st.f_frsize as u64)
+    }
+}
+
 /// Bytes the machine lets this process allocate now: the kernel's estimate of memory available
 /// without swapping, bounded by the room left in the process's cgroup. `None` where neither can
 /// be read.

@@ -69,6 +69,9 @@ pub struct Metrics {
     pub cache_misses: AtomicU64,
     pub cached_tokens: AtomicU64,
     pub recomputed_tokens: AtomicU64,
+    /// Requests restored from the disk tier, and the prompt tokens it gave them.
+    pub disk_hits: AtomicU64,
+    pub disk_tokens: AtomicU64,
     pub draft_tokens: AtomicU64,
     pub draft_accepted: AtomicU64,
     pub drafted_at: Vec<AtomicU64>,
@@ -96,6 +99,8 @@ impl Default for Metrics {
             cache_misses: AtomicU64::new(0),
             cached_tokens: AtomicU64::new(0),
             recomputed_tokens: AtomicU64::new(0),
+            disk_hits: AtomicU64::new(0),
+            disk_tokens: AtomicU64::new(0),
             draft_tokens: AtomicU64::new(0),
             draft_accepted: AtomicU64::new(0),
             drafted_at: (0..DRAFT_POSITIONS).map(|_| AtomicU64::new(0)).collect(),
@@ -122,8 +127,15 @@ fn gauge(out: &mut String, name: &str, help: &str, v: u64) {
 }
 
 impl Metrics {
-    /// The exposition text; `memory` and `cache_memory` are current gauges in bytes.
-    pub fn render(&self, memory: u64, cache_memory: u64, cache_budget: u64) -> String {
+    /// The exposition text; `memory` and `cache_memory` are current gauges in bytes, `disk`
+    /// the disk tier's counters and budget when it is on.
+    pub fn render(
+        &self,
+        memory: u64,
+        cache_memory: u64,
+        cache_budget: u64,
+        disk: Option<&(std::sync::Arc<cache::disk::DiskStats>, u64)>,
+    ) -> String {
         let mut o = String::new();
         counter(
             &mut o,
@@ -230,6 +242,56 @@ impl Metrics {
             "What the prefix cache may hold, from the memory plan made at start.",
             cache_budget,
         );
+        if let Some((d, budget)) = disk {
+            counter(
+                &mut o,
+                "mlx_runner_prefix_disk_hits_total",
+                "Requests resumed from the prefix cache's disk tier.",
+                &self.disk_hits,
+            );
+            counter(
+                &mut o,
+                "mlx_runner_prefix_disk_tokens_total",
+                "Prompt tokens restored from the disk tier.",
+                &self.disk_tokens,
+            );
+            counter(
+                &mut o,
+                "mlx_runner_prefix_disk_written_total",
+                "Blocks written to the disk tier.",
+                &d.written,
+            );
+            counter(
+                &mut o,
+                "mlx_runner_prefix_disk_dropped_total",
+                "Blocks not written (the writer's queue full, a write failed, over the budget).",
+                &d.dropped,
+            );
+            counter(
+                &mut o,
+                "mlx_runner_prefix_disk_skipped_total",
+                "Block files refused on read (corrupt, truncated, foreign) and removed.",
+                &d.skipped,
+            );
+            counter(
+                &mut o,
+                "mlx_runner_prefix_disk_evicted_total",
+                "Block files evicted to stay within the budget.",
+                &d.evicted,
+            );
+            gauge(
+                &mut o,
+                "mlx_runner_prefix_disk_bytes",
+                "Bytes of block files in the disk tier's directory.",
+                d.bytes.load(Relaxed),
+            );
+            gauge(
+                &mut o,
+                "mlx_runner_prefix_disk_budget_bytes",
+                "What the disk tier's directory may hold.",
+                *budget,
+            );
+        }
         self.time_to_first_token.render(
             &mut o,
             "mlx_runner_time_to_first_token_seconds",

@@ -119,6 +119,7 @@ async fn status(State(app): State<AppState>) -> Response {
         // Ours: the memory plan made at start (docs/PROTOCOL.md, "Memory").
         "MemoryAvailable": app.shared.memory_available.load(Ordering::Relaxed),
         "CacheBudget": app.shared.cache_budget.load(Ordering::Relaxed),
+        "CacheDiskBudget": app.shared.disk.get().map_or(0, |d| d.1),
         // Ours: a parent that chose the port can check it is talking to its own child.
         "Pid": std::process::id(),
     });
@@ -142,6 +143,7 @@ async fn metrics(State(app): State<AppState>) -> Response {
         s.memory.load(Ordering::Relaxed),
         s.cache_memory.load(Ordering::Relaxed),
         s.cache_budget.load(Ordering::Relaxed),
+        s.disk.get(),
     );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }

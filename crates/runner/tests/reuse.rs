@@ -34,6 +34,7 @@ fn engine(target: &str, draft: Option<&str>, drafting: bool, interval: usize) ->
         cache_budget: Some(1 << 30),
         memory_limit: None,
         cache_interval: interval,
+        cache_disk: None,
         draft: draft.map(|d| ModelFiles::dir(&fixture(d)).unwrap()),
         draft_depth: if drafting { None } else { Some(0) },
         max_draft_depth: 4,

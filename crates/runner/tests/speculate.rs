@@ -32,6 +32,7 @@ fn config(
         cache_budget: None,
         memory_limit: None,
         cache_interval: 256,
+        cache_disk: None,
         draft: draft.map(|d| ModelFiles::dir(&fixture(d)).unwrap()),
         draft_depth: depth,
         max_draft_depth: 4,
