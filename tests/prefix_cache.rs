@@ -2,58 +2,11 @@
 //! conversations and branches, outputs identical to a cold runner, and a bounded budget.
 
 mod common;
+use common::turn::{ask_with, metric, same, Turn};
 use common::*;
-use serde_json::json;
-
-struct Turn {
-    text: String,
-    cached: u64,
-    prompt_tokens: u64,
-    logprobs: Vec<f64>,
-}
 
 fn ask(r: &Runner, prompt: &str, n: i64) -> Turn {
-    let lines = r.complete(&json!({
-        "Prompt": prompt,
-        "Options": {"num_predict": n, "temperature": 0, "repeat_penalty": 1.0},
-        "Logprobs": true
-    }));
-    let d = done_of(&lines);
-    Turn {
-        text: text_of(&lines),
-        cached: d["CachedTokens"].as_u64().unwrap(),
-        prompt_tokens: d["PromptEvalCount"].as_u64().unwrap(),
-        logprobs: lines
-            .iter()
-            .filter_map(|l| l["Logprobs"].as_array())
-            .flatten()
-            .map(|e| e["logprob"].as_f64().unwrap())
-            .collect(),
-    }
-}
-
-fn same(warm: &Turn, cold: &Turn, what: &str) {
-    assert_eq!(
-        warm.text, cold.text,
-        "{what}: text differs from a cold runner"
-    );
-    assert_eq!(warm.logprobs.len(), cold.logprobs.len(), "{what}");
-    for (a, b) in warm.logprobs.iter().zip(&cold.logprobs) {
-        assert!((a - b).abs() < 1e-4, "{what}: logprob {a} vs cold {b}");
-    }
-}
-
-fn metric(r: &Runner, name: &str) -> f64 {
-    let m = ureq::get(&r.url("/metrics"))
-        .call()
-        .unwrap()
-        .into_string()
-        .unwrap();
-    m.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no metric {name}"))
+    ask_with(r, prompt, n, true)
 }
 
 /// Each turn's prompt extends the last prompt and its answer; every turn after the first hits,

@@ -5,6 +5,7 @@
 use serde_json::Value;
 
 pub mod serve;
+pub mod turn;
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};

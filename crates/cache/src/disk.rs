@@ -24,7 +24,7 @@
 //! file and a rename, so several runners may share one directory and none ever sees a partial
 //! file; the directory never holds more than the budget.
 
-use crate::prefix::{needs_checkpoints, CacheCheckpoint, Restored};
+use crate::prefix::{held_by_all, needs_checkpoints, CacheCheckpoint, Restored};
 use crate::{CacheError, KvCache, LatentCache, LayerCache, Result};
 use mlx::Array;
 use sha2::{Digest, Sha256};
@@ -335,12 +335,7 @@ impl DiskTier {
         caches: &[LayerCache],
         checkpoints: &[(usize, CacheCheckpoint)],
     ) -> Result<usize> {
-        let held = caches
-            .iter()
-            .map(LayerCache::offset)
-            .min()
-            .unwrap_or(0)
-            .min(tokens.len());
+        let held = held_by_all(caches, tokens.len());
         let rotating = needs_checkpoints(caches);
         let aligned = caches.iter().all(|c| c.offset() == held);
         let root = hex::encode(chain_root(&self.model, &layout(caches)));
@@ -697,10 +692,7 @@ fn assemble(fresh: Vec<LayerCache>, blocks: &[Block], upto: usize) -> Result<Vec
                         vs.push(v);
                     }
                 }
-                LayerCache::Kv(KvCache::from_state(
-                    mlx::concatenate(&ks, 2)?,
-                    mlx::concatenate(&vs, 2)?,
-                )?)
+                LayerCache::Kv(KvCache::from_runs(&ks, &vs)?)
             }
             LayerCache::Latent(_) => {
                 let rs: Vec<&Array> = parts
@@ -709,7 +701,7 @@ fn assemble(fresh: Vec<LayerCache>, blocks: &[Block], upto: usize) -> Result<Vec
                         _ => None,
                     })
                     .collect();
-                LayerCache::Latent(LatentCache::from_state(mlx::concatenate(&rs, 2)?)?)
+                LayerCache::Latent(LatentCache::from_runs(&rs)?)
             }
             LayerCache::Rotating(r) => match blocks.last().map(|b| &b.layers[i]) {
                 Some(BlockLayer::Window(k, v)) => {

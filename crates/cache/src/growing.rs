@@ -214,6 +214,11 @@ impl KvCache {
         })
     }
 
+    /// A cache holding runs of keys and values (`[B, H, t, D]` each) joined in order.
+    pub fn from_runs(keys: &[&Array], values: &[&Array]) -> Result<KvCache> {
+        Self::from_state(mlx::concatenate(keys, 2)?, mlx::concatenate(values, 2)?)
+    }
+
     /// All keys and values held, or `None` when empty.
     pub fn state(&self) -> Result<Option<(Array, Array)>> {
         if self.keys.len == 0 {
@@ -278,6 +283,11 @@ impl LatentCache {
         Ok(LatentCache {
             rows: Growing::from_data(rows)?,
         })
+    }
+
+    /// A cache holding runs of rows (`[B, 1, t, r+dr]` each) joined in order.
+    pub fn from_runs(rows: &[&Array]) -> Result<LatentCache> {
+        Self::from_state(mlx::concatenate(rows, 2)?)
     }
 
     /// A copy of positions `start..end`.

@@ -164,6 +164,17 @@ impl Checkpoint for CacheCheckpoint {
     }
 }
 
+/// Positions every one of `caches` holds, at most `tokens` (a drafter's caches may trail the
+/// target's by a few tokens).
+pub(crate) fn held_by_all(caches: &[LayerCache], tokens: usize) -> usize {
+    caches
+        .iter()
+        .map(LayerCache::offset)
+        .min()
+        .unwrap_or(0)
+        .min(tokens)
+}
+
 /// Whether restoring these caches needs a checkpoint (any layer is rotating).
 pub fn needs_checkpoints(caches: &[LayerCache]) -> bool {
     caches.iter().any(|c| matches!(c, LayerCache::Rotating(_)))
@@ -283,10 +294,7 @@ impl PrefixCache {
                             }
                         })
                         .collect();
-                    LayerCache::Kv(KvCache::from_state(
-                        mlx::concatenate(&ks, 2)?,
-                        mlx::concatenate(&vs, 2)?,
-                    )?)
+                    LayerCache::Kv(KvCache::from_runs(&ks, &vs)?)
                 }
                 LayerCache::Latent(_) => {
                     let rs: Vec<&Array> = all
@@ -299,7 +307,7 @@ impl PrefixCache {
                             }
                         })
                         .collect();
-                    LayerCache::Latent(LatentCache::from_state(mlx::concatenate(&rs, 2)?)?)
+                    LayerCache::Latent(LatentCache::from_runs(&rs)?)
                 }
                 LayerCache::Rotating(_) => {
                     let cp = checkpoint
@@ -344,12 +352,7 @@ impl PrefixCache {
         mut checkpoints: Vec<(usize, CacheCheckpoint)>,
     ) -> Result<()> {
         // Keep only what every cache holds (a drafter may trail the target by a few tokens).
-        let held = caches
-            .iter()
-            .map(LayerCache::offset)
-            .min()
-            .unwrap_or(0)
-            .min(tokens.len());
+        let held = held_by_all(caches, tokens.len());
         let tokens = &tokens[..held];
         if tokens.is_empty() {
             return Ok(());
