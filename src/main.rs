@@ -151,6 +151,7 @@ impl DraftArgs {
             memory_limit: None,
             cache_interval: 256,
             cache_disk: None,
+            kv_cache: DtypeChoice::Auto,
             draft,
             draft_depth: if self.no_draft {
                 Some(0)
@@ -547,6 +548,10 @@ struct RunnerArgs {
     /// free space there, at most 10 GiB); 0 turns the tier off.
     #[arg(long, value_parser = parse_bytes)]
     cache_disk_budget: Option<u64>,
+    /// What the KV caches store keys and values (GLM: latent rows) as: auto (the compute
+    /// dtype), f32, f16 or bf16. f16 and bf16 halve a cached token's bytes.
+    #[arg(long, default_value = "auto")]
+    kv_cache_type: DtypeChoice,
     /// Log at debug level.
     #[arg(long)]
     verbose: bool,
@@ -776,6 +781,7 @@ fn runner(a: RunnerArgs) -> Result<()> {
             memory_limit: a.memory_limit.map(|b| b as usize),
             cache_interval: a.cache_interval,
             cache_disk,
+            kv_cache: a.kv_cache_type,
             ..engine
         },
         host: a.host,

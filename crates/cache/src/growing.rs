@@ -1,8 +1,8 @@
 //! Caches that keep every position: full attention (keys + values) and MLA (one latent array).
 
-use crate::{time_len, write_attend, Attended, AttnMask, CacheError, Result, STEP};
+use crate::{cast, time_len, write_attend, Attended, AttnMask, CacheError, Result, STEP};
 use mlx::fast::{KvSlots, SdpaLayout};
-use mlx::{Array, Ix};
+use mlx::{Array, Dtype, Ix};
 
 /// A `[B, H, T, D]` buffer that grows along time in steps of [`STEP`] and holds `len` valid
 /// positions `0..len` in order.
@@ -133,6 +133,8 @@ impl Growing {
 pub struct KvCache {
     keys: Growing,
     values: Growing,
+    /// What keys and values are stored as (`None`: as they come).
+    dtype: Option<Dtype>,
 }
 
 impl KvCache {
@@ -140,9 +142,18 @@ impl KvCache {
         Self::default()
     }
 
+    /// A cache storing keys and values as `dtype` (`None`: as they come).
+    pub fn with_dtype(dtype: Option<Dtype>) -> Self {
+        KvCache {
+            dtype,
+            ..Self::default()
+        }
+    }
+
     /// Appends `[B, H, L, D]` keys and values; returns all keys and values so far.
     pub fn update(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
-        Ok((self.keys.append(keys)?, self.values.append(values)?))
+        let (keys, values) = (cast(keys, self.dtype)?, cast(values, self.dtype)?);
+        Ok((self.keys.append(&keys)?, self.values.append(&values)?))
     }
 
     /// Appends `[B, H, L, D]` keys and values, and attends queries `q` (`[B, Hq, L, D]`) over
@@ -157,6 +168,7 @@ impl KvCache {
         scale: f32,
         layout: SdpaLayout,
     ) -> Result<Attended> {
+        let (keys, values) = (&cast(keys, self.dtype)?, &cast(values, self.dtype)?);
         let at = self.keys.len;
         let l = time_len(keys)?;
         if self.values.len != at {
@@ -206,12 +218,19 @@ impl KvCache {
         self.keys.bytes_per_position() + self.values.bytes_per_position()
     }
 
-    /// A cache holding `keys` and `values` (`[B, H, T, D]`) as positions `0..T`.
+    /// A cache holding `keys` and `values` (`[B, H, T, D]`) as positions `0..T`, storing what
+    /// comes next in their dtype.
     pub fn from_state(keys: Array, values: Array) -> Result<KvCache> {
         Ok(KvCache {
+            dtype: Some(keys.dtype()),
             keys: Growing::from_data(keys)?,
             values: Growing::from_data(values)?,
         })
+    }
+
+    /// What keys and values are stored as (`None`: as they come).
+    pub fn dtype(&self) -> Option<Dtype> {
+        self.dtype
     }
 
     /// A cache holding runs of keys and values (`[B, H, t, D]` each) joined in order.
@@ -241,6 +260,8 @@ impl KvCache {
 #[derive(Debug, Clone, Default)]
 pub struct LatentCache {
     rows: Growing,
+    /// What rows are stored as (`None`: as they come).
+    dtype: Option<Dtype>,
 }
 
 impl LatentCache {
@@ -248,9 +269,22 @@ impl LatentCache {
         Self::default()
     }
 
-    /// Appends `[B, 1, L, r+dr]` rows; returns all rows so far.
+    /// A cache storing rows as `dtype` (`None`: as they come).
+    pub fn with_dtype(dtype: Option<Dtype>) -> Self {
+        LatentCache {
+            dtype,
+            ..Self::default()
+        }
+    }
+
+    /// What rows are stored as (`None`: as they come).
+    pub fn dtype(&self) -> Option<Dtype> {
+        self.dtype
+    }
+
+    /// Appends `[B, 1, L, r+dr]` rows; returns all rows so far (in the cache's dtype).
     pub fn update(&mut self, rows: &Array) -> Result<Array> {
-        self.rows.append(rows)
+        self.rows.append(&cast(rows, self.dtype)?)
     }
 
     pub fn mask(&self, l: usize) -> AttnMask {
@@ -278,9 +312,11 @@ impl LatentCache {
         self.rows.bytes_per_position()
     }
 
-    /// A cache holding `rows` (`[B, 1, T, r+dr]`) as positions `0..T`.
+    /// A cache holding `rows` (`[B, 1, T, r+dr]`) as positions `0..T`, storing what comes
+    /// next in their dtype.
     pub fn from_state(rows: Array) -> Result<LatentCache> {
         Ok(LatentCache {
+            dtype: Some(rows.dtype()),
             rows: Growing::from_data(rows)?,
         })
     }

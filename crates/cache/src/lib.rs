@@ -116,6 +116,25 @@ impl LayerCache {
         }
     }
 
+    /// The same empty cache storing its keys and values (or rows) as `dtype` (`None`: as they
+    /// come): the runner's `--kv-cache-type`.
+    pub fn with_dtype(self, dtype: Option<mlx::Dtype>) -> LayerCache {
+        match self {
+            LayerCache::Kv(_) => LayerCache::Kv(KvCache::with_dtype(dtype)),
+            LayerCache::Rotating(r) => LayerCache::Rotating(r.with_dtype(dtype)),
+            LayerCache::Latent(_) => LayerCache::Latent(LatentCache::with_dtype(dtype)),
+        }
+    }
+
+    /// What the cache stores its keys and values (or rows) as (`None`: as they come).
+    pub fn dtype(&self) -> Option<mlx::Dtype> {
+        match self {
+            LayerCache::Kv(c) => c.dtype(),
+            LayerCache::Rotating(c) => c.dtype(),
+            LayerCache::Latent(c) => c.dtype(),
+        }
+    }
+
     /// The most positions the cache keeps between updates: a sliding window's ring; `None`
     /// for a cache that keeps every position.
     pub fn most_positions(&self) -> Option<usize> {
@@ -124,6 +143,14 @@ impl LayerCache {
             LayerCache::Kv(_) | LayerCache::Latent(_) => None,
         }
     }
+}
+
+/// `x` as `dtype` (itself when it is already, or when `dtype` is `None`).
+pub(crate) fn cast(x: &Array, dtype: Option<mlx::Dtype>) -> Result<Array> {
+    Ok(match dtype {
+        Some(d) if x.dtype() != d => x.astype(d)?,
+        _ => x.clone(),
+    })
 }
 
 /// The time length of a `[B, H, L, D]` update.

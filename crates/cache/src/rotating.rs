@@ -13,9 +13,11 @@
 //! rewind succeeds whenever the tokens the next query needs are still held, and is an error
 //! otherwise, never a silent divergence.
 
-use crate::{attention, time_len, write_attend, Attended, AttnMask, CacheError, Result, STEP};
+use crate::{
+    attention, cast, time_len, write_attend, Attended, AttnMask, CacheError, Result, STEP,
+};
 use mlx::fast::{KvSlots, SdpaLayout};
-use mlx::{Array, Ix};
+use mlx::{Array, Dtype, Ix};
 
 #[derive(Debug, Clone)]
 pub struct RotatingKvCache {
@@ -29,6 +31,8 @@ pub struct RotatingKvCache {
     count: usize,
     /// Tokens seen; the next token's position.
     offset: usize,
+    /// What keys and values are stored as (`None`: as they come).
+    dtype: Option<Dtype>,
 }
 
 fn slots_of(buf: &Array) -> usize {
@@ -61,7 +65,18 @@ impl RotatingKvCache {
             start: 0,
             count: 0,
             offset: 0,
+            dtype: None,
         }
+    }
+
+    /// The same cache storing keys and values as `dtype` (`None`: as they come).
+    pub fn with_dtype(self, dtype: Option<Dtype>) -> Self {
+        RotatingKvCache { dtype, ..self }
+    }
+
+    /// What keys and values are stored as (`None`: as they come).
+    pub fn dtype(&self) -> Option<Dtype> {
+        self.dtype
     }
 
     pub fn window(&self) -> usize {
@@ -135,6 +150,7 @@ impl RotatingKvCache {
     /// Writes `[B, H, L, D]` keys and values for the next `L` positions; returns the keys and
     /// values attention should see, in slot order (use [`RotatingKvCache::mask`] with them).
     pub fn update(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        let (keys, values) = (&cast(keys, self.dtype)?, &cast(values, self.dtype)?);
         let l = time_len(keys)?;
         if l == 1 {
             self.write_one(keys, values)?;
@@ -205,6 +221,7 @@ impl RotatingKvCache {
         scale: f32,
         layout: SdpaLayout,
     ) -> Result<Attended> {
+        let (keys, values) = (&cast(keys, self.dtype)?, &cast(values, self.dtype)?);
         let l = time_len(keys)?;
         if l != 1 {
             // A batched write relinearises the ring (see `write_many`): no single slot range.
@@ -315,6 +332,7 @@ impl RotatingKvCache {
             start: 0,
             count,
             offset,
+            dtype: self.dtype,
         })
     }
 

@@ -476,10 +476,12 @@ std::optional<mlx::core::array> make(
 // nullopt where a View cannot hold them.
 template <class Op>
 std::optional<std::vector<mlx::core::array>> make_many(
-    std::vector<mlx::core::Shape> shapes, typename Op::Params p, std::vector<mlx::core::array> inputs) {
+    std::vector<mlx::core::Shape> shapes, typename Op::Params p, std::vector<mlx::core::array> inputs,
+    std::vector<mlx::core::Dtype> dtypes = {}) {
   if (!views_fit(shapes, inputs)) return std::nullopt;
   auto stream = mlx::core::default_stream(mlx::core::Device::cpu);
-  std::vector<mlx::core::Dtype> dtypes(shapes.size(), mlx::core::float32);
+  // Float32 unless said otherwise (a cache write's buffers keep the cache's type).
+  dtypes.resize(shapes.size(), mlx::core::float32);
   return mlx::core::array::make_arrays(
       std::move(shapes), dtypes, std::make_shared<CpuPrimitive<Op>>(stream, p), std::move(inputs));
 }

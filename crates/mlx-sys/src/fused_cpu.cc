@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "mlx-sys/src/cpu_common.h"
@@ -59,8 +60,9 @@ std::optional<mx::array> fused(const mx::Shape& shape, typename Op::Params p, st
 
 template <class Op>
 std::optional<std::vector<mx::array>> fused_many(
-    std::vector<mx::Shape> shapes, typename Op::Params p, std::vector<mx::array> inputs) {
-  return make_many<Counted<Op>>(std::move(shapes), p, std::move(inputs));
+    std::vector<mx::Shape> shapes, typename Op::Params p, std::vector<mx::array> inputs,
+    std::vector<mx::Dtype> dtypes = {}) {
+  return make_many<Counted<Op>>(std::move(shapes), p, std::move(inputs), std::move(dtypes));
 }
 
 // ---- vector helpers ---------------------------------------------------------------------------
@@ -440,9 +442,47 @@ constexpr int kTile = 4;
 // integer, not as a pointer past the array.
 constexpr int kAhead = 16;
 
-inline void prefetch_row(const float* row, int64_t ahead, int d) {
-  const uintptr_t at = reinterpret_cast<uintptr_t>(row) + (uintptr_t)(ahead * (int64_t)sizeof(float));
-  for (int i = 0; i < d; i += 16) _mm_prefetch(reinterpret_cast<const char*>(at + i * sizeof(float)), _MM_HINT_T1);
+// Key and value rows may be stored as float32, float16 or bfloat16 (a cache of a smaller type
+// halves what a decode step reads); the arithmetic is float32 throughout, each element widened
+// exactly as it is loaded.
+using f16 = mx::float16_t;
+using bf16 = mx::bfloat16_t;
+
+inline bool has_f16c() {
+  static const bool yes = has_avx2() && __builtin_cpu_supports("f16c");
+  return yes;
+}
+
+// Whether the AVX2 paths take rows of T (float16's need the F16C conversions too).
+template <class T>
+bool vector_rows() {
+  if constexpr (std::is_same_v<T, f16>) return has_f16c();
+  return has_avx2();
+}
+
+// Eight elements of T from p, as floats.
+template <class T>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, f16>) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+}
+
+template <class T>
+inline float widen(T x) {
+  return static_cast<float>(x);
+}
+
+template <class T>
+inline void prefetch_row(const T* row, int64_t ahead, int d) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(row) + (uintptr_t)(ahead * (int64_t)sizeof(T));
+  const int line = 64 / (int)sizeof(T);
+  for (int i = 0; i < d; i += line) _mm_prefetch(reinterpret_cast<const char*>(at + i * sizeof(T)), _MM_HINT_T1);
 }
 
 // sc[t][c] = q_t · k_c for the R (1..kTile) query rows of a tile (rows of D floats from q) and
@@ -452,14 +492,14 @@ inline void prefetch_row(const float* row, int64_t ahead, int d) {
 // result lane depends on its own chain only, then the scalar tail. So a score does not depend
 // on which rows share its tile or which key it is paired with (a verify step's rows equal
 // one-row decode steps). Each value row of the block (v, vstep, Dv) is fetched too.
-template <int R>
-__attribute__((target("avx2,fma"))) void scores_avx(
-    const float* q, int D, const float* k, int64_t kstep, int n, float* sc,
-    const float* v, int64_t vstep, int Dv) {
+template <int R, class T>
+__attribute__((target("avx2,fma,f16c"))) void scores_avx(
+    const float* q, int D, const T* k, int64_t kstep, int n, float* sc,
+    const T* v, int64_t vstep, int Dv) {
   const int d8 = D / 8 * 8;
   for (int c = 0; c < n; c += 2) {
     const int keys = std::min(2, n - c);
-    const float* kc[2] = {k + c * kstep, k + (c + keys - 1) * kstep};
+    const T* kc[2] = {k + c * kstep, k + (c + keys - 1) * kstep};
     #pragma GCC unroll 2
     for (int i = 0; i < keys; ++i) {
       prefetch_row(kc[i], kAhead * kstep, D);
@@ -469,7 +509,7 @@ __attribute__((target("avx2,fma"))) void scores_avx(
     #pragma GCC unroll 4
     for (int t = 0; t < kTile; ++t) a[0][t] = a[1][t] = _mm256_setzero_ps();
     for (int d = 0; d < d8; d += 8) {
-      const __m256 k0 = _mm256_loadu_ps(kc[0] + d), k1 = _mm256_loadu_ps(kc[1] + d);
+      const __m256 k0 = load8(kc[0] + d), k1 = load8(kc[1] + d);
       #pragma GCC unroll 4
       for (int t = 0; t < R; ++t) {
         const __m256 qv = _mm256_loadu_ps(q + t * D + d);
@@ -487,7 +527,7 @@ __attribute__((target("avx2,fma"))) void scores_avx(
       #pragma GCC unroll 4
       for (int t = 0; t < R; ++t) {
         float x = sums[i][t];
-        for (int d = d8; d < D; ++d) x = std::fma(q[t * D + d], kc[i][d], x);
+        for (int d = d8; d < D; ++d) x = std::fma(q[t * D + d], widen(kc[i][d]), x);
         sc[t * kKeyBlock + c + i] = x;
       }
     }
@@ -499,9 +539,9 @@ __attribute__((target("avx2,fma"))) void scores_avx(
 // otherwise be loaded and stored for every key), and each value row segment is loaded once for
 // all the rows. Each output element is the sequence fma(e_c, v_c[d], acc) in key order,
 // whatever R is.
-template <int R>
-__attribute__((target("avx2,fma"))) void values_avx(
-    const float* e, const float* v, int64_t vstep, int n, int Dv, float* const* acc) {
+template <int R, class T>
+__attribute__((target("avx2,fma,f16c"))) void values_avx(
+    const float* e, const T* v, int64_t vstep, int n, int Dv, float* const* acc) {
   const int d16 = Dv / 16 * 16, d8 = Dv / 8 * 8;
   int d = 0;
   for (; d < d16; d += 16) {
@@ -512,8 +552,8 @@ __attribute__((target("avx2,fma"))) void values_avx(
       a[t][1] = _mm256_loadu_ps(acc[t] + d + 8);
     }
     for (int c = 0; c < n; ++c) {
-      const float* vc = v + c * vstep + d;
-      const __m256 x0 = _mm256_loadu_ps(vc), x1 = _mm256_loadu_ps(vc + 8);
+      const T* vc = v + c * vstep + d;
+      const __m256 x0 = load8(vc), x1 = load8(vc + 8);
       #pragma GCC unroll 4
       for (int t = 0; t < R; ++t) {
         const __m256 w = _mm256_broadcast_ss(e + t * kKeyBlock + c);
@@ -532,7 +572,7 @@ __attribute__((target("avx2,fma"))) void values_avx(
     #pragma GCC unroll 4
     for (int t = 0; t < R; ++t) a[t] = _mm256_loadu_ps(acc[t] + d);
     for (int c = 0; c < n; ++c) {
-      const __m256 x = _mm256_loadu_ps(v + c * vstep + d);
+      const __m256 x = load8(v + c * vstep + d);
       #pragma GCC unroll 4
       for (int t = 0; t < R; ++t)
         a[t] = _mm256_fmadd_ps(_mm256_broadcast_ss(e + t * kKeyBlock + c), x, a[t]);
@@ -542,7 +582,7 @@ __attribute__((target("avx2,fma"))) void values_avx(
   }
   for (d = d8; d < Dv; ++d)
     for (int c = 0; c < n; ++c)
-      for (int t = 0; t < R; ++t) acc[t][d] = std::fma(e[t * kKeyBlock + c], v[c * vstep + d], acc[t][d]);
+      for (int t = 0; t < R; ++t) acc[t][d] = std::fma(e[t * kKeyBlock + c], widen(v[c * vstep + d]), acc[t][d]);
 }
 
 // One row's softmax step over a block of n scores (srow, hidden keys already at lowest): the
@@ -579,24 +619,27 @@ __attribute__((target("avx2,fma"))) float block_max_avx(const float* srow, int n
 }
 
 // The same without AVX2, one row at a time.
-void scores_scalar(int R, const float* q, int D, const float* k, int64_t kstep, int n, float* sc) {
+template <class T>
+void scores_scalar(int R, const float* q, int D, const T* k, int64_t kstep, int n, float* sc) {
   for (int t = 0; t < R; ++t)
     for (int c = 0; c < n; ++c) {
       float x = 0;
-      for (int d = 0; d < D; ++d) x = std::fma(q[t * D + d], k[c * kstep + d], x);
+      for (int d = 0; d < D; ++d) x = std::fma(q[t * D + d], widen(k[c * kstep + d]), x);
       sc[t * kKeyBlock + c] = x;
     }
 }
 
-void values_scalar(int R, const float* e, const float* v, int64_t vstep, int n, int Dv, float* const* acc) {
+template <class T>
+void values_scalar(int R, const float* e, const T* v, int64_t vstep, int n, int Dv, float* const* acc) {
   for (int t = 0; t < R; ++t)
     for (int c = 0; c < n; ++c)
-      for (int d = 0; d < Dv; ++d) acc[t][d] = std::fma(e[t * kKeyBlock + c], v[c * vstep + d], acc[t][d]);
+      for (int d = 0; d < Dv; ++d) acc[t][d] = std::fma(e[t * kKeyBlock + c], widen(v[c * vstep + d]), acc[t][d]);
 }
 
-void block_scores(int R, const float* q, int D, const float* k, int64_t kstep, int n, float* sc,
-                  const float* v, int64_t vstep, int Dv) {
-  if (!has_avx2()) return scores_scalar(R, q, D, k, kstep, n, sc);
+template <class T>
+void block_scores(int R, const float* q, int D, const T* k, int64_t kstep, int n, float* sc,
+                  const T* v, int64_t vstep, int Dv) {
+  if (!vector_rows<T>()) return scores_scalar(R, q, D, k, kstep, n, sc);
   switch (R) {
     case 1: return scores_avx<1>(q, D, k, kstep, n, sc, v, vstep, Dv);
     case 2: return scores_avx<2>(q, D, k, kstep, n, sc, v, vstep, Dv);
@@ -625,8 +668,9 @@ float block_max(const float* srow, int n) {
   return m;
 }
 
-void block_values(int R, const float* e, const float* v, int64_t vstep, int n, int Dv, float* const* acc) {
-  if (!has_avx2()) return values_scalar(R, e, v, vstep, n, Dv, acc);
+template <class T>
+void block_values(int R, const float* e, const T* v, int64_t vstep, int n, int Dv, float* const* acc) {
+  if (!vector_rows<T>()) return values_scalar(R, e, v, vstep, n, Dv, acc);
   switch (R) {
     case 1: return values_avx<1>(e, v, vstep, n, Dv, acc);
     case 2: return values_avx<2>(e, v, vstep, n, Dv, acc);
@@ -636,25 +680,27 @@ void block_values(int R, const float* e, const float* v, int64_t vstep, int n, i
 }
 
 // `rows` ([B, H, L, D], any strides) written over slots at..at+L of `buf` ([B, H, S, D]) into
-// `out` (row-major, `buf`'s shape). `out` is `buf`'s own buffer when MLX let the op take it
-// over (the cache's only reference was the op's input); otherwise `buf` is copied first.
+// `out` (row-major, `buf`'s shape), all of T (the cache's type: the rows were cast to it). `out`
+// is `buf`'s own buffer when MLX let the op take it over (the cache's only reference was the
+// op's input); otherwise `buf` is copied first.
+template <class T>
 void write_slots(const View& buf, const View& rows, int at, View& out) {
-  float* o = out.data<float>();
-  if (o != buf.data<float>()) {
+  T* o = out.data<T>();
+  if (o != buf.data<T>()) {
     copy_dense(buf, o);
     count(FusedKind::SdpaWriteCopy);
   }
   const int B = rows.shape(0), H = rows.shape(1), L = rows.shape(2), D = rows.shape(3);
   const int S = buf.shape(2);
   const auto& rs = rows.strides();
-  const float* r = rows.data<float>();
+  const T* r = rows.data<T>();
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < H; ++h)
       for (int i = 0; i < L; ++i) {
-        const float* src = r + b * rs[0] + h * rs[1] + i * rs[2];
-        float* dst = o + (((size_t)b * H + h) * S + at + i) * D;
+        const T* src = r + b * rs[0] + h * rs[1] + i * rs[2];
+        T* dst = o + (((size_t)b * H + h) * S + at + i) * D;
         if (rs[3] == 1) {
-          std::memcpy(dst, src, sizeof(float) * D);
+          std::memcpy(dst, src, sizeof(T) * D);
         } else {
           for (int d = 0; d < D; ++d) dst[d] = src[d * rs[3]];
         }
@@ -688,22 +734,32 @@ struct SdpaOp {
   }
 
   static void run_many(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
-    if (p.write_at < 0) return attend(p, in, in[1], in[2], outs[0]);
-    const size_t rows = in.size() - 2;
-    write_slots(in[1], in[rows], p.write_at, outs[1]);
-    write_slots(in[2], in[rows + 1], p.write_at, outs[2]);
-    attend(p, in, outs[1], outs[2], outs[0]);
+    switch (in[1].dtype()) {
+      case mx::float16: return run_typed<f16>(p, in, outs);
+      case mx::bfloat16: return run_typed<bf16>(p, in, outs);
+      default: return run_typed<float>(p, in, outs);
+    }
   }
 
+  template <class T>
+  static void run_typed(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
+    if (p.write_at < 0) return attend<T>(p, in, in[1], in[2], outs[0]);
+    const size_t rows = in.size() - 2;
+    write_slots<T>(in[1], in[rows], p.write_at, outs[1]);
+    write_slots<T>(in[2], in[rows + 1], p.write_at, outs[2]);
+    attend<T>(p, in, outs[1], outs[2], outs[0]);
+  }
+
+  template <class T>
   static void attend(const Params& p, std::vector<View>& in, const View& k, const View& v, View& out) {
     const View& q = in[0];
     const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
     const int Hk = k.shape(1), St = k.shape(2), S = p.keys, Dv = v.shape(3);
     const int rep = Hq / Hk, nq = rep * L;
     // K and V are read in place (cache views are strided); only their last axis must be dense.
-    std::vector<float> kt, vt;
-    const float* kp = k.strides()[3] == 1 ? k.data<float>() : dense(k, kt);
-    const float* vp = v.strides()[3] == 1 ? v.data<float>() : dense(v, vt);
+    std::vector<T> kt, vt;
+    const T* kp = k.strides()[3] == 1 ? k.data<T>() : dense(k, kt);
+    const T* vp = v.strides()[3] == 1 ? v.data<T>() : dense(v, vt);
     const int64_t dense_ks[4] = {(int64_t)Hk * St * D, (int64_t)St * D, D, 1};
     const int64_t dense_vs[4] = {(int64_t)Hk * St * Dv, (int64_t)St * Dv, Dv, 1};
     const int64_t* ks = k.strides()[3] == 1 ? k.strides().begin() : dense_ks;
@@ -745,8 +801,8 @@ struct SdpaOp {
         std::fill(my + r * state + 2, my + (r + 1) * state, 0.0f);
       }
       const float* qg = qs.data() + (size_t)(b * Hq + hk * rep) * L * D;
-      const float* kb = kp + b * ks[0] + hk * ks[1];
-      const float* vb = vp + b * vs[0] + hk * vs[1];
+      const T* kb = kp + b * ks[0] + hk * ks[1];
+      const T* vb = vp + b * vs[0] + hk * vs[1];
       // Scores, then weights, of one tile of query rows against one key block.
       alignas(32) float sc[kTile * kKeyBlock];
       for (int j = j0; j < j1; j += kKeyBlock) {
@@ -1279,7 +1335,9 @@ std::optional<std::vector<mx::array>> cpu_sdpa_slots(
     const std::optional<mx::array>& mask,
     const std::optional<mx::array>& sinks,
     bool tokens) {
-  if (!on_cpu() || !is_f32(q) || !is_f32(k) || !is_f32(v)) return std::nullopt;
+  // Queries in float32; keys and values in float32, float16 or bfloat16, both of one type.
+  const bool kv_type = k.dtype() == mx::float32 || k.dtype() == mx::float16 || k.dtype() == mx::bfloat16;
+  if (!on_cpu() || !is_f32(q) || !kv_type || v.dtype() != k.dtype()) return std::nullopt;
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) return std::nullopt;
   const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
   const int Hk = k.shape(1), S = k.shape(2);
@@ -1290,7 +1348,8 @@ std::optional<std::vector<mx::array>> cpu_sdpa_slots(
   const bool write = k_new.has_value();
   if (write != v_new.has_value()) return std::nullopt;
   if (write) {
-    if (!is_f32(*k_new) || !is_f32(*v_new) || k_new->ndim() != 4 || v_new->ndim() != 4) return std::nullopt;
+    if (k_new->dtype() != k.dtype() || v_new->dtype() != k.dtype() || k_new->ndim() != 4 || v_new->ndim() != 4)
+      return std::nullopt;
     const int Ln = k_new->shape(2);
     if (k_new->shape(0) != B || k_new->shape(1) != Hk || k_new->shape(3) != D ||
         v_new->shape() != mx::Shape{B, Hk, Ln, (int)v.shape(3)} || write_at < 0 || write_at + Ln > S)
@@ -1324,7 +1383,7 @@ std::optional<std::vector<mx::array>> cpu_sdpa_slots(
   }
   in.push_back(*k_new);
   in.push_back(*v_new);
-  return fused_many<SdpaOp>({out, k.shape(), v.shape()}, p, std::move(in));
+  return fused_many<SdpaOp>({out, k.shape(), v.shape()}, p, std::move(in), {mx::float32, k.dtype(), v.dtype()});
 }
 
 std::optional<mx::array> cpu_matmul(const mx::array& x, const mx::array& w) {

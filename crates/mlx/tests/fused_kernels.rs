@@ -538,6 +538,75 @@ fn attention_over_slots_refuses_slots_the_buffer_does_not_have() {
     assert!(!err.to_string().is_empty());
 }
 
+/// Caches of float16 or bfloat16 (`--kv-cache-type`) are read in their type by the kernel, each
+/// element widened exactly, and agree with MLX's graph (which widens the whole cache first);
+/// a write into such buffers stores the rows' bits.
+#[test]
+fn attention_reads_half_precision_caches_in_their_type() {
+    let _one = serial();
+    let mut seed = 9000;
+    let mut next = || {
+        seed += 1;
+        seed
+    };
+    for dtype in [Dtype::F16, Dtype::Bf16] {
+        for (b, hq, hk, l, s, d, dv) in [
+            (1, 8, 2, 1, 37, 32, 32),
+            (1, 8, 1, 3, 300, 64, 64),
+            (2, 4, 2, 16, 40, 24, 24),
+            (1, 6, 1, 2, 513, 40, 36),
+        ] {
+            let q = normal(&[b, hq, l, d], next());
+            let k = normal(&[b, hk, s, d], next()).astype(dtype).unwrap();
+            let v = normal(&[b, hk, s, dv], next()).astype(dtype).unwrap();
+            let what = format!("{dtype:?} sdpa B{b} Hq{hq} Hk{hk} L{l} S{s} D{d} Dv{dv}");
+            for (name, mask) in [("none", SdpaMask::None), ("causal", SdpaMask::Causal)] {
+                let (ours, theirs, ran) = attention(&q, &k, &v, 0.125, mask, None);
+                assert_close(&ours, &theirs, 1e-5, &format!("{what} mask {name}"));
+                assert_eq!(ran.sdpa, 1, "{what} mask {name}: the kernel ran");
+            }
+        }
+        // A decode step's write into half-precision buffers, and its attention.
+        let (b, hq, hk, slots, at, len, d) = (1, 8, 2, 64, 20, 21, 32);
+        let q = normal(&[b, hq, 1, d], next());
+        let kn = normal(&[b, hk, 1, d], next()).astype(dtype).unwrap();
+        let vn = normal(&[b, hk, 1, d], next()).astype(dtype).unwrap();
+        let kb = normal(&[b, hk, slots, d], next()).astype(dtype).unwrap();
+        let vb = normal(&[b, hk, slots, d], next()).astype(dtype).unwrap();
+        let flat = |a: &Array| a.astype(Dtype::F32).unwrap().reshape(&[-1]).unwrap();
+        let (ours, theirs, _, ran) = both(|| {
+            let into = KvSlots {
+                keys: kb.clone(),
+                values: vb.clone(),
+                len,
+            };
+            let (out, kv) = fast::sdpa_write(
+                &q,
+                (&kn, &vn),
+                &into,
+                at,
+                Attention::new(0.3, SdpaMask::None),
+            )
+            .unwrap();
+            assert_eq!(kv.keys.dtype(), dtype, "the buffers keep their type");
+            mlx::concatenate(&[&flat(&out), &flat(&kv.keys), &flat(&kv.values)], 0).unwrap()
+        });
+        assert_eq!(ran.sdpa, 1, "{dtype:?} write: one op");
+        let n_out = (b * hq * d) as usize;
+        assert_close(
+            &ours[..n_out],
+            &theirs[..n_out],
+            1e-5,
+            &format!("{dtype:?} write"),
+        );
+        assert_eq!(
+            ours[n_out..],
+            theirs[n_out..],
+            "{dtype:?}: the buffers are slice_update's"
+        );
+    }
+}
+
 #[test]
 fn attention_leaves_long_prompts_and_other_dtypes_to_mlx() {
     let _one = serial();

@@ -779,6 +779,8 @@ pub struct Gemma4 {
     cache_slot: Vec<Option<usize>>,
     /// Extra history the rotating caches keep (see [`CausalLm::set_cache_slack`]).
     slack: usize,
+    /// What the caches store keys and values as (see [`CausalLm::set_cache_dtype`]).
+    cache_dtype: Option<mlx::Dtype>,
 }
 
 /// The K/V of the target's last non-shared sliding and full layers, which the gemma4 assistant
@@ -858,6 +860,7 @@ impl Gemma4 {
             rope_full: cfg.rope(LayerKind::Full, full_dim)?,
             cache_slot,
             slack: 0,
+            cache_dtype: None,
             cfg,
         })
     }
@@ -945,11 +948,13 @@ impl CausalLm for Gemma4 {
             .iter()
             .filter(|l| l.spec.shared_from.is_none())
             .map(|l| match l.spec.kind {
-                LayerKind::Sliding => {
-                    LayerCache::Rotating(RotatingKvCache::new(self.cfg.sliding_window as usize))
-                }
+                LayerKind::Sliding => LayerCache::Rotating(RotatingKvCache::with_slack(
+                    self.cfg.sliding_window as usize,
+                    self.slack,
+                )),
                 LayerKind::Full => LayerCache::Kv(KvCache::new()),
             })
+            .map(|c| c.with_dtype(self.cache_dtype))
             .collect()
     }
 
@@ -1165,6 +1170,10 @@ impl CausalLm for Gemma4 {
 
     fn set_cache_slack(&mut self, slack: usize) {
         self.slack = slack;
+    }
+
+    fn set_cache_dtype(&mut self, dtype: Option<mlx::Dtype>) {
+        self.cache_dtype = dtype;
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

@@ -627,6 +627,8 @@ pub struct Glm4MoeLite {
     norm: Array,
     lm_head: Option<Linear>,
     rope: Rope,
+    /// What the caches store latent rows as (see [`CausalLm::set_cache_dtype`]).
+    cache_dtype: Option<mlx::Dtype>,
 }
 
 impl Glm4MoeLite {
@@ -674,6 +676,7 @@ impl Glm4MoeLite {
             rope,
             mtp,
             cfg,
+            cache_dtype: None,
         })
     }
 
@@ -821,8 +824,12 @@ impl GlmMtp {
 impl CausalLm for Glm4MoeLite {
     fn make_caches(&self) -> Vec<LayerCache> {
         (0..self.layers.len())
-            .map(|_| LayerCache::Latent(LatentCache::new()))
+            .map(|_| LayerCache::Latent(LatentCache::with_dtype(self.cache_dtype)))
             .collect()
+    }
+
+    fn set_cache_dtype(&mut self, dtype: Option<mlx::Dtype>) {
+        self.cache_dtype = dtype;
     }
 
     fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array> {

@@ -61,6 +61,9 @@ pub trait CausalLm {
     /// Keep `slack` tokens of history past the sliding window in rotating caches made from now
     /// on (speculation rewinds into it; the gemma4 assistant reads one key past the window).
     fn set_cache_slack(&mut self, _slack: usize) {}
+    /// Store keys and values (MLA: latent rows) as `dtype` in caches made from now on (`None`:
+    /// as computed); the runner's `--kv-cache-type`.
+    fn set_cache_dtype(&mut self, dtype: Option<Dtype>);
     /// For drafters that need a specific target's internals.
     fn as_any(&self) -> &dyn std::any::Any;
 }

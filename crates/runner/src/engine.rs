@@ -45,6 +45,9 @@ pub struct EngineConfig {
     pub cache_interval: usize,
     /// The prefix cache's disk tier (what a runner started again resumes from); `None`: off.
     pub cache_disk: Option<DiskConfig>,
+    /// What the KV caches (target's and drafter's) store keys and values as; `Auto`: the
+    /// compute dtype.
+    pub kv_cache: DtypeChoice,
     /// The drafter's files (`--draft`, or the draft a stored model carries); GLM's own MTP
     /// layer is used when there is none.
     pub draft: Option<ModelFiles>,
@@ -56,11 +59,13 @@ pub struct EngineConfig {
 }
 
 /// Loads the drafter the configuration asks for (or the target's built-in one), preparing the
-/// target's caches for it.
+/// target's caches for it and for the configuration's cache type.
 pub fn load_drafter(
     cfg: &EngineConfig,
     target: &mut LoadedModel,
 ) -> Result<Option<DraftModel>, String> {
+    let kv = kv_dtype(cfg.kv_cache);
+    target.model.set_cache_dtype(kv);
     if cfg.draft_depth == Some(0) {
         return Ok(None);
     }
@@ -78,6 +83,7 @@ pub fn load_drafter(
             models::Draft::Model(mut m) => {
                 // Drafts written into its ring one at a time must be rewindable.
                 m.set_cache_slack(slack);
+                m.set_cache_dtype(kv);
                 DraftModel::Model(m)
             }
         }));
@@ -88,6 +94,14 @@ pub fn load_drafter(
         .downcast_ref::<models::glm4_moe_lite::Glm4MoeLite>()
         .is_some_and(|g| g.mtp().is_some());
     Ok(has_mtp.then_some(DraftModel::Mtp))
+}
+
+/// The dtype caches store keys and values as (`None`: as computed).
+pub fn kv_dtype(choice: DtypeChoice) -> Option<mlx::Dtype> {
+    match choice {
+        DtypeChoice::Auto => None,
+        DtypeChoice::Fixed(d) => Some(d),
+    }
 }
 
 /// What the engine tells a request's stream.
@@ -261,7 +275,7 @@ fn open_disk(
     // What the caches' contents depend on: the weights, the drafter's, the compute dtype and
     // the device (the layout of the caches themselves is part of each block's name).
     let key = format!(
-        "{}|{}|{}|{:?}|{}",
+        "{}|{}|{}|{:?}|{:?}|{}",
         model.model.architecture(),
         cfg.model.identity(),
         match (draft, &cfg.draft) {
@@ -270,6 +284,7 @@ fn open_disk(
             (None, _) => "-".into(),
         },
         cfg.dtype,
+        cfg.kv_cache,
         mlx::default_device(),
     );
     match DiskTier::open(d, &key, cfg.cache_interval.max(1)) {
@@ -432,7 +447,7 @@ impl Engine {
     fn fresh_caches(&self, drafting: bool) -> Vec<cache::LayerCache> {
         let mut c = self.model.model.make_caches();
         if let (Some(d), true) = (&self.draft, drafting) {
-            c.extend(d.make_caches());
+            c.extend(d.make_caches(&c));
         }
         c
     }

@@ -151,7 +151,7 @@ impl Generation {
     pub fn new(ctx: &mut Ctx<'_>, slot: usize, params: GenerationParams) -> Result<Generation> {
         let mut caches = ctx.model.make_caches();
         if let Some((d, _)) = &ctx.draft {
-            caches.extend(d.make_caches());
+            caches.extend(d.make_caches(&caches));
         }
         Self::with_caches(ctx, slot, params, caches, 0)
     }

@@ -35,11 +35,14 @@ pub enum DraftModel {
 }
 
 impl DraftModel {
-    /// The drafter's own caches for one sequence.
-    pub fn make_caches(&self) -> Vec<LayerCache> {
+    /// The drafter's own caches for one sequence, beside the target's `target` (GLM's MTP
+    /// layer is one more latent layer of the target's, stored alike).
+    pub fn make_caches(&self, target: &[LayerCache]) -> Vec<LayerCache> {
         match self {
             DraftModel::Assistant(_) => Vec::new(),
-            DraftModel::Mtp => vec![LayerCache::Latent(LatentCache::new())],
+            DraftModel::Mtp => vec![LayerCache::Latent(LatentCache::with_dtype(
+                target.first().and_then(LayerCache::dtype),
+            ))],
             DraftModel::Model(m) => m.make_caches(),
         }
     }
