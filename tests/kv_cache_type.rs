@@ -98,10 +98,6 @@ fn drafting_and_the_prefix_cache_are_exact_over_half_precision_caches() {
             );
             assert!(drafted.draft_tokens > 0, "{what}: nothing was drafted");
             assert_eq!(plain.draft_tokens, 0, "{what}");
-            drop(r);
-            // (A runner of its own: the prefix trie keeps one set of caches per prefix, and a
-            // drafting request's carry the drafter's too.)
-            let r = start(model, &extra, &["--kv-cache-type", kind]);
             let cold = ask_with(&r, &format!("{PROMPT} again"), 24, true);
             let warm = ask_with(&r, &format!("{PROMPT} again"), 24, true);
             assert!(warm.cached > 0, "{what}: no prefix-cache hit");

@@ -129,3 +129,39 @@ fn a_small_budget_bounds_memory_and_keeps_outputs_right() {
     let p = format!("Document 5: {}", "lorem ipsum dolor sit amet ".repeat(6));
     assert!(ask(&r, &p, 8).cached > 0);
 }
+
+/// A runner with a drafter of its own caches (GLM's MTP layer) stores a drafting request's
+/// prefix with the drafter's caches and a logprobs request's (which does not draft) without:
+/// each kind reuses its own kind's prefixes, whichever came first, and gives what a cold runner
+/// gives.
+#[test]
+fn drafting_and_undrafted_requests_each_reuse_their_prefixes() {
+    let r = Runner::start("glm4_moe_lite", &[]);
+    let cold = Runner::start("glm4_moe_lite", &["--cache-budget", "0"]);
+    let p = "The harbor bells rang twice for the travellers who came over the hills at dusk";
+    let drafted = ask_with(&r, p, 8, false);
+    assert!(drafted.draft_tokens > 0, "the first request drafts");
+    let q = format!("{p} and then");
+    let first = ask_with(&r, &q, 8, true);
+    assert_eq!(first.cached, 0, "nothing without the drafter's caches yet");
+    let again = ask_with(&r, &format!("{q} once more"), 8, true);
+    assert!(
+        again.cached as usize >= q.len() / 8,
+        "{} cached",
+        again.cached
+    );
+    same(
+        &again,
+        &ask_with(&cold, &format!("{q} once more"), 8, true),
+        "undrafted",
+    );
+    let drafted_again = ask_with(&r, &format!("{p} and so"), 8, false);
+    assert!(
+        drafted_again.cached > 0,
+        "the drafting prefix is still there"
+    );
+    assert_eq!(
+        drafted_again.text,
+        ask_with(&cold, &format!("{p} and so"), 8, false).text
+    );
+}

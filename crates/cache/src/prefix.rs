@@ -190,8 +190,15 @@ pub struct Restored {
     pub matched: usize,
 }
 
+type CacheTrie = Trie<CacheRun, CacheCheckpoint>;
+
+/// Tries by the number of caches their sequences held: a sequence that drafts with its own
+/// draft caches and one that does not (a request for logprobs) store the same prefix with
+/// different layers, and one trie keeps one entry per prefix, so each set of caches gets its
+/// own; they share the budget and one use clock, so eviction is least recently used across
+/// all of them.
 pub struct PrefixCache {
-    trie: Trie<CacheRun, CacheCheckpoint>,
+    tries: Vec<(usize, CacheTrie)>,
     budget: usize,
     interval: usize,
 }
@@ -200,14 +207,46 @@ impl PrefixCache {
     /// `budget` bytes of snapshots; rotating-cache snapshots every `interval` prompt tokens.
     pub fn new(budget: usize, interval: usize) -> PrefixCache {
         PrefixCache {
-            trie: Trie::new(),
+            tries: Vec::new(),
             budget,
             interval: interval.max(1),
         }
     }
 
     pub fn bytes(&self) -> usize {
-        self.trie.bytes()
+        self.tries.iter().map(|(_, t)| t.bytes()).sum()
+    }
+
+    /// The trie for sequences of `layers` caches, its clock raised to the others'.
+    fn trie(&mut self, layers: usize) -> &mut CacheTrie {
+        let now = self.tries.iter().map(|(_, t)| t.clock()).max().unwrap_or(0);
+        let i = match self.tries.iter().position(|(n, _)| *n == layers) {
+            Some(i) => i,
+            None => {
+                self.tries.push((layers, Trie::new()));
+                self.tries.len() - 1
+            }
+        };
+        let t = &mut self.tries[i].1;
+        t.clock_at_least(now);
+        t
+    }
+
+    /// Removes the least recently used leaves of all the tries until the budget holds.
+    fn evict(&mut self) {
+        while self.bytes() > self.budget {
+            let oldest = self
+                .tries
+                .iter_mut()
+                .filter_map(|(_, t)| Some((t.next_victim_used()?, t)))
+                .min_by_key(|(used, _)| *used);
+            match oldest {
+                Some((_, t)) => {
+                    t.evict_one();
+                }
+                None => break,
+            }
+        }
     }
 
     pub fn budget(&self) -> usize {
@@ -217,11 +256,12 @@ impl PrefixCache {
     /// Caches for `prompt`, restored to the longest usable stored prefix (leaving at least the
     /// last prompt token to evaluate); `fresh` are empty caches of the right kinds.
     pub fn restore(&mut self, prompt: &[u32], fresh: Vec<LayerCache>) -> Result<Restored> {
-        let m = self.trie.lookup(prompt);
+        let trie = self.trie(fresh.len());
+        let m = trie.lookup(prompt);
+        let trie: &CacheTrie = trie;
         let limit = m.len.min(prompt.len().saturating_sub(1));
         let cached = if needs_checkpoints(&fresh) {
-            self.trie
-                .checkpoints_on(&m)
+            trie.checkpoints_on(&m)
                 .into_iter()
                 .filter(|&p| p <= limit)
                 .max()
@@ -229,15 +269,12 @@ impl PrefixCache {
         } else {
             limit
         };
-        // Entries stored with another set of caches (a sequence that drafted with its own
-        // draft caches, another that did not) cannot serve this one.
-        let layers_fit = self
-            .trie
+        // Each trie holds one set of caches; this only guards that.
+        let layers_fit = trie
             .segments_until(&m, cached)
             .iter()
             .all(|(seg, _)| seg.pieces.iter().all(|p| p.data.len() == fresh.len()))
-            && self
-                .trie
+            && trie
                 .checkpoint_at(&m, cached)
                 .is_none_or(|c| c.layers.len() == fresh.len());
         if cached == 0 || !layers_fit {
@@ -247,80 +284,12 @@ impl PrefixCache {
                 matched: m.len,
             });
         }
-        let caches = self.build(&m, cached, fresh)?;
+        let caches = build(trie, &m, cached, fresh)?;
         Ok(Restored {
             caches,
             cached,
             matched: m.len,
         })
-    }
-
-    fn build(&self, m: &Match, upto: usize, fresh: Vec<LayerCache>) -> Result<Vec<LayerCache>> {
-        let checkpoint = self.trie.checkpoint_at(m, upto);
-        let segments = self.trie.segments_until(m, upto);
-        let mut out = Vec::with_capacity(fresh.len());
-        for (i, layer) in fresh.into_iter().enumerate() {
-            // This layer's data for positions 0..upto, in order.
-            let mut all: Vec<LayerRun> = Vec::new();
-            for (seg, take) in &segments {
-                let mut left = *take;
-                for p in &seg.pieces {
-                    if left == 0 {
-                        break;
-                    }
-                    all.push(p.layer(i, left)?);
-                    left -= p.len.min(left);
-                }
-            }
-            out.push(match layer {
-                LayerCache::Kv(_) => {
-                    let ks: Vec<&Array> = all
-                        .iter()
-                        .filter_map(|l| {
-                            if let LayerRun::Kv(k, _) = l {
-                                Some(k)
-                            } else {
-                                None
-                            }
-                        })
-                        .collect();
-                    let vs: Vec<&Array> = all
-                        .iter()
-                        .filter_map(|l| {
-                            if let LayerRun::Kv(_, v) = l {
-                                Some(v)
-                            } else {
-                                None
-                            }
-                        })
-                        .collect();
-                    LayerCache::Kv(KvCache::from_runs(&ks, &vs)?)
-                }
-                LayerCache::Latent(_) => {
-                    let rs: Vec<&Array> = all
-                        .iter()
-                        .filter_map(|l| {
-                            if let LayerRun::Latent(r) = l {
-                                Some(r)
-                            } else {
-                                None
-                            }
-                        })
-                        .collect();
-                    LayerCache::Latent(LatentCache::from_runs(&rs)?)
-                }
-                LayerCache::Rotating(_) => {
-                    let cp = checkpoint
-                        .and_then(|c| c.layers.get(i).cloned().flatten())
-                        .ok_or_else(|| CacheError::Rewind {
-                            n: upto,
-                            why: format!("no sliding-window snapshot at position {upto}"),
-                        })?;
-                    LayerCache::Rotating(cp)
-                }
-            });
-        }
-        Ok(out)
     }
 
     /// Where a new sequence should snapshot its rotating caches during prefill: every
@@ -363,7 +332,7 @@ impl PrefixCache {
             checkpoints.push((held, CacheCheckpoint::of(caches)));
         }
         let mut failed = None;
-        self.trie.insert(
+        self.trie(caches.len()).insert(
             tokens,
             |start, end| match copy_run(caches, start, end) {
                 Ok(run) => run,
@@ -379,12 +348,86 @@ impl PrefixCache {
         );
         if let Some(e) = failed {
             // The trie now has an edge without data: drop everything rather than serve it.
-            self.trie = Trie::new();
+            *self.trie(caches.len()) = Trie::new();
             return Err(e);
         }
-        self.trie.evict(self.budget, &[]);
+        self.evict();
         Ok(())
     }
+}
+
+/// `fresh` restored from `trie` to position `upto` of `m`.
+fn build(
+    trie: &CacheTrie,
+    m: &Match,
+    upto: usize,
+    fresh: Vec<LayerCache>,
+) -> Result<Vec<LayerCache>> {
+    let checkpoint = trie.checkpoint_at(m, upto);
+    let segments = trie.segments_until(m, upto);
+    let mut out = Vec::with_capacity(fresh.len());
+    for (i, layer) in fresh.into_iter().enumerate() {
+        // This layer's data for positions 0..upto, in order.
+        let mut all: Vec<LayerRun> = Vec::new();
+        for (seg, take) in &segments {
+            let mut left = *take;
+            for p in &seg.pieces {
+                if left == 0 {
+                    break;
+                }
+                all.push(p.layer(i, left)?);
+                left -= p.len.min(left);
+            }
+        }
+        out.push(match layer {
+            LayerCache::Kv(_) => {
+                let ks: Vec<&Array> = all
+                    .iter()
+                    .filter_map(|l| {
+                        if let LayerRun::Kv(k, _) = l {
+                            Some(k)
+                        } else {
+                            None
+                        }
+                    })
+                    .collect();
+                let vs: Vec<&Array> = all
+                    .iter()
+                    .filter_map(|l| {
+                        if let LayerRun::Kv(_, v) = l {
+                            Some(v)
+                        } else {
+                            None
+                        }
+                    })
+                    .collect();
+                LayerCache::Kv(KvCache::from_runs(&ks, &vs)?)
+            }
+            LayerCache::Latent(_) => {
+                let rs: Vec<&Array> = all
+                    .iter()
+                    .filter_map(|l| {
+                        if let LayerRun::Latent(r) = l {
+                            Some(r)
+                        } else {
+                            None
+                        }
+                    })
+                    .collect();
+                LayerCache::Latent(LatentCache::from_runs(&rs)?)
+            }
+            LayerCache::Rotating(_) => {
+                let cp = checkpoint
+                    .and_then(|c| c.layers.get(i).cloned().flatten())
+                    .ok_or_else(|| CacheError::Rewind {
+                        n: upto,
+                        why: format!("no sliding-window snapshot at position {upto}"),
+                    })?;
+                LayerCache::Rotating(cp)
+            }
+        });
+    }
+    Ok(out)
 }
 
 /// Copies positions `start..end` of every layer (rotating layers keep nothing per position).

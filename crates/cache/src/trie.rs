@@ -340,23 +340,53 @@ impl<S: Segment, C: Checkpoint> Trie<S, C> {
     pub fn evict(&mut self, budget: usize, protected: &[usize]) -> usize {
         let start = self.bytes;
         while self.bytes > budget {
-            let victim = self
-                .nodes
-                .iter()
-                .enumerate()
-                .filter_map(|(i, n)| n.as_ref().map(|n| (i, n)))
-                .filter(|(i, n)| *i != ROOT && n.children.is_empty() && !protected.contains(i))
-                .min_by(|(_, a), (_, b)| {
-                    a.last_used
-                        .cmp(&b.last_used)
-                        .then(b.end().cmp(&a.end()))
-                        .then(b.bytes().cmp(&a.bytes()))
-                })
-                .map(|(i, _)| i);
-            let Some(v) = victim else { break };
+            let Some(v) = self.victim(protected) else {
+                break;
+            };
             self.remove_leaf(v);
         }
         start - self.bytes
+    }
+
+    /// The leaf [`Trie::evict`] would remove next.
+    fn victim(&self, protected: &[usize]) -> Option<usize> {
+        self.nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, n)| n.as_ref().map(|n| (i, n)))
+            .filter(|(i, n)| *i != ROOT && n.children.is_empty() && !protected.contains(i))
+            .min_by(|(_, a), (_, b)| {
+                a.last_used
+                    .cmp(&b.last_used)
+                    .then(b.end().cmp(&a.end()))
+                    .then(b.bytes().cmp(&a.bytes()))
+            })
+            .map(|(i, _)| i)
+    }
+
+    /// When the leaf [`Trie::evict`] would remove next was last used (`None`: nothing to
+    /// remove), to choose between tries sharing one clock ([`Trie::clock_at_least`]).
+    pub fn next_victim_used(&self) -> Option<u64> {
+        self.victim(&[]).map(|v| self.node(v).last_used)
+    }
+
+    /// Removes the leaf [`Trie::evict`] would remove next; returns the bytes freed.
+    pub fn evict_one(&mut self) -> usize {
+        let start = self.bytes;
+        if let Some(v) = self.victim(&[]) {
+            self.remove_leaf(v);
+        }
+        start - self.bytes
+    }
+
+    /// The use clock, and a floor for it: several tries whose clocks are kept in step (each
+    /// raised to the highest before it is used) order their uses alike.
+    pub fn clock(&self) -> u64 {
+        self.clock
+    }
+
+    pub fn clock_at_least(&mut self, t: u64) {
+        self.clock = self.clock.max(t);
     }
 
     fn remove_leaf(&mut self, v: usize) {
