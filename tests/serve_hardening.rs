@@ -95,10 +95,12 @@ fn template_bombs_are_refused_while_serve_keeps_answering() {
             "{% set ns = namespace(s='x' * 50000000) %}{% for i in range(30) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}",
             "MiB of memory",
         ),
-        // Quadratic copying: few steps, little memory at first, no end in sight.
+        // Quadratic copying: few steps, little memory at first, no end in sight. Its copies
+        // reach the memory bound at about the time the clock bound ends it (which comes first
+        // depends on the machine's speed): either refusal is right.
         (
             "{% set ns = namespace(s='') %}{% for i in range(60000) %}{% set ns.s = ns.s ~ ('y' * 4000) %}{% endfor %}{{ ns.s | length }}",
-            "longer than",
+            "longer than|MiB of memory",
         ),
     ];
     let t = Instant::now();
@@ -126,7 +128,7 @@ fn template_bombs_are_refused_while_serve_keeps_answering() {
     for r in running {
         let (code, text, why) = r.join().unwrap();
         assert_eq!(code, 400, "{text}");
-        assert!(text.contains(why), "{why}: {text}");
+        assert!(why.split('|').any(|w| text.contains(w)), "{why}: {text}");
     }
     // The slowest is stopped by the render time bound, not left running.
     assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
