@@ -298,8 +298,19 @@ fn disk_tier(
 ) -> Option<runner::DiskConfig> {
     let dir = dir.or_else(|| store.map(|s| s.join("prefix-cache")))?;
     let budget = budget.unwrap_or_else(|| {
+        // What the tier holds already counts as room it may keep: the default must not shrink
+        // each time the runner starts over a full directory.
+        let held: u64 = std::fs::read_dir(&dir)
+            .map(|d| {
+                d.flatten()
+                    .filter_map(|e| e.metadata().ok())
+                    .filter(|m| m.is_file())
+                    .map(|m| m.len())
+                    .sum()
+            })
+            .unwrap_or(0);
         let free = runner::memory::disk_free(&dir).unwrap_or(0);
-        (free / 10).min(10 << 30)
+        ((free + held) / 10).min(10 << 30)
     });
     (budget > 0).then_some(runner::DiskConfig { dir, budget })
 }

@@ -14,8 +14,9 @@
 //! layers their whole held state at the block's end (only the last block's is read on restore;
 //! a ring cannot be rebuilt from positions it dropped). Its metadata repeats the chain (root,
 //! parent, first position, tokens) and a sha256 of the tensor data; a read checks all of it, and
-//! a file that fails (truncated, corrupt, another model's, an older format) is skipped with a
-//! warning and removed, never loaded.
+//! a file that fails (truncated, corrupt, misplaced) is skipped with a warning and removed,
+//! never loaded. Another model's or an older format's blocks have other names: they are never
+//! read, and age out.
 //!
 //! Writes are queued to a writer thread (no MLX there: the engine thread turns arrays into
 //! bytes), bounded in bytes so a slow disk drops blocks rather than holding memory. The writer
@@ -173,9 +174,11 @@ impl DiskTier {
         let stats = Arc::new(DiskStats::default());
         let index = Arc::new(Mutex::new(Index::default()));
         {
-            let lock = DirLock::take(&config.dir)?;
+            let lock = DirLock::take(&config.dir, LOCK_WAIT).ok();
             let mut files = scan(&config.dir)?;
-            evict(&config.dir, &mut files, config.budget, 0, None, &stats);
+            if lock.is_some() {
+                evict(&config.dir, &mut files, config.budget, 0, None, &stats);
+            }
             stats
                 .bytes
                 .store(files.values().map(|h| h.bytes).sum(), Ordering::Relaxed);
@@ -241,12 +244,31 @@ impl DiskTier {
     /// held in a row from the start, leaving the last prompt token to evaluate).
     pub fn depth(&self, prompt: &[u32], fresh: &[LayerCache]) -> usize {
         let limit = prompt.len().saturating_sub(1);
-        let index = self.index();
         self.chain(fresh, &prompt[..limit])
             .iter()
-            .take_while(|(_, h)| index.files.contains_key(&hex::encode(h)))
+            .take_while(|(_, h)| self.holds(&hex::encode(h)))
             .count()
             * self.block
+    }
+
+    /// Whether the directory holds block `name`: the index, or (another runner may have
+    /// written it since this one last looked) the file itself.
+    fn holds(&self, name: &str) -> bool {
+        if self.index().files.contains_key(name) {
+            return true;
+        }
+        match std::fs::metadata(self.path(name)) {
+            Ok(md) if md.is_file() => {
+                let used = md.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+                let held = Held {
+                    bytes: md.len(),
+                    used,
+                };
+                self.index().files.insert(name.to_string(), held);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Caches for `prompt` restored from the directory when it holds more of the prompt than
@@ -267,7 +289,7 @@ impl DiskTier {
         let mut blocks: Vec<Block> = Vec::new();
         for (k, (parent, h)) in chain.iter().enumerate() {
             let name = hex::encode(h);
-            if !self.index().files.contains_key(&name) {
+            if !self.holds(&name) {
                 break;
             }
             let start = k * self.block;
@@ -279,9 +301,26 @@ impl DiskTier {
                 fresh: &fresh,
             };
             match read_block(&self.path(&name), &want) {
-                Ok(b) => blocks.push(b),
+                Ok(b) => {
+                    // Only the last block's sliding-window state is restored.
+                    if let Some(prev) = blocks.last_mut() {
+                        for l in prev.layers.iter_mut() {
+                            if matches!(l, BlockLayer::Window(..)) {
+                                *l = BlockLayer::Spent;
+                            }
+                        }
+                    }
+                    blocks.push(b);
+                }
                 Err(Skip::Gone) => {
                     self.index().files.remove(&name);
+                    break;
+                }
+                Err(Skip::Unreadable(why)) => {
+                    tracing::warn!(
+                        "prefix cache file {} not read: {why}",
+                        self.path(&name).display()
+                    );
                     break;
                 }
                 Err(Skip::Bad(why)) => {
@@ -303,8 +342,15 @@ impl DiskTier {
         let caches = match assemble(fresh, &blocks, cached) {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!("prefix cache blocks could not be assembled: {e}");
+                // Blocks that pass their checks but do not fit together: removed, so that
+                // every later request with this prefix does not read them again.
+                tracing::warn!("prefix cache blocks skipped: they do not fit together: {e}");
                 self.stats.skipped.fetch_add(1, Ordering::Relaxed);
+                for (_, h) in &chain[..blocks.len()] {
+                    let name = hex::encode(h);
+                    self.index().files.remove(&name);
+                    let _ = std::fs::remove_file(self.path(&name));
+                }
                 return None;
             }
         };
@@ -342,30 +388,28 @@ impl DiskTier {
         let chain = self.chain(caches, &tokens[..held]);
         // Blocks already held are renewed first, so that the new ones hang below a prefix
         // that counts as just used (see [`used_at`]).
-        let (known, pending): (Vec<Named>, HashSet<usize>) = {
+        let names: Vec<String> = chain.iter().map(|(_, h)| hex::encode(h)).collect();
+        let held_now: Vec<bool> = names.iter().map(|n| self.holds(n)).collect();
+        let pending: Vec<bool> = {
             let index = self.index();
-            let known = chain
-                .iter()
-                .enumerate()
-                .map(|(k, (_, h))| (hex::encode(h), k + 1))
-                .filter(|(n, _)| index.files.contains_key(n))
-                .collect();
-            let pending = chain
-                .iter()
-                .enumerate()
-                .filter(|(_, (_, h))| index.pending.contains(&hex::encode(h)))
-                .map(|(k, _)| k)
-                .collect();
-            (known, pending)
+            names.iter().map(|n| index.pending.contains(n)).collect()
         };
-        let held_now: HashSet<&str> = known.iter().map(|(n, _)| n.as_str()).collect();
+        // The held blocks a restore could reach (the run from the first): renewed. One past a
+        // gap is not, so that it ages out.
+        let known: Vec<Named> = names
+            .iter()
+            .zip(&held_now)
+            .take_while(|(_, &h)| h)
+            .enumerate()
+            .map(|(k, (n, _))| (n.clone(), k + 1))
+            .collect();
         let Some(work) = &self.work else {
             return Ok(0);
         };
         let mut queued = 0;
         for (k, (parent, h)) in chain.iter().enumerate() {
             let name = hex::encode(h);
-            if held_now.contains(name.as_str()) || pending.contains(&k) {
+            if held_now[k] || pending[k] {
                 continue;
             }
             let (start, end) = (k * self.block, (k + 1) * self.block);
@@ -468,6 +512,8 @@ enum BlockLayer {
     Latent(Array),
     /// A sliding-window layer's held keys and values at the block's end, in time order.
     Window(Array, Array),
+    /// A window state a later block supersedes, let go.
+    Spent,
 }
 
 fn tensor_names(i: usize, c: &LayerCache) -> Vec<String> {
@@ -575,6 +621,9 @@ fn block_tensors(
 enum Skip {
     /// Removed meanwhile (another runner evicted it): a miss, not a fault.
     Gone,
+    /// Not readable now (permissions, an I/O error): a miss; the file is left alone.
+    Unreadable(String),
+    /// Its contents fail a check: removed.
     Bad(String),
 }
 
@@ -583,7 +632,7 @@ fn read_block(path: &Path, want: &Expect) -> std::result::Result<Block, Skip> {
     let buf = match std::fs::read(path) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(Skip::Gone),
-        Err(e) => return Err(Skip::Bad(format!("cannot read it: {e}"))),
+        Err(e) => return Err(Skip::Unreadable(e.to_string())),
     };
     let bad = |why: String| Skip::Bad(why);
     let (_, header) = safetensors::SafeTensors::read_metadata(&buf)
@@ -723,16 +772,39 @@ fn assemble(fresh: Vec<LayerCache>, blocks: &[Block], upto: usize) -> Result<Vec
 struct DirLock(File);
 
 impl DirLock {
-    fn take(dir: &Path) -> std::io::Result<DirLock> {
+    /// The lock, waiting at most `wait` for another runner to let it go (one stopped or stuck
+    /// on a slow disk while holding it must not hang this one's start or shutdown).
+    fn take(dir: &Path, wait: Duration) -> std::io::Result<DirLock> {
         let f = File::options()
             .create(true)
             .truncate(false)
             .write(true)
             .open(dir.join(".lock"))?;
-        f.lock()?;
-        Ok(DirLock(f))
+        let start = std::time::Instant::now();
+        loop {
+            match f.try_lock() {
+                Ok(()) => return Ok(DirLock(f)),
+                Err(std::fs::TryLockError::WouldBlock) if start.elapsed() < wait => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(std::fs::TryLockError::WouldBlock) => {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!(
+                            "another runner has held {} for {wait:?}",
+                            dir.join(".lock").display()
+                        ),
+                    ))
+                }
+                Err(std::fs::TryLockError::Error(e)) => return Err(e),
+            }
+        }
     }
 }
+
+/// How long a runner waits for the directory's lock: at start (then it goes on without the
+/// first eviction) and per batch of writes (then the batch is dropped).
+const LOCK_WAIT: Duration = Duration::from_secs(2);
 
 impl Drop for DirLock {
     fn drop(&mut self) {
@@ -825,7 +897,7 @@ fn writer_main(
         // Everything queued so far, under one lock and one scan of the directory.
         let mut batch = vec![first];
         batch.extend(rx.try_iter());
-        let lock = match DirLock::take(&dir) {
+        let lock = match DirLock::take(&dir, LOCK_WAIT) {
             Ok(l) => l,
             Err(e) => {
                 tracing::warn!("prefix cache directory {} unusable: {e}", dir.display());
@@ -889,7 +961,17 @@ fn writer_main(
                     let fits = |u: &SystemTime, files: &mut HashMap<String, Held>| {
                         evict(&dir, files, budget, len, Some(*u), &stats)
                     };
-                    if !files.contains_key(&name) {
+                    if let Some(h) = files.get_mut(&name) {
+                        // Another runner wrote it meanwhile: this use renews it.
+                        let now = used_at(SystemTime::now(), depth);
+                        if let Ok(f) = File::options()
+                            .write(true)
+                            .open(dir.join(format!("{name}.{SUFFIX}")))
+                        {
+                            let _ = f.set_modified(now);
+                        }
+                        h.used = h.used.max(now);
+                    } else {
                         match used.filter(|u| fits(u, &mut files)) {
                             None => {
                                 stats.dropped.fetch_add(1, Ordering::Relaxed);

@@ -196,7 +196,10 @@ impl Tokenizer {
     ) -> Result<(Vec<u32>, bool)> {
         let margin = margin.max(1);
         let piece = piece.max(8 * margin);
-        if text.len() <= piece {
+        // Truncation or padding would apply to every piece, not to the text.
+        let whole_only =
+            self.inner.get_truncation().is_some() || self.inner.get_padding().is_some();
+        if text.len() <= piece || whole_only {
             return Ok((self.encode_whole(text)?, false));
         }
         let Some(content) = self.pieces(text, piece, margin)? else {
@@ -218,8 +221,11 @@ impl Tokenizer {
         let with = self.inner.encode(probe, true).map_err(|e| self.err(e))?;
         let without = self.inner.encode(probe, false).map_err(|e| self.err(e))?;
         let (w, o) = (with.get_ids(), without.get_ids());
-        Ok((0..=w.len().saturating_sub(o.len()))
-            .find(|&i| &w[i..i + o.len()] == o)
+        if o.is_empty() || w.len() < o.len() {
+            return Ok(None);
+        }
+        Ok(w.windows(o.len())
+            .position(|x| x == o)
             .map(|i| (w[..i].to_vec(), w[i + o.len()..].to_vec())))
     }
 
@@ -255,23 +261,24 @@ impl Tokenizer {
             let (next_end, next_ids, next_offs) = encode(offs[b].0)?;
             // Trusted in both: from a margin into the next piece to a margin before this end.
             let (lo, hi) = (offs[b].0 + margin, end - margin);
+            // Joined at the first boundary of this piece inside the trusted span, which the
+            // next piece must share, and from which both must agree on every token up to `hi`
+            // (any disagreement there shows the tokenizer looks further than the margin).
             let joined = (b..ids.len())
-                .filter(|&j| offs[j].0 >= lo && boundary(&offs, j))
-                .find_map(|j| {
-                    let k = next_offs.iter().position(|o| o.0 == offs[j].0)?;
-                    if !boundary(&next_offs, k) {
+                .find(|&j| offs[j].0 >= lo && boundary(&offs, j))
+                .and_then(|j| {
+                    let k = next_offs.partition_point(|o| o.0 < offs[j].0);
+                    if k >= next_offs.len()
+                        || next_offs[k].0 != offs[j].0
+                        || !boundary(&next_offs, k)
+                    {
                         return None;
                     }
-                    let span = ids[j..]
-                        .iter()
-                        .zip(&offs[j..])
-                        .take_while(|(_, o)| o.1 <= hi);
-                    let n = span.clone().count();
+                    let n = offs[j..].iter().take_while(|o| o.1 <= hi).count();
                     let agree = n > 0
                         && next_ids.len() >= k + n
-                        && span
-                            .zip(next_ids[k..].iter().zip(&next_offs[k..]))
-                            .all(|((a, oa), (b, ob))| a == b && oa == ob);
+                        && ids[j..j + n] == next_ids[k..k + n]
+                        && offs[j..j + n] == next_offs[k..k + n];
                     agree.then_some((j, k))
                 });
             let Some((j, k)) = joined else {

@@ -272,10 +272,13 @@ fn open_disk(
     draft: Option<&DraftModel>,
 ) -> Option<DiskTier> {
     let d = cfg.cache_disk.as_ref().filter(|d| d.budget > 0)?;
-    // What the caches' contents depend on: the weights, the drafter's, the compute dtype and
-    // the device (the layout of the caches themselves is part of each block's name).
+    // What the caches' contents depend on: the code (our version, MLX's), the weights, the
+    // drafter's, the compute dtype, the cache type and the device (the layout of the caches
+    // themselves is part of each block's name).
     let key = format!(
-        "{}|{}|{}|{:?}|{:?}|{}",
+        "{} {}|{}|{}|{}|{:?}|{:?}|{}",
+        env!("CARGO_PKG_VERSION"),
+        mlx::version(),
         model.model.architecture(),
         cfg.model.identity(),
         match (draft, &cfg.draft) {
@@ -496,6 +499,21 @@ impl Engine {
                     restored = cache::prefix::Restored {
                         matched,
                         ..d.restored
+                    };
+                }
+            }
+            // GLM's MTP rows pair each position with the token after it, so the row at the last
+            // restored position was made with the stored sequence's next token, which this
+            // prompt need not share (greedy output would not change, but acceptance and seeded
+            // draws would depend on what was stored): one position less is restored.
+            if restored.cached > 0 && drafting && matches!(self.draft, Some(DraftModel::Mtp)) {
+                if restored.caches.iter_mut().all(|c| c.rewind(1).is_ok()) {
+                    restored.cached -= 1;
+                } else {
+                    restored = cache::prefix::Restored {
+                        caches: self.fresh_caches(drafting),
+                        cached: 0,
+                        matched: restored.matched,
                     };
                 }
             }
