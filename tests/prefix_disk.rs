@@ -284,3 +284,41 @@ fn the_disk_tier_stays_within_its_budget() {
     );
     assert!(ask(&r, &prompt_of(14, 25), false).cached > 0);
 }
+
+/// A drafted answer's blocks reach the disk too (snapshots of a round that crossed a block end,
+/// or of a target its drafter trails, are rewound to the block end): the directory holds blocks
+/// past the prompt, into the answer. The drafter is the target itself, so that its drafts are
+/// accepted and rounds do cross block ends. (A next turn's text cannot show it on these random
+/// models: their answers do not survive detokenizing and tokenizing again.)
+#[test]
+fn a_drafted_answer_reaches_the_disk() {
+    let model = "gemma4_e2b_like";
+    let drafter = fixture(model);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let args = [
+        "--cache-interval",
+        "16",
+        "--parallel",
+        "1",
+        "--draft",
+        drafter.to_str().unwrap(),
+        "--draft-depth",
+        "3",
+        "--cache-dir",
+        d,
+    ];
+    let p = prompt_of(3, 40);
+    let r = Runner::start(model, &args);
+    let turn = ask_with(&r, &p, 48, false);
+    assert!(
+        turn.draft_tokens >= 24,
+        "the answer was drafted: {}",
+        turn.draft_tokens
+    );
+    settled(&r, dir.path());
+    let blocks = files(dir.path()).len();
+    // The caches hold the prompt and all but the last generated token.
+    let held = turn.prompt_tokens as usize + 47;
+    assert_eq!(blocks, held / BLOCK, "{blocks} blocks for {held} positions");
+}

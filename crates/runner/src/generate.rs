@@ -428,9 +428,12 @@ impl Generation {
         !self.finished && self.ready.is_empty() && (self.prefilling() || self.pending.is_some())
     }
 
-    /// Snapshots the rotating caches once the tokens fed reach the next multiple of
-    /// `snapshot_every` (after a speculative round, at the first position past it), when every
-    /// rotating cache holds exactly those tokens (a separate drafter may trail the target).
+    /// Snapshots the rotating caches once the tokens fed pass the next multiple of
+    /// `snapshot_every`, at the multiple: copies of caches past it (a speculative round that
+    /// crossed it; the target, where a separate drafter trails it) are rewound to it, which a
+    /// round's batched write keeps the tokens for. So snapshots sit where the disk tier's
+    /// blocks end. A cache not there yet (a drafter still trailing) puts it off to a later
+    /// step; one that cannot be rewound that far takes it where every cache is, if they agree.
     pub(crate) fn snapshot_generated(&mut self) {
         let Some(every) = self.params.snapshot_every else {
             return;
@@ -440,14 +443,21 @@ impl Generation {
         if pos / every <= last / every {
             return;
         }
+        let multiple = pos / every * every;
         let draft = self.draft.as_ref().map_or(&[][..], |d| &d.caches[..]);
-        let aligned = self
-            .caches
-            .iter()
-            .chain(draft)
-            .all(|c| !matches!(c, LayerCache::Rotating(_)) || c.offset() == pos);
-        if aligned {
-            let all: Vec<LayerCache> = self.caches.iter().chain(draft).cloned().collect();
+        let all: Vec<LayerCache> = self.caches.iter().chain(draft).cloned().collect();
+        let rotating = || all.iter().filter(|c| matches!(c, LayerCache::Rotating(_)));
+        if rotating().any(|c| c.offset() < multiple) {
+            return;
+        }
+        let mut back = all.clone();
+        let rewound = back.iter_mut().all(|c| match c {
+            LayerCache::Rotating(r) => r.rewind(r.offset() - multiple).is_ok(),
+            _ => true,
+        });
+        if rewound {
+            self.taken.push((multiple, CacheCheckpoint::of(&back)));
+        } else if rotating().all(|c| c.offset() == pos) {
             self.taken.push((pos, CacheCheckpoint::of(&all)));
         }
     }
