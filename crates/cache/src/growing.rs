@@ -221,6 +221,7 @@ impl KvCache {
     /// A cache holding `keys` and `values` (`[B, H, T, D]`) as positions `0..T`, storing what
     /// comes next in their dtype.
     pub fn from_state(keys: Array, values: Array) -> Result<KvCache> {
+        let values = cast(&values, Some(keys.dtype()))?;
         Ok(KvCache {
             dtype: Some(keys.dtype()),
             keys: Growing::from_data(keys)?,

@@ -315,6 +315,8 @@ impl RotatingKvCache {
     /// (`[B, H, T, D]`, time order, as [`RotatingKvCache::linear_state`] gives them) as the
     /// `T` positions before `offset`.
     pub fn with_linear_state(&self, keys: Array, values: Array, offset: usize) -> Result<Self> {
+        // Stored as this cache stores (the kernel reads new rows and held ones of one type).
+        let (keys, values) = (cast(&keys, self.dtype)?, cast(&values, self.dtype)?);
         let count = time_len(&keys)?;
         if time_len(&values)? != count || count == 0 || count > offset {
             return Err(CacheError::Shape {

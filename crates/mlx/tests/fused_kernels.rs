@@ -555,6 +555,8 @@ fn attention_reads_half_precision_caches_in_their_type() {
             (1, 8, 1, 3, 300, 64, 64),
             (2, 4, 2, 16, 40, 24, 24),
             (1, 6, 1, 2, 513, 40, 36),
+            // Head dims past the last 8-wide chunk: the scalar tails.
+            (1, 4, 2, 3, 70, 20, 13),
         ] {
             let q = normal(&[b, hq, l, d], next());
             let k = normal(&[b, hk, s, d], next()).astype(dtype).unwrap();
