@@ -418,7 +418,10 @@ fn idle_models_unload_after_keep_alive() {
     // The process is gone; serve forgets it once its reaper has read its last words.
     let gone = Instant::now();
     while !s.get("/api/ps")["models"].as_array().unwrap().is_empty() {
-        assert!(gone.elapsed() < Duration::from_secs(5), "ps still lists the model");
+        assert!(
+            gone.elapsed() < Duration::from_secs(5),
+            "ps still lists the model"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     // keep_alive 0, request after request: each one finds a runner (a stopping one is never
