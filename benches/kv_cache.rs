@@ -2,10 +2,11 @@
 //!
 //! Decode tokens/s of the benchmark model (target/bench-model, ~120M float32, gemma4-shaped:
 //! 8 sliding layers of a 512-token window, 2 full ones) and of its 4-bit form, at ~1k and ~4k
-//! tokens of context, with `--kv-cache-type f32`, `f16` and `bf16`; the bytes a cached token
-//! costs (the runner's memory plan). Each (model, context) runs its three types in turn, five
-//! rounds; the context is prefilled once per runner and then restored from the prefix cache, so
-//! the rounds time decode only. Medians, and each type's ratio to float32.
+//! tokens of context (`KV_BENCH_CONTEXTS=1024,4096,16384` for others), with
+//! `--kv-cache-type f32`, `f16`, `bf16`, `q8` and `q4`; the bytes a cached token costs (the
+//! runner's memory plan). Each (model, context) runs its types in turn, five rounds; the
+//! context is prefilled once per runner and then restored from the prefix cache, so the rounds
+//! time decode only. Medians, and each type's ratio to float32.
 
 mod common;
 use common::{bench_model, median, peer_python, quantized_model, root};
@@ -16,7 +17,7 @@ use std::process::{Command, Stdio};
 
 const ROUNDS: usize = 5;
 const TOKENS: usize = 64;
-const TYPES: [&str; 3] = ["f32", "f16", "bf16"];
+const TYPES: [&str; 5] = ["f32", "f16", "bf16", "q8", "q4"];
 
 struct Runner {
     child: std::process::Child,
@@ -118,10 +119,14 @@ fn main() {
     }
     let _ = root();
     println!("## Decode tokens/s by KV cache type (medians of {ROUNDS})\n");
-    println!("| model | context | cache | bytes per token | decode tok/s | vs f32 |");
-    println!("|---|---|---|---|---|---|");
+    println!("| model | context | cache | bytes per token | ÷ f32's | decode tok/s | vs f32 |");
+    println!("|---|---|---|---|---|---|---|");
     for (name, model) in &models {
-        for ctx in [1024usize, 4096] {
+        let contexts = std::env::var("KV_BENCH_CONTEXTS").unwrap_or_else(|_| "1024,4096".into());
+        for ctx in contexts
+            .split(',')
+            .filter_map(|c| c.trim().parse::<usize>().ok())
+        {
             let runners: Vec<(Runner, f64)> =
                 TYPES.iter().map(|k| start(model, k, ctx + 512)).collect();
             let prompt = prompt_of(runners[0].0.port, ctx);
@@ -140,8 +145,9 @@ fn main() {
             for (i, kind) in TYPES.iter().enumerate() {
                 let m = median(rates[i].clone());
                 println!(
-                    "| {name} | {ctx} | {kind} | {:.0} | {m:.1} | {:.2}x |",
+                    "| {name} | {ctx} | {kind} | {:.0} | {:.2} | {m:.1} | {:.2}x |",
                     runners[i].1,
+                    runners[0].1 / runners[i].1,
                     m / f32_rate
                 );
             }

@@ -151,7 +151,7 @@ impl DraftArgs {
             memory_limit: None,
             cache_interval: 256,
             cache_disk: None,
-            kv_cache: DtypeChoice::Auto,
+            kv_cache: models::KvCacheType::default(),
             draft,
             draft_depth: if self.no_draft {
                 Some(0)
@@ -560,9 +560,11 @@ struct RunnerArgs {
     #[arg(long, value_parser = parse_bytes)]
     cache_disk_budget: Option<u64>,
     /// What the KV caches store keys and values (GLM: latent rows) as: auto (the compute
-    /// dtype), f32, f16 or bf16. f16 and bf16 halve a cached token's bytes.
+    /// dtype), f32, f16, bf16, q8 or q4. f16 and bf16 halve a cached token's bytes; q8 and q4
+    /// are MLX's affine quantization (groups of 64 values, or 32 where 64 does not divide a
+    /// row; rows no group divides are stored as f16).
     #[arg(long, default_value = "auto")]
-    kv_cache_type: DtypeChoice,
+    kv_cache_type: models::KvCacheType,
     /// Log at debug level.
     #[arg(long)]
     verbose: bool,

@@ -27,7 +27,7 @@
 
 use crate::prefix::{held_by_all, needs_checkpoints, CacheCheckpoint, Restored};
 use crate::{CacheError, KvCache, LatentCache, LayerCache, Result};
-use mlx::Array;
+use mlx::{Array, RowFormat, Rows};
 use sha2::{Digest, Sha256};
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -79,10 +79,14 @@ fn chain_next(parent: &Hash, tokens: &[u32]) -> Hash {
 fn layout(caches: &[LayerCache]) -> String {
     caches
         .iter()
-        .map(|c| match c {
-            LayerCache::Kv(_) => "kv".to_string(),
-            LayerCache::Latent(_) => "latent".to_string(),
-            LayerCache::Rotating(r) => format!("window{}+{}", r.window(), r.ring()),
+        .map(|c| {
+            let kind = match c {
+                LayerCache::Kv(_) => "kv".to_string(),
+                LayerCache::Latent(_) => "latent".to_string(),
+                LayerCache::Rotating(r) => format!("window{}+{}", r.window(), r.ring()),
+            };
+            // The cache type too: a runner of another --kv-cache-type never reads these.
+            format!("{kind}:{}", c.format().name())
         })
         .collect::<Vec<_>>()
         .join(",")
@@ -508,10 +512,10 @@ struct Block {
 }
 
 enum BlockLayer {
-    Kv(Array, Array),
-    Latent(Array),
+    Kv(Rows, Rows),
+    Latent(Rows),
     /// A sliding-window layer's held keys and values at the block's end, in time order.
-    Window(Array, Array),
+    Window(Rows, Rows),
     /// A window state a later block supersedes, let go.
     Spent,
 }
@@ -521,6 +525,19 @@ fn tensor_names(i: usize, c: &LayerCache) -> Vec<String> {
         LayerCache::Kv(_) => vec![format!("{i}.keys"), format!("{i}.values")],
         LayerCache::Latent(_) => vec![format!("{i}.rows")],
         LayerCache::Rotating(_) => vec![format!("{i}.window_keys"), format!("{i}.window_values")],
+    }
+}
+
+/// The tensors that hold `rows` under the name `base`: itself for dense rows; `base.q`,
+/// `base.scales` and `base.biases` for quantized ones.
+fn named<'a>(base: &str, rows: &'a Rows) -> Vec<(String, &'a Array)> {
+    match rows {
+        Rows::Dense(a) => vec![(base.to_string(), a)],
+        Rows::Affine(q) => vec![
+            (format!("{base}.q"), &q.weight),
+            (format!("{base}.scales"), &q.scales),
+            (format!("{base}.biases"), &q.biases),
+        ],
     }
 }
 
@@ -566,16 +583,16 @@ fn block_tensors(
     end: usize,
     meta: &Meta,
 ) -> Result<RawBlock> {
-    let mut tensors: Vec<(String, Array)> = Vec::new();
+    let mut rows: Vec<(String, Rows)> = Vec::new();
     for (i, c) in caches.iter().enumerate() {
         let names = tensor_names(i, c);
         match c {
             LayerCache::Kv(kv) => {
                 let (k, v) = kv.copy_range(start, end)?;
-                tensors.push((names[0].clone(), k));
-                tensors.push((names[1].clone(), v));
+                rows.push((names[0].clone(), k));
+                rows.push((names[1].clone(), v));
             }
-            LayerCache::Latent(l) => tensors.push((names[0].clone(), l.copy_range(start, end)?)),
+            LayerCache::Latent(l) => rows.push((names[0].clone(), l.copy_range(start, end)?)),
             LayerCache::Rotating(_) => {
                 let state = checkpoint
                     .and_then(|cp| cp.layers.get(i).cloned().flatten())
@@ -586,13 +603,14 @@ fn block_tensors(
                         n: end,
                         why: format!("no sliding-window state of layer {i} at position {end}"),
                     })?;
-                tensors.push((names[0].clone(), state.0));
-                tensors.push((names[1].clone(), state.1));
+                rows.push((names[0].clone(), state.0));
+                rows.push((names[1].clone(), state.1));
             }
         }
     }
+    let mut tensors: Vec<(String, &Array)> = rows.iter().flat_map(|(n, r)| named(n, r)).collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
-    let refs: Vec<&Array> = tensors.iter().map(|(_, a)| a).collect();
+    let refs: Vec<&Array> = tensors.iter().map(|(_, a)| *a).collect();
     mlx::eval(&refs)?;
     let mut data = Vec::with_capacity(tensors.len());
     for (name, a) in &tensors {
@@ -679,50 +697,64 @@ fn read_block(path: &Path, want: &Expect) -> std::result::Result<Block, Skip> {
         }
         Array::from_bytes(t.data(), &shape, dtype).map_err(|e| bad(format!("tensor {name}: {e}")))
     };
+    let mut used = 0;
+    // The rows named `base` (dense, or quantized as `base.q` + scales + biases in a quantized
+    // cache's block).
+    let mut rows = |base: &str, format: RowFormat| -> std::result::Result<Rows, Skip> {
+        let q = format!("{base}.q");
+        let (arrays, bits) = match format {
+            RowFormat::Affine { bits } if names.contains(&q) => (
+                vec![
+                    array(&q)?,
+                    array(&format!("{base}.scales"))?,
+                    array(&format!("{base}.biases"))?,
+                ],
+                Some(bits),
+            ),
+            _ => (vec![array(base)?], None),
+        };
+        used += arrays.len();
+        Rows::from_arrays(arrays, bits).map_err(|e| bad(format!("tensor {base}: {e}")))
+    };
     let end = want.start + want.tokens.len();
-    let positions = |a: &Array, name: &str, ok: &dyn Fn(usize) -> bool| {
-        let t = a.shape()[2] as usize;
+    let positions = |a: &Rows, name: &str, ok: &dyn Fn(usize) -> bool| {
+        let t = a.time_len();
         if ok(t) {
             Ok(())
         } else {
             Err(bad(format!("tensor {name} holds {t} positions")))
         }
     };
-    let expected: usize = want
-        .fresh
-        .iter()
-        .enumerate()
-        .map(|(i, c)| tensor_names(i, c).len())
-        .sum();
-    if names.len() != expected {
-        return Err(bad(format!(
-            "it has {} tensors, these caches {expected}",
-            names.len()
-        )));
-    }
     let block = want.tokens.len();
     let mut layers = Vec::with_capacity(want.fresh.len());
     for (i, c) in want.fresh.iter().enumerate() {
         let n = tensor_names(i, c);
+        let f = c.format();
         layers.push(match c {
             LayerCache::Kv(_) => {
-                let (k, v) = (array(&n[0])?, array(&n[1])?);
+                let (k, v) = (rows(&n[0], f)?, rows(&n[1], f)?);
                 positions(&k, &n[0], &|t| t == block)?;
                 positions(&v, &n[1], &|t| t == block)?;
                 BlockLayer::Kv(k, v)
             }
             LayerCache::Latent(_) => {
-                let r = array(&n[0])?;
+                let r = rows(&n[0], f)?;
                 positions(&r, &n[0], &|t| t == block)?;
                 BlockLayer::Latent(r)
             }
             LayerCache::Rotating(_) => {
-                let (k, v) = (array(&n[0])?, array(&n[1])?);
+                let (k, v) = (rows(&n[0], f)?, rows(&n[1], f)?);
                 positions(&k, &n[0], &|t| t >= 1 && t <= end)?;
-                positions(&v, &n[1], &|t| t == k.shape()[2] as usize)?;
+                positions(&v, &n[1], &|t| t == k.time_len())?;
                 BlockLayer::Window(k, v)
             }
         });
+    }
+    if used != names.len() {
+        return Err(bad(format!(
+            "it has {} tensors, these caches {used}",
+            names.len()
+        )));
     }
     Ok(Block { layers })
 }
@@ -733,7 +765,7 @@ fn assemble(fresh: Vec<LayerCache>, blocks: &[Block], upto: usize) -> Result<Vec
     for (i, layer) in fresh.into_iter().enumerate() {
         let parts = blocks.iter().map(|b| &b.layers[i]);
         out.push(match layer {
-            LayerCache::Kv(_) => {
+            LayerCache::Kv(fresh) => {
                 let (mut ks, mut vs) = (Vec::new(), Vec::new());
                 for p in parts {
                     if let BlockLayer::Kv(k, v) = p {
@@ -741,16 +773,16 @@ fn assemble(fresh: Vec<LayerCache>, blocks: &[Block], upto: usize) -> Result<Vec
                         vs.push(v);
                     }
                 }
-                LayerCache::Kv(KvCache::from_runs(&ks, &vs)?)
+                LayerCache::Kv(KvCache::from_runs(&ks, &vs, fresh.format())?)
             }
-            LayerCache::Latent(_) => {
-                let rs: Vec<&Array> = parts
+            LayerCache::Latent(fresh) => {
+                let rs: Vec<&Rows> = parts
                     .filter_map(|p| match p {
                         BlockLayer::Latent(r) => Some(r),
                         _ => None,
                     })
                     .collect();
-                LayerCache::Latent(LatentCache::from_runs(&rs)?)
+                LayerCache::Latent(LatentCache::from_runs(&rs, &fresh)?)
             }
             LayerCache::Rotating(r) => match blocks.last().map(|b| &b.layers[i]) {
                 Some(BlockLayer::Window(k, v)) => {

@@ -21,7 +21,7 @@ pub use mask::AttnMask;
 pub use rotating::RotatingKvCache;
 
 use mlx::fast::{Attention, KvSlots, SdpaLayout};
-use mlx::Array;
+use mlx::{Array, RowFormat, Rows};
 
 /// Errors of cache bookkeeping (MLX errors pass through).
 #[derive(Debug, thiserror::Error)]
@@ -56,7 +56,7 @@ pub(crate) fn attention<'a>(scale: f32, mask: &'a AttnMask, layout: SdpaLayout) 
 /// the returned slots' buffers instead.
 pub(crate) fn write_attend(
     q: &Array,
-    new: (&Array, &Array),
+    new: (&Rows, &Rows),
     into: KvSlots,
     at: usize,
     scale: f32,
@@ -116,22 +116,22 @@ impl LayerCache {
         }
     }
 
-    /// The same empty cache storing its keys and values (or rows) as `dtype` (`None`: as they
-    /// come): the runner's `--kv-cache-type`.
-    pub fn with_dtype(self, dtype: Option<mlx::Dtype>) -> LayerCache {
+    /// The same empty cache storing its keys and values (or rows) as `format` says: the
+    /// runner's `--kv-cache-type`.
+    pub fn with_format(self, format: RowFormat) -> LayerCache {
         match self {
-            LayerCache::Kv(_) => LayerCache::Kv(KvCache::with_dtype(dtype)),
-            LayerCache::Rotating(r) => LayerCache::Rotating(r.with_dtype(dtype)),
-            LayerCache::Latent(_) => LayerCache::Latent(LatentCache::with_dtype(dtype)),
+            LayerCache::Kv(_) => LayerCache::Kv(KvCache::with_format(format)),
+            LayerCache::Rotating(r) => LayerCache::Rotating(r.with_format(format)),
+            LayerCache::Latent(_) => LayerCache::Latent(LatentCache::with_format(format)),
         }
     }
 
-    /// What the cache stores its keys and values (or rows) as (`None`: as they come).
-    pub fn dtype(&self) -> Option<mlx::Dtype> {
+    /// How the cache stores its keys and values (or rows).
+    pub fn format(&self) -> RowFormat {
         match self {
-            LayerCache::Kv(c) => c.dtype(),
-            LayerCache::Rotating(c) => c.dtype(),
-            LayerCache::Latent(c) => c.dtype(),
+            LayerCache::Kv(c) => c.format(),
+            LayerCache::Rotating(c) => c.format(),
+            LayerCache::Latent(c) => c.format(),
         }
     }
 
@@ -145,12 +145,10 @@ impl LayerCache {
     }
 }
 
-/// `x` as `dtype` (itself when it is already, or when `dtype` is `None`).
-pub(crate) fn cast(x: &Array, dtype: Option<mlx::Dtype>) -> Result<Array> {
-    Ok(match dtype {
-        Some(d) if x.dtype() != d => x.astype(d)?,
-        _ => x.clone(),
-    })
+/// `x` stored as `format` says.
+pub(crate) fn encode(x: &Array, format: RowFormat) -> Result<Rows> {
+    time_len(x)?;
+    Ok(Rows::encode(x, format)?)
 }
 
 /// The time length of a `[B, H, L, D]` update.

@@ -15,27 +15,21 @@
 
 use crate::trie::{Checkpoint, Match, Segment, Trie};
 use crate::{CacheError, KvCache, LatentCache, LayerCache, Result, RotatingKvCache};
-use mlx::{Array, Ix};
+use mlx::{Array, Rows};
 use std::rc::Rc;
 
 /// One layer's data for a run of positions.
 #[derive(Debug, Clone)]
 enum LayerRun {
-    Kv(Array, Array),
-    Latent(Array),
+    Kv(Rows, Rows),
+    Latent(Rows),
     /// Rotating layers keep nothing per position (see [`CacheCheckpoint`]).
     None,
 }
 
 impl LayerRun {
     fn slice(&self, start: usize, end: usize) -> Result<LayerRun> {
-        let s = |a: &Array| -> Result<Array> {
-            Ok(a.index(&[
-                Ix::full(),
-                Ix::full(),
-                Ix::slice(Some(start as i32), Some(end as i32), 1),
-            ])?)
-        };
+        let s = |a: &Rows| -> Result<Rows> { Ok(a.time(start, end)?) };
         Ok(match self {
             LayerRun::Kv(k, v) => LayerRun::Kv(s(k)?, s(v)?),
             LayerRun::Latent(r) => LayerRun::Latent(s(r)?),
@@ -380,8 +374,8 @@ fn build(
             }
         }
         out.push(match layer {
-            LayerCache::Kv(_) => {
-                let ks: Vec<&Array> = all
+            LayerCache::Kv(fresh) => {
+                let ks: Vec<&Rows> = all
                     .iter()
                     .filter_map(|l| {
                         if let LayerRun::Kv(k, _) = l {
@@ -391,7 +385,7 @@ fn build(
                         }
                     })
                     .collect();
-                let vs: Vec<&Array> = all
+                let vs: Vec<&Rows> = all
                     .iter()
                     .filter_map(|l| {
                         if let LayerRun::Kv(_, v) = l {
@@ -401,10 +395,10 @@ fn build(
                         }
                     })
                     .collect();
-                LayerCache::Kv(KvCache::from_runs(&ks, &vs)?)
+                LayerCache::Kv(KvCache::from_runs(&ks, &vs, fresh.format())?)
             }
-            LayerCache::Latent(_) => {
-                let rs: Vec<&Array> = all
+            LayerCache::Latent(fresh) => {
+                let rs: Vec<&Rows> = all
                     .iter()
                     .filter_map(|l| {
                         if let LayerRun::Latent(r) = l {
@@ -414,7 +408,7 @@ fn build(
                         }
                     })
                     .collect();
-                LayerCache::Latent(LatentCache::from_runs(&rs)?)
+                LayerCache::Latent(LatentCache::from_runs(&rs, &fresh)?)
             }
             LayerCache::Rotating(_) => {
                 let cp = checkpoint
@@ -451,8 +445,8 @@ fn copy_run(caches: &[LayerCache], start: usize, end: usize) -> Result<CacheRun>
     let arrays: Vec<&Array> = layers
         .iter()
         .flat_map(|l| match l {
-            LayerRun::Kv(k, v) => vec![k, v],
-            LayerRun::Latent(r) => vec![r],
+            LayerRun::Kv(k, v) => [k.arrays(), v.arrays()].concat(),
+            LayerRun::Latent(r) => r.arrays(),
             LayerRun::None => vec![],
         })
         .collect();

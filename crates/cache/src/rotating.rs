@@ -14,37 +14,34 @@
 //! otherwise, never a silent divergence.
 
 use crate::{
-    attention, cast, time_len, write_attend, Attended, AttnMask, CacheError, Result, STEP,
+    attention, encode, growing::restore_full, time_len, write_attend, Attended, AttnMask,
+    CacheError, Result, STEP,
 };
 use mlx::fast::{KvSlots, SdpaLayout};
-use mlx::{Array, Dtype, Ix};
+use mlx::{Array, RowFormat, Rows};
 
 #[derive(Debug, Clone)]
 pub struct RotatingKvCache {
     window: usize,
     capacity: usize,
-    keys: Option<Array>,
-    values: Option<Array>,
+    keys: Option<Rows>,
+    values: Option<Rows>,
     /// Slot of the oldest held token.
     start: usize,
     /// Tokens held.
     count: usize,
     /// Tokens seen; the next token's position.
     offset: usize,
-    /// What keys and values are stored as (`None`: as they come).
-    dtype: Option<Dtype>,
+    /// How keys and values are stored.
+    format: RowFormat,
 }
 
-fn slots_of(buf: &Array) -> usize {
-    buf.shape()[2] as usize
+fn slots_of(buf: &Rows) -> usize {
+    buf.time_len()
 }
 
-fn time(a: &Array, start: usize, end: usize) -> Result<Array> {
-    Ok(a.index(&[
-        Ix::full(),
-        Ix::full(),
-        Ix::slice(Some(start as i32), Some(end as i32), 1),
-    ])?)
+fn time(a: &Rows, start: usize, end: usize) -> Result<Rows> {
+    Ok(a.time(start, end)?)
 }
 
 impl RotatingKvCache {
@@ -65,18 +62,18 @@ impl RotatingKvCache {
             start: 0,
             count: 0,
             offset: 0,
-            dtype: None,
+            format: RowFormat::AsComputed,
         }
     }
 
-    /// The same cache storing keys and values as `dtype` (`None`: as they come).
-    pub fn with_dtype(self, dtype: Option<Dtype>) -> Self {
-        RotatingKvCache { dtype, ..self }
+    /// The same cache storing keys and values as `format` says.
+    pub fn with_format(self, format: RowFormat) -> Self {
+        RotatingKvCache { format, ..self }
     }
 
-    /// What keys and values are stored as (`None`: as they come).
-    pub fn dtype(&self) -> Option<Dtype> {
-        self.dtype
+    /// How keys and values are stored.
+    pub fn format(&self) -> RowFormat {
+        self.format
     }
 
     pub fn window(&self) -> usize {
@@ -92,7 +89,7 @@ impl RotatingKvCache {
     }
 
     pub fn nbytes(&self) -> usize {
-        self.keys.as_ref().map_or(0, Array::nbytes) + self.values.as_ref().map_or(0, Array::nbytes)
+        self.keys.as_ref().map_or(0, Rows::nbytes) + self.values.as_ref().map_or(0, Rows::nbytes)
     }
 
     /// Bytes of one slot's keys and values; 0 before the first update.
@@ -111,10 +108,10 @@ impl RotatingKvCache {
     }
 
     /// The last `keep` held tokens of `a` in time order, followed by `pad` empty slots.
-    fn linear(&self, a: &Array, keep: usize, pad: usize) -> Result<Array> {
+    fn linear(&self, a: &Rows, keep: usize, pad: usize) -> Result<Rows> {
         let s = self.slots();
         let first = self.start + self.count - keep; // logical index of the first kept token
-        let parts: Vec<Array> = if keep == 0 {
+        let parts: Vec<Rows> = if keep == 0 {
             vec![]
         } else if first >= s {
             vec![time(a, first - s, first - s + keep)?]
@@ -125,14 +122,10 @@ impl RotatingKvCache {
         };
         let mut parts = parts;
         if pad > 0 {
-            let sh = a.shape();
-            parts.push(Array::zeros(&[sh[0], sh[1], pad as i32, sh[3]], a.dtype())?);
+            parts.push(a.zeros(pad)?);
         }
-        let refs: Vec<&Array> = parts.iter().collect();
-        Ok(match refs.len() {
-            1 => parts[0].clone(),
-            _ => mlx::concatenate(&refs, 2)?,
-        })
+        let refs: Vec<&Rows> = parts.iter().collect();
+        Ok(Rows::concat(&refs)?)
     }
 
     /// Rewrites the buffers as the last `keep` tokens in time order plus `pad` empty slots.
@@ -150,25 +143,31 @@ impl RotatingKvCache {
     /// Writes `[B, H, L, D]` keys and values for the next `L` positions; returns the keys and
     /// values attention should see, in slot order (use [`RotatingKvCache::mask`] with them).
     pub fn update(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
-        let (keys, values) = (&cast(keys, self.dtype)?, &cast(values, self.dtype)?);
+        let s = self.update_slots(keys, values)?;
+        Ok((s.keys.dense()?, s.values.dense()?))
+    }
+
+    /// As [`RotatingKvCache::update`], returning the keys and values as stored.
+    pub fn update_slots(&mut self, keys: &Array, values: &Array) -> Result<KvSlots> {
         let l = time_len(keys)?;
+        let (keys, values) = (&encode(keys, self.format)?, &encode(values, self.format)?);
         if l == 1 {
             self.write_one(keys, values)?;
         } else {
             self.write_many(keys, values, l)?;
         }
         self.offset += l;
-        self.view()
+        let (k, v) = self.view()?;
+        Ok(KvSlots::of(k, v))
     }
 
     /// Makes the ring ready for one more token (shaped like `k` and `v`) and counts it held;
     /// returns the slot it goes into.
-    fn slot_for_one(&mut self, k: &Array, v: &Array) -> Result<usize> {
+    fn slot_for_one(&mut self, k: &Rows, v: &Rows) -> Result<usize> {
         if self.keys.is_none() {
-            let sh = k.shape();
-            let n = self.capacity.min(STEP) as i32;
-            self.keys = Some(Array::zeros(&[sh[0], sh[1], n, sh[3]], k.dtype())?);
-            self.values = Some(Array::zeros(&[sh[0], sh[1], n, v.shape()[3]], v.dtype())?);
+            let n = self.capacity.min(STEP);
+            self.keys = Some(k.zeros(n)?);
+            self.values = Some(v.zeros(n)?);
         }
         if self.slots() > self.capacity {
             // A batched write left more than the ring holds: drop the oldest.
@@ -193,16 +192,11 @@ impl RotatingKvCache {
         })
     }
 
-    fn write_one(&mut self, k: &Array, v: &Array) -> Result<()> {
+    fn write_one(&mut self, k: &Rows, v: &Rows) -> Result<()> {
         let slot = self.slot_for_one(k, v)?;
-        let at = [
-            Ix::full(),
-            Ix::full(),
-            Ix::slice(Some(slot as i32), Some(slot as i32 + 1), 1),
-        ];
         let (keys, values) = (self.keys.as_ref(), self.values.as_ref());
         if let (Some(keys), Some(values)) = (keys, values) {
-            let (nk, nv) = (keys.slice_update(k, &at)?, values.slice_update(v, &at)?);
+            let (nk, nv) = (keys.slice_update(k, slot)?, values.slice_update(v, slot)?);
             self.keys = Some(nk);
             self.values = Some(nv);
         }
@@ -221,16 +215,15 @@ impl RotatingKvCache {
         scale: f32,
         layout: SdpaLayout,
     ) -> Result<Attended> {
-        let (keys, values) = (&cast(keys, self.dtype)?, &cast(values, self.dtype)?);
         let l = time_len(keys)?;
         if l != 1 {
             // A batched write relinearises the ring (see `write_many`): no single slot range.
-            let (k, v) = self.update(keys, values)?;
+            let kv = self.update_slots(keys, values)?;
             let mask = self.mask(l)?;
-            let kv = KvSlots::all(k, v);
             let out = mlx::fast::sdpa_slots(q, &kv, attention(scale, &mask, layout))?;
             return Ok(Attended { out, kv, mask });
         }
+        let (keys, values) = (&encode(keys, self.format)?, &encode(values, self.format)?);
         let slot = self.slot_for_one(keys, values)?;
         self.offset += 1;
         let mask = self.mask(1)?;
@@ -255,15 +248,12 @@ impl RotatingKvCache {
         Ok(a)
     }
 
-    fn write_many(&mut self, k: &Array, v: &Array, l: usize) -> Result<()> {
+    fn write_many(&mut self, k: &Rows, v: &Rows, l: usize) -> Result<()> {
         let keep = self.count.min(self.capacity - 1);
         let (nk, nv) = match (&self.keys, &self.values) {
             (Some(ok), Some(ov)) if keep > 0 => {
                 let (ok, ov) = (self.linear(ok, keep, 0)?, self.linear(ov, keep, 0)?);
-                (
-                    mlx::concatenate(&[&ok, k], 2)?,
-                    mlx::concatenate(&[&ov, v], 2)?,
-                )
+                (Rows::concat(&[&ok, k])?, Rows::concat(&[&ov, v])?)
             }
             _ => (k.clone(), v.clone()),
         };
@@ -276,7 +266,7 @@ impl RotatingKvCache {
 
     /// The held keys and values in slot order: the filled prefix when the buffer is linear,
     /// the whole ring otherwise.
-    fn view(&self) -> Result<(Array, Array)> {
+    fn view(&self) -> Result<(Rows, Rows)> {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
             return Err(CacheError::Shape {
                 got: "empty cache".into(),
@@ -296,12 +286,21 @@ impl RotatingKvCache {
             return Ok(None);
         }
         let (k, v) = self.view()?;
-        Ok(Some((k, v, self.key_positions())))
+        Ok(Some((k.dense()?, v.dense()?, self.key_positions())))
+    }
+
+    /// As [`RotatingKvCache::state`], the keys and values as stored.
+    pub fn held_slots(&self) -> Result<Option<(KvSlots, Vec<i32>)>> {
+        if self.count == 0 {
+            return Ok(None);
+        }
+        let (k, v) = self.view()?;
+        Ok(Some((KvSlots::of(k, v), self.key_positions())))
     }
 
     /// The held keys and values in time order (oldest first), or `None` when empty: the
     /// whole state of the cache besides its window, capacity and offset.
-    pub fn linear_state(&self) -> Result<Option<(Array, Array)>> {
+    pub fn linear_state(&self) -> Result<Option<(Rows, Rows)>> {
         match (&self.keys, &self.values) {
             (Some(k), Some(v)) if self.count > 0 => Ok(Some((
                 self.linear(k, self.count, 0)?,
@@ -314,15 +313,18 @@ impl RotatingKvCache {
     /// A cache shaped like this one (its window and capacity) holding `keys` and `values`
     /// (`[B, H, T, D]`, time order, as [`RotatingKvCache::linear_state`] gives them) as the
     /// `T` positions before `offset`.
-    pub fn with_linear_state(&self, keys: Array, values: Array, offset: usize) -> Result<Self> {
-        // Stored as this cache stores (the kernel reads new rows and held ones of one type).
-        let (keys, values) = (cast(&keys, self.dtype)?, cast(&values, self.dtype)?);
-        let count = time_len(&keys)?;
-        if time_len(&values)? != count || count == 0 || count > offset {
+    pub fn with_linear_state(&self, keys: Rows, values: Rows, offset: usize) -> Result<Self> {
+        // Stored as this cache stores (the kernel reads new rows and held ones of one form).
+        let (keys, values) = (
+            restore_full(keys, self.format)?,
+            restore_full(values, self.format)?,
+        );
+        let count = keys.time_len();
+        if values.time_len() != count || count == 0 || count > offset {
             return Err(CacheError::Shape {
                 got: format!(
                     "{count} keys and {} values held at position {offset}",
-                    time_len(&values)?
+                    values.time_len()
                 ),
             });
         }
@@ -334,7 +336,7 @@ impl RotatingKvCache {
             start: 0,
             count,
             offset,
-            dtype: self.dtype,
+            format: self.format,
         })
     }
 

@@ -5,7 +5,7 @@
 use cache::disk::{DiskConfig, DiskTier};
 use cache::prefix::CacheCheckpoint;
 use cache::{KvCache, LatentCache, LayerCache, RotatingKvCache};
-use mlx::{Array, Dtype};
+use mlx::{Array, Dtype, RowFormat};
 use std::path::Path;
 use std::sync::atomic::Ordering;
 
@@ -30,17 +30,40 @@ fn f32s(a: &Array) -> Vec<f32> {
 }
 
 fn fresh() -> Vec<LayerCache> {
+    fresh_as(RowFormat::AsComputed)
+}
+
+fn fresh_as(format: RowFormat) -> Vec<LayerCache> {
     vec![
-        LayerCache::Kv(KvCache::new()),
-        LayerCache::Rotating(RotatingKvCache::with_slack(WINDOW, 2)),
-        LayerCache::Latent(LatentCache::new()),
+        LayerCache::Kv(KvCache::with_format(format)),
+        LayerCache::Rotating(RotatingKvCache::with_slack(WINDOW, 2).with_format(format)),
+        LayerCache::Latent(LatentCache::with_format(format)),
     ]
+}
+
+/// Row widths (keys and values over two heads; latent rows) for caches of `format`: wide
+/// enough for a quantization group where the format quantizes.
+fn widths(format: RowFormat) -> (i32, i32) {
+    match format {
+        RowFormat::Affine { .. } => (128, 64),
+        _ => (8, 6),
+    }
 }
 
 /// Caches fed `n` positions in writes of `chunk`, with a sliding-window snapshot at every block
 /// end; `salt` makes another sequence's contents.
 fn fed(n: usize, chunk: usize, salt: u32) -> (Vec<LayerCache>, Vec<(usize, CacheCheckpoint)>) {
-    let mut caches = fresh();
+    fed_as(n, chunk, salt, RowFormat::AsComputed)
+}
+
+fn fed_as(
+    n: usize,
+    chunk: usize,
+    salt: u32,
+    format: RowFormat,
+) -> (Vec<LayerCache>, Vec<(usize, CacheCheckpoint)>) {
+    let (w, lw) = widths(format);
+    let mut caches = fresh_as(format);
     let mut checkpoints = Vec::new();
     let mut at = 0;
     while at < n {
@@ -48,17 +71,17 @@ fn fed(n: usize, chunk: usize, salt: u32) -> (Vec<LayerCache>, Vec<(usize, Cache
         for c in caches.iter_mut() {
             match c {
                 LayerCache::Kv(kv) => {
-                    kv.update(&rows(at, l, 8, salt), &rows(at, l, 8, salt + 1))
+                    kv.update(&rows(at, l, w, salt), &rows(at, l, w, salt + 1))
                         .unwrap();
                 }
                 LayerCache::Rotating(r) => {
-                    r.update(&rows(at, l, 8, salt + 2), &rows(at, l, 8, salt + 3))
+                    r.update(&rows(at, l, w, salt + 2), &rows(at, l, w, salt + 3))
                         .unwrap();
                 }
                 LayerCache::Latent(lc) => {
                     lc.update(
-                        &rows(at, l, 6, salt + 4)
-                            .reshape(&[1, 1, l as i32, 6])
+                        &rows(at, l, lw, salt + 4)
+                            .reshape(&[1, 1, l as i32, lw])
                             .unwrap(),
                     )
                     .unwrap();
@@ -113,11 +136,12 @@ fn contents(caches: &[LayerCache]) -> Vec<Vec<f32>> {
             }
             LayerCache::Rotating(r) => {
                 let (k, v) = r.linear_state().unwrap().unwrap();
+                let (k, v) = (k.dense().unwrap(), v.dense().unwrap());
                 vec![f32s(&k), f32s(&v), vec![r.offset() as f32]]
             }
             LayerCache::Latent(l) => {
                 let (r, _) = (l.copy_range(0, l.offset()).unwrap(), ());
-                vec![f32s(&r)]
+                vec![f32s(&r.dense().unwrap())]
             }
         })
         .collect()
@@ -178,6 +202,57 @@ fn a_restore_equals_what_was_stored_and_goes_on_alike() {
     assert_eq!(other.depth(&prompt, &fresh()), 0);
     let fewer = vec![LayerCache::Kv(KvCache::new())];
     assert_eq!(tier.depth(&prompt, &fewer), 0);
+}
+
+/// Quantized caches (`--kv-cache-type q8|q4`) go to disk as their packed words, scales and
+/// biases, come back with the same bits in the same form, and are never read by a runner of
+/// another cache type.
+#[test]
+fn quantized_caches_round_trip_packed() {
+    mlx::init_thread().unwrap();
+    for bits in [8, 4] {
+        let format = RowFormat::Affine { bits };
+        let dir = tempfile::tempdir().unwrap();
+        let toks = tokens(21, 3);
+        let (caches, checkpoints) = fed_as(21, 3, 40, format);
+        let tier = open(dir.path(), "model-q", 1 << 30);
+        assert_eq!(tier.store(&toks, &caches, &checkpoints).unwrap(), 2);
+        tier.flush();
+        let bytes = std::fs::read(&block_files(dir.path())[0]).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut names: Vec<String> = st.names().into_iter().cloned().collect();
+        names.sort();
+        assert!(
+            names.contains(&"0.keys.q".to_string()),
+            "q{bits}: {names:?}"
+        );
+        assert!(
+            names.contains(&"2.rows.scales".to_string()),
+            "q{bits}: {names:?}"
+        );
+        assert_eq!(
+            st.tensor("0.keys.q").unwrap().dtype(),
+            safetensors::Dtype::U32
+        );
+
+        let tier = open(dir.path(), "model-q", 1 << 30);
+        let mut prompt = toks[..17].to_vec();
+        prompt.push(9999);
+        let got = tier
+            .restore(&prompt, fresh_as(format), 0)
+            .expect("restored");
+        assert_eq!(got.restored.cached, 16);
+        for c in &got.restored.caches {
+            assert_eq!(c.format(), format, "q{bits}: restored in its form");
+        }
+        let (want, _) = fed_as(16, 3, 40, format);
+        assert_eq!(contents(&got.restored.caches), contents(&want), "q{bits}");
+        // Caches of another type find nothing.
+        assert_eq!(
+            tier.depth(&prompt, &fresh_as(RowFormat::Float(Dtype::F16))),
+            0
+        );
+    }
 }
 
 #[test]

@@ -36,6 +36,7 @@ fn snapshots_own_their_positions_and_nothing_more() {
     // A range copy.
     let cache = filled(2048);
     let (ks, vs) = cache.copy_range(0, 16).unwrap();
+    let (ks, vs) = (ks.dense().unwrap(), vs.dense().unwrap());
     ks.eval().unwrap();
     vs.eval().unwrap();
     assert_eq!(ks.nbytes(), 8 * 16 * 64 * 4);

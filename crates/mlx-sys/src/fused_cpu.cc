@@ -680,9 +680,9 @@ void block_values(int R, const float* e, const T* v, int64_t vstep, int n, int D
 }
 
 // `rows` ([B, H, L, D], any strides) written over slots at..at+L of `buf` ([B, H, S, D]) into
-// `out` (row-major, `buf`'s shape), all of T (the cache's type: the rows were cast to it). `out`
-// is `buf`'s own buffer when MLX let the op take it over (the cache's only reference was the
-// op's input); otherwise `buf` is copied first.
+// `out` (row-major, `buf`'s shape), all of T (the cache's type: the rows were cast or quantized
+// to it). `out` is `buf`'s own buffer when MLX let the op take it over (the cache's only
+// reference was the op's input); otherwise `buf` is copied first.
 template <class T>
 void write_slots(const View& buf, const View& rows, int at, View& out) {
   T* o = out.data<T>();
@@ -707,6 +707,73 @@ void write_slots(const View& buf, const View& rows, int at, View& out) {
       }
 }
 
+// The same for any element type, by its size (a quantized cache's packed words and float
+// scales are 4 bytes, half-precision rows 2).
+void write_any(const View& buf, const View& rows, int at, View& out) {
+  if (mx::size_of(buf.dtype()) == 2) return write_slots<uint16_t>(buf, rows, at, out);
+  write_slots<uint32_t>(buf, rows, at, out);
+}
+
+// Rows of a dense cache, read in place.
+template <class T>
+struct DenseRows {
+  const T* base;
+  int64_t bs, hs, ts;
+  // The n rows from slot j of (b, h), and in `step` the distance between them.
+  const T* rows(int b, int h, int j, int, float*, int64_t& step) const {
+    step = ts;
+    return base + b * bs + h * hs + j * ts;
+  }
+};
+
+// Rows of an affine-quantized cache (MLX's format: per row D·bits/32 words, value i of a word
+// at bits·i from its low end; one scale and bias per `group` values, w = scale·q + bias),
+// dequantized a key block at a time into a scratch tile that stays in L1: attention reads
+// the packed rows, never a float copy of the cache.
+struct AffineRows {
+  const uint32_t* w;
+  const float* s;
+  const float* b;
+  int64_t ws[3], ss[3], bstr[3];
+  int bits, group, D;
+
+  const float* rows(int bb, int h, int j, int n, float* scratch, int64_t& step) const {
+    step = D;
+    for (int c = 0; c < n; ++c)
+      dequant_row(w + bb * ws[0] + h * ws[1] + (j + c) * ws[2], s + bb * ss[0] + h * ss[1] + (j + c) * ss[2],
+                  b + bb * bstr[0] + h * bstr[1] + (j + c) * bstr[2], scratch + (size_t)c * D);
+    return scratch;
+  }
+
+  void dequant_row(const uint32_t* q, const float* sc, const float* bi, float* out) const {
+    if (has_avx2() && (bits == 4 || bits == 8)) return dequant_row_avx(q, sc, bi, out);
+    const int per = 32 / bits;
+    const uint32_t mask = (1u << bits) - 1;
+    for (int d = 0; d < D; ++d) {
+      const uint32_t v = (q[d / per] >> (bits * (d % per))) & mask;
+      out[d] = std::fma(sc[d / group], (float)v, bi[d / group]);
+    }
+  }
+
+  __attribute__((target("avx2,fma"))) void dequant_row_avx(const uint32_t* q, const float* sc, const float* bi,
+                                                           float* out) const {
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i nib = _mm256_set1_epi32(0xF);
+    // 8 values at a time: a group (32 values or more) never splits a chunk of 8.
+    for (int d = 0; d < D; d += 8) {
+      __m256i v;
+      if (bits == 8) {
+        v = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint8_t*>(q) + d)));
+      } else {
+        v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)q[d / 8]), shifts), nib);
+      }
+      const int g = d / group;
+      _mm256_storeu_ps(out + d, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(sc[g]), _mm256_set1_ps(bi[g])));
+    }
+  }
+};
+
 // Attention over the first `keys` slots of K and V. With `write_at` ≥ 0, the last two inputs
 // are new key and value rows, written at slots write_at.. of K and V first: the op's second and
 // third outputs are the buffers with them, and attention reads those. A decode step's cache
@@ -723,50 +790,89 @@ struct SdpaOp {
     // The output as [B, L, Hq·Dv] (each token's heads side by side, what the output projection
     // reads) instead of [B, Hq, L, Dv]: no transpose or reshape op after it.
     bool tokens;
+    // 0: K and V are one dense array each; 4 or 8: each is three (packed words, scales,
+    // biases) of MLX's affine quantization with `group` values per scale.
+    int bits;
+    int group;
     bool operator==(const Params&) const = default;
   };
   static constexpr const char* name = "MlxrCpuSdpa";
   static constexpr FusedKind kind = FusedKind::Sdpa;
 
-  // The updated K and V may take over the buffers they update.
+  // Arrays per K or V: the dense rows, or the packed words, scales and biases.
+  static int parts(const Params& p) { return p.bits ? 3 : 1; }
+
+  // The updated K and V (each of their arrays) may take over the buffers they update.
   static int donor(const Params& p, size_t out) {
-    return p.write_at >= 0 && (out == 1 || out == 2) ? (int)out : -1;
+    return p.write_at >= 0 && out >= 1 && (int)out <= 2 * parts(p) ? (int)out : -1;
   }
 
+  // Inputs: q, K's arrays, V's arrays, [mask], [sinks], then with `write_at` the new rows'
+  // arrays in the same order as K's and V's.
   static void run_many(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
-    switch (in[1].dtype()) {
-      case mx::float16: return run_typed<f16>(p, in, outs);
-      case mx::bfloat16: return run_typed<bf16>(p, in, outs);
-      default: return run_typed<float>(p, in, outs);
+    const int np = parts(p);
+    const View* kv = &in[1];
+    if (p.write_at >= 0) {
+      const size_t rows = in.size() - 2 * np;
+      for (int i = 0; i < 2 * np; ++i) write_any(in[1 + i], in[rows + i], p.write_at, outs[1 + i]);
+      kv = &outs[1];
+    }
+    if (p.bits) {
+      std::vector<uint32_t> t0, t3;
+      std::vector<float> t1, t2, t4, t5;
+      const AffineRows k = affine(p, kv[0], kv[1], kv[2], t0, t1, t2);
+      const AffineRows v = affine(p, kv[3], kv[4], kv[5], t3, t4, t5);
+      return attend(p, in, k, v, v.D, outs[0]);
+    }
+    switch (kv[0].dtype()) {
+      case mx::float16: return attend_dense<f16>(p, in, kv, outs[0]);
+      case mx::bfloat16: return attend_dense<bf16>(p, in, kv, outs[0]);
+      default: return attend_dense<float>(p, in, kv, outs[0]);
     }
   }
 
   template <class T>
-  static void run_typed(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
-    if (p.write_at < 0) return attend<T>(p, in, in[1], in[2], outs[0]);
-    const size_t rows = in.size() - 2;
-    write_slots<T>(in[1], in[rows], p.write_at, outs[1]);
-    write_slots<T>(in[2], in[rows + 1], p.write_at, outs[2]);
-    attend<T>(p, in, outs[1], outs[2], outs[0]);
+  static void attend_dense(const Params& p, std::vector<View>& in, const View* kv, View& out) {
+    std::vector<T> kt, vt;
+    int64_t ks[3], vs[3];
+    const T* k = rows_of(kv[0], kt, ks);
+    const T* v = rows_of(kv[1], vt, vs);
+    attend(p, in, DenseRows<T>{k, ks[0], ks[1], ks[2]}, DenseRows<T>{v, vs[0], vs[1], vs[2]}, kv[1].shape(3), out);
   }
 
+  // `a`'s rows read in place (cache views are strided along batch, heads and time), or copied
+  // densely into `tmp` where its last axis is strided; `st` gets the first three strides.
   template <class T>
-  static void attend(const Params& p, std::vector<View>& in, const View& k, const View& v, View& out) {
+  static const T* rows_of(const View& a, std::vector<T>& tmp, int64_t* st) {
+    if (a.strides()[3] == 1) {
+      for (int d = 0; d < 3; ++d) st[d] = a.strides()[d];
+      return a.data<T>();
+    }
+    st[2] = a.shape(3);
+    st[1] = st[2] * a.shape(2);
+    st[0] = st[1] * a.shape(1);
+    return dense(a, tmp);
+  }
+
+  static AffineRows affine(const Params& p, const View& w, const View& s, const View& b, std::vector<uint32_t>& wt,
+                           std::vector<float>& st, std::vector<float>& bt) {
+    AffineRows r{nullptr, nullptr, nullptr, {}, {}, {}, p.bits, p.group, s.shape(3) * p.group};
+    r.w = rows_of(w, wt, r.ws);
+    r.s = rows_of(s, st, r.ss);
+    r.b = rows_of(b, bt, r.bstr);
+    return r;
+  }
+
+  template <class KR, class VR>
+  static void attend(const Params& p, std::vector<View>& in, const KR& kr, const VR& vr, int Dv, View& out) {
     const View& q = in[0];
     const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
-    const int Hk = k.shape(1), St = k.shape(2), S = p.keys, Dv = v.shape(3);
+    const int Hk = in[1].shape(1), S = p.keys;
     const int rep = Hq / Hk, nq = rep * L;
-    // K and V are read in place (cache views are strided); only their last axis must be dense.
-    std::vector<T> kt, vt;
-    const T* kp = k.strides()[3] == 1 ? k.data<T>() : dense(k, kt);
-    const T* vp = v.strides()[3] == 1 ? v.data<T>() : dense(v, vt);
-    const int64_t dense_ks[4] = {(int64_t)Hk * St * D, (int64_t)St * D, D, 1};
-    const int64_t dense_vs[4] = {(int64_t)Hk * St * Dv, (int64_t)St * Dv, Dv, 1};
-    const int64_t* ks = k.strides()[3] == 1 ? k.strides().begin() : dense_ks;
-    const int64_t* vs = v.strides()[3] == 1 ? v.strides().begin() : dense_vs;
-    const View* mask = p.has_mask ? &in[3] : nullptr;
+    const int np = parts(p);
+    const View* mask = p.has_mask ? &in[1 + 2 * np] : nullptr;
     std::vector<float> sink_t;
-    const float* sinks = p.has_sinks ? dense(in[p.has_mask ? 4 : 3], sink_t) : nullptr;
+    const float* sinks = p.has_sinks ? dense(in[1 + 2 * np + (p.has_mask ? 1 : 0)], sink_t) : nullptr;
 
     // Queries scaled first, as MLX does, grouped by kv head: [B, Hk, rep·L, D].
     std::vector<float> qs((size_t)B * Hq * L * D);
@@ -801,17 +907,21 @@ struct SdpaOp {
         std::fill(my + r * state + 2, my + (r + 1) * state, 0.0f);
       }
       const float* qg = qs.data() + (size_t)(b * Hq + hk * rep) * L * D;
-      const T* kb = kp + b * ks[0] + hk * ks[1];
-      const T* vb = vp + b * vs[0] + hk * vs[1];
       // Scores, then weights, of one tile of query rows against one key block.
       alignas(32) float sc[kTile * kKeyBlock];
+      // A quantized block's rows, dequantized (unused for dense rows).
+      std::vector<float> kscr, vscr;
+      if constexpr (std::is_same_v<KR, AffineRows>) kscr.resize((size_t)kKeyBlock * D);
+      if constexpr (std::is_same_v<VR, AffineRows>) vscr.resize((size_t)kKeyBlock * Dv);
       for (int j = j0; j < j1; j += kKeyBlock) {
         const int n = std::min(kKeyBlock, j1 - j);
+        int64_t kst = 0, vst = 0;
+        const auto* kb = kr.rows(b, hk, j, n, kscr.data(), kst);
+        const auto* vb = vr.rows(b, hk, j, n, vscr.data(), vst);
         for (int r0 = 0; r0 < nq; r0 += kTile) {
           const int R = std::min(kTile, nq - r0);
           // The block's value rows are fetched while the first tile's scores are computed.
-          block_scores(R, qg + (size_t)r0 * D, D, kb + j * ks[2], ks[2], n, sc, vb + j * vs[2], vs[2],
-                       r0 == 0 ? Dv : 0);
+          block_scores(R, qg + (size_t)r0 * D, D, kb, kst, n, sc, vb, vst, r0 == 0 ? Dv : 0);
           float* acc[kTile];
           for (int t = 0; t < R; ++t) {
             const int r = r0 + t, h = hk * rep + r / L, i = r % L;
@@ -845,7 +955,7 @@ struct SdpaOp {
             sr[0] = m;
             sr[1] = sum;
           }
-          block_values(R, sc, vb + j * vs[2], vs[2], n, Dv, acc);
+          block_values(R, sc, vb, vst, n, Dv, acc);
         }
       }
     };
@@ -1324,38 +1434,67 @@ std::optional<std::vector<mx::array>> cpu_quantized_qkv_heads(
 
 std::optional<std::vector<mx::array>> cpu_sdpa_slots(
     const mx::array& q,
-    const mx::array& k,
-    const mx::array& v,
+    const std::vector<mx::array>& k,
+    const std::vector<mx::array>& v,
     int keys,
-    const std::optional<mx::array>& k_new,
-    const std::optional<mx::array>& v_new,
+    const std::vector<mx::array>& k_new,
+    const std::vector<mx::array>& v_new,
     int write_at,
+    int group,
+    int bits,
     float scale,
     bool causal,
     const std::optional<mx::array>& mask,
     const std::optional<mx::array>& sinks,
     bool tokens) {
-  // Queries in float32; keys and values in float32, float16 or bfloat16, both of one type.
-  const bool kv_type = k.dtype() == mx::float32 || k.dtype() == mx::float16 || k.dtype() == mx::bfloat16;
-  if (!on_cpu() || !is_f32(q) || !kv_type || v.dtype() != k.dtype()) return std::nullopt;
-  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) return std::nullopt;
-  const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
-  const int Hk = k.shape(1), S = k.shape(2);
-  if (L == 0 || L > kMaxQueries || keys < L || keys > S || Hk == 0 || Hq % Hk != 0 ||
-      k.shape(0) != B || v.shape(0) != B || k.shape(3) != D || v.shape(1) != Hk || v.shape(2) != S)
-    return std::nullopt;
-  if (causal && mask) return std::nullopt;
-  const bool write = k_new.has_value();
-  if (write != v_new.has_value()) return std::nullopt;
-  if (write) {
-    if (k_new->dtype() != k.dtype() || v_new->dtype() != k.dtype() || k_new->ndim() != 4 || v_new->ndim() != 4)
-      return std::nullopt;
-    const int Ln = k_new->shape(2);
-    if (k_new->shape(0) != B || k_new->shape(1) != Hk || k_new->shape(3) != D ||
-        v_new->shape() != mx::Shape{B, Hk, Ln, (int)v.shape(3)} || write_at < 0 || write_at + Ln > S)
-      return std::nullopt;
+  // Queries in float32; keys and values in float32, float16 or bfloat16, both of one type, or
+  // both 4- or 8-bit affine with float32 scales and biases.
+  const size_t np = bits ? 3 : 1;
+  if (!on_cpu() || !is_f32(q) || k.size() != np || v.size() != np) return std::nullopt;
+  const bool write = !k_new.empty();
+  if (write && (k_new.size() != np || v_new.size() != np)) return std::nullopt;
+  if (bits) {
+    if ((bits != 4 && bits != 8) || group % 8 != 0 || group <= 0) return std::nullopt;
+    for (const auto* side : {&k, &v})
+      if ((*side)[0].dtype() != mx::uint32 || !is_f32((*side)[1]) || !is_f32((*side)[2])) return std::nullopt;
+  } else {
+    const auto t = k[0].dtype();
+    if ((t != mx::float32 && t != mx::float16 && t != mx::bfloat16) || v[0].dtype() != t) return std::nullopt;
   }
-  std::vector<mx::array> in{q, k, v};
+  for (const auto* side : {&k, &v, &k_new, &v_new})
+    for (const auto& a : *side)
+      if (a.ndim() != 4) return std::nullopt;
+  if (q.ndim() != 4) return std::nullopt;
+  // Logical widths: a packed row of D values is D·bits/32 words and D/group scales.
+  const auto width = [&](const std::vector<mx::array>& side) {
+    return bits ? (int)side[1].shape(3) * group : (int)side[0].shape(3);
+  };
+  if (bits)
+    for (const auto* side : {&k, &v, &k_new, &v_new})
+      if (!side->empty() && (int)(*side)[0].shape(3) * 32 / bits != (int)(*side)[1].shape(3) * group)
+        return std::nullopt;
+  const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
+  const int Hk = k[0].shape(1), S = k[0].shape(2), Dv = width(v);
+  if (L == 0 || L > kMaxQueries || keys < L || keys > S || Hk == 0 || Hq % Hk != 0 || width(k) != D)
+    return std::nullopt;
+  for (const auto* side : {&k, &v})
+    for (const auto& a : *side)
+      if (a.shape(0) != B || a.shape(1) != Hk || a.shape(2) != S) return std::nullopt;
+  if (causal && mask) return std::nullopt;
+  if (write) {
+    const int Ln = k_new[0].shape(2);
+    for (size_t i = 0; i < np; ++i) {
+      const auto& kn = k_new[i];
+      const auto& vn = v_new[i];
+      if (kn.dtype() != k[i].dtype() || vn.dtype() != v[i].dtype() ||
+          kn.shape() != mx::Shape{B, Hk, Ln, (int)k[i].shape(3)} || vn.shape() != mx::Shape{B, Hk, Ln, (int)v[i].shape(3)})
+        return std::nullopt;
+    }
+    if (write_at < 0 || write_at + Ln > S) return std::nullopt;
+  }
+  std::vector<mx::array> in{q};
+  in.insert(in.end(), k.begin(), k.end());
+  in.insert(in.end(), v.begin(), v.end());
   bool bool_mask = false;
   if (mask) {
     if (mask->ndim() > 4) return std::nullopt;
@@ -1372,18 +1511,24 @@ std::optional<std::vector<mx::array>> cpu_sdpa_slots(
     if (!is_f32(*sinks) || sinks->ndim() != 1 || sinks->shape(0) != Hq) return std::nullopt;
     in.push_back(*sinks);
   }
-  const SdpaOp::Params p{scale, causal, mask.has_value(), bool_mask, sinks.has_value(), keys, write ? write_at : -1,
-                         tokens};
-  const int Dv = v.shape(3);
+  const SdpaOp::Params p{scale,  causal, mask.has_value(), bool_mask, sinks.has_value(), keys, write ? write_at : -1,
+                         tokens, bits,   bits ? group : 0};
   const mx::Shape out = tokens ? mx::Shape{B, L, Hq * Dv} : mx::Shape{B, Hq, L, Dv};
   if (!write) {
     auto o = fused<SdpaOp>(out, p, std::move(in));
     if (!o) return std::nullopt;
     return std::vector<mx::array>{std::move(*o)};
   }
-  in.push_back(*k_new);
-  in.push_back(*v_new);
-  return fused_many<SdpaOp>({out, k.shape(), v.shape()}, p, std::move(in), {mx::float32, k.dtype(), v.dtype()});
+  std::vector<mx::Shape> shapes{out};
+  std::vector<mx::Dtype> dtypes{mx::float32};
+  for (const auto* side : {&k, &v})
+    for (const auto& a : *side) {
+      shapes.push_back(a.shape());
+      dtypes.push_back(a.dtype());
+    }
+  in.insert(in.end(), k_new.begin(), k_new.end());
+  in.insert(in.end(), v_new.begin(), v_new.end());
+  return fused_many<SdpaOp>(std::move(shapes), p, std::move(in), std::move(dtypes));
 }
 
 std::optional<mx::array> cpu_matmul(const mx::array& x, const mx::array& w) {

@@ -129,18 +129,22 @@ std::optional<std::vector<mlx::core::array>> cpu_quantized_qkv_heads(
     const HeadsRope& rope,
     const mlx::core::array& offsets);
 
-// softmax(q kᵀ · scale + mask) v over the first `keys` slots of k and v ([B, Hk, S, D]). With
-// k_new and v_new ([B, Hk, L, D]), their rows are first written at slots write_at.. of k and v:
-// {attention, k with them, v with them}, the buffers taken over where nothing else holds them.
-// Without: {attention}. The attention is [B, Hq, L, Dv], or with `tokens` [B, L, Hq·Dv].
+// softmax(q kᵀ · scale + mask) v over the first `keys` slots of k and v ([B, Hk, S, D]), each
+// one dense array, or with `bits` three (MLX's affine quantization along D: packed words,
+// scales, biases, `group` values per scale). With k_new and v_new (rows [B, Hk, L, D] in the
+// same form), their rows are first written at slots write_at.. of k and v: {attention, k's
+// arrays with them, v's arrays with them}, the buffers taken over where nothing else holds
+// them. Without: {attention}. The attention is [B, Hq, L, Dv], or with `tokens` [B, L, Hq·Dv].
 std::optional<std::vector<mlx::core::array>> cpu_sdpa_slots(
     const mlx::core::array& q,
-    const mlx::core::array& k,
-    const mlx::core::array& v,
+    const std::vector<mlx::core::array>& k,
+    const std::vector<mlx::core::array>& v,
     int keys,
-    const std::optional<mlx::core::array>& k_new,
-    const std::optional<mlx::core::array>& v_new,
+    const std::vector<mlx::core::array>& k_new,
+    const std::vector<mlx::core::array>& v_new,
     int write_at,
+    int group,
+    int bits,
     float scale,
     bool causal,
     const std::optional<mlx::core::array>& mask,

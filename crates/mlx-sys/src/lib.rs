@@ -402,12 +402,14 @@ pub mod ffi {
         /// [B, Hq, L, Dv], or with `tokens` [B, L, Hq·Dv].
         unsafe fn sdpa_slots(
             q: &Arr,
-            k: &Arr,
-            v: &Arr,
+            k: &ArrVec,
+            v: &ArrVec,
             keys: i32,
-            k_new: *const Arr,
-            v_new: *const Arr,
+            k_new: &ArrVec,
+            v_new: &ArrVec,
             write_at: i32,
+            group: i32,
+            bits: i32,
             scale: f32,
             mask_mode: &str,
             mask: *const Arr,

@@ -839,50 +839,59 @@ std::unique_ptr<ArrVec> quantized_qkv_heads(
 
 std::unique_ptr<ArrVec> sdpa_slots(
     const Arr& q,
-    const Arr& k,
-    const Arr& v,
+    const ArrVec& k,
+    const ArrVec& v,
     int32_t keys,
-    const Arr* k_new,
-    const Arr* v_new,
+    const ArrVec& k_new,
+    const ArrVec& v_new,
     int32_t write_at,
+    int32_t group,
+    int32_t bits,
     float scale,
     rust::Str mask_mode,
     const Arr* mask,
     const Arr* sinks,
     bool tokens) {
-  const auto& kb = k.a;
-  const auto& vb = v.a;
-  if (kb.ndim() != 4 || vb.ndim() != 4 || kb.shape(2) != vb.shape(2))
-    throw std::invalid_argument("[sdpa_slots] keys and values must be [B, H, S, D] buffers of one length");
-  const int S = kb.shape(2);
+  const size_t np = bits ? 3 : 1;
+  if (k.v.size() != np || v.v.size() != np)
+    throw std::invalid_argument("[sdpa_slots] keys and values must each be " + std::to_string(np) + " arrays");
+  for (const auto* side : {&k.v, &v.v})
+    for (const auto& a : *side)
+      if (a.ndim() != 4 || a.shape(2) != k.v[0].shape(2))
+        throw std::invalid_argument("[sdpa_slots] keys and values must be [B, H, S, D] buffers of one length");
+  const int S = k.v[0].shape(2);
   if (keys < 1 || keys > S)
     throw std::invalid_argument(
         "[sdpa_slots] attention over " + std::to_string(keys) + " slots of a buffer of " + std::to_string(S));
-  if ((k_new == nullptr) != (v_new == nullptr))
-    throw std::invalid_argument("[sdpa_slots] new keys and new values come together");
-  if (k_new) {
-    const auto& kn = k_new->a;
-    if (kn.ndim() != 4 || write_at < 0 || write_at + kn.shape(2) > S)
-      throw std::invalid_argument(
-          "[sdpa_slots] writing rows at slot " + std::to_string(write_at) + " of a buffer of " + std::to_string(S));
-  }
+  const bool write = !k_new.v.empty() || !v_new.v.empty();
+  if (write && (k_new.v.size() != np || v_new.v.size() != np))
+    throw std::invalid_argument("[sdpa_slots] new keys and new values come together, in the buffers' form");
+  if (write)
+    for (const auto* side : {&k_new.v, &v_new.v})
+      for (const auto& a : *side)
+        if (a.ndim() != 4 || write_at < 0 || write_at + a.shape(2) > S)
+          throw std::invalid_argument(
+              "[sdpa_slots] writing rows at slot " + std::to_string(write_at) + " of a buffer of " + std::to_string(S));
   const bool causal = mask_mode == "causal";
   if ((causal && !mask) || (mask_mode == "array" && mask) || (mask_mode.empty() && !mask)) {
-    if (auto outs = cpu_sdpa_slots(q.a, kb, vb, keys, opt(k_new), opt(v_new), write_at, scale, causal,
+    if (auto outs = cpu_sdpa_slots(q.a, k.v, v.v, keys, k_new.v, v_new.v, write_at, group, bits, scale, causal,
                                    opt(mask), opt(sinks), tokens))
       return wrap_vec(std::move(*outs));
   }
-  // The graph the kernel stands for: the writes, the views of the slots read, attention.
-  mx::array kw = kb, vw = vb;
-  if (k_new) {
-    const int n = k_new->a.shape(2);
+  // The graph the kernel stands for: the writes, the views of the slots read, (the
+  // dequantization,) attention.
+  std::vector<mx::array> kw = k.v, vw = v.v;
+  if (write) {
+    const int n = k_new.v[0].shape(2);
     auto at = [&](const mx::array& buf, const mx::array& rows) {
       mx::Shape start{0, 0, write_at, 0}, stop = buf.shape();
       stop[2] = write_at + n;
       return mx::slice_update(buf, rows, start, stop);
     };
-    kw = at(kb, k_new->a);
-    vw = at(vb, v_new->a);
+    for (size_t i = 0; i < np; ++i) {
+      kw[i] = at(k.v[i], k_new.v[i]);
+      vw[i] = at(v.v[i], v_new.v[i]);
+    }
   }
   auto first = [&](const mx::array& buf) {
     if (keys == S) return buf;
@@ -890,16 +899,23 @@ std::unique_ptr<ArrVec> sdpa_slots(
     stop[2] = keys;
     return mx::slice(buf, mx::Shape{0, 0, 0, 0}, stop);
   };
+  auto rows = [&](const std::vector<mx::array>& side) {
+    if (!bits) return first(side[0]);
+    return mx::dequantize(first(side[0]), first(side[1]), std::optional<mx::array>(first(side[2])), group, bits, "affine");
+  };
   auto out = mx::fast::scaled_dot_product_attention(
-      q.a, first(kw), first(vw), scale, std::string(mask_mode), opt(mask), opt(sinks));
+      q.a, rows(kw), rows(vw), scale, std::string(mask_mode), opt(mask), opt(sinks));
   if (tokens) {
     // For one position the two layouts are the same memory: a reshape, no transpose.
     const auto s = out.shape();
     const auto t = s[2] == 1 ? out : mx::transpose(out, {0, 2, 1, 3});
     out = mx::reshape(t, {s[0], s[2], s[1] * s[3]});
   }
-  if (!k_new) return wrap_vec({out});
-  return wrap_vec({out, kw, vw});
+  std::vector<mx::array> outs{out};
+  if (!write) return wrap_vec(std::move(outs));
+  outs.insert(outs.end(), kw.begin(), kw.end());
+  outs.insert(outs.end(), vw.begin(), vw.end());
+  return wrap_vec(std::move(outs));
 }
 
 ArrPtr gelu_tanh(const Arr& x) {

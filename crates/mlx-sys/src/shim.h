@@ -289,12 +289,14 @@ std::unique_ptr<ArrVec> quantized_qkv_heads(
     const Arr* freqs);
 std::unique_ptr<ArrVec> sdpa_slots(
     const Arr& q,
-    const Arr& k,
-    const Arr& v,
+    const ArrVec& k,
+    const ArrVec& v,
     int32_t keys,
-    const Arr* k_new,
-    const Arr* v_new,
+    const ArrVec& k_new,
+    const ArrVec& v_new,
     int32_t write_at,
+    int32_t group,
+    int32_t bits,
     float scale,
     rust::Str mask_mode,
     const Arr* mask,

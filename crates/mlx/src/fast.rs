@@ -6,7 +6,9 @@
 //! The same switch covers the CPU kernel behind [`Array::matmul`] for a few rows of float32
 //! activations times a loaded weight (a decode step's products).
 
+use crate::array::pack;
 use crate::ops::ptr;
+use crate::rows::Rows;
 use crate::{Array, Result};
 use mlx_sys::ffi;
 
@@ -362,33 +364,35 @@ pub fn scaled_dot_product_attention(
     sdpa_slots(q, &kv, attn)
 }
 
-/// The first `len` time slots of a cache's key and value buffers (`[B, Hkv, S, D]`, `len ≤ S`):
-/// what attention over the cache reads, without a view op per buffer.
+/// The first `len` time slots of a cache's key and value buffers (`[B, Hkv, S, D]`, `len ≤ S`,
+/// dense or quantized): what attention over the cache reads, without a view op per buffer.
 #[derive(Debug, Clone)]
 pub struct KvSlots {
-    pub keys: Array,
-    pub values: Array,
+    pub keys: Rows,
+    pub values: Rows,
     pub len: usize,
 }
 
 impl KvSlots {
-    /// Every slot of `keys` and `values`.
+    /// Every slot of dense `keys` and `values`.
     pub fn all(keys: Array, values: Array) -> KvSlots {
-        let len = keys.shape().get(2).map_or(0, |&n| n.max(0) as usize);
+        KvSlots::of(Rows::Dense(keys), Rows::Dense(values))
+    }
+
+    /// Every slot of `keys` and `values`.
+    pub fn of(keys: Rows, values: Rows) -> KvSlots {
+        let len = keys.time_len();
         KvSlots { keys, values, len }
     }
 
-    /// The slots as arrays of exactly `len` positions (views of the buffers).
+    /// The slots as values of exactly `len` positions (views of dense buffers, quantized ones
+    /// dequantized).
     pub fn view(&self) -> Result<(Array, Array)> {
-        let first = |a: &Array| -> Result<Array> {
-            if a.shape().get(2) == Some(&(self.len as i32)) {
-                return Ok(a.clone());
+        let first = |r: &Rows| -> Result<Array> {
+            if r.time_len() == self.len {
+                return r.dense();
             }
-            a.index(&[
-                crate::Ix::full(),
-                crate::Ix::full(),
-                crate::Ix::slice(None, Some(self.len as i32), 1),
-            ])
+            r.time(0, self.len)?.dense()
         };
         Ok((first(&self.keys)?, first(&self.values)?))
     }
@@ -446,24 +450,30 @@ fn slot_count(n: usize) -> Result<i32> {
 fn sdpa_ffi(
     q: &Array,
     kv: &KvSlots,
-    new: Option<((&Array, &Array), usize)>,
+    new: Option<((&Rows, &Rows), usize)>,
     attn: Attention<'_>,
 ) -> Result<Vec<Array>> {
     let (mode, arr) = mask_parts(attn.mask);
+    let (group, bits) = match &kv.keys {
+        Rows::Dense(_) => (0, 0),
+        Rows::Affine(q) => (q.group_size, q.bits),
+    };
     let (rows, at) = match new {
-        Some(((k, v), at)) => ((ptr(Some(k)), ptr(Some(v))), slot_count(at)?),
-        None => ((std::ptr::null(), std::ptr::null()), -1),
+        Some(((k, v), at)) => ((pack(k.arrays()), pack(v.arrays())), slot_count(at)?),
+        None => ((pack([]), pack([])), -1),
     };
     // SAFETY: the pointers are null or point at arrays that outlive the call.
     crate::array::unpack(unsafe {
         ffi::sdpa_slots(
             q.arr(),
-            kv.keys.arr(),
-            kv.values.arr(),
+            &pack(kv.keys.arrays()),
+            &pack(kv.values.arrays()),
             slot_count(kv.len)?,
-            rows.0,
-            rows.1,
+            &rows.0,
+            &rows.1,
             at,
+            group,
+            bits,
             attn.scale,
             mode,
             ptr(arr),
@@ -488,25 +498,36 @@ pub fn sdpa_slots(q: &Array, kv: &KvSlots, attn: Attention<'_>) -> Result<Array>
 /// as MLX's `slice_update` does; otherwise it is copied first.
 pub fn sdpa_write(
     q: &Array,
-    new: (&Array, &Array),
+    new: (&Rows, &Rows),
     into: &KvSlots,
     at: usize,
     attn: Attention<'_>,
 ) -> Result<(Array, KvSlots)> {
-    let mut it = sdpa_ffi(q, into, Some((new, at)), attn)?.into_iter();
-    match (it.next(), it.next(), it.next()) {
-        (Some(out), Some(k), Some(v)) => Ok((
-            out,
-            KvSlots {
-                keys: k,
-                values: v,
-                len: into.len,
-            },
-        )),
-        _ => Err(crate::Error::Mlx(
-            "sdpa_write: expected three outputs".into(),
-        )),
+    if new.0.bits() != into.keys.bits() || new.1.bits() != into.values.bits() {
+        return Err(crate::Error::Mlx(
+            "sdpa_write: new rows stored unlike the buffers".into(),
+        ));
     }
+    let mut it = sdpa_ffi(q, into, Some((new, at)), attn)?.into_iter();
+    let out = it
+        .next()
+        .ok_or_else(|| crate::Error::Mlx("sdpa_write: no attention output".into()))?;
+    let n = into.keys.arrays().len();
+    let k: Vec<Array> = it.by_ref().take(n).collect();
+    let v: Vec<Array> = it.collect();
+    if k.len() != n || v.len() != n {
+        return Err(crate::Error::Mlx(
+            "sdpa_write: expected the written buffers back".into(),
+        ));
+    }
+    Ok((
+        out,
+        KvSlots {
+            keys: Rows::from_arrays(k, into.keys.bits())?,
+            values: Rows::from_arrays(v, into.values.bits())?,
+            len: into.len,
+        },
+    ))
 }
 
 /// `0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))`, the tanh approximation of GELU.

@@ -17,6 +17,7 @@ pub mod io;
 pub mod memory;
 mod ops;
 pub mod random;
+pub mod rows;
 mod runtime;
 
 pub use array::Array;
@@ -25,6 +26,7 @@ pub use error::{Error, Result};
 pub use fast::SdpaMask;
 pub use index::Ix;
 pub use ops::{concatenate, stack, where_, Quantized};
+pub use rows::{RowFormat, Rows};
 pub use runtime::{
     async_eval, blas_library, default_device, eval, gpu_available, graph_ops, init_thread,
     openblas_config, quantized_kernel_counts, quantized_kernel_description, set_default_device,

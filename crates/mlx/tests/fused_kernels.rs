@@ -8,7 +8,7 @@
 use mlx::fast::{
     self, Attention, FusedCounts, HeadsRotation, KvSlots, RopeFreqs, SdpaLayout, SdpaMask,
 };
-use mlx::{random, Array, Dtype};
+use mlx::{random, Array, Dtype, Rows};
 
 /// The switch and counters are per process: the tests take turns.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -376,13 +376,27 @@ fn a_cache_write_and_its_attention_are_one_op() {
         let (kb_was, vb_was) = (kb.to_vec::<f32>().unwrap(), vb.to_vec::<f32>().unwrap());
         let (ours, theirs, _, ran) = both(|| {
             let into = KvSlots {
-                keys: kb.clone(),
-                values: vb.clone(),
+                keys: Rows::Dense(kb.clone()),
+                values: Rows::Dense(vb.clone()),
                 len,
             };
-            let (out, kv) =
-                fast::sdpa_write(&q, (&kn, &vn), &into, at, Attention::new(0.3, mask)).unwrap();
-            mlx::concatenate(&[&flat(&out), &flat(&kv.keys), &flat(&kv.values)], 0).unwrap()
+            let (out, kv) = fast::sdpa_write(
+                &q,
+                (&Rows::Dense(kn.clone()), &Rows::Dense(vn.clone())),
+                &into,
+                at,
+                Attention::new(0.3, mask),
+            )
+            .unwrap();
+            mlx::concatenate(
+                &[
+                    &flat(&out),
+                    &flat(&kv.keys.dense().unwrap()),
+                    &flat(&kv.values.dense().unwrap()),
+                ],
+                0,
+            )
+            .unwrap()
         });
         assert_eq!(ran.sdpa, 1, "{what}: one op");
         // The test holds the buffers, so the op wrote into copies of them.
@@ -399,12 +413,18 @@ fn a_cache_write_and_its_attention_are_one_op() {
         assert_eq!(vb.to_vec::<f32>().unwrap(), vb_was, "{what}");
         // The attention is the kernel's bits over views of the written slots.
         let into = KvSlots {
-            keys: kb.clone(),
-            values: vb.clone(),
+            keys: Rows::Dense(kb.clone()),
+            values: Rows::Dense(vb.clone()),
             len,
         };
-        let (out, kv) =
-            fast::sdpa_write(&q, (&kn, &vn), &into, at, Attention::new(0.3, mask)).unwrap();
+        let (out, kv) = fast::sdpa_write(
+            &q,
+            (&Rows::Dense(kn.clone()), &Rows::Dense(vn.clone())),
+            &into,
+            at,
+            Attention::new(0.3, mask),
+        )
+        .unwrap();
         let (kview, vview) = kv.view().unwrap();
         let plain =
             fast::scaled_dot_product_attention(&q, &kview, &vview, 0.3, mask, None).unwrap();
@@ -447,18 +467,18 @@ fn a_cache_write_takes_over_a_buffer_only_when_nothing_else_holds_it() {
     let _one = serial();
     let copies = || fast::fused_kernel_counts().sdpa_write_copies;
     let mut kv = KvSlots {
-        keys: normal(&[1, 2, 64, 16], 1).copy().unwrap(),
-        values: normal(&[1, 2, 64, 16], 2).copy().unwrap(),
+        keys: Rows::Dense(normal(&[1, 2, 64, 16], 1).copy().unwrap()),
+        values: Rows::Dense(normal(&[1, 2, 64, 16], 2).copy().unwrap()),
         len: 0,
     };
-    mlx::eval(&[&kv.keys, &kv.values]).unwrap();
+    mlx::eval(&[kv.keys.arrays(), kv.values.arrays()].concat()).unwrap();
     let before = copies();
     let mut snapshot = None;
     for at in 0..40 {
         let q = normal(&[1, 4, 1, 16], 100 + at as u64);
         let (k, v) = (
-            normal(&[1, 2, 1, 16], 200 + at as u64),
-            normal(&[1, 2, 1, 16], 300 + at as u64),
+            Rows::Dense(normal(&[1, 2, 1, 16], 200 + at as u64)),
+            Rows::Dense(normal(&[1, 2, 1, 16], 300 + at as u64)),
         );
         let into = KvSlots { len: at + 1, ..kv };
         let (out, next) =
@@ -467,7 +487,8 @@ fn a_cache_write_takes_over_a_buffer_only_when_nothing_else_holds_it() {
         kv = next;
         if at == 20 {
             // Something reads step 20's keys later: step 21 must not write into them.
-            snapshot = Some((kv.keys.clone(), kv.keys.to_vec::<f32>().unwrap()));
+            let keys = kv.keys.dense().unwrap();
+            snapshot = Some((keys.clone(), keys.to_vec::<f32>().unwrap()));
         }
         out.eval().unwrap();
     }
@@ -483,7 +504,7 @@ fn a_cache_write_takes_over_a_buffer_only_when_nothing_else_holds_it() {
         "the snapshot did not change"
     );
     // The live buffer holds every step's rows.
-    let keys = kv.keys.to_vec::<f32>().unwrap();
+    let keys = kv.keys.dense().unwrap().to_vec::<f32>().unwrap();
     for at in [0usize, 20, 21, 39] {
         let row = normal(&[1, 2, 1, 16], 200 + at as u64)
             .to_vec::<f32>()
@@ -500,8 +521,8 @@ fn attention_over_slots_refuses_slots_the_buffer_does_not_have() {
     let _one = serial();
     let q = normal(&[1, 2, 1, 8], 1);
     let kv = KvSlots {
-        keys: normal(&[1, 1, 16, 8], 2),
-        values: normal(&[1, 1, 16, 8], 3),
+        keys: Rows::Dense(normal(&[1, 1, 16, 8], 2)),
+        values: Rows::Dense(normal(&[1, 1, 16, 8], 3)),
         len: 17,
     };
     let err = fast::sdpa_slots(&q, &kv, Attention::new(1.0, SdpaMask::None)).unwrap_err();
@@ -510,7 +531,7 @@ fn attention_over_slots_refuses_slots_the_buffer_does_not_have() {
             .contains("attention over 17 slots of a buffer of 16"),
         "{err}"
     );
-    let row = normal(&[1, 1, 1, 8], 4);
+    let row = Rows::Dense(normal(&[1, 1, 1, 8], 4));
     let into = KvSlots { len: 16, ..kv };
     let err = fast::sdpa_write(
         &q,
@@ -525,7 +546,7 @@ fn attention_over_slots_refuses_slots_the_buffer_does_not_have() {
             .contains("writing rows at slot 16 of a buffer of 16"),
         "{err}"
     );
-    let wide = normal(&[1, 1, 1, 9], 5);
+    let wide = Rows::Dense(normal(&[1, 1, 1, 9], 5));
     let err = fast::sdpa_write(
         &q,
         (&wide, &wide),
@@ -578,20 +599,32 @@ fn attention_reads_half_precision_caches_in_their_type() {
         let flat = |a: &Array| a.astype(Dtype::F32).unwrap().reshape(&[-1]).unwrap();
         let (ours, theirs, _, ran) = both(|| {
             let into = KvSlots {
-                keys: kb.clone(),
-                values: vb.clone(),
+                keys: Rows::Dense(kb.clone()),
+                values: Rows::Dense(vb.clone()),
                 len,
             };
             let (out, kv) = fast::sdpa_write(
                 &q,
-                (&kn, &vn),
+                (&Rows::Dense(kn.clone()), &Rows::Dense(vn.clone())),
                 &into,
                 at,
                 Attention::new(0.3, SdpaMask::None),
             )
             .unwrap();
-            assert_eq!(kv.keys.dtype(), dtype, "the buffers keep their type");
-            mlx::concatenate(&[&flat(&out), &flat(&kv.keys), &flat(&kv.values)], 0).unwrap()
+            assert_eq!(
+                kv.keys.format(),
+                mlx::RowFormat::Float(dtype),
+                "the buffers keep their type"
+            );
+            mlx::concatenate(
+                &[
+                    &flat(&out),
+                    &flat(&kv.keys.dense().unwrap()),
+                    &flat(&kv.values.dense().unwrap()),
+                ],
+                0,
+            )
+            .unwrap()
         });
         assert_eq!(ran.sdpa, 1, "{dtype:?} write: one op");
         let n_out = (b * hq * d) as usize;
@@ -605,6 +638,110 @@ fn attention_reads_half_precision_caches_in_their_type() {
             ours[n_out..],
             theirs[n_out..],
             "{dtype:?}: the buffers are slice_update's"
+        );
+    }
+}
+
+/// Caches of MLX's affine quantization (`--kv-cache-type q8|q4`) are read packed by the
+/// kernel, a key block at a time, and agree with MLX's graph (its `dequantize`, then
+/// attention); MLA's values as the first columns of the quantized key rows too; a write into
+/// such buffers stores the quantized rows' bits.
+#[test]
+fn attention_reads_quantized_caches_packed() {
+    let _one = serial();
+    let mut seed = 9500;
+    let mut next = || {
+        seed += 1;
+        seed
+    };
+    let quant = |a: Array, group: i32, bits: i32| Rows::Affine(a.quantize(group, bits).unwrap());
+    for bits in [8, 4] {
+        // (batch, query heads, kv heads, queries, slots, dims, value dims, group)
+        for (b, hq, hk, l, s, d, dv, group) in [
+            (1, 8, 2, 1, 37, 64, 64, 64),
+            (1, 8, 1, 3, 300, 128, 128, 64),
+            (2, 4, 2, 16, 40, 32, 32, 32),
+            (1, 6, 1, 2, 513, 96, 64, 32),
+        ] {
+            let q = normal(&[b, hq, l, d], next());
+            let k = quant(normal(&[b, hk, s, d], next()), group, bits);
+            let v = quant(normal(&[b, hk, s, dv], next()), group, bits);
+            let kv = KvSlots::of(k, v);
+            let what = format!("q{bits} sdpa B{b} Hq{hq} Hk{hk} L{l} S{s} D{d} Dv{dv} g{group}");
+            for (name, mask) in [("none", SdpaMask::None), ("causal", SdpaMask::Causal)] {
+                let (ours, theirs, _, ran) =
+                    both(|| fast::sdpa_slots(&q, &kv, Attention::new(0.125, mask)).unwrap());
+                assert_close(&ours, &theirs, 1e-5, &format!("{what} mask {name}"));
+                assert_eq!(ran.sdpa, 1, "{what} mask {name}: the kernel ran");
+            }
+            // Over the first slots only, as a cache reads its buffer.
+            let part = KvSlots {
+                len: (s / 2 + l) as usize,
+                ..kv.clone()
+            };
+            let (ours, theirs, _, ran) = both(|| {
+                fast::sdpa_slots(&q, &part, Attention::new(0.125, SdpaMask::Causal)).unwrap()
+            });
+            assert_close(&ours, &theirs, 1e-5, &format!("{what}: first slots"));
+            assert_eq!(ran.sdpa, 1, "{what}: first slots");
+        }
+        // MLA: one quantized row per token ([latent | rope key]), the values its latent part.
+        let (r, dr, s) = (512, 64, 70);
+        let rows = quant(normal(&[1, 1, s, r + dr], next()), 64, bits);
+        let kv = KvSlots::of(rows.clone(), rows.first_values(r as usize).unwrap());
+        let q = normal(&[1, 4, 1, r + dr], next());
+        let (ours, theirs, shape, ran) =
+            both(|| fast::sdpa_slots(&q, &kv, Attention::new(0.1, SdpaMask::None)).unwrap());
+        assert_eq!(shape, vec![1, 4, 1, r]);
+        assert_close(&ours, &theirs, 1e-5, &format!("q{bits} MLA values"));
+        assert_eq!(ran.sdpa, 1, "q{bits} MLA values: the kernel ran");
+
+        // A decode step's write into quantized buffers, and its attention.
+        let (b, hq, hk, slots, at, len, d) = (1, 8, 2, 64, 20, 21, 64);
+        let q = normal(&[b, hq, 1, d], next());
+        let kn = quant(normal(&[b, hk, 1, d], next()), 64, bits);
+        let vn = quant(normal(&[b, hk, 1, d], next()), 64, bits);
+        let kb = quant(normal(&[b, hk, slots, d], next()), 64, bits);
+        let vb = quant(normal(&[b, hk, slots, d], next()), 64, bits);
+        let flat = |r: &Rows| -> Array {
+            let parts: Vec<Array> = r
+                .arrays()
+                .iter()
+                .map(|a| a.astype(Dtype::F32).unwrap().reshape(&[-1]).unwrap())
+                .collect();
+            let refs: Vec<&Array> = parts.iter().collect();
+            mlx::concatenate(&refs, 0).unwrap()
+        };
+        let (ours, theirs, _, ran) = both(|| {
+            let into = KvSlots {
+                keys: kb.clone(),
+                values: vb.clone(),
+                len,
+            };
+            let (out, kv) = fast::sdpa_write(
+                &q,
+                (&kn, &vn),
+                &into,
+                at,
+                Attention::new(0.3, SdpaMask::None),
+            )
+            .unwrap();
+            assert_eq!(kv.keys.bits(), Some(bits), "the buffers stay quantized");
+            let o = out.reshape(&[-1]).unwrap();
+            mlx::concatenate(&[&o, &flat(&kv.keys), &flat(&kv.values)], 0).unwrap()
+        });
+        assert_eq!(ran.sdpa, 1, "q{bits} write: one op");
+        let n_out = (b * hq * d) as usize;
+        assert_close(
+            &ours[..n_out],
+            &theirs[..n_out],
+            1e-5,
+            &format!("q{bits} write"),
+        );
+        assert_eq!(
+            ours[n_out..],
+            theirs[n_out..],
+            "q{bits}: the buffers are slice_update's"
         );
     }
 }

@@ -495,14 +495,9 @@ impl Attention {
 
     /// Attention of `[B, H, L, d]` queries over keys and values, before the output projection:
     /// `[B, L, H·d]`.
-    fn attend(&self, q: &Array, k: &Array, v: &Array, mask: &AttnMask) -> Result<Array> {
-        let kv = KvSlots::all(k.clone(), v.clone());
+    pub(crate) fn output(&self, q: &Array, kv: &KvSlots, mask: &AttnMask) -> Result<Array> {
         let attn = Sdpa::new(ATTENTION_SCALE, mask.as_sdpa()).with_layout(Tokens);
-        Ok(sdpa_slots(q, &kv, attn)?)
-    }
-
-    pub(crate) fn output(&self, q: &Array, k: &Array, v: &Array, mask: &AttnMask) -> Result<Array> {
-        self.o_proj.forward(&self.attend(q, k, v, mask)?)
+        self.o_proj.forward(&sdpa_slots(q, kv, attn)?)
     }
 }
 
@@ -779,16 +774,17 @@ pub struct Gemma4 {
     cache_slot: Vec<Option<usize>>,
     /// Extra history the rotating caches keep (see [`CausalLm::set_cache_slack`]).
     slack: usize,
-    /// What the caches store keys and values as (see [`CausalLm::set_cache_dtype`]).
-    cache_dtype: Option<mlx::Dtype>,
+    /// How the caches store keys and values (see [`CausalLm::set_cache_format`]).
+    cache_format: mlx::RowFormat,
 }
 
 /// The K/V of the target's last non-shared sliding and full layers, which the gemma4 assistant
 /// attends to (MODELS.md §2.1).
 pub struct SharedKv {
-    /// Keys, values (`[1, nKV, S, d]`, slot order) and each slot's position (`-1` = empty).
-    pub sliding: Option<(Array, Array, Vec<i32>)>,
-    pub full: Option<(Array, Array)>,
+    /// Keys and values (`[1, nKV, S, d]`, slot order, as the cache stores them) and each
+    /// slot's position (`-1` = empty).
+    pub sliding: Option<(KvSlots, Vec<i32>)>,
+    pub full: Option<KvSlots>,
     /// Positions the target caches hold.
     pub offset: usize,
 }
@@ -860,7 +856,7 @@ impl Gemma4 {
             rope_full: cfg.rope(LayerKind::Full, full_dim)?,
             cache_slot,
             slack: 0,
-            cache_dtype: None,
+            cache_format: mlx::RowFormat::AsComputed,
             cfg,
         })
     }
@@ -915,14 +911,10 @@ impl Gemma4 {
                 .ok_or_else(|| ModelError::Invalid(format!("layer {i} has no cache")))?;
             match caches.get(slot) {
                 Some(LayerCache::Rotating(c)) => {
-                    if let Some((k, v, pos)) = c.state()? {
-                        out.sliding = Some((k, v, pos));
-                    }
+                    out.sliding = c.held_slots()?;
                 }
                 Some(LayerCache::Kv(c)) => {
-                    if let Some((k, v)) = c.state()? {
-                        out.full = Some((k, v));
-                    }
+                    out.full = c.slots()?;
                 }
                 _ => {
                     return Err(ModelError::Invalid(format!(
@@ -954,7 +946,7 @@ impl CausalLm for Gemma4 {
                 )),
                 LayerKind::Full => LayerCache::Kv(KvCache::new()),
             })
-            .map(|c| c.with_dtype(self.cache_dtype))
+            .map(|c| c.with_format(self.cache_format))
             .collect()
     }
 
@@ -1076,12 +1068,12 @@ impl CausalLm for Gemma4 {
                             // A batched write's window mask is worked out once per row, by the
                             // first sliding layer; the others have the same history.
                             LayerCache::Rotating(c) => {
-                                let (k, v) = c.update(k, v)?;
+                                let kv = c.update_slots(k, v)?;
                                 let mask = match masks[r].entry(kind) {
                                     Entry::Occupied(e) => e.get().clone(),
                                     Entry::Vacant(e) => e.insert(c.mask(l)?).clone(),
                                 };
-                                over(KvSlots::all(k, v), mask)?
+                                over(kv, mask)?
                             }
                             LayerCache::Latent(_) => {
                                 return Err(ModelError::Invalid(
@@ -1172,8 +1164,8 @@ impl CausalLm for Gemma4 {
         self.slack = slack;
     }
 
-    fn set_cache_dtype(&mut self, dtype: Option<mlx::Dtype>) {
-        self.cache_dtype = dtype;
+    fn set_cache_format(&mut self, format: mlx::RowFormat) {
+        self.cache_format = format;
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

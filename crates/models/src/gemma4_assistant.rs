@@ -12,6 +12,7 @@ use crate::nn::{add_norm, norm, Embedding, Linear, Rope};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
 use cache::AttnMask;
+use mlx::fast::KvSlots;
 use mlx::{Array, Dtype};
 use serde_json::Value;
 
@@ -227,7 +228,7 @@ impl Gemma4Assistant {
             let xn = norm(&z, Some(&layer.input_norm), eps)?;
             let mut outs = Vec::with_capacity(kvs.len());
             for (r, kv) in kvs.iter().enumerate() {
-                let (k, v, mask) = self.row_kv(layer.spec.kind, kv)?;
+                let (slots, mask) = self.row_kv(layer.spec.kind, kv)?;
                 let x_r = if rows == 1 {
                     xn.clone()
                 } else {
@@ -236,7 +237,7 @@ impl Gemma4Assistant {
                 let q = layer
                     .attn
                     .queries(&x_r, rope, self.query_position(kv), eps)?;
-                outs.push(layer.attn.output(&q, k, v, &mask)?);
+                outs.push(layer.attn.output(&q, slots, &mask)?);
             }
             let a = if rows == 1 {
                 outs.pop().expect("one row")
@@ -269,20 +270,16 @@ impl Gemma4Assistant {
     /// A row's keys, values and mask for a layer of `kind`: transformers' assistant mask, every
     /// full-attention key and the last W + 1 sliding keys (its bidirectional window counts
     /// |q − k| ≤ W).
-    fn row_kv<'a>(
-        &self,
-        kind: LayerKind,
-        kv: &'a SharedKv,
-    ) -> Result<(&'a Array, &'a Array, AttnMask)> {
+    fn row_kv<'a>(&self, kind: LayerKind, kv: &'a SharedKv) -> Result<(&'a KvSlots, AttnMask)> {
         match kind {
             LayerKind::Full => {
-                let (k, v) = kv.full.as_ref().ok_or_else(|| {
+                let slots = kv.full.as_ref().ok_or_else(|| {
                     ModelError::Invalid("the target has no full-attention K/V yet".into())
                 })?;
-                Ok((k, v, AttnMask::None))
+                Ok((slots, AttnMask::None))
             }
             LayerKind::Sliding => {
-                let (k, v, p) = kv.sliding.as_ref().ok_or_else(|| {
+                let (slots, p) = kv.sliding.as_ref().ok_or_else(|| {
                     ModelError::Invalid("the target has no sliding-window K/V yet".into())
                 })?;
                 let lo = kv.offset as i32 - 1 - self.cfg.sliding_window;
@@ -292,7 +289,7 @@ impl Gemma4Assistant {
                 } else {
                     AttnMask::Array(Array::from_slice(&visible, &[1, visible.len() as i32])?)
                 };
-                Ok((k, v, mask))
+                Ok((slots, mask))
             }
         }
     }

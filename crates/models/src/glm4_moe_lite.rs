@@ -11,7 +11,7 @@ use crate::packed::{check_rows, join_rows, single_row, spans, time_slice};
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
 use cache::{LatentCache, LayerCache};
-use mlx::fast::scaled_dot_product_attention;
+use mlx::fast::{scaled_dot_product_attention, sdpa_slots, Attention, KvSlots};
 use mlx::{Array, Dtype, Ix};
 use serde::Deserialize;
 use serde_json::Value;
@@ -313,14 +313,12 @@ impl Mla {
         for ((cache, row), qq) in caches.iter_mut().zip(&new).zip(&qq) {
             let rows = cache.update(row)?; // [1, 1, T, r+dr]
             let mask = cache.mask(1);
-            let v = rows.index(&[Ix::Ellipsis, Ix::slice(None, Some(r), 1)])?;
-            outs.push(scaled_dot_product_attention(
+            // The values are the latent part of the rows, read in place (quantized or not).
+            let kv = KvSlots::of(rows.clone(), rows.first_values(r as usize)?);
+            outs.push(sdpa_slots(
                 qq,
-                &rows,
-                &v,
-                self.scale,
-                mask.as_sdpa(),
-                None,
+                &kv,
+                Attention::new(self.scale, mask.as_sdpa()),
             )?);
         }
         let refs: Vec<&Array> = outs.iter().collect();
@@ -376,17 +374,19 @@ impl Mla {
             let lat = time_slice(&latent, at, l)?;
             let rows = cache.update(&mlx::concatenate(&[&lat, &k_rope], -1)?)?; // [B,1,T,r+dr]
             let mask = cache.mask(l);
-            let t = rows.shape()[2];
+            let t = rows.time_len() as i32;
             let o = if l == 1 {
                 // Absorbed form (MODELS.md §3.3): score = (q_nope W_UK)·c + q_rope·k_rope, and
                 // the values are the latents themselves, up-projected after attention.
                 let q_lat = q_nope.matmul(&self.wk)?; // [B,nH,1,r]
                 let qq = mlx::concatenate(&[&q_lat, &q_rope], -1)?;
-                let v = rows.index(&[Ix::Ellipsis, Ix::slice(None, Some(r), 1)])?;
-                let o =
-                    scaled_dot_product_attention(&qq, &rows, &v, self.scale, mask.as_sdpa(), None)?;
+                let kv = KvSlots::of(rows.clone(), rows.first_values(r as usize)?);
+                let o = sdpa_slots(&qq, &kv, Attention::new(self.scale, mask.as_sdpa()))?;
                 o.matmul(&self.wv_t)? // [B,nH,1,dv]
             } else {
+                // A prefill chunk expands the latents into per-head keys and values: it reads
+                // them as values (quantized rows dequantized).
+                let rows = rows.dense()?;
                 let c = rows.index(&[Ix::Ellipsis, Ix::slice(None, Some(r), 1)])?;
                 let kr = rows.index(&[Ix::Ellipsis, Ix::slice(Some(r), None, 1)])?;
                 let k_nope = c.matmul(&self.wk_t)?; // [B,nH,T,dn]
@@ -627,8 +627,8 @@ pub struct Glm4MoeLite {
     norm: Array,
     lm_head: Option<Linear>,
     rope: Rope,
-    /// What the caches store latent rows as (see [`CausalLm::set_cache_dtype`]).
-    cache_dtype: Option<mlx::Dtype>,
+    /// How the caches store latent rows (see [`CausalLm::set_cache_format`]).
+    cache_format: mlx::RowFormat,
 }
 
 impl Glm4MoeLite {
@@ -676,7 +676,7 @@ impl Glm4MoeLite {
             rope,
             mtp,
             cfg,
-            cache_dtype: None,
+            cache_format: mlx::RowFormat::AsComputed,
         })
     }
 
@@ -824,12 +824,17 @@ impl GlmMtp {
 impl CausalLm for Glm4MoeLite {
     fn make_caches(&self) -> Vec<LayerCache> {
         (0..self.layers.len())
-            .map(|_| LayerCache::Latent(LatentCache::with_dtype(self.cache_dtype)))
+            .map(|_| {
+                LayerCache::Latent(
+                    LatentCache::with_format(self.cache_format)
+                        .with_values(self.cfg.kv_lora_rank as usize),
+                )
+            })
             .collect()
     }
 
-    fn set_cache_dtype(&mut self, dtype: Option<mlx::Dtype>) {
-        self.cache_dtype = dtype;
+    fn set_cache_format(&mut self, format: mlx::RowFormat) {
+        self.cache_format = format;
     }
 
     fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array> {

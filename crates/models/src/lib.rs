@@ -61,9 +61,9 @@ pub trait CausalLm {
     /// Keep `slack` tokens of history past the sliding window in rotating caches made from now
     /// on (speculation rewinds into it; the gemma4 assistant reads one key past the window).
     fn set_cache_slack(&mut self, _slack: usize) {}
-    /// Store keys and values (MLA: latent rows) as `dtype` in caches made from now on (`None`:
-    /// as computed); the runner's `--kv-cache-type`.
-    fn set_cache_dtype(&mut self, dtype: Option<Dtype>);
+    /// Store keys and values (MLA: latent rows) as `format` says in caches made from now on;
+    /// the runner's `--kv-cache-type`.
+    fn set_cache_format(&mut self, format: mlx::RowFormat);
     /// For drafters that need a specific target's internals.
     fn as_any(&self) -> &dyn std::any::Any;
 }
@@ -88,6 +88,30 @@ impl std::str::FromStr for DtypeChoice {
                 "unknown dtype {other:?} (expected auto, f32, f16 or bf16)"
             )),
         }
+    }
+}
+
+/// What the caches store keys and values (GLM: latent rows) as: `--kv-cache-type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KvCacheType(pub mlx::RowFormat);
+
+impl std::str::FromStr for KvCacheType {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        use mlx::RowFormat::*;
+        Ok(KvCacheType(match s {
+            "auto" => AsComputed,
+            "f32" | "float32" => Float(Dtype::F32),
+            "f16" | "float16" => Float(Dtype::F16),
+            "bf16" | "bfloat16" => Float(Dtype::Bf16),
+            "q8" => Affine { bits: 8 },
+            "q4" => Affine { bits: 4 },
+            other => {
+                return Err(format!(
+                    "unknown KV cache type {other:?} (expected auto, f32, f16, bf16, q8 or q4)"
+                ))
+            }
+        }))
     }
 }
 

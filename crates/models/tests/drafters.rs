@@ -137,7 +137,8 @@ fn assistant_matches(name: &str, ordered: bool) {
     assert!(max_diff(&f32s(&h_last), &f32s(&g["target_hidden_last_postnorm"])) < 1e-4);
     let kv = gemma.shared_kv(&caches).unwrap();
     // The store layers' K/V equal transformers' shared_kv_states.
-    let (sk, _, _) = kv.sliding.as_ref().unwrap();
+    let (sk, _) = kv.sliding.as_ref().unwrap();
+    let sk = sk.keys.dense().unwrap();
     assert!(
         max_diff(
             &f32s(&sk.index(&[Ix::At(0)]).unwrap()),

@@ -16,7 +16,7 @@ use crate::protocol::{DoneReason, Stats};
 use crate::speculate::DraftModel;
 use cache::disk::{DiskConfig, DiskStats, DiskTier};
 use cache::prefix::{needs_checkpoints, PrefixCache};
-use models::{DtypeChoice, LoadedModel, ModelFiles, Tokenizer};
+use models::{DtypeChoice, KvCacheType, LoadedModel, ModelFiles, Tokenizer};
 use sample::Sampler;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -47,7 +47,7 @@ pub struct EngineConfig {
     pub cache_disk: Option<DiskConfig>,
     /// What the KV caches (target's and drafter's) store keys and values as; `Auto`: the
     /// compute dtype.
-    pub kv_cache: DtypeChoice,
+    pub kv_cache: KvCacheType,
     /// The drafter's files (`--draft`, or the draft a stored model carries); GLM's own MTP
     /// layer is used when there is none.
     pub draft: Option<ModelFiles>,
@@ -64,8 +64,8 @@ pub fn load_drafter(
     cfg: &EngineConfig,
     target: &mut LoadedModel,
 ) -> Result<Option<DraftModel>, String> {
-    let kv = kv_dtype(cfg.kv_cache);
-    target.model.set_cache_dtype(kv);
+    let kv = cfg.kv_cache.0;
+    target.model.set_cache_format(kv);
     if cfg.draft_depth == Some(0) {
         return Ok(None);
     }
@@ -83,7 +83,7 @@ pub fn load_drafter(
             models::Draft::Model(mut m) => {
                 // Drafts written into its ring one at a time must be rewindable.
                 m.set_cache_slack(slack);
-                m.set_cache_dtype(kv);
+                m.set_cache_format(kv);
                 DraftModel::Model(m)
             }
         }));
@@ -94,14 +94,6 @@ pub fn load_drafter(
         .downcast_ref::<models::glm4_moe_lite::Glm4MoeLite>()
         .is_some_and(|g| g.mtp().is_some());
     Ok(has_mtp.then_some(DraftModel::Mtp))
-}
-
-/// The dtype caches store keys and values as (`None`: as computed).
-pub fn kv_dtype(choice: DtypeChoice) -> Option<mlx::Dtype> {
-    match choice {
-        DtypeChoice::Auto => None,
-        DtypeChoice::Fixed(d) => Some(d),
-    }
 }
 
 /// What the engine tells a request's stream.

@@ -40,9 +40,10 @@ impl DraftModel {
     pub fn make_caches(&self, target: &[LayerCache]) -> Vec<LayerCache> {
         match self {
             DraftModel::Assistant(_) => Vec::new(),
-            DraftModel::Mtp => vec![LayerCache::Latent(LatentCache::with_dtype(
-                target.first().and_then(LayerCache::dtype),
-            ))],
+            DraftModel::Mtp => vec![LayerCache::Latent(match target.first() {
+                Some(LayerCache::Latent(c)) => c.fresh_like(),
+                _ => LatentCache::new(),
+            })],
             DraftModel::Model(m) => m.make_caches(),
         }
     }

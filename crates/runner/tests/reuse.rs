@@ -35,7 +35,7 @@ fn engine(target: &str, draft: Option<&str>, drafting: bool, interval: usize) ->
         memory_limit: None,
         cache_interval: interval,
         cache_disk: None,
-        kv_cache: models::DtypeChoice::Auto,
+        kv_cache: models::KvCacheType::default(),
         draft: draft.map(|d| ModelFiles::dir(&fixture(d)).unwrap()),
         draft_depth: if drafting { None } else { Some(0) },
         max_draft_depth: 4,

@@ -33,7 +33,7 @@ fn config(
         memory_limit: None,
         cache_interval: 256,
         cache_disk: None,
-        kv_cache: models::DtypeChoice::Auto,
+        kv_cache: models::KvCacheType::default(),
         draft: draft.map(|d| ModelFiles::dir(&fixture(d)).unwrap()),
         draft_depth: depth,
         max_draft_depth: 4,
