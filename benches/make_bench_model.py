@@ -31,7 +31,7 @@ CONFIG = {
     "enable_moe_block": False,
     "final_logit_softcapping": 30.0,
     "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 8192,
+    "max_position_embeddings": 32768,
     "tie_word_embeddings": True,
     "rope_parameters": {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
