@@ -3,7 +3,7 @@
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use models::{DtypeChoice, ModelFiles};
-use runner::engine::EngineConfig;
+use runner::engine::{DraftSource, EngineConfig};
 use runner::process::RunnerOptions;
 use runner::protocol::{CompletionChunk, CompletionRequest};
 use runner::text::{TextPiece, TextStream};
@@ -110,7 +110,9 @@ impl std::str::FromStr for DraftDepth {
 
 #[derive(clap::Args, Clone)]
 struct DraftArgs {
-    /// Draft model: a directory or a stored model; a gemma4 assistant, or a small model with the
+    /// Drafter: `ngram` (prompt lookup: drafts what followed the latest earlier occurrence of
+    /// the context's last tokens, no model needed), or a draft model, a directory (`./ngram`
+    /// for one of that name) or a stored model: a gemma4 assistant, or a small model with the
     /// target's tokenizer. Overrides the draft a stored model carries. A GLM target with its own
     /// MTP layer drafts with it by default.
     #[arg(long, conflicts_with = "no_draft")]
@@ -136,10 +138,11 @@ impl DraftArgs {
     /// and the stored model's parameters.
     fn engine(&self, model: &str, dtype: DtypeChoice) -> Result<(EngineConfig, ModelContext)> {
         let m = model_files(model)?;
-        let draft = match &self.draft {
-            Some(d) => Some(draft_files(d)?),
+        let draft = match self.draft.as_deref() {
+            Some("ngram") => Some(DraftSource::Ngram),
+            Some(d) => Some(DraftSource::Model(draft_files(d)?)),
             None if self.no_draft => None,
-            None => m.draft,
+            None => m.draft.map(DraftSource::Model),
         };
         let cfg = EngineConfig {
             model: m.files,
@@ -914,7 +917,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let mut ctx = Ctx {
         model: &*loaded.model,
         sampler: &mut sampler,
-        draft: draft.as_ref().map(|d| (d, &mut controller)),
+        draft: draft.as_deref().map(|d| (d, &mut controller)),
     };
     let mut g = Generation::new(&mut ctx, 0, params)?;
     let mut text = TextStream::new(&req.options.stop);
@@ -956,6 +959,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
                 }
                 finish(&mut out, &a, reason, &stats)?;
             }
+            Event::Rejected(m) | Event::Error(m) => anyhow::bail!(m),
         }
     }
     Ok(())

@@ -113,7 +113,7 @@ fn resumes(model: &str, extra: &[&str]) {
     let got = ask(&first, &p, true);
     assert_eq!(got.cached, 0);
     same(&got, &want, "first runner");
-    // And once more without logprobs: with a drafter, its own caches make another layout.
+    // And once more without logprobs.
     same(
         &ask(&first, &p, false),
         &want_drafted,
@@ -127,8 +127,11 @@ fn resumes(model: &str, extra: &[&str]) {
     let second = Runner::start(model, &with_disk);
     let got = ask(&second, &p, true);
     let whole = (got.prompt_tokens as usize - 1) / BLOCK * BLOCK;
+    // GLM's MTP drafter starts one position before what was stored (that position's MTP row
+    // paired it with the stored sequence's next token).
+    let margin = usize::from(model == "glm4_moe_lite");
     assert!(
-        got.cached as usize == whole && whole > 0,
+        got.cached as usize == whole - margin && whole > 0,
         "{model}: resumed {} of {} prompt tokens (whole blocks: {whole})",
         got.cached,
         got.prompt_tokens

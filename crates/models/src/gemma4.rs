@@ -789,6 +789,39 @@ pub struct SharedKv {
     pub offset: usize,
 }
 
+/// The cache slots of the target's store layers ([`Gemma4::store_slots`]).
+#[derive(Debug, Clone, Copy)]
+pub struct StoreSlots {
+    pub sliding: Option<usize>,
+    pub full: Option<usize>,
+}
+
+impl StoreSlots {
+    /// The store layers' K/V in `caches`.
+    pub fn shared_kv(&self, caches: &[LayerCache]) -> Result<SharedKv> {
+        let mut out = SharedKv {
+            sliding: None,
+            full: None,
+            offset: caches.first().map_or(0, LayerCache::offset),
+        };
+        let kind =
+            |slot: usize| ModelError::Invalid(format!("cache slot {slot} has an unexpected kind"));
+        if let Some(slot) = self.sliding {
+            match caches.get(slot) {
+                Some(LayerCache::Rotating(c)) => out.sliding = c.held_slots()?,
+                _ => return Err(kind(slot)),
+            }
+        }
+        if let Some(slot) = self.full {
+            match caches.get(slot) {
+                Some(LayerCache::Kv(c)) => out.full = c.slots()?,
+                _ => return Err(kind(slot)),
+            }
+        }
+        Ok(out)
+    }
+}
+
 /// The checkpoint prefix of the text model: transformers' multimodal wrapper, mlx-lm's
 /// multimodal wrapper, or a text-only checkpoint.
 fn text_prefix(w: &Weights) -> Result<&'static str> {
@@ -867,9 +900,18 @@ impl Gemma4 {
 
     /// `E[ids] · √H`, the scale cast to the compute dtype first (as transformers does).
     pub fn embed_scaled(&self, tokens: &Array) -> Result<Array> {
-        // √H rounded to float32, as a float32 array times a weak scalar multiplies by it.
-        let scale = f64::from(self.cfg.hidden_size).sqrt() as f32;
-        self.embed.lookup_scaled(tokens, scale)
+        self.embed.lookup_scaled(tokens, self.embed_scale())
+    }
+
+    /// √H rounded to float32, as a float32 array times a weak scalar multiplies by it.
+    fn embed_scale(&self) -> f32 {
+        f64::from(self.cfg.hidden_size).sqrt() as f32
+    }
+
+    /// The token embedding and the scale [`Gemma4::embed_scaled`] applies (the assistant embeds
+    /// its input tokens with the target's table).
+    pub fn scaled_embedding(&self) -> (Embedding, f32) {
+        (self.embed.clone(), self.embed_scale())
     }
 
     /// `[B, L, num_layers, P]` per-layer inputs (MODELS.md §1.3).
@@ -892,38 +934,25 @@ impl Gemma4 {
             .multiply_scalar(std::f64::consts::FRAC_1_SQRT_2)?)
     }
 
-    /// The store layers' K/V in `caches` (a cache list from [`CausalLm::make_caches`]).
-    pub fn shared_kv(&self, caches: &[LayerCache]) -> Result<SharedKv> {
+    /// Where the K/V of the target's last non-shared sliding and full layers sit in a cache
+    /// list from [`CausalLm::make_caches`]: what the gemma4 assistant reads.
+    pub fn store_slots(&self) -> StoreSlots {
         let first_shared = self.cfg.first_shared();
-        let mut out = SharedKv {
-            sliding: None,
-            full: None,
-            offset: caches.first().map_or(0, LayerCache::offset),
-        };
-        for kind in [LayerKind::Sliding, LayerKind::Full] {
-            let Some(i) = (0..first_shared)
+        let last = |kind: LayerKind| {
+            (0..first_shared)
                 .rev()
                 .find(|&i| self.layers[i].spec.kind == kind)
-            else {
-                continue;
-            };
-            let slot = self.cache_slot[i]
-                .ok_or_else(|| ModelError::Invalid(format!("layer {i} has no cache")))?;
-            match caches.get(slot) {
-                Some(LayerCache::Rotating(c)) => {
-                    out.sliding = c.held_slots()?;
-                }
-                Some(LayerCache::Kv(c)) => {
-                    out.full = c.slots()?;
-                }
-                _ => {
-                    return Err(ModelError::Invalid(format!(
-                        "layer {i} has an unexpected cache kind"
-                    )))
-                }
-            }
+                .and_then(|i| self.cache_slot[i])
+        };
+        StoreSlots {
+            sliding: last(LayerKind::Sliding),
+            full: last(LayerKind::Full),
         }
-        Ok(out)
+    }
+
+    /// The store layers' K/V in `caches` (a cache list from [`CausalLm::make_caches`]).
+    pub fn shared_kv(&self, caches: &[LayerCache]) -> Result<SharedKv> {
+        self.store_slots().shared_kv(caches)
     }
 
     fn rope(&self, kind: LayerKind) -> &Rope {

@@ -7,11 +7,14 @@
 //! tied embedding, or the centroid-masked sparse head of the E2B/E4B assistants.
 
 use crate::config::JsonFile;
-use crate::gemma4::{DecoderLayer, Gemma4, Gemma4Config, LayerKind, LayerSpec, SharedKv};
+use crate::draft::{lockstep, DraftRow, Drafter, Draws, Feed};
+use crate::gemma4::{
+    DecoderLayer, Gemma4, Gemma4Config, LayerKind, LayerSpec, SharedKv, StoreSlots,
+};
 use crate::nn::{add_norm, norm, Embedding, Linear, Rope};
 use crate::weights::Weights;
 use crate::{ModelError, Result};
-use cache::AttnMask;
+use cache::{AttnMask, LayerCache};
 use mlx::fast::KvSlots;
 use mlx::{Array, Dtype};
 use serde_json::Value;
@@ -56,6 +59,12 @@ pub struct Gemma4Assistant {
     rope_full: Rope,
     backbone: i32,
     pub position: QueryPosition,
+    /// The target's token embedding and its scale: the assistant embeds its input tokens as
+    /// the target does.
+    target_embed: Embedding,
+    target_scale: f32,
+    /// Where the target's store layers' K/V sit among its caches.
+    store: StoreSlots,
 }
 
 /// One draft step's outputs.
@@ -174,7 +183,11 @@ impl Gemma4Assistant {
             None
         };
         let full_dim = cfg.global_head_dim.unwrap_or(cfg.head_dim);
+        let (target_embed, target_scale) = target.scaled_embedding();
         Ok(Gemma4Assistant {
+            target_embed,
+            target_scale,
+            store: target.store_slots(),
             pre_projection: root.pp("pre_projection").linear(h, 2 * backbone)?,
             post_projection: root.pp("post_projection").linear(backbone, h)?,
             layers,
@@ -194,14 +207,8 @@ impl Gemma4Assistant {
 
     /// One draft step: `token` (`[1, 1]` int32) is the last token, `hidden` (`[1, 1, H_t]`) the
     /// target's (or the previous step's) hidden state; `kv` the target's store-layer K/V.
-    pub fn step(
-        &self,
-        target: &Gemma4,
-        token: &Array,
-        hidden: &Array,
-        kv: &SharedKv,
-    ) -> Result<AssistantStep> {
-        self.step_rows(target, token, hidden, &[kv])
+    pub fn step(&self, token: &Array, hidden: &Array, kv: &SharedKv) -> Result<AssistantStep> {
+        self.step_rows(token, hidden, &[kv])
     }
 
     /// One draft step for several sequences at once: row `i` of `tokens` (`[1, R]` int32) and of
@@ -210,14 +217,15 @@ impl Gemma4Assistant {
     /// its own (its position, its keys). Logits `[R, V]`, hidden `[1, R, H_t]`.
     pub fn step_rows(
         &self,
-        target: &Gemma4,
         tokens: &Array,
         hidden: &Array,
         kvs: &[&SharedKv],
     ) -> Result<AssistantStep> {
         let eps = self.cfg.rms_norm_eps;
         let rows = kvs.len() as i32;
-        let e = target.embed_scaled(&tokens.reshape(&[1, rows])?)?;
+        let e = self
+            .target_embed
+            .lookup_scaled(&tokens.reshape(&[1, rows])?, self.target_scale)?;
         let x = mlx::concatenate(&[&e, &hidden.reshape(&[1, rows, self.backbone])?], -1)?;
         let mut z = self.pre_projection.forward(&x)?;
         for layer in &self.layers {
@@ -322,5 +330,57 @@ impl Gemma4Assistant {
 
     pub fn vocab_size(&self) -> usize {
         self.cfg.vocab_size as usize
+    }
+}
+
+/// Drafts with no caches of its own: each pass is one assistant step for every row still
+/// drafting, each row attending to its own target's K/V; the first takes the pending token with
+/// the target's hidden state that produced it, later ones a draft with the step's hidden
+/// output.
+impl Drafter for Gemma4Assistant {
+    fn name(&self) -> &'static str {
+        "gemma4 assistant"
+    }
+
+    fn make_caches(&self, _target: &[LayerCache]) -> Vec<LayerCache> {
+        Vec::new()
+    }
+
+    fn probe_caches(&self, _target: &[LayerCache]) -> Result<Vec<LayerCache>> {
+        Ok(Vec::new())
+    }
+
+    fn needs_hidden(&self) -> bool {
+        true
+    }
+
+    fn propose(&self, rows: &mut [DraftRow<'_>], draws: &mut dyn Draws) -> Result<()> {
+        let kvs = rows
+            .iter()
+            .map(|r| self.store.shared_kv(r.target))
+            .collect::<Result<Vec<_>>>()?;
+        let mut first = Vec::with_capacity(rows.len());
+        for r in rows.iter() {
+            let hidden = r.hidden.ok_or_else(|| {
+                ModelError::Invalid("the assistant drafts from the target's hidden state".into())
+            })?;
+            first.push(Feed {
+                tokens: r.pending.reshape(&[1, 1])?.astype(Dtype::I32)?,
+                hidden: Some(hidden.reshape(&[1, 1, -1])?),
+            });
+        }
+        let mut pass = |_: &mut [DraftRow<'_>],
+                        active: &[usize],
+                        toks: &Array,
+                        hid: Option<&Array>,
+                        _: &[usize]| {
+            let hid = hid.ok_or_else(|| {
+                ModelError::Invalid("the assistant takes a hidden state with each token".into())
+            })?;
+            let kv: Vec<&SharedKv> = active.iter().map(|&i| &kvs[i]).collect();
+            let out = self.step_rows(toks, hid, &kv)?;
+            Ok((out.logits, Some(out.hidden)))
+        };
+        lockstep(rows, first, draws, &mut pass)
     }
 }

@@ -6,6 +6,8 @@
 //! the model. The model holds weights only; caches are passed in (one latent cache per layer).
 
 use crate::config::JsonFile;
+use crate::draft::Drafter;
+use crate::glm4_mtp::{GlmMtp, MtpDrafter};
 use crate::nn::{forward_all, norm, silu_mul, Embedding, Experts, Linear, Rope};
 use crate::packed::{check_rows, join_rows, single_row, spans, time_slice};
 use crate::weights::{Vb, Weights};
@@ -15,6 +17,7 @@ use mlx::fast::{scaled_dot_product_attention, sdpa_slots, Attention, KvSlots};
 use mlx::{Array, Dtype, Ix};
 use serde::Deserialize;
 use serde_json::Value;
+use std::rc::Rc;
 
 // ------------------------------------------------------------------------------------------
 // Config
@@ -571,7 +574,7 @@ enum FeedForward {
     Moe(Box<Moe>),
 }
 
-struct DecoderLayer {
+pub(crate) struct DecoderLayer {
     attn: Mla,
     ffn: FeedForward,
     input_norm: Array,
@@ -579,7 +582,7 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    fn new(vb: &Vb, cfg: &GlmConfig, i: usize) -> Result<DecoderLayer> {
+    pub(crate) fn new(vb: &Vb, cfg: &GlmConfig, i: usize) -> Result<DecoderLayer> {
         let h = cfg.hidden_size;
         let ffn = if cfg.is_moe_layer(i) {
             FeedForward::Moe(Box::new(Moe::new(&vb.pp("mlp"), cfg)?))
@@ -594,7 +597,7 @@ impl DecoderLayer {
         })
     }
 
-    fn forward(
+    pub(crate) fn forward(
         &self,
         h: &Array,
         caches: &mut [&mut LatentCache],
@@ -621,7 +624,7 @@ impl DecoderLayer {
 pub struct Glm4MoeLite {
     cfg: GlmConfig,
     /// Present when the checkpoint carries the MTP layer (`model.layers.{L}.*`).
-    mtp: Option<GlmMtp>,
+    mtp: Option<Rc<GlmMtp>>,
     embed: Embedding,
     layers: Vec<DecoderLayer>,
     norm: Array,
@@ -658,13 +661,14 @@ impl Glm4MoeLite {
                     ))
                 }
             };
-            Some(GlmMtp::new(
+            Some(Rc::new(GlmMtp::new(
                 &model.pp("layers").pp(n),
                 &cfg,
                 embed.clone(),
                 head,
+                rope.clone(),
                 n,
-            )?)
+            )?))
         } else {
             None
         };
@@ -682,7 +686,7 @@ impl Glm4MoeLite {
 
     /// The checkpoint's own MTP drafter, if it has one.
     pub fn mtp(&self) -> Option<&GlmMtp> {
-        self.mtp.as_ref()
+        self.mtp.as_deref()
     }
 
     pub fn rope(&self) -> &Rope {
@@ -691,133 +695,6 @@ impl Glm4MoeLite {
 
     pub fn config(&self) -> &GlmConfig {
         &self.cfg
-    }
-}
-
-/// GLM's multi-token-prediction layer (MODELS.md §3.5): for each position i it fuses the next
-/// token's embedding with the target's final hidden state at i, runs one MLA + MoE block with
-/// its own latent cache, and predicts the token after next. Embedding and head are the target's
-/// own (the checkpoint's copies are identical and never read).
-pub struct GlmMtp {
-    embed: Embedding,
-    enorm: Array,
-    hnorm: Array,
-    eh_proj: Linear,
-    block: DecoderLayer,
-    head_norm: Array,
-    head: Linear,
-    hidden: i32,
-    eps: f32,
-}
-
-impl GlmMtp {
-    fn new(
-        vb: &Vb,
-        cfg: &GlmConfig,
-        embed: Embedding,
-        head: Linear,
-        index: usize,
-    ) -> Result<GlmMtp> {
-        let h = cfg.hidden_size;
-        Ok(GlmMtp {
-            embed,
-            enorm: vb.pp("enorm").get("weight", &[h])?,
-            hnorm: vb.pp("hnorm").get("weight", &[h])?,
-            eh_proj: vb.pp("eh_proj").linear(h, 2 * h)?,
-            block: DecoderLayer::new(vb, cfg, index)?,
-            head_norm: vb.pp("shared_head.norm").get("weight", &[h])?,
-            head,
-            hidden: h,
-            eps: cfg.rms_norm_eps,
-        })
-    }
-
-    /// Pairs `tokens[i]` (`[1, L]`, the token after position i) with `hidden[i]` (`[1, L, H]`,
-    /// the target's final hidden at i, or the previous MTP output when chaining), at the cache's
-    /// next positions. Returns the block outputs (for chaining) and the logits over the token
-    /// after next.
-    pub fn forward(
-        &self,
-        tokens: &Array,
-        hidden: &Array,
-        cache: &mut LatentCache,
-        rope: &Rope,
-    ) -> Result<(Array, Array)> {
-        let u = self.feed(tokens, hidden, cache, rope)?;
-        let logits = self
-            .head
-            .forward(&norm(&u, Some(&self.head_norm), self.eps)?)?;
-        Ok((u, logits))
-    }
-
-    /// Only the block, when the logits are not needed (keeping the cache in step).
-    pub fn feed(
-        &self,
-        tokens: &Array,
-        hidden: &Array,
-        cache: &mut LatentCache,
-        rope: &Rope,
-    ) -> Result<Array> {
-        let l = tokens.shape()[1] as usize;
-        self.feed_rows(tokens, hidden, &mut [cache], &[l], rope)
-    }
-
-    /// [`GlmMtp::forward`] for several sequences packed along time (`lens[i]` pairs of row i,
-    /// each row with its own cache); returns the block outputs `[1, T, H]` and the logits of
-    /// each row's last pair `[R, V]`.
-    pub fn forward_rows(
-        &self,
-        tokens: &Array,
-        hidden: &Array,
-        caches: &mut [&mut LatentCache],
-        lens: &[usize],
-        rope: &Rope,
-    ) -> Result<(Array, Array)> {
-        let u = self.feed_rows(tokens, hidden, caches, lens, rope)?;
-        let mut ends = Vec::with_capacity(lens.len());
-        let mut at = 0;
-        for &l in lens {
-            at += l;
-            ends.push(at as i32 - 1);
-        }
-        let idx = Array::from_slice(&ends, &[ends.len() as i32])?;
-        let last = u.take(&idx, 1)?;
-        let logits = self
-            .head
-            .forward(&norm(&last, Some(&self.head_norm), self.eps)?)?;
-        let v = *logits.shape().last().unwrap_or(&0);
-        Ok((u, logits.reshape(&[lens.len() as i32, v])?))
-    }
-
-    fn feed_rows(
-        &self,
-        tokens: &Array,
-        hidden: &Array,
-        caches: &mut [&mut LatentCache],
-        lens: &[usize],
-        rope: &Rope,
-    ) -> Result<Array> {
-        let e = norm(&self.embed.lookup(tokens)?, Some(&self.enorm), self.eps)?;
-        let h = norm(
-            &hidden.reshape(&[1, -1, self.hidden])?,
-            Some(&self.hnorm),
-            self.eps,
-        )?;
-        let x = self.eh_proj.forward(&mlx::concatenate(&[&e, &h], -1)?)?;
-        let mut spans = Vec::with_capacity(lens.len());
-        let mut at = 0;
-        for &l in lens {
-            spans.push((at, l));
-            at += l;
-        }
-        self.block.forward(&x, caches, &spans, rope, self.eps)
-    }
-
-    pub fn vocab_size(&self) -> usize {
-        match &self.head {
-            Linear::Dense { wt } => wt.shape().last().copied().unwrap_or(0) as usize,
-            Linear::Quantized(q) => q.weight.shape()[0] as usize,
-        }
     }
 }
 
@@ -879,6 +756,11 @@ impl CausalLm for Glm4MoeLite {
 
     fn architecture(&self) -> &'static str {
         "glm4_moe_lite"
+    }
+
+    fn builtin_drafter(&self) -> Option<Box<dyn Drafter>> {
+        let mtp = self.mtp.as_ref()?;
+        Some(Box::new(MtpDrafter::new(Rc::clone(mtp))))
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

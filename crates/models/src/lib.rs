@@ -7,11 +7,13 @@
 //! tensor at fault.
 
 mod config;
+pub mod draft;
 mod error;
 mod files;
 pub mod gemma4;
 pub mod gemma4_assistant;
 pub mod glm4_moe_lite;
+pub mod glm4_mtp;
 pub mod nn;
 mod packed;
 mod tokenizer;
@@ -19,6 +21,7 @@ pub mod weights;
 
 pub use cache::{LayerCache, RotatingKvCache};
 pub use config::JsonFile;
+pub use draft::{DraftOptions, Drafter};
 pub use error::{ModelError, Result};
 pub use files::{sha256_file, ModelFiles, CHECKPOINT_FILES};
 pub use packed::PackedRow;
@@ -64,7 +67,11 @@ pub trait CausalLm {
     /// Store keys and values (MLA: latent rows) as `format` says in caches made from now on;
     /// the runner's `--kv-cache-type`.
     fn set_cache_format(&mut self, format: mlx::RowFormat);
-    /// For drafters that need a specific target's internals.
+    /// The drafter the checkpoint carries for itself (GLM's MTP layer), if any.
+    fn builtin_drafter(&self) -> Option<Box<dyn Drafter>> {
+        None
+    }
+    /// The concrete model, for tests that check a model's internals against references.
     fn as_any(&self) -> &dyn std::any::Any;
 }
 
@@ -162,33 +169,67 @@ enum Arch {
     Glm(glm4_moe_lite::GlmConfig),
 }
 
-/// A draft model for speculative decoding, loaded for a given target.
-pub enum Draft {
-    /// The gemma4 MTP assistant: reads the target's caches, keeps none of its own.
-    Assistant(Box<gemma4_assistant::Gemma4Assistant>),
-    /// A separate small model with the target's tokenizer and its own caches.
-    Model(Box<dyn CausalLm>),
-}
-
-/// Loads the drafter in `dir` for `target`, refusing one whose vocabulary or sizes do not fit.
-pub fn load_draft(dir: &Path, target: &LoadedModel, dtype: DtypeChoice) -> Result<Draft> {
-    load_draft_files(&ModelFiles::dir(dir)?, target, dtype)
+/// Loads the drafter in `dir` for `target`, refusing one whose vocabulary or sizes do not fit,
+/// and prepares the target's caches for it.
+pub fn load_draft(
+    dir: &Path,
+    target: &mut LoadedModel,
+    opts: DraftOptions,
+) -> Result<Box<dyn Drafter>> {
+    load_draft_files(&ModelFiles::dir(dir)?, target, opts)
 }
 
 /// [`load_draft`] from a model's files wherever they are (a directory or the model store).
 pub fn load_draft_files(
     files: &ModelFiles,
+    target: &mut LoadedModel,
+    opts: DraftOptions,
+) -> Result<Box<dyn Drafter>> {
+    files.verify()?;
+    Ok(match draft_impl(files, target, opts.dtype, true)? {
+        Draft::Assistant(mut a) => {
+            a.position = opts.position;
+            // The assistant reads one sliding key past the window.
+            target.model.set_cache_slack(1);
+            a
+        }
+        Draft::Model(mut m) => {
+            // Drafts written into its ring one at a time must be rewindable.
+            m.set_cache_slack(opts.slack);
+            m.set_cache_format(opts.cache_format);
+            Box::new(draft::SeparateModel::new(m))
+        }
+    })
+}
+
+/// The gemma4 assistant in `dir`, for `target` (for tests of the assistant itself).
+pub fn load_assistant(
+    dir: &Path,
     target: &LoadedModel,
     dtype: DtypeChoice,
-) -> Result<Draft> {
-    files.verify()?;
-    draft_impl(files, target, dtype, true)
+) -> Result<gemma4_assistant::Gemma4Assistant> {
+    let files = ModelFiles::dir(dir)?;
+    match draft_impl(&files, target, dtype, true)? {
+        Draft::Assistant(a) => Ok(*a),
+        Draft::Model(_) => Err(ModelError::Invalid(format!(
+            "{} is not a gemma4 assistant",
+            dir.display()
+        ))),
+    }
 }
 
 /// Checks that `files` hold a drafter for `target` (config, tensor names and shapes, tokenizer)
 /// without reading any weights.
-pub fn inspect_draft(files: &ModelFiles, target: &LoadedModel) -> Result<Draft> {
-    draft_impl(files, target, DtypeChoice::Fixed(target.dtype), false)
+pub fn inspect_draft(files: &ModelFiles, target: &LoadedModel) -> Result<()> {
+    draft_impl(files, target, DtypeChoice::Fixed(target.dtype), false).map(|_| ())
+}
+
+/// A drafter as its checkpoint describes it.
+enum Draft {
+    /// The gemma4 MTP assistant: reads the target's caches, keeps none of its own.
+    Assistant(Box<gemma4_assistant::Gemma4Assistant>),
+    /// A separate small model with the target's tokenizer and its own caches.
+    Model(Box<dyn CausalLm>),
 }
 
 fn draft_impl(

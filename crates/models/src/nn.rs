@@ -276,6 +276,7 @@ pub fn add_norm_then_norm(
 }
 
 /// How one kind of layer rotates its queries and keys.
+#[derive(Clone)]
 pub struct Rope {
     dims: i32,
     traditional: bool,

@@ -5,7 +5,7 @@ use mlx::{Array, Dtype, Ix};
 use models::gemma4::Gemma4;
 use models::gemma4_assistant::QueryPosition;
 use models::glm4_moe_lite::Glm4MoeLite;
-use models::{load, load_draft, CausalLm, Draft, DtypeChoice, LayerCache};
+use models::{load, load_assistant, load_draft, CausalLm, DtypeChoice, LayerCache};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -31,6 +31,16 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .zip(b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
+}
+
+/// How the tests load drafters: the checkpoint's dtype choice left to the loader.
+fn opts() -> models::DraftOptions {
+    models::DraftOptions {
+        dtype: DtypeChoice::Auto,
+        cache_format: mlx::RowFormat::AsComputed,
+        slack: 4,
+        position: models::gemma4_assistant::QueryPosition::LastCommitted,
+    }
 }
 
 fn argmax(v: &[f32]) -> usize {
@@ -61,12 +71,7 @@ fn glm_mtp_matches_the_reference() {
     // All pairs at once.
     let mut cache = cache::LatentCache::new();
     let (_, logits) = mtp
-        .forward(
-            &next,
-            &hidden.expand_dims(0).unwrap(),
-            &mut cache,
-            glm.rope(),
-        )
+        .forward(&next, &hidden.expand_dims(0).unwrap(), &mut cache)
         .unwrap();
     let got = f32s(&logits);
     assert!(max_diff(&got, &want) < 1e-4, "{}", max_diff(&got, &want));
@@ -90,7 +95,6 @@ fn glm_mtp_matches_the_reference() {
                 .expand_dims(0)
                 .unwrap(),
             &mut cache,
-            glm.rope(),
         )
         .unwrap();
     rows.extend(f32s(&l));
@@ -104,7 +108,6 @@ fn glm_mtp_matches_the_reference() {
                     .expand_dims(0)
                     .unwrap(),
                 &mut cache,
-                glm.rope(),
             )
             .unwrap();
         rows.extend(f32s(&l));
@@ -116,11 +119,7 @@ fn assistant_matches(name: &str, ordered: bool) {
     let mut target = load(&fixture("gemma4_e2b_like"), DtypeChoice::Fixed(Dtype::F32)).unwrap();
     // transformers' assistant reads W + 1 sliding keys: keep one token past the window.
     target.model.set_cache_slack(1);
-    let Draft::Assistant(mut a) =
-        load_draft(&fixture(name), &target, DtypeChoice::Fixed(Dtype::F32)).unwrap()
-    else {
-        panic!("not an assistant")
-    };
+    let mut a = load_assistant(&fixture(name), &target, DtypeChoice::Fixed(Dtype::F32)).unwrap();
     let g = golden(name);
     let prompt = g["prompt_ids"].to_vec::<i32>().unwrap();
     let gemma = target.model.as_any().downcast_ref::<Gemma4>().unwrap();
@@ -160,7 +159,7 @@ fn assistant_matches(name: &str, ordered: bool) {
                 "{name} {pre}"
             );
             let out = a
-                .step(gemma, &Array::from_slice(&[tok], &[1, 1]).unwrap(), &h, &kv)
+                .step(&Array::from_slice(&[tok], &[1, 1]).unwrap(), &h, &kv)
                 .unwrap();
             assert!(
                 max_diff(
@@ -219,14 +218,14 @@ fn assistant_with_dense_head_matches_transformers() {
 
 #[test]
 fn mismatched_drafts_are_refused() {
-    let glm = load(&fixture("glm4_moe_lite"), DtypeChoice::Fixed(Dtype::F32)).unwrap();
-    let e = load_draft(&fixture("gemma4_assistant"), &glm, DtypeChoice::Auto)
+    let mut glm = load(&fixture("glm4_moe_lite"), DtypeChoice::Fixed(Dtype::F32)).unwrap();
+    let e = load_draft(&fixture("gemma4_assistant"), &mut glm, opts())
         .err()
         .unwrap()
         .to_string();
     assert!(e.contains("drafts for gemma4 targets"), "{e}");
-    let gemma31 = load(&fixture("gemma4_31b_like"), DtypeChoice::Fixed(Dtype::F32)).unwrap();
-    let e = load_draft(&fixture("gemma4_assistant"), &gemma31, DtypeChoice::Auto)
+    let mut gemma31 = load(&fixture("gemma4_31b_like"), DtypeChoice::Fixed(Dtype::F32)).unwrap();
+    let e = load_draft(&fixture("gemma4_assistant"), &mut gemma31, opts())
         .err()
         .unwrap()
         .to_string();
@@ -242,7 +241,7 @@ fn mismatched_drafts_are_refused() {
             .unwrap();
     c["vocab_size"] = serde_json::json!(256);
     std::fs::write(dir.path().join("config.json"), c.to_string()).unwrap();
-    let e = load_draft(dir.path(), &gemma31, DtypeChoice::Auto)
+    let e = load_draft(dir.path(), &mut gemma31, opts())
         .err()
         .unwrap()
         .to_string();
@@ -253,8 +252,8 @@ fn mismatched_drafts_are_refused() {
 /// token that is not special) is refused, naming the first difference.
 #[test]
 fn a_draft_with_another_tokenizer_of_the_same_size_is_refused() {
-    let target = load(&fixture("gemma4_31b_like"), DtypeChoice::Fixed(Dtype::F32)).unwrap();
-    let with_tokenizer = |edit: &dyn Fn(&mut serde_json::Value)| {
+    let mut target = load(&fixture("gemma4_31b_like"), DtypeChoice::Fixed(Dtype::F32)).unwrap();
+    let mut with_tokenizer = |edit: &dyn Fn(&mut serde_json::Value)| {
         let dir = tempfile::tempdir().unwrap();
         for f in std::fs::read_dir(fixture("gemma4_31b_like")).unwrap() {
             let p = f.unwrap().path();
@@ -265,7 +264,7 @@ fn a_draft_with_another_tokenizer_of_the_same_size_is_refused() {
             serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         edit(&mut t);
         std::fs::write(&path, t.to_string()).unwrap();
-        let r = load_draft(dir.path(), &target, DtypeChoice::Auto);
+        let r = load_draft(dir.path(), &mut target, opts());
         r.err().map(|e| e.to_string())
     };
     // The fixture itself is accepted as its own draft.
@@ -296,11 +295,7 @@ fn a_draft_with_another_tokenizer_of_the_same_size_is_refused() {
 fn assistant_rows_step_as_each_row_alone() {
     for name in ["gemma4_assistant", "gemma4_assistant_dense"] {
         let target = load(&fixture("gemma4_e2b_like"), DtypeChoice::Fixed(Dtype::F32)).unwrap();
-        let Draft::Assistant(a) =
-            load_draft(&fixture(name), &target, DtypeChoice::Fixed(Dtype::F32)).unwrap()
-        else {
-            panic!("not an assistant")
-        };
+        let a = load_assistant(&fixture(name), &target, DtypeChoice::Fixed(Dtype::F32)).unwrap();
         let gemma = target.model.as_any().downcast_ref::<Gemma4>().unwrap();
         let prompts: [&[i32]; 3] = [&[5, 9, 2], &[7, 1, 4, 4, 8, 30, 11, 3, 12, 6, 2, 19], &[3]];
         let mut kvs = Vec::new();
@@ -323,7 +318,6 @@ fn assistant_rows_step_as_each_row_alone() {
         let alone: Vec<_> = (0..3)
             .map(|r| {
                 a.step(
-                    gemma,
                     &Array::from_slice(&[tokens[r]], &[1, 1]).unwrap(),
                     &hiddens[r],
                     &kvs[r],
@@ -334,7 +328,6 @@ fn assistant_rows_step_as_each_row_alone() {
         let refs: Vec<&Array> = hiddens.iter().collect();
         let together = a
             .step_rows(
-                gemma,
                 &Array::from_slice(&tokens, &[1, 3]).unwrap(),
                 &mlx::concatenate(&refs, 1).unwrap(),
                 &kvs.iter().collect::<Vec<_>>(),

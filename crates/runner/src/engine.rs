@@ -7,16 +7,14 @@
 //! its own token, so the device keeps working while the host hands results out.
 
 use crate::depth::DepthController;
-use crate::generate::{
-    step_together, Ctx, Event, GenerateError, Generation, GenerationParams, RawLogprob,
-};
+use crate::generation::{Ctx, Event, GenerateError, Generation, GenerationParams};
 use crate::memory;
 use crate::metrics::Metrics;
-use crate::protocol::{DoneReason, Stats};
-use crate::speculate::DraftModel;
+use crate::protocol::Stats;
 use cache::disk::{DiskConfig, DiskStats, DiskTier};
 use cache::prefix::{needs_checkpoints, PrefixCache};
-use models::{DtypeChoice, KvCacheType, LoadedModel, ModelFiles, Tokenizer};
+use models::draft::ngram::Ngram;
+use models::{DraftOptions, Drafter, DtypeChoice, KvCacheType, LoadedModel, ModelFiles, Tokenizer};
 use sample::Sampler;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -48,9 +46,9 @@ pub struct EngineConfig {
     /// What the KV caches (target's and drafter's) store keys and values as; `Auto`: the
     /// compute dtype.
     pub kv_cache: KvCacheType,
-    /// The drafter's files (`--draft`, or the draft a stored model carries); GLM's own MTP
-    /// layer is used when there is none.
-    pub draft: Option<ModelFiles>,
+    /// The drafter (`--draft`, or the draft a stored model carries); GLM's own MTP layer is
+    /// used when there is none.
+    pub draft: Option<DraftSource>,
     /// `None`: adaptive; `Some(0)` turns drafting off.
     pub draft_depth: Option<usize>,
     /// The deepest round the adaptive controller considers.
@@ -58,64 +56,56 @@ pub struct EngineConfig {
     pub draft_position: models::gemma4_assistant::QueryPosition,
 }
 
+/// Where a drafter comes from.
+#[derive(Debug, Clone)]
+pub enum DraftSource {
+    /// A checkpoint: a gemma4 assistant or a separate small model with the target's tokenizer.
+    Model(ModelFiles),
+    /// Prompt lookup: drafts from the sequence's own context (`--draft ngram`).
+    Ngram,
+}
+
+impl DraftSource {
+    /// What the drafter's outputs depend on, for the disk tier's key.
+    fn identity(&self) -> String {
+        match self {
+            DraftSource::Model(f) => f.identity(),
+            DraftSource::Ngram => "ngram".into(),
+        }
+    }
+}
+
 /// Loads the drafter the configuration asks for (or the target's built-in one), preparing the
 /// target's caches for it and for the configuration's cache type.
 pub fn load_drafter(
     cfg: &EngineConfig,
     target: &mut LoadedModel,
-) -> Result<Option<DraftModel>, String> {
+) -> Result<Option<Box<dyn Drafter>>, String> {
     let kv = cfg.kv_cache.0;
     target.model.set_cache_format(kv);
     if cfg.draft_depth == Some(0) {
         return Ok(None);
     }
-    let slack = cfg.draft_depth.unwrap_or(cfg.max_draft_depth).max(1);
-    if let Some(files) = &cfg.draft {
-        let d = models::load_draft_files(files, target, cfg.dtype)
-            .map_err(|e| format!("draft {}: {e}", files.origin.display()))?;
-        return Ok(Some(match d {
-            models::Draft::Assistant(mut a) => {
-                a.position = cfg.draft_position;
-                // transformers' assistant reads one sliding key past the window.
-                target.model.set_cache_slack(1);
-                DraftModel::Assistant(a)
-            }
-            models::Draft::Model(mut m) => {
-                // Drafts written into its ring one at a time must be rewindable.
-                m.set_cache_slack(slack);
-                m.set_cache_format(kv);
-                DraftModel::Model(m)
-            }
-        }));
+    match &cfg.draft {
+        Some(DraftSource::Model(files)) => {
+            let opts = DraftOptions {
+                dtype: cfg.dtype,
+                cache_format: kv,
+                slack: cfg.draft_depth.unwrap_or(cfg.max_draft_depth).max(1),
+                position: cfg.draft_position,
+            };
+            models::load_draft_files(files, target, opts)
+                .map(Some)
+                .map_err(|e| format!("draft {}: {e}", files.origin.display()))
+        }
+        Some(DraftSource::Ngram) => Ok(Some(Box::new(Ngram::default()))),
+        None => Ok(target.model.builtin_drafter()),
     }
-    let has_mtp = target
-        .model
-        .as_any()
-        .downcast_ref::<models::glm4_moe_lite::Glm4MoeLite>()
-        .is_some_and(|g| g.mtp().is_some());
-    Ok(has_mtp.then_some(DraftModel::Mtp))
-}
-
-/// What the engine tells a request's stream.
-#[derive(Debug, Clone)]
-pub enum EngineEvent {
-    Token {
-        id: u32,
-        logprob: Option<RawLogprob>,
-    },
-    Done {
-        reason: DoneReason,
-        stats: Stats,
-    },
-    /// The request could not be served as asked (an HTTP 400 when nothing was streamed yet).
-    Rejected(String),
-    /// An engine error; the engine goes on serving others.
-    Error(String),
 }
 
 pub struct CompletionJob {
     pub params: GenerationParams,
-    pub events: UnboundedSender<EngineEvent>,
+    pub events: UnboundedSender<Event>,
     /// Set by the HTTP side when the client goes away or a stop string ends the text.
     pub cancel: Arc<AtomicBool>,
     pub received: Instant,
@@ -206,7 +196,7 @@ fn engine_main(
     if let Some(d) = &draft {
         tracing::info!(drafter = d.name(), "speculative decoding on");
     }
-    let plan = match plan_memory(&cfg, &model, draft.as_ref()) {
+    let plan = match plan_memory(&cfg, &model, draft.as_deref()) {
         Ok(p) => p,
         Err(e) => {
             let _ = loaded.send(Err(e));
@@ -229,7 +219,7 @@ fn engine_main(
     let controllers = (0..BATCH_BUCKETS)
         .map(|_| DepthController::new(cfg.max_draft_depth, cfg.draft_depth))
         .collect();
-    let disk = open_disk(&cfg, &model, draft.as_ref());
+    let disk = open_disk(&cfg, &model, draft.as_deref());
     if let Some(d) = &disk {
         let _ = shared.disk.set((Arc::clone(d.stats()), d.budget()));
     }
@@ -261,7 +251,7 @@ fn engine_main(
 fn open_disk(
     cfg: &EngineConfig,
     model: &LoadedModel,
-    draft: Option<&DraftModel>,
+    draft: Option<&dyn Drafter>,
 ) -> Option<DiskTier> {
     let d = cfg.cache_disk.as_ref().filter(|d| d.budget > 0)?;
     // What the caches' contents depend on: the code (our version, MLX's), the weights, the
@@ -274,7 +264,7 @@ fn open_disk(
         model.model.architecture(),
         cfg.model.identity(),
         match (draft, &cfg.draft) {
-            (Some(_), Some(f)) => f.identity(),
+            (Some(_), Some(source)) => source.identity(),
             (Some(d), None) => d.name().to_string(),
             (None, _) => "-".into(),
         },
@@ -306,7 +296,7 @@ fn open_disk(
 fn plan_memory(
     cfg: &EngineConfig,
     model: &LoadedModel,
-    draft: Option<&DraftModel>,
+    draft: Option<&dyn Drafter>,
 ) -> Result<memory::MemoryPlan, String> {
     let cost = memory::measure(model, draft)?;
     let weights = mlx::memory::active();
@@ -380,10 +370,17 @@ struct Active {
     failed: bool,
 }
 
+impl Active {
+    /// The client went away, or a stop string ended the text off-engine.
+    fn cancelled(&self) -> bool {
+        self.job.cancel.load(Ordering::Relaxed) || self.job.events.is_closed()
+    }
+}
+
 struct Engine {
     model: LoadedModel,
     sampler: Sampler,
-    draft: Option<DraftModel>,
+    draft: Option<Box<dyn Drafter>>,
     /// Depth controllers by how many sequences decode or draft in a step ([`bucket`]): what a
     /// drafted token costs depends on the batch around it (each row's drafter runs on its own,
     /// while the target's step is shared), so each batch size learns its own depth, from the
@@ -438,11 +435,12 @@ impl Engine {
         }
     }
 
-    /// Empty caches for one sequence: the target's, then the drafter's own when it drafts.
-    fn fresh_caches(&self, drafting: bool) -> Vec<cache::LayerCache> {
+    /// Empty caches for one sequence: the target's, then the drafter's own.
+    fn fresh_caches(&self) -> Vec<cache::LayerCache> {
         let mut c = self.model.model.make_caches();
-        if let (Some(d), true) = (&self.draft, drafting) {
-            c.extend(d.make_caches(&c));
+        if let Some(d) = &self.draft {
+            let own = d.make_caches(&c);
+            c.extend(own);
         }
         c
     }
@@ -467,14 +465,13 @@ impl Engine {
             let slot = self.next_slot;
             self.next_slot += 1;
             let prompt = &job.params.prompt;
-            let drafting = self.draft.is_some() && !job.params.options.logprobs;
-            let fresh = self.fresh_caches(drafting);
+            let fresh = self.fresh_caches();
             let mut restored = match self.prefix.restore(prompt, fresh) {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::warn!("prefix cache restore failed, starting cold: {e}");
                     cache::prefix::Restored {
-                        caches: self.fresh_caches(drafting),
+                        caches: self.fresh_caches(),
                         cached: 0,
                         matched: 0,
                     }
@@ -482,8 +479,7 @@ impl Engine {
             };
             let m = &self.shared.metrics;
             if let Some(disk) = &self.disk {
-                if let Some(d) = disk.restore(prompt, self.fresh_caches(drafting), restored.cached)
-                {
+                if let Some(d) = disk.restore(prompt, self.fresh_caches(), restored.cached) {
                     m.disk_hits.fetch_add(1, Ordering::Relaxed);
                     m.disk_tokens
                         .fetch_add(d.restored.cached as u64, Ordering::Relaxed);
@@ -494,16 +490,18 @@ impl Engine {
                     };
                 }
             }
-            // GLM's MTP rows pair each position with the token after it, so the row at the last
-            // restored position was made with the stored sequence's next token, which this
-            // prompt need not share (greedy output would not change, but acceptance and seeded
-            // draws would depend on what was stored): one position less is restored.
-            if restored.cached > 0 && drafting && matches!(self.draft, Some(DraftModel::Mtp)) {
-                if restored.caches.iter_mut().all(|c| c.rewind(1).is_ok()) {
-                    restored.cached -= 1;
+            // A drafter may need to start a few positions before what was stored (GLM's MTP row
+            // at the last stored position pairs it with the stored sequence's next token, which
+            // this prompt need not share: greedy output would not change, but acceptance and
+            // seeded draws would depend on what was stored).
+            let margin = self.draft.as_ref().map_or(0, |d| d.restore_margin());
+            if restored.cached > 0 && margin > 0 {
+                let back = margin.min(restored.cached);
+                if restored.caches.iter_mut().all(|c| c.rewind(back).is_ok()) {
+                    restored.cached -= back;
                 } else {
                     restored = cache::prefix::Restored {
-                        caches: self.fresh_caches(drafting),
+                        caches: self.fresh_caches(),
                         cached: 0,
                         matched: restored.matched,
                     };
@@ -529,11 +527,7 @@ impl Engine {
             let mut ctx = Ctx {
                 model: &*self.model.model,
                 sampler: &mut self.sampler,
-                draft: if drafting {
-                    self.draft.as_ref().map(|d| (d, &mut self.controllers[0]))
-                } else {
-                    None
-                },
+                draft: self.draft.as_deref().map(|d| (d, &mut self.controllers[0])),
             };
             match Generation::with_caches(&mut ctx, slot, params, restored.caches, restored.cached)
             {
@@ -543,26 +537,20 @@ impl Engine {
                     rounds: 0,
                     failed: false,
                 }),
-                Err(GenerateError::BadRequest(m)) => {
-                    self.shared
-                        .metrics
-                        .bad_requests
-                        .fetch_add(1, Ordering::Relaxed);
-                    let _ = job.events.send(EngineEvent::Rejected(m));
-                }
                 Err(e) => {
-                    self.shared
-                        .metrics
-                        .requests_failed
-                        .fetch_add(1, Ordering::Relaxed);
-                    let _ = job.events.send(EngineEvent::Error(e.to_string()));
+                    let counter = match e {
+                        GenerateError::BadRequest(_) => &m.bad_requests,
+                        _ => &m.requests_failed,
+                    };
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    let _ = job.events.send(e.into());
                 }
             }
         }
     }
 
     /// One turn: every active sequence does one piece of work, in one packed forward pass
-    /// ([`step_together`]) that reads the weights once for all of them: decode steps,
+    /// ([`crate::step::run`]) that reads the weights once for all of them: decode steps,
     /// speculative rounds' verify blocks (each drafted at its sequence's own depth) and prefill
     /// chunks within one chunk's worth of prompt tokens per pass. Sequences handing out tokens
     /// a round already produced (all of them, then they join the pass), finishing or cancelled
@@ -575,14 +563,19 @@ impl Engine {
             // spent a turn on each would drift out of step with the others and they would
             // take turns at the forward pass instead of sharing it.
             loop {
-                let a = &self.active[i];
-                let cancelled = a.job.cancel.load(Ordering::Relaxed) || a.job.events.is_closed();
-                if a.gen.batchable() && !cancelled {
+                let a = &mut self.active[i];
+                if a.cancelled() {
+                    self.cancel(i);
+                    ended.push(i);
+                    break;
+                }
+                if a.gen.batchable() {
                     batch.push(i);
                     break;
                 }
-                let more = !cancelled && !a.gen.ready.is_empty();
-                if self.step_one(i) {
+                let more = a.gen.has_ready();
+                let result = self.with_ctx(i, 0, |ctx, a| a.gen.step(ctx));
+                if self.deliver(i, result) {
                     ended.push(i);
                     break;
                 }
@@ -592,7 +585,7 @@ impl Engine {
             }
         }
         if !batch.is_empty() {
-            ended.extend(self.step_together(&batch));
+            ended.extend(self.step(&batch));
         }
         // Highest index first, so that each swap_remove leaves the others' indices valid.
         ended.sort_unstable_by(|a, b| b.cmp(a));
@@ -602,82 +595,80 @@ impl Engine {
         }
     }
 
-    /// One step of the sequences at `batch` in one forward pass; returns those that ended.
-    fn step_together(&mut self, batch: &[usize]) -> Vec<usize> {
+    /// Runs `f` on sequence `i` with the borrowed pieces a step runs on (the depth controller
+    /// of `bucket`).
+    fn with_ctx<R>(
+        &mut self,
+        i: usize,
+        bucket: usize,
+        f: impl FnOnce(&mut Ctx<'_>, &mut Active) -> R,
+    ) -> R {
         let Engine {
             active,
             model,
             sampler,
-            shared,
-            cfg,
             draft,
             controllers,
             ..
         } = self;
-        let decoding = batch
-            .iter()
-            .filter(|&&i| !active[i].gen.prefilling())
-            .count();
         let mut ctx = Ctx {
             model: &*model.model,
             sampler,
-            draft: draft
-                .as_ref()
-                .map(|d| (d, &mut controllers[bucket(decoding)])),
+            draft: draft.as_deref().map(|d| (d, &mut controllers[bucket])),
         };
-        let mut gens: Vec<&mut Generation> = active
-            .iter_mut()
-            .enumerate()
-            .filter(|(i, _)| batch.contains(i))
-            .map(|(_, a)| &mut a.gen)
-            .collect();
-        let m = &shared.metrics;
-        let result = step_together(&mut ctx, &mut gens, cfg.prefill_chunk);
-        drop(gens);
+        f(&mut ctx, &mut active[i])
+    }
+
+    /// One step of the sequences at `batch` in one forward pass; returns those that ended.
+    fn step(&mut self, batch: &[usize]) -> Vec<usize> {
+        let decoding = batch
+            .iter()
+            .filter(|&&i| !self.active[i].gen.prefilling())
+            .count();
+        let result = {
+            let Engine {
+                active,
+                model,
+                sampler,
+                draft,
+                controllers,
+                cfg,
+                ..
+            } = self;
+            let mut ctx = Ctx {
+                model: &*model.model,
+                sampler,
+                draft: draft
+                    .as_deref()
+                    .map(|d| (d, &mut controllers[bucket(decoding)])),
+            };
+            let mut gens: Vec<&mut Generation> = active
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| batch.contains(i))
+                .map(|(_, a)| &mut a.gen)
+                .collect();
+            crate::step::run(&mut ctx, &mut gens, cfg.prefill_chunk)
+        };
         let mut ended = Vec::new();
         match result {
             Ok(step) => {
+                let m = &self.shared.metrics;
                 if step.rows > 0 {
                     m.batch_rows.observe(step.rows as f64);
                     m.batch_tokens.observe(step.tokens as f64);
                 }
                 for (&i, ev) in batch.iter().zip(step.events) {
-                    let a = &mut active[i];
-                    Self::count_rounds(m, a);
-                    match ev {
-                        Err(e) => {
-                            tracing::error!("generation failed: {e}");
-                            m.requests_failed.fetch_add(1, Ordering::Relaxed);
-                            let _ = a.gen.cancel(&mut ctx);
-                            a.failed = true;
-                            let _ = a.job.events.send(EngineEvent::Error(e.to_string()));
-                            ended.push(i);
-                        }
-                        Ok(None) => {}
-                        Ok(Some(Event::Token { id, logprob })) => {
-                            let _ = a.job.events.send(EngineEvent::Token { id, logprob });
-                            // A round that ended at an EOS left its last tokens and its end
-                            // to hand out (next turn); it is over once they are out.
-                            if a.gen.is_finished() && a.gen.ready.is_empty() {
-                                ended.push(i);
-                            }
-                        }
-                        Ok(Some(Event::Done { reason, stats })) => {
-                            Self::record(shared, &a.job, &stats, a.rounds);
-                            let _ = a.job.events.send(EngineEvent::Done { reason, stats });
-                            ended.push(i);
-                        }
+                    if self.deliver(i, ev) {
+                        ended.push(i);
                     }
                 }
             }
             Err(e) => {
                 tracing::error!("batched step failed: {e}");
+                let message = e.to_string();
                 for &i in batch {
-                    let a = &mut active[i];
-                    m.requests_failed.fetch_add(1, Ordering::Relaxed);
-                    let _ = a.gen.cancel(&mut ctx);
-                    a.failed = true;
-                    let _ = a.job.events.send(EngineEvent::Error(e.to_string()));
+                    self.fail(i, GenerateError::Internal(message.clone()));
                     ended.push(i);
                 }
             }
@@ -685,50 +676,58 @@ impl Engine {
         ended
     }
 
-    /// Steps sequence `i` on its own: it has nothing to feed (tokens a round already produced
-    /// to hand out, an end to report) or was cancelled; returns whether it has ended.
-    fn step_one(&mut self, i: usize) -> bool {
-        let a = &mut self.active[i];
-        let mut ctx = Ctx {
-            model: &*self.model.model,
-            sampler: &mut self.sampler,
-            draft: self.draft.as_ref().map(|d| (d, &mut self.controllers[0])),
-        };
-        if a.job.cancel.load(Ordering::Relaxed) || a.job.events.is_closed() {
-            let ev = a.gen.cancel(&mut ctx);
-            self.shared
-                .metrics
-                .requests_cancelled
-                .fetch_add(1, Ordering::Relaxed);
-            if let Event::Done { reason, stats } = ev {
-                let _ = a.job.events.send(EngineEvent::Done { reason, stats });
-            }
-            return true;
-        }
-        let result = a.gen.step(&mut ctx);
-        match result {
-            Ok(None) => a.gen.is_finished(),
-            Ok(Some(Event::Token { id, logprob })) => {
-                let _ = a.job.events.send(EngineEvent::Token { id, logprob });
-                false
-            }
-            Ok(Some(Event::Done { reason, stats })) => {
-                Self::record(&self.shared, &a.job, &stats, a.rounds);
-                let _ = a.job.events.send(EngineEvent::Done { reason, stats });
-                true
-            }
+    /// Hands sequence `i`'s step result to its stream; returns whether the sequence has ended.
+    fn deliver(&mut self, i: usize, result: crate::generation::Result<Option<Event>>) -> bool {
+        let event = match result {
+            Ok(e) => e,
             Err(e) => {
-                tracing::error!("generation failed: {e}");
-                self.shared
-                    .metrics
-                    .requests_failed
-                    .fetch_add(1, Ordering::Relaxed);
-                let _ = a.gen.cancel(&mut ctx);
-                a.failed = true;
-                let _ = a.job.events.send(EngineEvent::Error(e.to_string()));
+                self.fail(i, e);
+                return true;
+            }
+        };
+        let shared = Arc::clone(&self.shared);
+        let a = &mut self.active[i];
+        Self::count_rounds(&shared.metrics, a);
+        match event {
+            None => a.gen.is_finished() && !a.gen.has_ready(),
+            Some(Event::Done { reason, stats }) => {
+                Self::record(&shared, &a.job, &stats, a.rounds);
+                let _ = a.job.events.send(Event::Done { reason, stats });
                 true
             }
+            Some(e) => {
+                let _ = a.job.events.send(e);
+                // A round that ended at an EOS left its last tokens and its end to hand out
+                // (next turn); it is over once they are out.
+                a.gen.is_finished() && !a.gen.has_ready()
+            }
         }
+    }
+
+    /// Ends sequence `i` with an error: its stream is told, its caches are not kept.
+    fn fail(&mut self, i: usize, e: GenerateError) {
+        tracing::error!("generation failed: {e}");
+        self.shared
+            .metrics
+            .requests_failed
+            .fetch_add(1, Ordering::Relaxed);
+        self.with_ctx(i, 0, |ctx, a| {
+            a.failed = true;
+            let _ = a.gen.cancel(ctx);
+            let _ = a.job.events.send(e.into());
+        });
+    }
+
+    /// Ends sequence `i` because its client went away or a stop string ended its text.
+    fn cancel(&mut self, i: usize) {
+        self.shared
+            .metrics
+            .requests_cancelled
+            .fetch_add(1, Ordering::Relaxed);
+        self.with_ctx(i, 0, |ctx, a| {
+            let ev = a.gen.cancel(ctx);
+            let _ = a.job.events.send(ev);
+        });
     }
 
     /// Speculative rounds a sequence finished, into the metrics.
@@ -779,17 +778,18 @@ impl Engine {
     }
 
     /// A finished or cancelled sequence leaves what it computed to the prefix cache.
-    fn retire(&mut self, mut a: Active) {
+    fn retire(&mut self, a: Active) {
         if a.failed {
             return;
         }
-        if let Some(d) = &self.draft {
-            if let Err(e) = a.gen.settle_draft(d, &*self.model.model) {
+        let r = match a.gen.into_parts(self.draft.as_deref()) {
+            Ok(r) => r,
+            Err(e) => {
                 tracing::warn!("drafter catch-up failed; its cache is not kept: {e}");
                 return;
             }
-        }
-        let (caches, fed, taken) = a.gen.into_parts();
+        };
+        let (caches, fed, taken) = (r.caches, r.tokens, r.snapshots);
         if let Some(disk) = &self.disk {
             if let Err(e) = disk.store(&fed, &caches, &taken) {
                 tracing::warn!("prefix cache blocks not written: {e}");
@@ -813,14 +813,14 @@ impl Engine {
                 draft: None,
             };
             let _ = a.gen.cancel(&mut ctx);
-            let _ = a.job.events.send(EngineEvent::Error(
+            let _ = a.job.events.send(Event::Error(
                 "the runner is shutting down: the completion was interrupted".into(),
             ));
         }
         for j in self.queue.drain(..) {
             let _ = j
                 .events
-                .send(EngineEvent::Error("the runner is shutting down".into()));
+                .send(Event::Error("the runner is shutting down".into()));
         }
     }
 }

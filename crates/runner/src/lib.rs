@@ -3,17 +3,17 @@
 
 pub mod depth;
 pub mod engine;
-pub mod generate;
+pub mod generation;
 pub mod listen;
 pub mod memory;
 pub mod metrics;
 pub mod process;
 pub mod protocol;
+mod round;
 pub mod server;
-pub mod speculate;
+pub mod step;
 pub mod stop;
 pub mod text;
 
 pub use cache::disk::DiskConfig;
-pub use generate::{Ctx, Event, GenerateError, Generation, GenerationParams, RawLogprob};
-pub use speculate::DraftModel;
+pub use generation::{Ctx, Event, GenerateError, Generation, GenerationParams, RawLogprob};

@@ -268,28 +268,20 @@ pub fn plan(i: &PlanInput) -> Result<MemoryPlan, String> {
 /// token through fresh ones. The graph is built, not evaluated: shapes are all it needs.
 pub fn measure(
     model: &models::LoadedModel,
-    draft: Option<&crate::speculate::DraftModel>,
+    draft: Option<&dyn models::Drafter>,
 ) -> Result<CacheCost, String> {
-    use crate::speculate::DraftModel;
-    let probe = |m: &dyn models::CausalLm| -> Result<CacheCost, String> {
-        let mut caches = m.make_caches();
-        let token = mlx::Array::from_slice(&[0i32], &[1, 1]).map_err(|e| e.to_string())?;
-        m.forward(&token, &mut caches)
-            .map_err(|e| format!("measuring the caches: {e}"))?;
-        Ok(CacheCost::of(&caches))
-    };
-    let mut cost = probe(model.model.as_ref())?;
-    match draft {
-        None | Some(DraftModel::Assistant(_)) => {}
-        Some(DraftModel::Model(m)) => cost.layers.extend(probe(m.as_ref())?.layers),
-        // GLM's MTP layer is one more decoder layer of the target's shape.
-        Some(DraftModel::Mtp) => {
-            if let Some(l) = cost.layers.first().copied() {
-                cost.layers.push(l);
-            }
-        }
+    let m = model.model.as_ref();
+    let mut caches = m.make_caches();
+    let token = mlx::Array::from_slice(&[0i32], &[1, 1]).map_err(|e| e.to_string())?;
+    m.forward(&token, &mut caches)
+        .map_err(|e| format!("measuring the caches: {e}"))?;
+    if let Some(d) = draft {
+        let own = d
+            .probe_caches(&m.make_caches())
+            .map_err(|e| format!("measuring the drafter's caches: {e}"))?;
+        caches.extend(own);
     }
-    Ok(cost)
+    Ok(CacheCost::of(&caches))
 }
 
 #[cfg(test)]

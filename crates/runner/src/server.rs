@@ -2,8 +2,8 @@
 //! engine, then turn its token events into NDJSON off the engine thread. One error type maps
 //! every failure to a status and a `{"error": "..."}` body.
 
-use crate::engine::{CompletionJob, EngineEvent, Job, Shared};
-use crate::generate::GenerationParams;
+use crate::engine::{CompletionJob, Job, Shared};
+use crate::generation::{Event, GenerationParams};
 use crate::listen::{read_body, refuse_oversized, HttpLimits};
 use crate::protocol::{
     CompletionChunk, CompletionRequest, DoneReason, StreamError, StreamErrorBody,
@@ -278,7 +278,7 @@ async fn completions(State(app): State<AppState>, body: Body) -> Result<Response
 
     // A request the engine refuses before producing anything still gets a plain 400.
     let first = rx.recv().await;
-    if let Some(EngineEvent::Rejected(m)) = &first {
+    if let Some(Event::Rejected(m)) = &first {
         return Err(ApiError::bad_request(m.clone()));
     }
     let stream = NdjsonStream {
@@ -377,8 +377,8 @@ async fn prepare(
 }
 
 struct NdjsonStream {
-    rx: UnboundedReceiver<EngineEvent>,
-    first: Option<EngineEvent>,
+    rx: UnboundedReceiver<Event>,
+    first: Option<Event>,
     text: TextStream,
     /// The request asked for logprobs (`Logprobs: true`).
     logprobs: bool,
@@ -437,8 +437,8 @@ impl NdjsonStream {
                 ));
             };
             match ev {
-                EngineEvent::Token { .. } if self.stopped => continue,
-                EngineEvent::Token { id, logprob } => {
+                Event::Token { .. } if self.stopped => continue,
+                Event::Token { id, logprob } => {
                     let logprob = logprob.filter(|_| self.logprobs);
                     let piece = match self.text.push(&self.tok, id, logprob.as_ref()) {
                         Ok(p) => p,
@@ -457,7 +457,7 @@ impl NdjsonStream {
                         return Some(l);
                     }
                 }
-                EngineEvent::Done { reason, stats } => {
+                Event::Done { reason, stats } => {
                     self.ended = true;
                     let reason = if self.stopped {
                         DoneReason::Stop
@@ -481,7 +481,7 @@ impl NdjsonStream {
                         None => Some(done),
                     };
                 }
-                EngineEvent::Rejected(m) | EngineEvent::Error(m) => {
+                Event::Rejected(m) | Event::Error(m) => {
                     self.ended = true;
                     return Some(error_line(m));
                 }

@@ -1,7 +1,7 @@
 //! Tokens to text, off the engine thread: incremental UTF-8-safe detokenisation, stop strings
 //! held back and never emitted, and logprob entries with their token strings.
 
-use crate::generate::RawLogprob;
+use crate::generation::RawLogprob;
 use crate::protocol::{TokenLogprob, TopLogprob};
 use crate::stop::{StopMatcher, StopOutcome};
 use models::{StreamDecoder, Tokenizer};

@@ -67,6 +67,7 @@ fn run(m: &LoadedModel, p: GenerationParams, stops: &[String]) -> (Vec<u32>, Str
                 assert!(!ctx.sampler.contains(7), "the slot is released at the end");
                 return (ids, text, reason);
             }
+            Some(e) => panic!("{e:?}"),
         }
     }
 }

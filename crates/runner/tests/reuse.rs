@@ -4,9 +4,9 @@
 
 use mlx::Dtype;
 use models::{DtypeChoice, ModelFiles, Tokenizer};
-use runner::engine::{spawn, CompletionJob, EngineConfig, EngineEvent, EngineHandle, Job};
+use runner::engine::{spawn, CompletionJob, DraftSource, EngineConfig, EngineHandle, Job};
 use runner::protocol::Stats;
-use runner::GenerationParams;
+use runner::{Event, GenerationParams};
 use sample::Options;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
@@ -36,7 +36,7 @@ fn engine(target: &str, draft: Option<&str>, drafting: bool, interval: usize) ->
         cache_interval: interval,
         cache_disk: None,
         kv_cache: models::KvCacheType::default(),
-        draft: draft.map(|d| ModelFiles::dir(&fixture(d)).unwrap()),
+        draft: draft.map(|d| DraftSource::Model(ModelFiles::dir(&fixture(d)).unwrap())),
         draft_depth: if drafting { None } else { Some(0) },
         max_draft_depth: 4,
         draft_position: models::gemma4_assistant::QueryPosition::LastCommitted,
@@ -74,8 +74,8 @@ impl Engine {
         let mut ids = Vec::new();
         loop {
             match rx.blocking_recv().expect("the engine answered") {
-                EngineEvent::Token { id, .. } => ids.push(id),
-                EngineEvent::Done { stats, .. } => return (ids, stats),
+                Event::Token { id, .. } => ids.push(id),
+                Event::Done { stats, .. } => return (ids, stats),
                 e => panic!("{e:?}"),
             }
         }

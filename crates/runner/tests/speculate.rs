@@ -3,11 +3,12 @@
 
 use mlx::Dtype;
 use models::gemma4_assistant::QueryPosition;
+use models::Drafter;
 use models::{load_files, DtypeChoice, LoadedModel, ModelFiles};
 use runner::depth::DepthController;
-use runner::engine::{load_drafter, EngineConfig};
+use runner::engine::{load_drafter, DraftSource, EngineConfig};
 use runner::protocol::DoneReason;
-use runner::{Ctx, DraftModel, Event, Generation, GenerationParams};
+use runner::{Ctx, Event, Generation, GenerationParams};
 use sample::{Options, Sampler};
 use std::path::PathBuf;
 
@@ -34,7 +35,10 @@ fn config(
         cache_interval: 256,
         cache_disk: None,
         kv_cache: models::KvCacheType::default(),
-        draft: draft.map(|d| ModelFiles::dir(&fixture(d)).unwrap()),
+        draft: draft.map(|d| match d {
+            "ngram" => DraftSource::Ngram,
+            d => DraftSource::Model(ModelFiles::dir(&fixture(d)).unwrap()),
+        }),
         draft_depth: depth,
         max_draft_depth: 4,
         draft_position: position,
@@ -43,7 +47,7 @@ fn config(
 
 struct Setup {
     target: LoadedModel,
-    draft: Option<DraftModel>,
+    draft: Option<Box<dyn Drafter>>,
     controller: DepthController,
     /// Structured output for every generation: the vocabulary and the format.
     format: Option<(grammar::Vocabulary, grammar::Format)>,
@@ -102,7 +106,7 @@ fn generate_in(
     let mut ctx = Ctx {
         model: &*s.target.model,
         sampler: &mut sampler,
-        draft: s.draft.as_ref().map(|d| (d, &mut s.controller)),
+        draft: s.draft.as_deref().map(|d| (d, &mut s.controller)),
     };
     let params = GenerationParams {
         prompt: prompt.to_vec(),
@@ -135,6 +139,7 @@ fn generate_in(
                 );
                 return (ids, reason, (stats.draft_tokens, stats.draft_accepted));
             }
+            Some(e) => panic!("{e:?}"),
         }
     }
 }

@@ -93,6 +93,18 @@ impl Distribution {
         })
     }
 
+    /// Point masses on `tokens` (`[R]` int32), one per row: the distribution of a drafter that
+    /// proposes a token for certain.
+    pub fn point(tokens: &Array, vocab: i32) -> Result<Distribution> {
+        let ids = tokens.astype(Dtype::I32)?.reshape(&[-1, 1])?;
+        let probs = Array::full(&ids.shape(), 1.0, Dtype::F32)?;
+        Ok(Distribution {
+            ids: Some(ids),
+            probs,
+            vocab,
+        })
+    }
+
     /// Row-wise concatenation.
     pub fn concat(parts: &[&Distribution]) -> Result<Distribution> {
         let vocab = parts.first().map_or(0, |d| d.vocab);

@@ -14,4 +14,4 @@ mod sampler;
 pub use distribution::Distribution;
 pub use options::{Options, SampleError, MAX_TOP_LOGPROBS};
 pub use pipeline::Strategy;
-pub use sampler::{Sampled, Sampler, TopLogprobs};
+pub use sampler::{logprobs, Sampled, Sampler, TopLogprobs};

@@ -97,6 +97,41 @@ impl Sampled {
     }
 }
 
+/// The log-probabilities, under the raw `logits` (`[R, V]`), of each of `tokens` (each `[R]`,
+/// one token per row), and the `k` most likely alternatives of each row (none for `k = 0`,
+/// unordered): what a row reports of the token it chose. One log-softmax serves every list.
+pub fn logprobs(
+    logits: &Array,
+    tokens: &[&Array],
+    k: i32,
+) -> Result<(Vec<Array>, Option<TopLogprobs>)> {
+    let lp = log_softmax(logits)?;
+    let chosen = tokens
+        .iter()
+        .map(|t| {
+            Ok(lp
+                .take_along_axis(&t.astype(Dtype::I32)?.reshape(&[-1, 1])?, -1)?
+                .reshape(&[-1])?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let v = lp.shape()[1];
+    let top = if k > 0 {
+        let k = k.min(v);
+        let ids = lp
+            .negative()?
+            .argpartition(k - 1, -1)?
+            .slice_axis(-1, 0, Some(k))?;
+        let vals = lp.take_along_axis(&ids, -1)?;
+        Some(TopLogprobs {
+            ids: ids.astype(Dtype::I32)?,
+            logprobs: vals,
+        })
+    } else {
+        None
+    };
+    Ok((chosen, top))
+}
+
 /// `[B, K]` token ids and their logprobs.
 #[derive(Debug, Clone)]
 pub struct TopLogprobs {
@@ -386,31 +421,13 @@ impl Sampler {
         if !want {
             return Ok((None, None));
         }
-        let lp = log_softmax(logits)?;
-        let chosen = lp
-            .take_along_axis(&tokens.reshape(&[-1, 1])?, -1)?
-            .reshape(&[-1])?;
         let k = slots
             .iter()
             .map(|id| self.slots[id].opts.top_logprobs)
             .max()
             .unwrap_or(0);
-        let v = lp.shape()[1];
-        let top = if k > 0 {
-            let k = k.min(v);
-            let ids = lp
-                .negative()?
-                .argpartition(k - 1, -1)?
-                .slice_axis(-1, 0, Some(k))?;
-            let vals = lp.take_along_axis(&ids, -1)?;
-            Some(TopLogprobs {
-                ids: ids.astype(Dtype::I32)?,
-                logprobs: vals,
-            })
-        } else {
-            None
-        };
-        Ok((Some(chosen), top))
+        let (mut chosen, top) = logprobs(logits, &[tokens], k)?;
+        Ok((chosen.pop(), top))
     }
 
     /// Appends one token per slot to the ring: one scatter for the whole call.

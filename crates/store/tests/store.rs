@@ -132,8 +132,8 @@ fn altered_blobs_are_caught_on_load() {
     let problems = s.store.check().unwrap();
     assert_eq!(problems.len(), 1, "{problems:?}");
     assert!(problems[0].contains("is altered"));
-    let target = models::load_files(&r.target, DtypeChoice::Auto).unwrap();
-    let e = models::load_draft_files(r.draft.as_ref().unwrap(), &target, DtypeChoice::Auto)
+    let mut target = models::load_files(&r.target, DtypeChoice::Auto).unwrap();
+    let e = models::load_draft_files(r.draft.as_ref().unwrap(), &mut target, draft_options())
         .err()
         .expect("an altered blob loaded");
     assert!(e.to_string().contains("does not match its digest"), "{e}");
@@ -289,8 +289,8 @@ fn from_a_stored_model_inherits_its_draft_and_settings() {
     assert_eq!(child.parameters["top_k"], serde_json::json!(20));
     let mf = store::show::modelfile(&s.store, &child).unwrap();
     assert_eq!(mf.system.as_deref(), Some("be brief"));
-    let target = models::load_files(&child.target, DtypeChoice::Auto).unwrap();
-    models::load_draft_files(child.draft.as_ref().unwrap(), &target, DtypeChoice::Auto).unwrap();
+    let mut target = models::load_files(&child.target, DtypeChoice::Auto).unwrap();
+    models::load_draft_files(child.draft.as_ref().unwrap(), &mut target, draft_options()).unwrap();
     // An explicit DRAFT replaces it.
     let r = s
         .create(
@@ -352,4 +352,14 @@ fn an_unreadable_manifest_is_reported_and_deletes_nothing() {
     let (removed, _) = s.store.remove(&name("good")).unwrap();
     assert_eq!(removed, 0);
     assert_eq!(s.blobs(), before);
+}
+
+/// How these tests load a stored draft.
+fn draft_options() -> models::DraftOptions {
+    models::DraftOptions {
+        dtype: DtypeChoice::Auto,
+        cache_format: mlx::RowFormat::AsComputed,
+        slack: 4,
+        position: models::gemma4_assistant::QueryPosition::LastCommitted,
+    }
 }
