@@ -2,13 +2,14 @@
 //! decoding for every drafter kind and depth, and the same distribution under sampling.
 
 use mlx::Dtype;
+use models::draft::ngram::Ngram;
 use models::gemma4_assistant::QueryPosition;
 use models::Drafter;
 use models::{load_files, DtypeChoice, LoadedModel, ModelFiles};
 use runner::depth::DepthController;
 use runner::engine::{load_drafter, DraftSource, EngineConfig};
 use runner::protocol::DoneReason;
-use runner::{Ctx, Event, Generation, GenerationParams};
+use runner::{Ctx, Event, Generation, GenerationParams, RawLogprob};
 use sample::{Options, Sampler};
 use std::path::PathBuf;
 
@@ -102,6 +103,20 @@ fn generate_in(
     n: Option<usize>,
     num_ctx: usize,
 ) -> (Vec<u32>, DoneReason, (usize, usize)) {
+    let r = run(s, prompt, options, n, num_ctx);
+    (r.ids, r.reason, (r.drafted, r.accepted))
+}
+
+/// One generation's tokens, their logprobs, how it ended and what it drafted.
+struct Run {
+    ids: Vec<u32>,
+    logprobs: Vec<Option<RawLogprob>>,
+    reason: DoneReason,
+    drafted: usize,
+    accepted: usize,
+}
+
+fn run(s: &mut Setup, prompt: &[u32], options: Options, n: Option<usize>, num_ctx: usize) -> Run {
     let mut sampler = Sampler::new(num_ctx);
     let mut ctx = Ctx {
         model: &*s.target.model,
@@ -123,11 +138,14 @@ fn generate_in(
             .map(|(v, f)| Box::new(v.constrain(f).unwrap())),
     };
     let mut g = Generation::new(&mut ctx, 0, params).unwrap();
-    let mut ids = Vec::new();
+    let (mut ids, mut logprobs) = (Vec::new(), Vec::new());
     loop {
         match g.step(&mut ctx).unwrap() {
             None => continue,
-            Some(Event::Token { id, .. }) => ids.push(id),
+            Some(Event::Token { id, logprob }) => {
+                ids.push(id);
+                logprobs.push(logprob);
+            }
             Some(Event::Done { reason, stats }) => {
                 let n = n.unwrap_or(usize::MAX);
                 assert!(ids.len() <= n, "overshot num_predict: {} > {n}", ids.len());
@@ -137,7 +155,13 @@ fn generate_in(
                     prompt.len(),
                     ids.len()
                 );
-                return (ids, reason, (stats.draft_tokens, stats.draft_accepted));
+                return Run {
+                    ids,
+                    logprobs,
+                    reason,
+                    drafted: stats.draft_tokens,
+                    accepted: stats.draft_accepted,
+                };
             }
             Some(e) => panic!("{e:?}"),
         }
@@ -341,20 +365,43 @@ fn sampling_matches_plain(format: Option<grammar::Format>) {
         constrain(&mut spec, f);
     }
     let p = prompts(&plain)[1].clone();
-    let n = 300;
-    let opts = |seed: i64| Options {
+    same_samples(&mut plain, &mut spec, &p);
+}
+
+fn sampling(seed: i64) -> Options {
+    sampling_top(6, seed)
+}
+
+fn sampling_top(top_k: i32, seed: i64) -> Options {
+    Options {
         temperature: 1.0,
-        top_k: 6,
+        top_k,
         top_p: 1.0,
         repeat_penalty: 1.0,
         seed,
         ..Options::default()
-    };
+    }
+}
+
+/// 300 samples of the first four tokens after `p` from each setup (different seeds on the two
+/// sides, so the samples are independent): each position's distribution is the same, and the
+/// drafting side accepted enough drafts to exercise acceptance.
+fn same_samples(plain: &mut Setup, spec: &mut Setup, p: &[u32]) {
+    same_samples_with(plain, spec, p, sampling);
+}
+
+fn same_samples_with(
+    plain: &mut Setup,
+    spec: &mut Setup,
+    p: &[u32],
+    sampling: impl Fn(i64) -> Options,
+) {
+    let n = 300;
     let (mut a, mut b) = (vec![Vec::new(); 4], vec![Vec::new(); 4]);
     let mut accepted = 0;
     for seed in 0..n {
-        let x = generate(&mut plain, &p, opts(seed), 4).0;
-        let (y, _, (_, acc)) = generate(&mut spec, &p, opts(seed + 1_000_000), 4);
+        let x = generate(plain, p, sampling(seed), 4).0;
+        let (y, _, (_, acc)) = generate(spec, p, sampling(seed + 1_000_000), 4);
         accepted += acc;
         for i in 0..4 {
             if let (Some(&u), Some(&v)) = (x.get(i), y.get(i)) {
@@ -373,6 +420,22 @@ fn sampling_matches_plain(format: Option<grammar::Format>) {
     }
 }
 
+/// Prompt lookup's drafts are certain (a point mass): accepted with the target's probability,
+/// a rejection resampled from the target without the draft. Over a context of the model's own
+/// samples, lookups of single tokens find what it tends to write next, so both happen often.
+#[test]
+fn prompt_lookup_sampling_distribution_is_unchanged() {
+    let target = "gemma4_26b_a4b_like";
+    let mut plain = setup(target, None, Some(0), QueryPosition::LastCommitted);
+    let mut spec = setup(target, Some("ngram"), Some(3), QueryPosition::LastCommitted);
+    spec.draft = Some(Box::new(Ngram { min: 1, max: 4 }));
+    let mut p = prompts(&plain)[1].clone();
+    let top3 = |seed| sampling_top(3, seed);
+    let context = generate(&mut plain, &p, top3(7), 300).0;
+    p.extend(context);
+    same_samples_with(&mut plain, &mut spec, &p, top3);
+}
+
 #[test]
 fn sampling_distribution_is_unchanged() {
     sampling_matches_plain(None);
@@ -384,4 +447,59 @@ fn sampling_distribution_is_unchanged() {
 fn sampling_distribution_is_unchanged_under_a_grammar() {
     // Text of lower-case letters and spaces: about a tenth of the fixture's vocabulary.
     sampling_matches_plain(Some(grammar::Format::Lark("start: /[a-z ]+/".into())));
+}
+
+#[test]
+fn prompt_lookup_greedy_is_unchanged() {
+    for target in ["gemma4_e2b_like", "glm4_moe_lite", "gemma4_26b_a4b_like"] {
+        greedy_unchanged(target, Some("ngram"), QueryPosition::LastCommitted);
+    }
+}
+
+/// Logprobs come from the verify pass when drafting: every drafter kind reports, for every
+/// token, the logprob and the top alternatives a run without drafting reports, within 1e-4,
+/// and drafts while doing so.
+#[test]
+fn logprobs_with_drafting_equal_those_without() {
+    let cases = [
+        ("gemma4_e2b_like", "gemma4_assistant"),
+        ("glm4_moe_lite", "mtp"),
+        ("gemma4_26b_a4b_like", "gemma4_26b_a4b_like_q4"),
+        ("gemma4_31b_like", "ngram"),
+    ];
+    let options = Options {
+        logprobs: true,
+        top_logprobs: 4,
+        ..Options::greedy()
+    };
+    for (target, draft) in cases {
+        let mut plain = setup(target, None, Some(0), QueryPosition::LastCommitted);
+        let draft = (draft != "mtp").then_some(draft);
+        let mut spec = setup(target, draft, None, QueryPosition::LastCommitted);
+        let mut drafted = 0;
+        for p in prompts(&plain) {
+            let want = run(&mut plain, &p, options.clone(), Some(24), 512);
+            let got = run(&mut spec, &p, options.clone(), Some(24), 512);
+            assert_eq!(got.ids, want.ids, "{target} + {draft:?}");
+            drafted += got.drafted;
+            for (i, (a, b)) in got.logprobs.iter().zip(&want.logprobs).enumerate() {
+                let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
+                let what = format!("{target} + {draft:?}, token {i}");
+                assert!(
+                    (a.logprob - b.logprob).abs() < 1e-4,
+                    "{what}: {a:?} vs {b:?}"
+                );
+                assert_eq!(a.top.len(), 4, "{what}");
+                for (x, y) in a.top.iter().zip(&b.top) {
+                    assert!((x.1 - y.1).abs() < 1e-4, "{what}: {a:?} vs {b:?}");
+                    // Ties may order alike-valued alternatives either way.
+                    assert!(
+                        x.0 == y.0 || (x.1 - y.1).abs() < 1e-6,
+                        "{what}: {a:?} vs {b:?}"
+                    );
+                }
+            }
+        }
+        assert!(drafted > 0, "{target} + {draft:?}: nothing was drafted");
+    }
 }
