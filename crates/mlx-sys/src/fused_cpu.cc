@@ -1168,16 +1168,20 @@ void gemv_rows_scalar(const float* x, int M, int K, const float* w, int N, float
 
 void gemv_rows(const float* x, int M, int K, const float* w, int N, float* y, int n0, int n1) {
   if (!has_avx2()) return gemv_rows_scalar(x, M, K, w, N, y, n0, n1);
-  // Rows in groups of up to four share each pass over W's columns [n0, n1).
+  // Rows in groups of up to eight share each pass over W's columns [n0, n1).
   for (int m = 0; m < M;) {
-    const int r = std::min(4, M - m);
+    const int r = std::min(8, M - m);
     const float* xm = x + (size_t)m * K;
     float* ym = y + (size_t)m * N;
     switch (r) {
       case 1: gemv_rows_avx<1>(xm, K, w, N, ym, n0, n1); break;
       case 2: gemv_rows_avx<2>(xm, K, w, N, ym, n0, n1); break;
       case 3: gemv_rows_avx<3>(xm, K, w, N, ym, n0, n1); break;
-      default: gemv_rows_avx<4>(xm, K, w, N, ym, n0, n1); break;
+      case 4: gemv_rows_avx<4>(xm, K, w, N, ym, n0, n1); break;
+      case 5: gemv_rows_avx<5>(xm, K, w, N, ym, n0, n1); break;
+      case 6: gemv_rows_avx<6>(xm, K, w, N, ym, n0, n1); break;
+      case 7: gemv_rows_avx<7>(xm, K, w, N, ym, n0, n1); break;
+      default: gemv_rows_avx<8>(xm, K, w, N, ym, n0, n1); break;
     }
     m += r;
   }
