@@ -4,20 +4,20 @@
 //! Reads top to bottom in the order data flows: config, attention, MLP and MoE, decoder layer,
 //! the model. The model holds weights only; caches are passed in (one per non-shared layer).
 
+use crate::attention::{Keys, Recipe, Rows};
 use crate::config::JsonFile;
 use crate::nn::{
-    add_norm, add_norm_then_norm, forward_all, gelu_tanh, norm, quantized_alike, Embedding,
-    Experts, Linear, Rope,
+    add_norm, add_norm_then_norm, forward_all, gelu_tanh, norm, quantized_alike, Activation,
+    Embedding, Experts, GatedMlp, Linear, Rope,
 };
-use crate::packed::{check_rows, join_rows, single_row, spans, time_slice};
+use crate::packed::{check_rows, single_row};
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
-use cache::{Attended, AttnMask, KvCache, LayerCache, RotatingKvCache};
-use mlx::fast::{sdpa_slots, Attention as Sdpa, KvSlots, SdpaLayout::Tokens, SdpaMask};
+use cache::{AttnMask, KvCache, LayerCache, RotatingKvCache};
+use mlx::fast::{sdpa_slots, Attention as Sdpa, KvSlots, SdpaLayout::Tokens};
 use mlx::{Array, Ix, Quantized};
 use serde::Deserialize;
 use serde_json::Value;
-use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 // ------------------------------------------------------------------------------------------
@@ -504,40 +504,6 @@ impl Attention {
 /// q and k are RMS-normalised, so the attention scale is 1 (MODELS.md §1.3).
 const ATTENTION_SCALE: f32 = 1.0;
 
-/// GeGLU: `down(gelu_tanh(gate x) ⊙ up x)`.
-struct Mlp {
-    gate: Linear,
-    up: Linear,
-    down: Linear,
-}
-
-impl Mlp {
-    fn new(vb: &Vb, h: i32, i: i32) -> Result<Mlp> {
-        Ok(Mlp {
-            gate: vb.pp("gate_proj").linear(i, h)?,
-            up: vb.pp("up_proj").linear(i, h)?,
-            down: vb.pp("down_proj").linear(h, i)?,
-        })
-    }
-
-    fn forward(&self, x: &Array) -> Result<Array> {
-        self.down.forward(&self.hidden(x)?)
-    }
-
-    /// `gelu(x Gᵀ) ⊙ x Uᵀ`, what the down projection reads.
-    fn hidden(&self, x: &Array) -> Result<Array> {
-        Ok(match (&self.gate, &self.up) {
-            // One op for the two products and the gate, where the two are quantized alike.
-            (Linear::Quantized(g), Linear::Quantized(u))
-                if g.bits == u.bits && g.group_size == u.group_size =>
-            {
-                x.quantized_geglu(g, u)?
-            }
-            _ => gelu_tanh(&self.gate.forward(x)?)?.multiply(&self.up.forward(x)?)?,
-        })
-    }
-}
-
 /// The 26B form's expert block, which runs beside the dense MLP.
 struct Moe {
     proj: Linear,
@@ -618,7 +584,7 @@ impl Moe {
         let u = self.up.forward(&xe, &idx, false)?;
         let y = self
             .down
-            .forward(&gelu_tanh(&g)?.multiply(&u)?, &idx, false)?; // [B, L, k, 1, H]
+            .forward(&Activation::GeluTanh.gated(&g, &u)?, &idx, false)?; // [B, L, k, 1, H]
         Ok(y.squeeze(-2)?
             .multiply(&w.expand_dims(-1)?)?
             .sum(&[-2], false)?)
@@ -634,7 +600,7 @@ struct PerLayerInput {
 pub(crate) struct DecoderLayer {
     pub(crate) spec: LayerSpec,
     pub(crate) attn: Attention,
-    mlp: Mlp,
+    mlp: GatedMlp,
     moe: Option<(Moe, [Array; 3])>, // pre_ffn_2, post_ffn_1, post_ffn_2
     pub(crate) input_norm: Array,
     pub(crate) post_attn_norm: Array,
@@ -672,7 +638,7 @@ impl DecoderLayer {
         };
         Ok(DecoderLayer {
             attn: Attention::new(&vb.pp("self_attn"), cfg, &spec)?,
-            mlp: Mlp::new(&vb.pp("mlp"), h, spec.intermediate)?,
+            mlp: GatedMlp::load(&vb.pp("mlp"), h, spec.intermediate, Activation::GeluTanh)?,
             moe,
             input_norm: n("input_layernorm")?,
             post_attn_norm: n("post_attention_layernorm")?,
@@ -993,24 +959,11 @@ impl CausalLm for Gemma4 {
             Some(p) => Some(self.per_layer_inputs(p, tokens, &h)?),
             None => None,
         };
-        let offsets: Vec<usize> = rows
-            .iter()
-            .map(|r| r.caches.first().map_or(0, LayerCache::offset))
-            .collect();
-        let spans = spans(rows);
-        // Per layer, per row: the keys and values a later KV-shared layer reads.
-        let mut kv: Vec<Vec<KvSlots>> = vec![Vec::new(); self.layers.len()];
-        // Per row, per layer kind: the mask its first layer of that kind built.
-        let mut masks: Vec<HashMap<LayerKind, AttnMask>> = vec![HashMap::new(); rows.len()];
+        let mut batch = Rows::new(rows, self.layers.len())?;
+        let n = batch.len() as i32;
         // One new token per row (a decode step, of one sequence or several): each layer's
         // queries, keys and values come out of one op each, every row at its own position.
-        let decode = rows.iter().all(|r| r.len == 1);
-        let n = rows.len();
-        // Each row's position, for the decode step's rotations (every layer's).
-        let row_offsets = {
-            let o: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
-            Array::from_slice(&o, &[n as i32])?
-        };
+        let decode = batch.decode();
         // A layer's input norm, from the previous layer's last op (its residual update).
         let mut normed: Option<Array> = None;
         for (i, layer) in self.layers.iter().enumerate() {
@@ -1020,107 +973,41 @@ impl CausalLm for Gemma4 {
                 None => norm(&h, Some(&layer.input_norm), eps)?,
             };
             // The projections run once over every row's tokens; attention per row.
-            let (q_rows, new_kv): (Vec<Array>, Option<Vec<(Array, Array)>>) = if decode {
-                let (q, kv) = layer.attn.qkv_rows(&x, eps, rope, &row_offsets)?;
+            let (q, new_kv): (Vec<Array>, Option<Vec<(Array, Array)>>) = if decode {
+                let (q, kv) = layer.attn.qkv_rows(&x, eps, rope, batch.offsets_array())?;
+                let kv = match kv {
+                    Some((k, v)) => Some(k.split(n, 0)?.into_iter().zip(v.split(n, 0)?).collect()),
+                    None => None,
+                };
+                (q.split(n, 0)?, kv)
+            } else {
+                let (q, kv) = layer.attn.qkv_heads(&x, eps)?;
                 let kv = match kv {
                     Some((k, v)) => Some(
-                        k.split(n as i32, 0)?
+                        batch
+                            .rotated(&k, rope)?
                             .into_iter()
-                            .zip(v.split(n as i32, 0)?)
+                            .zip(batch.sliced(&v)?)
                             .collect(),
                     ),
                     None => None,
                 };
-                (q.split(n as i32, 0)?, kv)
-            } else {
-                let (q_all, kv) = layer.attn.qkv_heads(&x, eps)?;
-                let q = spans
-                    .iter()
-                    .zip(&offsets)
-                    .map(|(&(at, l), &o)| rope.apply(&time_slice(&q_all, at, l)?, o))
-                    .collect::<Result<Vec<_>>>()?;
-                let kv = match kv {
-                    Some((k, v)) => Some(
-                        spans
-                            .iter()
-                            .zip(&offsets)
-                            .map(|(&(at, l), &o)| {
-                                Ok((
-                                    rope.apply(&time_slice(&k, at, l)?, o)?,
-                                    time_slice(&v, at, l)?,
-                                ))
-                            })
-                            .collect::<Result<Vec<_>>>()?,
-                    ),
-                    None => None,
-                };
-                (q, kv)
+                (batch.rotated(&q, rope)?, kv)
             };
-            let mut outs = Vec::with_capacity(n);
-            for (r, row) in rows.iter_mut().enumerate() {
-                let l = spans[r].1;
-                let kind = layer.spec.kind;
-                let q = &q_rows[r];
-                // Each row's attention as `[1, l, H·d]`, the rows joined along time below.
-                let attn = Sdpa::new(ATTENTION_SCALE, SdpaMask::None).with_layout(Tokens);
-                // Attention over slots that are already written.
-                let over = |kv: KvSlots, mask: AttnMask| -> Result<Attended> {
-                    let out = sdpa_slots(
-                        q,
-                        &kv,
-                        Sdpa {
-                            mask: mask.as_sdpa(),
-                            ..attn
-                        },
-                    )?;
-                    Ok(Attended { out, kv, mask })
-                };
-                let attended = match (layer.spec.shared_from, self.cache_slot[i], &new_kv) {
-                    (Some(src), _, _) => {
-                        let kv = kv[src].get(r).cloned().ok_or_else(|| {
-                            ModelError::Invalid(format!(
-                                "layer {i} shares K/V with layer {src}, which has none"
-                            ))
-                        })?;
-                        over(kv, masks[r].get(&kind).cloned().unwrap_or(AttnMask::None))?
-                    }
-                    (None, Some(slot), Some(new)) => {
-                        let (k, v) = &new[r];
-                        match &mut row.caches[slot] {
-                            // One op for the write, the views and attention.
-                            LayerCache::Kv(c) => {
-                                c.update_attend(q, k, v, ATTENTION_SCALE, Tokens)?
-                            }
-                            LayerCache::Rotating(c) if l == 1 => {
-                                c.update_attend(q, k, v, ATTENTION_SCALE, Tokens)?
-                            }
-                            // A batched write's window mask is worked out once per row, by the
-                            // first sliding layer; the others have the same history.
-                            LayerCache::Rotating(c) => {
-                                let kv = c.update_slots(k, v)?;
-                                let mask = match masks[r].entry(kind) {
-                                    Entry::Occupied(e) => e.get().clone(),
-                                    Entry::Vacant(e) => e.insert(c.mask(l)?).clone(),
-                                };
-                                over(kv, mask)?
-                            }
-                            LayerCache::Latent(_) => {
-                                return Err(ModelError::Invalid(
-                                    "gemma4 was given an MLA latent cache".into(),
-                                ))
-                            }
-                        }
-                    }
-                    _ => return Err(ModelError::Invalid(format!("layer {i} has no cache slot"))),
-                };
-                // A KV-shared layer reads its source's slots with the mask of its kind.
-                masks[r]
-                    .entry(kind)
-                    .or_insert_with(|| attended.mask.clone());
-                outs.push(attended.out);
-                kv[i].push(attended.kv);
-            }
-            let joined = join_rows(&outs)?;
+            let keys = match (layer.spec.shared_from, self.cache_slot[i], new_kv) {
+                (Some(src), _, _) => Keys::Shared { layer: src },
+                (None, Some(slot), Some(new)) => Keys::Write {
+                    new,
+                    caches: rows.iter_mut().map(|r| &mut r.caches[slot]).collect(),
+                },
+                _ => return Err(ModelError::Invalid(format!("layer {i} has no cache slot"))),
+            };
+            let recipe = Recipe {
+                scale: ATTENTION_SCALE,
+                layout: Tokens,
+                group: layer.spec.kind as usize,
+            };
+            let joined = batch.attend(i, &recipe, &q, keys)?;
             // Each residual update also normalises its result for the block that reads it next,
             // in the op of the projection before it.
             let (h_attn, x_ff) = layer.attn.o_proj.forward_add_norm_then_norm(

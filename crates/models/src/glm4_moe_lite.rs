@@ -5,11 +5,12 @@
 //! Reads top to bottom in the order data flows: config, attention, MLP and MoE, decoder layer,
 //! the model. The model holds weights only; caches are passed in (one latent cache per layer).
 
+use crate::attention::{join, Rows};
 use crate::config::JsonFile;
 use crate::draft::Drafter;
 use crate::glm4_mtp::{GlmMtp, MtpDrafter};
-use crate::nn::{forward_all, norm, silu_mul, Embedding, Experts, Linear, Rope};
-use crate::packed::{check_rows, join_rows, single_row, spans, time_slice};
+use crate::nn::{forward_all, norm, Activation, Embedding, Experts, GatedMlp, Linear, Rope};
+use crate::packed::{check_rows, single_row};
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
 use cache::{LatentCache, LayerCache};
@@ -298,24 +299,23 @@ impl Mla {
         q: &Array,
         parts: &[Array],
         caches: &mut [&mut LatentCache],
+        batch: &Rows,
         rope: &Rope,
         eps: f32,
     ) -> Result<Array> {
         let (nh, dn, dr, r) = (self.heads, self.nope, self.rope_dim, self.rank);
-        let n = caches.len() as i32;
-        let offsets: Vec<usize> = caches.iter().map(|c| c.offset()).collect();
+        let n = batch.len() as i32;
+        let offsets = batch.offsets();
         let q = q.transpose(&[2, 1, 0, 3])?; // [T, nH, 1, dn+dr]
         let qs = q.split_at(&[dn], -1)?;
-        let q_rope = rope.apply_rows(&qs[1], &offsets)?;
+        let q_rope = rope.apply_rows(&qs[1], offsets)?;
         let q_lat = qs[0].matmul(&self.wk)?; // [T, nH, 1, r]
         let qq = mlx::concatenate(&[&q_lat, &q_rope], -1)?.split(n, 0)?;
         let latent = norm(&parts[0], Some(&self.kv_a_norm), eps)?.reshape(&[n, 1, 1, r])?;
-        let k_rope = rope.apply_rows(&parts[1].reshape(&[n, 1, 1, dr])?, &offsets)?;
+        let k_rope = rope.apply_rows(&parts[1].reshape(&[n, 1, 1, dr])?, offsets)?;
         let new = mlx::concatenate(&[&latent, &k_rope], -1)?.split(n, 0)?;
-        let mut outs = Vec::with_capacity(caches.len());
-        for ((cache, row), qq) in caches.iter_mut().zip(&new).zip(&qq) {
-            let rows = cache.update(row)?; // [1, 1, T, r+dr]
-            let mask = cache.mask(1);
+        let mut outs = Vec::with_capacity(qq.len());
+        for ((rows, mask), qq) in batch.write_latent(&new, caches)?.into_iter().zip(&qq) {
             // The values are the latent part of the rows, read in place (quantized or not).
             let kv = KvSlots::of(rows.clone(), rows.first_values(r as usize)?);
             outs.push(sdpa_slots(
@@ -329,13 +329,13 @@ impl Mla {
         self.o_proj.forward(&o.reshape(&[1, n, nh * self.v_dim])?)
     }
 
-    /// Attention for packed rows: `x` holds every row's tokens (`spans[i]` = its start and
-    /// length along time), `caches[i]` is row i's cache. Projections run once over all rows.
+    /// Attention for packed rows: `x` holds every row's tokens, `caches[i]` is row i's cache.
+    /// Projections run once over all rows.
     fn forward(
         &self,
         x: &Array,
         caches: &mut [&mut LatentCache],
-        spans: &[(usize, usize)],
+        batch: &Rows,
         rope: &Rope,
         eps: f32,
     ) -> Result<Array> {
@@ -362,27 +362,29 @@ impl Mla {
             .transpose(&[0, 2, 1, 3])?;
         let qs = q.split_at(&[dn], -1)?;
         let parts = ckv.split_at(&[r], -1)?;
-        if caches.len() > 1 && spans.iter().all(|&(_, l)| l == 1) {
-            return self.decode_rows(&q, &parts, caches, rope, eps);
+        if batch.len() > 1 && batch.decode() {
+            return self.decode_rows(&q, &parts, caches, batch, rope, eps);
         }
         let latent = norm(&parts[0], Some(&self.kv_a_norm), eps)?.expand_dims(1)?; // [B,1,T,r]
-        let k_rope_raw = parts[1].expand_dims(1)?; // one rope key for all heads
-
-        let mut outs = Vec::with_capacity(caches.len());
-        for (cache, &(at, l)) in caches.iter_mut().zip(spans) {
-            let offset = cache.offset();
-            let q_nope = time_slice(&qs[0], at, l)?;
-            let q_rope = rope.apply(&time_slice(&qs[1], at, l)?, offset)?;
-            let k_rope = rope.apply(&time_slice(&k_rope_raw, at, l)?, offset)?;
-            let lat = time_slice(&latent, at, l)?;
-            let rows = cache.update(&mlx::concatenate(&[&lat, &k_rope], -1)?)?; // [B,1,T,r+dr]
-            let mask = cache.mask(l);
+        let k_rope = batch.rotated(&parts[1].expand_dims(1)?, rope)?; // one rope key for all heads
+        let new = batch
+            .sliced(&latent)?
+            .iter()
+            .zip(&k_rope)
+            .map(|(lat, k)| Ok(mlx::concatenate(&[lat, k], -1)?))
+            .collect::<Result<Vec<_>>>()?;
+        let q_nope = batch.sliced(&qs[0])?;
+        let q_rope = batch.rotated(&qs[1], rope)?;
+        let written = batch.write_latent(&new, caches)?;
+        let mut outs = Vec::with_capacity(written.len());
+        for (i, (rows, mask)) in written.into_iter().enumerate() {
+            let (q_nope, q_rope, l) = (&q_nope[i], &q_rope[i], batch.row_len(i));
             let t = rows.time_len() as i32;
             let o = if l == 1 {
-                // Absorbed form (MODELS.md §3.3): score = (q_nope W_UK)·c + q_rope·k_rope, and
-                // the values are the latents themselves, up-projected after attention.
+                // Absorbed form (docs/MODELS.md §3.3): score = (q_nope W_UK)·c + q_rope·k_rope,
+                // and the values are the latents themselves, up-projected after attention.
                 let q_lat = q_nope.matmul(&self.wk)?; // [B,nH,1,r]
-                let qq = mlx::concatenate(&[&q_lat, &q_rope], -1)?;
+                let qq = mlx::concatenate(&[&q_lat, q_rope], -1)?;
                 let kv = KvSlots::of(rows.clone(), rows.first_values(r as usize)?);
                 let o = sdpa_slots(&qq, &kv, Attention::new(self.scale, mask.as_sdpa()))?;
                 o.matmul(&self.wv_t)? // [B,nH,1,dv]
@@ -395,7 +397,7 @@ impl Mla {
                 let k_nope = c.matmul(&self.wk_t)?; // [B,nH,T,dn]
                 let v = c.matmul(&self.wv_t)?; // [B,nH,T,dv]
                 let k = mlx::concatenate(&[&k_nope, &kr.broadcast_to(&[b, nh, t, dr])?], -1)?;
-                let qq = mlx::concatenate(&[&q_nope, &q_rope], -1)?;
+                let qq = mlx::concatenate(&[q_nope, q_rope], -1)?;
                 scaled_dot_product_attention(&qq, &k, &v, self.scale, mask.as_sdpa(), None)?
             };
             outs.push(
@@ -403,43 +405,13 @@ impl Mla {
                     .reshape(&[b, l as i32, nh * self.v_dim])?,
             );
         }
-        self.o_proj.forward(&join_rows(&outs)?)
+        self.o_proj.forward(&join(&outs)?)
     }
 }
 
 // ------------------------------------------------------------------------------------------
 // Feed-forward: dense MLP and routed experts
 // ------------------------------------------------------------------------------------------
-
-/// SwiGLU: `down(silu(gate x) ⊙ up x)`.
-struct Mlp {
-    gate: Linear,
-    up: Linear,
-    down: Linear,
-}
-
-impl Mlp {
-    fn new(vb: &Vb, h: i32, i: i32) -> Result<Mlp> {
-        Ok(Mlp {
-            gate: vb.pp("gate_proj").linear(i, h)?,
-            up: vb.pp("up_proj").linear(i, h)?,
-            down: vb.pp("down_proj").linear(h, i)?,
-        })
-    }
-
-    fn forward(&self, x: &Array) -> Result<Array> {
-        let a = match (&self.gate, &self.up) {
-            // One op for the two products and the gate, where the two are quantized alike.
-            (Linear::Quantized(g), Linear::Quantized(u))
-                if g.bits == u.bits && g.group_size == u.group_size =>
-            {
-                x.quantized_swiglu(g, u)?
-            }
-            _ => silu_mul(&self.gate.forward(x)?, &self.up.forward(x)?)?,
-        };
-        self.down.forward(&a)
-    }
-}
 
 struct Moe {
     /// Router weight, transposed, float32.
@@ -449,7 +421,7 @@ struct Moe {
     gate: Experts,
     up: Experts,
     down: Experts,
-    shared: Mlp,
+    shared: GatedMlp,
     experts: i32,
     top_k: i32,
     groups: i32,
@@ -507,7 +479,12 @@ impl Moe {
             gate: experts(vb, "gate_proj", e, i, h)?,
             up: experts(vb, "up_proj", e, i, h)?,
             down: experts(vb, "down_proj", e, h, i)?,
-            shared: Mlp::new(&vb.pp("shared_experts"), h, i * cfg.n_shared_experts)?,
+            shared: GatedMlp::load(
+                &vb.pp("shared_experts"),
+                h,
+                i * cfg.n_shared_experts,
+                Activation::Silu,
+            )?,
             experts: e,
             top_k: cfg.num_experts_per_tok,
             groups: cfg.n_group,
@@ -562,7 +539,9 @@ impl Moe {
         let xe = x.expand_dims_axes(&[-2, -3])?; // [B, L, 1, 1, H]
         let g = self.gate.forward(&xe, &idx, false)?;
         let u = self.up.forward(&xe, &idx, false)?;
-        let y = self.down.forward(&silu_mul(&g, &u)?, &idx, false)?; // [B, L, k, 1, H]
+        let y = self
+            .down
+            .forward(&Activation::Silu.gated(&g, &u)?, &idx, false)?; // [B, L, k, 1, H]
         let w = w.astype(x.dtype())?.expand_dims(-1)?;
         let routed = y.squeeze(-2)?.multiply(&w)?.sum(&[-2], false)?;
         Ok(routed.add(&self.shared.forward(x)?)?)
@@ -570,7 +549,7 @@ impl Moe {
 }
 
 enum FeedForward {
-    Dense(Mlp),
+    Dense(GatedMlp),
     Moe(Box<Moe>),
 }
 
@@ -587,7 +566,12 @@ impl DecoderLayer {
         let ffn = if cfg.is_moe_layer(i) {
             FeedForward::Moe(Box::new(Moe::new(&vb.pp("mlp"), cfg)?))
         } else {
-            FeedForward::Dense(Mlp::new(&vb.pp("mlp"), h, cfg.intermediate_size)?)
+            FeedForward::Dense(GatedMlp::load(
+                &vb.pp("mlp"),
+                h,
+                cfg.intermediate_size,
+                Activation::Silu,
+            )?)
         };
         Ok(DecoderLayer {
             attn: Mla::new(&vb.pp("self_attn"), cfg)?,
@@ -601,12 +585,12 @@ impl DecoderLayer {
         &self,
         h: &Array,
         caches: &mut [&mut LatentCache],
-        spans: &[(usize, usize)],
+        batch: &Rows,
         rope: &Rope,
         eps: f32,
     ) -> Result<Array> {
         let x = norm(h, Some(&self.input_norm), eps)?;
-        let a = self.attn.forward(&x, caches, spans, rope, eps)?;
+        let a = self.attn.forward(&x, caches, batch, rope, eps)?;
         let h = h.add(&a)?;
         let x = norm(&h, Some(&self.post_attn_norm), eps)?;
         let f = match &self.ffn {
@@ -722,7 +706,7 @@ impl CausalLm for Glm4MoeLite {
     fn forward_packed(&self, tokens: &Array, rows: &mut [PackedRow<'_>]) -> Result<Array> {
         check_rows(tokens, rows, self.layers.len(), "glm4_moe_lite")?;
         let eps = self.cfg.rms_norm_eps;
-        let spans = spans(rows);
+        let batch = Rows::new(rows, self.layers.len())?;
         let mut h = self.embed.lookup(tokens)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let mut caches = rows
@@ -734,7 +718,7 @@ impl CausalLm for Glm4MoeLite {
                     )),
                 })
                 .collect::<Result<Vec<&mut LatentCache>>>()?;
-            h = layer.forward(&h, &mut caches, &spans, &self.rope, eps)?;
+            h = layer.forward(&h, &mut caches, &batch, &self.rope, eps)?;
         }
         norm(&h, Some(&self.norm), eps)
     }

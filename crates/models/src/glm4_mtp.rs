@@ -4,6 +4,7 @@
 //! Embedding and head are the target's own (the checkpoint's copies are identical and never
 //! read).
 
+use crate::attention::Rows;
 use crate::draft::{lockstep, DraftRow, DraftState, Drafter, Draws, Feed, Observed, RoundEnd};
 use crate::glm4_moe_lite::{DecoderLayer, GlmConfig};
 use crate::nn::{norm, Embedding, Linear, Rope};
@@ -111,13 +112,9 @@ impl GlmMtp {
             self.eps,
         )?;
         let x = self.eh_proj.forward(&mlx::concatenate(&[&e, &h], -1)?)?;
-        let mut spans = Vec::with_capacity(lens.len());
-        let mut at = 0;
-        for &l in lens {
-            spans.push((at, l));
-            at += l;
-        }
-        self.block.forward(&x, caches, &spans, &self.rope, self.eps)
+        let offsets = caches.iter().map(|c| c.offset()).collect();
+        let batch = Rows::with_offsets(lens.iter().copied(), offsets, 1)?;
+        self.block.forward(&x, caches, &batch, &self.rope, self.eps)
     }
 
     pub fn vocab_size(&self) -> usize {

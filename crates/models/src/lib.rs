@@ -6,6 +6,7 @@
 //! mlx-lm quantized) and its tokenizer, failing with an error that names the file, field or
 //! tensor at fault.
 
+mod attention;
 mod config;
 pub mod draft;
 mod error;
@@ -52,7 +53,7 @@ pub trait CausalLm {
             outs.push(self.forward(&t, r.caches)?);
             at += r.len;
         }
-        packed::join_rows(&outs)
+        attention::join(&outs)
     }
     /// Output logits `[.., V]` for hidden states from `forward` (slice them first: the head is
     /// the largest matmul, and prefill needs only the last position).

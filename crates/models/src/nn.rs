@@ -233,6 +233,69 @@ impl Embedding {
     }
 }
 
+/// The activation of a gated MLP's gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// gelu_pytorch_tanh: GeGLU (gemma4).
+    GeluTanh,
+    /// SiLU: SwiGLU (GLM).
+    Silu,
+}
+
+impl Activation {
+    /// `act(g) ⊙ u`.
+    pub fn gated(self, g: &Array, u: &Array) -> Result<Array> {
+        match self {
+            Activation::GeluTanh => Ok(gelu_tanh(g)?.multiply(u)?),
+            Activation::Silu => silu_mul(g, u),
+        }
+    }
+}
+
+/// A gated MLP: `down(act(gate x) ⊙ up x)`.
+pub struct GatedMlp {
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+    pub act: Activation,
+}
+
+impl GatedMlp {
+    /// `gate_proj`, `up_proj` and `down_proj` under `vb`, for hidden size `h` and intermediate
+    /// size `i`.
+    pub(crate) fn load(
+        vb: &crate::weights::Vb,
+        h: i32,
+        i: i32,
+        act: Activation,
+    ) -> Result<GatedMlp> {
+        Ok(GatedMlp {
+            gate: vb.pp("gate_proj").linear(i, h)?,
+            up: vb.pp("up_proj").linear(i, h)?,
+            down: vb.pp("down_proj").linear(h, i)?,
+            act,
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        self.down.forward(&self.hidden(x)?)
+    }
+
+    /// `act(x Gᵀ) ⊙ x Uᵀ`, what the down projection reads: one op for the two products and the
+    /// gate where the two are quantized alike.
+    pub fn hidden(&self, x: &Array) -> Result<Array> {
+        if let (Linear::Quantized(g), Linear::Quantized(u)) = (&self.gate, &self.up) {
+            if g.bits == u.bits && g.group_size == u.group_size {
+                return Ok(match self.act {
+                    Activation::GeluTanh => x.quantized_geglu(g, u)?,
+                    Activation::Silu => x.quantized_swiglu(g, u)?,
+                });
+            }
+        }
+        self.act.gated(&self.gate.forward(x)?, &self.up.forward(x)?)
+    }
+}
+
 /// `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))` (gelu_pytorch_tanh).
 pub fn gelu_tanh(x: &Array) -> Result<Array> {
     Ok(mlx::fast::gelu_tanh(x)?)

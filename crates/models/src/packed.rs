@@ -16,18 +16,6 @@ pub struct PackedRow<'a> {
     pub caches: &'a mut [LayerCache],
 }
 
-/// `(start, len)` of each row along the packed time axis.
-pub(crate) fn spans(rows: &[PackedRow<'_>]) -> Vec<(usize, usize)> {
-    let mut at = 0;
-    rows.iter()
-        .map(|r| {
-            let s = (at, r.len);
-            at += r.len;
-            s
-        })
-        .collect()
-}
-
 /// The time length of a single-row `[1, L]` token array.
 pub(crate) fn single_row(tokens: &Array) -> Result<usize> {
     match tokens.shape()[..] {
@@ -61,24 +49,4 @@ pub(crate) fn check_rows(
         )));
     }
     Ok(())
-}
-
-/// Positions `at..at+len` of a `[B, H, T, D]` array along time (the array itself when that is
-/// all of it).
-pub(crate) fn time_slice(x: &Array, at: usize, len: usize) -> Result<Array> {
-    if at == 0 && x.shape()[2] as usize == len {
-        return Ok(x.clone());
-    }
-    Ok(x.slice_axis(2, at as i32, Some((at + len) as i32))?)
-}
-
-/// Per-row `[1, l, D]` outputs joined along time into `[1, T, D]`.
-pub(crate) fn join_rows(outs: &[Array]) -> Result<Array> {
-    match outs {
-        [one] => Ok(one.clone()),
-        many => {
-            let refs: Vec<&Array> = many.iter().collect();
-            Ok(mlx::concatenate(&refs, 1)?)
-        }
-    }
 }
