@@ -312,7 +312,7 @@ fn disk_tier(
                     .sum()
             })
             .unwrap_or(0);
-        let free = runner::memory::disk_free(&dir).unwrap_or(0);
+        let free = base::machine::disk_free(&dir).unwrap_or(0);
         ((free + held) / 10).min(10 << 30)
     });
     (budget > 0).then_some(runner::DiskConfig { dir, budget })
@@ -508,6 +508,14 @@ fn serve(a: ServeArgs) -> Result<()> {
             .map(|o| o.split(',').map(String::from).collect())
             .unwrap_or_default(),
         exe: std::env::current_exe().context("finding this executable")?,
+        importer: std::sync::Arc::new(|st, name, mf, opts| {
+            import::create_from(st, name, mf, std::path::Path::new("/"), opts).map_err(|e| {
+                serve::ImportError {
+                    internal: e.internal(),
+                    message: e.to_string(),
+                }
+            })
+        }),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -682,7 +690,7 @@ fn purge_jemalloc() {
 fn main() {
     raise_open_file_limit();
     #[cfg(target_os = "linux")]
-    runner::process::set_memory_release(purge_jemalloc);
+    base::signals::set_memory_release(purge_jemalloc);
     // MLX's own kernels and op graphs instead of ours on the CPU (comparisons, bisecting).
     if std::env::var("MLX_RUNNER_KERNELS").as_deref() == Ok("mlx") {
         mlx::set_quantized_kernel(false);
@@ -973,7 +981,7 @@ fn create(a: CreateArgs) -> Result<()> {
         quantize_draft: a.quantize_draft,
     };
     let start = std::time::Instant::now();
-    let r = store::create(&st, &name, &a.file, &opts)?;
+    let r = import::create(&st, &name, &a.file, &opts)?;
     let describe = |p: &store::PartSummary| {
         let precisions: Vec<String> = p
             .precisions

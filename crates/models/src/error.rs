@@ -36,3 +36,14 @@ pub enum ModelError {
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;
+
+impl From<base::files::FileError> for ModelError {
+    fn from(e: base::files::FileError) -> Self {
+        match e {
+            base::files::FileError::Io { path, cause } => ModelError::Io { path, cause },
+            base::files::FileError::Config { path, message } => {
+                ModelError::Config { path, message }
+            }
+        }
+    }
+}

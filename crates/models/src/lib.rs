@@ -10,7 +10,6 @@ mod attention;
 mod config;
 pub mod draft;
 mod error;
-mod files;
 pub mod gemma4;
 pub mod gemma4_assistant;
 pub mod glm4_moe_lite;
@@ -20,11 +19,11 @@ mod packed;
 mod tokenizer;
 pub mod weights;
 
+pub use base::files::{sha256_file, ModelFiles, CHECKPOINT_FILES};
 pub use cache::{LayerCache, RotatingKvCache};
 pub use config::JsonFile;
 pub use draft::{DraftOptions, Drafter};
 pub use error::{ModelError, Result};
-pub use files::{sha256_file, ModelFiles, CHECKPOINT_FILES};
 pub use packed::PackedRow;
 pub use tokenizer::{StreamDecoder, Tokenizer};
 

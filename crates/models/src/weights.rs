@@ -102,57 +102,7 @@ pub struct Weights {
     handed_out: RefCell<Vec<Array>>,
 }
 
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
-    move |source| ModelError::Io {
-        path: path.to_path_buf(),
-        cause: source,
-    }
-}
-
-/// The safetensors files of a model directory (none is not an error here: loading says so,
-/// after the config has had its say).
-pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let index = dir.join("model.safetensors.index.json");
-    if index.is_file() {
-        let text = std::fs::read_to_string(&index).map_err(io_err(&index))?;
-        let v: Value = serde_json::from_str(&text).map_err(|e| ModelError::Config {
-            path: index.clone(),
-            message: format!("not valid JSON: {e}"),
-        })?;
-        let map = v
-            .get("weight_map")
-            .and_then(Value::as_object)
-            .ok_or_else(|| ModelError::Config {
-                path: index.clone(),
-                message: "no weight_map object".into(),
-            })?;
-        let mut files: Vec<PathBuf> = map
-            .values()
-            .filter_map(Value::as_str)
-            .map(|f| dir.join(f))
-            .collect();
-        files.sort();
-        files.dedup();
-        if let Some(missing) = files.iter().find(|f| !f.is_file()) {
-            return Err(ModelError::Config {
-                path: index,
-                message: format!("lists {} which does not exist", missing.display()),
-            });
-        }
-        return Ok(files);
-    }
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(io_err(dir))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("model") && n.ends_with(".safetensors"))
-        })
-        .collect();
-    files.sort();
-    Ok(files)
-}
+pub use base::files::shard_files;
 
 /// Every tensor of `files` under its tensor prefix (removed from the names), read lazily.
 pub fn read_tensors(files: &crate::ModelFiles) -> Result<HashMap<String, Array>> {

@@ -10,7 +10,7 @@ use crate::depth::DepthController;
 use crate::generation::{Ctx, Event, GenerateError, Generation, GenerationParams};
 use crate::memory;
 use crate::metrics::Metrics;
-use crate::protocol::Stats;
+use base::protocol::Stats;
 use cache::disk::{DiskConfig, DiskStats, DiskTier};
 use cache::prefix::{needs_checkpoints, PrefixCache};
 use models::draft::ngram::Ngram;
@@ -309,7 +309,7 @@ fn plan_memory(
             ))
         }
         Some(limit) => (limit - weights, "--memory-limit less the weights"),
-        None => match memory::machine_available() {
+        None => match base::machine::machine_available() {
             Some(a) => (a, "available on this machine after loading the weights"),
             None => (
                 mlx::memory::limit().saturating_sub(weights),

@@ -9,8 +9,8 @@
 //! token is read, so the device never waits on the host.
 
 use crate::depth::DepthController;
-use crate::protocol::{DoneReason, Stats};
 use crate::round::{Proposal, Verdict};
+use base::protocol::{DoneReason, Stats};
 use cache::prefix::CacheCheckpoint;
 use cache::LayerCache;
 use mlx::Array;

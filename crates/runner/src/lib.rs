@@ -4,16 +4,15 @@
 pub mod depth;
 pub mod engine;
 pub mod generation;
-pub mod listen;
 pub mod memory;
 pub mod metrics;
 pub mod process;
-pub mod protocol;
 mod round;
 pub mod server;
 pub mod step;
 pub mod stop;
 pub mod text;
 
+pub use base::{listen, protocol};
 pub use cache::disk::DiskConfig;
 pub use generation::{Ctx, Event, GenerateError, Generation, GenerationParams, RawLogprob};

@@ -4,10 +4,6 @@
 
 use crate::engine::{CompletionJob, Job, Shared};
 use crate::generation::{Event, GenerationParams};
-use crate::listen::{read_body, refuse_oversized, HttpLimits};
-use crate::protocol::{
-    CompletionChunk, CompletionRequest, DoneReason, StreamError, StreamErrorBody,
-};
 use crate::text::{TextPiece, TextStream};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -15,6 +11,10 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use base::listen::{read_body, refuse_oversized, HttpLimits};
+use base::protocol::{
+    CompletionChunk, CompletionRequest, DoneReason, StreamError, StreamErrorBody,
+};
 use models::Tokenizer;
 use serde_json::json;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,8 +23,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-/// Largest request body accepted (prompts are text; 32 MiB is ~8M tokens of English).
-pub const MAX_BODY: usize = 32 << 20;
+pub use base::MAX_BODY;
 
 #[derive(Clone)]
 pub struct AppState {
@@ -178,7 +177,7 @@ async fn tokenize(State(app): State<AppState>, body: Body) -> Result<Response, A
         let resp = Json(ids).into_response();
         // The ids' JSON is as large as the tokenization was: handed back once it is sent.
         Ok(if large {
-            crate::process::release_after(resp)
+            base::signals::release_after(resp)
         } else {
             resp
         })
@@ -227,7 +226,7 @@ async fn encode(app: &AppState, tok: Arc<Tokenizer>, text: String) -> Result<Vec
         let ids = tok.encode(&text);
         drop(text);
         if large {
-            crate::process::release_free_memory();
+            base::signals::release_free_memory();
         }
         ids
     })

@@ -2,8 +2,8 @@
 //! held back and never emitted, and logprob entries with their token strings.
 
 use crate::generation::RawLogprob;
-use crate::protocol::{TokenLogprob, TopLogprob};
 use crate::stop::{StopMatcher, StopOutcome};
+use base::protocol::{TokenLogprob, TopLogprob};
 use models::{StreamDecoder, Tokenizer};
 use std::collections::VecDeque;
 

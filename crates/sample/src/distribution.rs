@@ -2,7 +2,7 @@
 //! `[R, V]`, or sparse `[R, K]` probabilities with their token ids (after top-k, or the point
 //! mass of greedy decoding). Everything here is lazy; nothing reads back to the host.
 
-use crate::options::Result;
+use crate::error::Result;
 use mlx::{Array, Dtype};
 
 #[derive(Debug, Clone)]

@@ -7,11 +7,12 @@
 //! other slots share the batch, and the fused and per-slot paths give identical tokens.
 
 mod distribution;
-mod options;
+mod error;
 mod pipeline;
 mod sampler;
 
+pub use base::options::{Options, MAX_TOP_LOGPROBS};
 pub use distribution::Distribution;
-pub use options::{Options, SampleError, MAX_TOP_LOGPROBS};
+pub use error::{Result, SampleError};
 pub use pipeline::Strategy;
 pub use sampler::{logprobs, Sampled, Sampler, TopLogprobs};

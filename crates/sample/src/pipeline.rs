@@ -3,7 +3,8 @@
 //! and the reference differ, the issue wins).
 
 use crate::distribution::Distribution;
-use crate::options::{Options, Result};
+use crate::error::Result;
+use base::options::Options;
 use mlx::{Array, Dtype};
 
 /// How top-k and top-p share work. `OneSort` (the default) partitions out the top `K`

@@ -8,8 +8,9 @@
 //! (asynchronously, to overlap the next step).
 
 use crate::distribution::Distribution;
-use crate::options::{Options, Result, SampleError};
+use crate::error::{Result, SampleError};
 use crate::pipeline::{distribution, log_softmax, Strategy};
+use base::options::Options;
 use mlx::{Array, Dtype};
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
@@ -188,7 +189,7 @@ impl Sampler {
     /// Registers a sequence, seeding its penalty history with the last `repeat_last_n` tokens
     /// of `prior` (its prompt).
     pub fn add(&mut self, slot: usize, opts: &Options, prior: &[u32]) -> Result<()> {
-        opts.validate()?;
+        opts.validate().map_err(SampleError::Invalid)?;
         if self.slots.contains_key(&slot) {
             return Err(SampleError::DuplicateSlot(slot));
         }

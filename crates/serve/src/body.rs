@@ -21,7 +21,7 @@ pub async fn release_after_large(req: Request, next: Next) -> Response {
         .is_some_and(|n| n > LARGE_REQUEST);
     let resp = next.run(req).await;
     if large {
-        runner::process::release_after(resp)
+        base::signals::release_after(resp)
     } else {
         resp
     }
@@ -39,7 +39,7 @@ impl<S: Send + Sync> FromRequest<S> for JsonBody {
 
     async fn from_request(req: Request, _: &S) -> Result<Self, Self::Rejection> {
         let limits = crate::http_limits();
-        let bytes = match runner::listen::read_body(req.into_body(), &limits).await {
+        let bytes = match base::listen::read_body(req.into_body(), &limits).await {
             Ok(b) => b,
             Err((code, msg)) => return Ok(JsonBody(Err(ApiError::new(code.as_u16(), msg)))),
         };

@@ -217,13 +217,13 @@ pub async fn complete(
     req: &CompletionRequest,
 ) -> Result<impl Stream<Item = Result<Chunk, RunnerError>> + Send + 'static, RunnerError> {
     let body = serde_json::to_vec(req).map_err(|e| RunnerError::new(500, e.to_string()))?;
-    if body.len() > runner::server::MAX_BODY {
+    if body.len() > base::MAX_BODY {
         return Err(RunnerError::new(
             400,
             format!(
                 "the request is too large for a runner: {} bytes as JSON, over its limit of {} bytes",
                 body.len(),
-                runner::server::MAX_BODY
+                base::MAX_BODY
             ),
         ));
     }

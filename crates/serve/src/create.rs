@@ -14,7 +14,6 @@ use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
-use std::path::PathBuf;
 use std::sync::Arc;
 use tokio::io::AsyncWriteExt;
 
@@ -262,6 +261,27 @@ fn status_line(v: Value) -> bytes::Bytes {
     bytes::Bytes::from(line)
 }
 
+/// Imports a Modelfile's parts into the store under a name, as `create` does: the binary hands
+/// in the store's importer.
+pub type Importer = Arc<
+    dyn Fn(
+            &store::Store,
+            &store::ModelName,
+            &store::Modelfile,
+            &store::CreateOptions,
+        ) -> Result<store::CreateReport, ImportError>
+        + Send
+        + Sync,
+>;
+
+/// Why an import failed.
+#[derive(Debug)]
+pub struct ImportError {
+    pub message: String,
+    /// The server's own failure (I/O, MLX), not the request's.
+    pub internal: bool,
+}
+
 pub async fn create(State(app): State<Arc<App>>, body: crate::body::JsonBody) -> Response {
     let v = match crate::body::json_body(body) {
         Ok(v) => v,
@@ -286,24 +306,21 @@ pub async fn create(State(app): State<Arc<App>>, body: crate::body::JsonBody) ->
     };
     let root = app.catalog.ours.root().to_path_buf();
     let creating = app.creating.clone();
+    let importer = app.cfg.importer.clone();
     let work = async move {
         // One create at a time: quantizing holds a model's worth of memory.
         let _one = creating.lock().await;
         let result = tokio::task::spawn_blocking(move || {
             let st = store::Store::open(root);
-            let r = store::create_from(&st, &name, &mf, &PathBuf::from("/"), &opts);
+            let r = importer(&st, &name, &mf, &opts);
             drop(keep);
             r
         })
         .await;
         match result {
             Ok(Ok(r)) => Ok(r),
-            Ok(Err(e)) => Err(match e {
-                store::StoreError::Io { .. } | store::StoreError::Mlx(_) => {
-                    ApiError::new(500, e.to_string())
-                }
-                _ => ApiError::bad(e.to_string()),
-            }),
+            Ok(Err(e)) if e.internal => Err(ApiError::new(500, e.message)),
+            Ok(Err(e)) => Err(ApiError::bad(e.message)),
             Err(e) => Err(ApiError::new(500, format!("create failed: {e}"))),
         }
     };

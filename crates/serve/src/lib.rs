@@ -24,13 +24,14 @@ mod unserved;
 
 use axum::routing::{get, post};
 use axum::Router;
+pub use create::{ImportError, Importer};
 use sched::{KeepAlive, SchedConfig, Scheduler};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ServeConfig {
     pub addr: SocketAddr,
     /// The store (`MLX_RUNNER_MODELS`), default `~/.mlx-runner/models`.
@@ -46,6 +47,9 @@ pub struct ServeConfig {
     pub origins: Vec<String>,
     /// The executable spawned as `runner`.
     pub exe: PathBuf,
+    /// What imports a model for `/api/create` (reading and quantizing tensors is the store's
+    /// importer's, which this crate does not link).
+    pub importer: create::Importer,
 }
 
 pub struct App {
@@ -107,8 +111,8 @@ pub fn parse_host(v: &str) -> Result<SocketAddr, String> {
     Ok(SocketAddr::new(ip, port))
 }
 
-pub(crate) fn http_limits() -> runner::listen::HttpLimits {
-    runner::listen::HttpLimits {
+pub(crate) fn http_limits() -> base::listen::HttpLimits {
+    base::listen::HttpLimits {
         header_timeout: Duration::from_secs(30),
         body_timeout: Duration::from_secs(60),
         max_connections: 1024,
@@ -157,7 +161,7 @@ pub fn router(app: Arc<App>) -> Router {
         .layer(axum::middleware::from_fn(body::release_after_large))
         .layer(axum::middleware::from_fn_with_state(
             http_limits(),
-            runner::listen::refuse_oversized,
+            base::listen::refuse_oversized,
         ))
         .with_state(app.clone());
     // Checkpoint uploads are as large as checkpoints: streamed to disk, not bounded.
@@ -204,15 +208,10 @@ pub async fn run(cfg: ServeConfig) -> anyhow::Result<()> {
     tracing::info!(%addr, store = %app.catalog.ours.root().display(), "serving");
     let limits = http_limits();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(runner::listen::serve(
-        listener,
-        router(app),
-        limits,
-        async {
-            let _ = stop_rx.await;
-        },
-    ));
-    let why = runner::process::termination().await;
+    let server = tokio::spawn(base::listen::serve(listener, router(app), limits, async {
+        let _ = stop_rx.await;
+    }));
+    let why = base::signals::termination().await;
     tracing::info!("{why}: stopping, unloading models");
     sched.shutdown().await;
     let _ = stop_tx.send(());

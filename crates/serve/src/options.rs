@@ -3,32 +3,15 @@
 //! `json.Marshal` with `omitempty` sends them: a zero value is absent. The runner applies no
 //! defaults of its own, so this is the one place they are decided.
 
+use base::options::{Kind, Options, KEYS as SAMPLING};
 use serde_json::{Map, Value};
 
-#[derive(Clone, Copy, PartialEq)]
-enum Kind {
-    Int,
-    Float,
-    Bool,
-    Text,
-    Strings,
-}
-
-/// Every `api.Options` key (runner and sampling), with its type. Unknown keys are ignored, as
-/// ollama ignores them (with a warning).
-const KEYS: &[(&str, Kind)] = &[
+/// The `api.Options` keys that are not sampling options (those are [`base::options::KEYS`]),
+/// with their types. Unknown keys are ignored, as ollama ignores them (with a warning).
+const OTHER_KEYS: &[(&str, Kind)] = &[
     ("num_keep", Kind::Int),
-    ("seed", Kind::Int),
     ("num_predict", Kind::Int),
-    ("top_k", Kind::Int),
-    ("top_p", Kind::Float),
-    ("min_p", Kind::Float),
     ("typical_p", Kind::Float),
-    ("repeat_last_n", Kind::Int),
-    ("temperature", Kind::Float),
-    ("repeat_penalty", Kind::Float),
-    ("presence_penalty", Kind::Float),
-    ("frequency_penalty", Kind::Float),
     ("stop", Kind::Strings),
     ("num_ctx", Kind::Int),
     ("num_batch", Kind::Int),
@@ -51,6 +34,15 @@ const KEYS: &[(&str, Kind)] = &[
     ("renderer", Kind::Text),
 ];
 
+/// Every `api.Options` key's type.
+fn kind(key: &str) -> Option<Kind> {
+    SAMPLING
+        .iter()
+        .chain(OTHER_KEYS)
+        .find(|(name, _)| *name == key)
+        .map(|&(_, k)| k)
+}
+
 /// The context length when neither the request nor the model says (`OLLAMA_CONTEXT_LENGTH`'s
 /// default).
 pub const DEFAULT_NUM_CTX: i64 = 4096;
@@ -58,18 +50,23 @@ pub const DEFAULT_NUM_CTX: i64 = 4096;
 /// `api.DefaultOptions()`.
 pub fn defaults(num_ctx: i64) -> Map<String, Value> {
     let mut m = Map::new();
+    for ((name, kind), (_, v)) in SAMPLING.iter().zip(Options::ollama().values()) {
+        let v = match kind {
+            // As Go marshals a float32: its shortest decimal (0.9, not 0.8999999761581421).
+            Kind::Float => (v as f32)
+                .to_string()
+                .parse::<f64>()
+                .map_or(Value::Null, Value::from),
+            _ => Value::from(v as i64),
+        };
+        m.insert(name.to_string(), v);
+    }
     let mut set = |k: &str, v: Value| {
         m.insert(k.to_string(), v);
     };
     set("num_predict", (-1).into());
     set("num_keep", 4.into());
-    set("temperature", 0.8.into());
-    set("top_k", 40.into());
-    set("top_p", 0.9.into());
     set("typical_p", 1.0.into());
-    set("repeat_last_n", 64.into());
-    set("repeat_penalty", 1.0.into());
-    set("seed", (-1).into());
     set("num_ctx", num_ctx.into());
     set("num_batch", 512.into());
     set("num_gpu", (-1).into());
@@ -82,7 +79,7 @@ pub fn defaults(num_ctx: i64) -> Map<String, Value> {
 /// a wrong type is an error naming the option.
 pub fn apply(base: &mut Map<String, Value>, over: &Map<String, Value>) -> Result<(), String> {
     for (k, v) in over {
-        let Some(&(_, kind)) = KEYS.iter().find(|(name, _)| name == k) else {
+        let Some(kind) = kind(k) else {
             tracing::warn!(option = %k, "invalid option provided");
             continue;
         };

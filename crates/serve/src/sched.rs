@@ -484,7 +484,7 @@ impl Scheduler {
                 }
                 Some(limit.saturating_sub(used))
             }
-            None => runner::memory::machine_available().map(|b| b as u64),
+            None => base::machine::machine_available().map(|b| b as u64),
         }
     }
 

@@ -1,21 +1,21 @@
-//! The model store: Modelfiles, content-addressed blobs and manifests in ollama's layout, and
-//! `create`, which imports safetensors checkpoints (a target and its draft) into it, quantizing
-//! on the way if asked.
+//! The model store: Modelfiles, content-addressed blobs and manifests in ollama's layout. Plain
+//! files and JSON: importing checkpoints into it (reading and quantizing tensors with MLX) is the
+//! `import` crate's, so that the parent server, which lists, shows and removes models, builds
+//! without MLX.
 
-pub mod create;
-mod import;
 pub mod manifest;
 pub mod modelfile;
 pub mod name;
 pub mod quant;
+mod report;
 pub mod show;
 mod store;
 
-pub use create::{create, create_from, CreateOptions, CreateReport, PartSummary};
 pub use manifest::{Manifest, ModelConfig};
 pub use modelfile::{Modelfile, ParseError};
 pub use name::ModelName;
 pub use quant::QuantType;
+pub use report::{CreateOptions, CreateReport, PartSummary};
 pub use store::{sha256_hex, Listed, Resolved, Store, WriteLock};
 
 use std::path::PathBuf;
@@ -36,9 +36,7 @@ pub enum StoreError {
     #[error("Modelfile {path}: {error}")]
     Modelfile { path: PathBuf, error: ParseError },
     #[error(transparent)]
-    Model(#[from] models::ModelError),
-    #[error(transparent)]
-    Mlx(#[from] mlx::Error),
+    Files(#[from] base::files::FileError),
     #[error("{0}")]
     Invalid(String),
 }

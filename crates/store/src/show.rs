@@ -4,7 +4,7 @@ use crate::manifest::{media, Part};
 use crate::modelfile::{Located, Message, Modelfile};
 use crate::store::{Resolved, Store};
 use crate::Result;
-use models::ModelFiles;
+use base::files::ModelFiles;
 use std::fmt::Write;
 
 fn count(n: u64) -> String {
@@ -19,12 +19,7 @@ fn count(n: u64) -> String {
 /// One part (target or draft) in words: what its config blob says, completed from its files
 /// (ollama's config blob leaves the architecture out and counts no parameters).
 fn part(out: &mut String, p: &Part, files: &ModelFiles, tensors: &[TensorPrecision]) {
-    let cfg = files
-        .config()
-        .ok()
-        .and_then(|c| models::JsonFile::read(c).ok())
-        .map(|f| f.value)
-        .unwrap_or_default();
+    let cfg = files.config().ok().and_then(read_json).unwrap_or_default();
     let architecture = match p.architecture.as_str() {
         "" => crate::quant::architecture(&cfg),
         a => a.to_string(),
@@ -145,22 +140,20 @@ pub fn precisions(files: &ModelFiles) -> Result<Vec<TensorPrecision>> {
     let group = files
         .config()
         .ok()
-        .and_then(|c| models::JsonFile::read(c).ok())
-        .and_then(|f| f.value.get("quantization")?.get("group_size")?.as_u64())
+        .and_then(read_json)
+        .and_then(|v| v.get("quantization")?.get("group_size")?.as_u64())
         .unwrap_or(64)
         .max(1);
     let mut out = Vec::new();
     for path in &files.tensors {
-        let (infos, meta) = mlx::io::read_header(path).map_err(|e| crate::StoreError::Corrupt {
-            path: path.clone(),
-            message: e.to_string(),
-        })?;
+        let (infos, meta) =
+            base::files::safetensors_header(path).map_err(|e| crate::StoreError::Corrupt {
+                path: path.clone(),
+                message: e.to_string(),
+            })?;
         let tensors: std::collections::BTreeMap<String, (String, Vec<i32>, u64)> = infos
             .into_iter()
-            .map(|t| {
-                let label = crate::create::dtype_label(t.dtype);
-                (t.name, (label, t.shape, t.nbytes as u64))
-            })
+            .map(|t| (t.name, (t.dtype, t.shape, t.nbytes)))
             .collect();
         for (name, (dtype, shape, bytes)) in &tensors {
             let Some(short) = name.strip_prefix(&files.tensor_prefix) else {
@@ -220,14 +213,10 @@ pub fn precisions(files: &ModelFiles) -> Result<Vec<TensorPrecision>> {
 /// `num_hidden_layers` that config.json's `num_nextn_predict_layers` announces and the
 /// weights hold.
 pub fn mtp_layers(files: &ModelFiles, tensors: &[TensorPrecision]) -> usize {
-    let Some(cfg) = files
-        .config()
-        .ok()
-        .and_then(|c| models::JsonFile::read(c).ok())
-    else {
+    let Some(cfg) = files.config().ok().and_then(read_json) else {
         return 0;
     };
-    let field = |k: &str| cfg.value.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
+    let field = |k: &str| cfg.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
     let layers = field("num_hidden_layers");
     (0..field("num_nextn_predict_layers"))
         .filter(|i| {
@@ -310,4 +299,9 @@ pub fn describe_with(store: &Store, r: &Resolved, verbose: bool) -> Result<Strin
         let _ = writeln!(out, "    {line}");
     }
     Ok(out)
+}
+
+/// A JSON file's value, if it reads and parses (what `show` reports is best effort).
+fn read_json(path: &std::path::Path) -> Option<serde_json::Value> {
+    serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
 }

@@ -15,7 +15,7 @@
 use crate::manifest::{media, Layer, Manifest, ModelConfig};
 use crate::name::ModelName;
 use crate::{Result, StoreError};
-use models::ModelFiles;
+use base::files::ModelFiles;
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
@@ -185,7 +185,7 @@ impl Store {
         let digest = format!("sha256:{hex}");
         let path = self.blob_path(&digest)?;
         let intact = std::fs::metadata(&path).is_ok_and(|m| m.len() == bytes.len() as u64)
-            && models::sha256_file(&path).is_ok_and(|h| h == hex);
+            && base::files::sha256_file(&path).is_ok_and(|h| h == hex);
         if !intact {
             write_atomic(&path, bytes)?;
         }
@@ -387,7 +387,7 @@ impl Store {
             };
             for l in m.all_layers() {
                 let p = self.blob_path(&l.digest)?;
-                match models::sha256_file(&p) {
+                match base::files::sha256_file(&p) {
                     Ok(h) if format!("sha256:{h}") == l.digest => {}
                     Ok(_) => problems.push(format!("{name}: blob {} is altered", l.digest)),
                     Err(_) => problems.push(format!("{name}: blob {} is missing", l.digest)),
@@ -436,7 +436,7 @@ impl Store {
     }
 
     /// The files of `manifest` as the runner will load them (see [`Store::resolve`]).
-    pub(crate) fn files_of(
+    pub fn files_of(
         &self,
         name: &ModelName,
         manifest: &Manifest,

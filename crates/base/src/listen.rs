@@ -46,7 +46,7 @@ impl Default for HttpLimits {
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(60),
             max_connections: 512,
-            max_body: crate::server::MAX_BODY,
+            max_body: crate::MAX_BODY,
         }
     }
 }

@@ -1,76 +1,118 @@
-//! Sampling options as a request carries them (PROTOCOL.md), their validation and the
-//! normalisation ollama applies (OLLAMA_RUNNER_REFERENCE.md §6.2).
+//! The sampling options, declared once.
+//!
+//! The table in [`options!`]'s call below is the one place an option is named: it generates
+//! the options' struct, which the runner's request reads (Go's zero value for what it leaves
+//! out) and the sampler applies; the options' keys and types, which `serve` type-checks and
+//! forwards; and ollama's defaults, which `serve` starts from. Adding an option is a row here
+//! and its transform in the sampler's pipeline. Validation and the normalisation ollama applies
+//! before sampling live here too.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
-/// What is wrong with a slot's options or a call.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum SampleError {
-    #[error("{0}")]
-    Invalid(String),
-    #[error("slot {0} is not registered")]
-    UnknownSlot(usize),
-    #[error("slot {0} is already registered")]
-    DuplicateSlot(usize),
-    #[error(transparent)]
-    Mlx(#[from] MlxError),
+/// An option's JSON type, as ollama's `api.Options.FromMap` checks it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Int,
+    Float,
+    Bool,
+    Text,
+    Strings,
 }
 
-/// MLX errors, kept comparable for tests.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("{0}")]
-pub struct MlxError(pub String);
+/// An option's Rust type: its [`Kind`], and its value as a number (for validation).
+pub trait OptionType: Copy {
+    const KIND: Kind;
+    fn number(self) -> f64;
+}
 
-impl From<mlx::Error> for SampleError {
-    fn from(e: mlx::Error) -> Self {
-        SampleError::Mlx(MlxError(e.to_string()))
+impl OptionType for i32 {
+    const KIND: Kind = Kind::Int;
+    fn number(self) -> f64 {
+        f64::from(self)
     }
 }
 
-pub type Result<T> = std::result::Result<T, SampleError>;
+impl OptionType for i64 {
+    const KIND: Kind = Kind::Int;
+    fn number(self) -> f64 {
+        self as f64
+    }
+}
 
-/// Per-request sampling options. Field names and defaults are ollama's.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(default)]
-pub struct Options {
+impl OptionType for f32 {
+    const KIND: Kind = Kind::Float;
+    fn number(self) -> f64 {
+        f64::from(self)
+    }
+}
+
+macro_rules! options {
+    ($( $(#[doc = $doc:literal])* $name:ident: $ty:ty = $ollama:expr; )*) => {
+        /// Per-request sampling options, named and typed as ollama's `api.Options`.
+        #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+        #[serde(default = "Options::zero")]
+        pub struct Options {
+            $( $(#[doc = $doc])* pub $name: $ty, )*
+            /// Return the chosen token's logprob (a field of the request, not an option).
+            #[serde(skip)]
+            pub logprobs: bool,
+            /// How many most likely alternatives to return with it (0..=20).
+            #[serde(skip)]
+            pub top_logprobs: i32,
+        }
+
+        impl Options {
+            /// ollama's defaults (`api.DefaultOptions`).
+            pub fn ollama() -> Options {
+                Options {
+                    $( $name: $ollama, )*
+                    logprobs: false,
+                    top_logprobs: 0,
+                }
+            }
+
+            /// Every option at Go's zero value: what a request that sends none of them means
+            /// (ollama's parent leaves zero values out).
+            pub fn zero() -> Options {
+                Options {
+                    $( $name: Default::default(), )*
+                    logprobs: false,
+                    top_logprobs: 0,
+                }
+            }
+
+            /// Every option's key and value, as a number.
+            pub fn values(&self) -> Vec<(&'static str, f64)> {
+                vec![ $( (stringify!($name), OptionType::number(self.$name)), )* ]
+            }
+        }
+
+        /// Every option's key as requests spell it, with its type.
+        pub const KEYS: &[(&str, Kind)] = &[ $( (stringify!($name), <$ty as OptionType>::KIND), )* ];
+    };
+}
+
+options! {
     /// ≤ 0 means greedy.
-    pub temperature: f32,
+    temperature: f32 = 0.8;
     /// 0 disables top-k.
-    pub top_k: i32,
+    top_k: i32 = 40;
     /// 1 (or 0) disables top-p.
-    pub top_p: f32,
+    top_p: f32 = 0.9;
     /// 0 disables min-p.
-    pub min_p: f32,
+    min_p: f32 = 0.0;
     /// History window for the penalties; -1 means the whole context, 0 disables penalties.
-    pub repeat_last_n: i32,
-    pub repeat_penalty: f32,
-    pub presence_penalty: f32,
-    pub frequency_penalty: f32,
+    repeat_last_n: i32 = 64;
+    repeat_penalty: f32 = 1.0;
+    presence_penalty: f32 = 0.0;
+    frequency_penalty: f32 = 0.0;
     /// ≥ 0 makes the slot's draws reproducible.
-    pub seed: i64,
-    /// Return the chosen token's logprob.
-    #[serde(skip)]
-    pub logprobs: bool,
-    /// How many most likely alternatives to return with it (0..=20).
-    #[serde(skip)]
-    pub top_logprobs: i32,
+    seed: i64 = -1;
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options {
-            temperature: 0.8,
-            top_k: 40,
-            top_p: 0.9,
-            min_p: 0.0,
-            repeat_last_n: 64,
-            repeat_penalty: 1.1,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            seed: -1,
-            logprobs: false,
-            top_logprobs: 0,
-        }
+        Options::ollama()
     }
 }
 
@@ -93,16 +135,9 @@ impl Options {
     /// Rejects what no normalisation can make sense of, naming the option: a value that is not
     /// a finite number, or more alternatives than a request may ask for. Everything else that is
     /// out of range is normalised as ollama's sampler does (see [`Options::normalized`]).
-    pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(SampleError::Invalid(m));
-        for (name, v) in [
-            ("temperature", self.temperature),
-            ("top_p", self.top_p),
-            ("min_p", self.min_p),
-            ("repeat_penalty", self.repeat_penalty),
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
+    pub fn validate(&self) -> Result<(), String> {
+        let bad = |m: String| Err(m);
+        for (name, v) in self.values() {
             if !v.is_finite() {
                 return bad(format!("{name} must be a finite number, got {v}"));
             }
@@ -165,14 +200,14 @@ impl Options {
         self.seed >= 0 && self.temperature > 0.0
     }
 
-    pub(crate) fn window(&self) -> usize {
+    pub fn window(&self) -> usize {
         self.repeat_last_n.max(0) as usize
     }
 
     /// Whether two normalized option sets run through the pipeline identically (so their rows
     /// can share one fused pass). Seeds, logprob requests and the window length do not matter:
     /// each row brings its own history.
-    pub(crate) fn same_pipeline(&self, other: &Options) -> bool {
+    pub fn same_pipeline(&self, other: &Options) -> bool {
         self.temperature == other.temperature
             && self.top_k == other.top_k
             && self.top_p == other.top_p

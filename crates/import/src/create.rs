@@ -5,58 +5,26 @@
 //! The pipeline: parse the Modelfile; resolve FROM and DRAFT (a checkpoint directory or a
 //! stored model); build both models without reading weights (every tensor checked by name and
 //! shape, the draft against the target); then, holding the store's write lock, write the
-//! tensor blobs ([`crate::import`]: one per tensor, quantized by ollama's mixed-precision
+//! tensor blobs ([`crate::tensors`]: one per tensor, quantized by ollama's mixed-precision
 //! policy when asked), the checkpoint's JSON files byte for byte, the Modelfile's parts and
 //! ollama's config blob; load the result back the same way as a check; and only then point the
 //! name at it. Draft tensors and files are stored under `draft.` and `draft/`. A part taken
 //! from a stored model unchanged reuses its blobs.
 
-use crate::import::{self, Inventory};
-use crate::manifest::{media, ConfigV2, DraftV2, Layer, Manifest, ModelConfig};
-use crate::modelfile::{resolve, Located, Modelfile, Source};
-use crate::name::ModelName;
-use crate::quant::{architecture, Policy, QuantType};
-use crate::store::{Store, WriteLock};
-use crate::{Result, StoreError};
+use crate::tensors::{self as import, Inventory};
+use crate::Result;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use mlx::Dtype;
 use models::ModelFiles;
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use store::manifest::{media, ConfigV2, DraftV2, Layer, Manifest, ModelConfig};
+use store::modelfile::{resolve, Located, Modelfile, Source};
+use store::quant::{architecture, Policy, QuantType};
+use store::{CreateOptions, CreateReport, ModelName, PartSummary, Store, StoreError, WriteLock};
 
 /// The version of ollama that reads safetensors models (`MinOllamaVersion`).
 const REQUIRES: &str = "0.19.0";
-
-#[derive(Debug, Clone, Default)]
-pub struct CreateOptions {
-    pub quantize: Option<QuantType>,
-    pub quantize_draft: Option<QuantType>,
-}
-
-/// One stored part (the target or its draft), as `create` reports it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PartSummary {
-    /// `architectures[0]` of its config.json, else its `model_type`.
-    pub architecture: String,
-    /// ollama's `file_type`: `""` for a float model, else `int4`, `int8`.
-    pub file_type: String,
-    /// How many tensors are stored at each precision (`F32`, `BF16`, `int4`, `int8`, ...).
-    pub precisions: BTreeMap<String, usize>,
-}
-
-/// What `create` did.
-#[derive(Debug, Clone)]
-pub struct CreateReport {
-    pub digest: String,
-    pub layers: usize,
-    pub bytes: u64,
-    pub config: ModelConfig,
-    pub target: PartSummary,
-    pub draft: Option<PartSummary>,
-    /// Blobs no model used any more (a replaced model's, a killed run's), removed.
-    pub removed_blobs: usize,
-}
 
 /// Creates (or replaces) `name` from the Modelfile at `modelfile`.
 pub fn create(
@@ -140,10 +108,10 @@ fn input(store: &Store, base: &Path, at: &Located, what: &str) -> Result<Input> 
     match resolve(base, &at.value) {
         Source::Dir(dir) => {
             if !dir.join("config.json").is_file() {
-                return Err(located(format!(
+                return Err(crate::ImportError::Store(located(format!(
                     "{what} {} is not a safetensors model directory (no config.json)",
                     dir.display()
-                )));
+                ))));
             }
             let canonical = std::fs::canonicalize(&dir).unwrap_or_else(|_| dir.clone());
             Ok(Input {
@@ -169,7 +137,7 @@ fn input(store: &Store, base: &Path, at: &Located, what: &str) -> Result<Input> 
             })?;
             // Its blobs are read again below: they must be what the manifest says.
             resolved.target.verify()?;
-            let modelfile = crate::show::modelfile(store, &resolved)?;
+            let modelfile = store::show::modelfile(store, &resolved)?;
             let sorted = |files: &ModelFiles| {
                 let mut v: Vec<(String, PathBuf)> = files
                     .files
@@ -238,10 +206,10 @@ pub fn create_from(
         Some(d) => {
             let mut i = input(store, base, d, "DRAFT")?;
             if i.identity == target_in.identity {
-                return Err(StoreError::Invalid(format!(
+                return Err(crate::ImportError::Store(StoreError::Invalid(format!(
                     "line {}: DRAFT is the same model as FROM; a draft must be a smaller model",
                     d.line
-                )));
+                ))));
             }
             // A stored model's tensors become a draft's under a new prefix: rewritten.
             i.stored_layers = None;
@@ -258,9 +226,9 @@ pub fn create_from(
         }
     }
     if opts.quantize_draft.is_some() && draft_in.is_none() {
-        return Err(StoreError::Invalid(
+        return Err(crate::ImportError::Store(StoreError::Invalid(
             "--quantize-draft needs a DRAFT line in the Modelfile".into(),
-        ));
+        )));
     }
     let mf = &mf;
 
@@ -342,7 +310,7 @@ pub fn create_from(
 fn summary(files: &ModelFiles, file_type: &str) -> Result<PartSummary> {
     let cfg = models::JsonFile::read(files.config()?)?.value;
     let mut precisions = BTreeMap::new();
-    for t in crate::show::precisions(files)? {
+    for t in store::show::precisions(files)? {
         *precisions.entry(t.precision).or_default() += 1;
     }
     Ok(PartSummary {
@@ -471,15 +439,6 @@ fn modelfile_layers(
     Ok(())
 }
 
-pub(crate) fn dtype_label(d: Dtype) -> String {
-    match d {
-        Dtype::F32 => "F32".into(),
-        Dtype::F16 => "F16".into(),
-        Dtype::Bf16 => "BF16".into(),
-        other => format!("{other:?}").to_uppercase(),
-    }
-}
-
 fn progress(total: u64, prefix: &str) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
     bar.set_style(
@@ -527,10 +486,10 @@ fn read_part(input: &Input) -> Result<(models::weights::Tensors, models::weights
                 quantized.insert(module.to_string(), p);
             }
             None => {
-                return Err(StoreError::Invalid(format!(
+                return Err(crate::ImportError::Store(StoreError::Invalid(format!(
                     "{}: {name} has scales but nothing says how {module} is quantized",
                     input.source
-                )))
+                ))))
             }
         }
     }
@@ -546,7 +505,7 @@ fn common_type(quantized: &HashMap<String, (i32, i32)>) -> String {
     counts
         .into_iter()
         .max_by_key(|(_, n)| *n)
-        .map(|(bits, _)| crate::quant::type_name(bits))
+        .map(|(bits, _)| store::quant::type_name(bits))
         .unwrap_or_default()
 }
 
@@ -557,12 +516,12 @@ fn check_quantizable(input: &Input, quant: Option<QuantType>, flag: &str) -> Res
     };
     let (_, quantized) = read_part(input)?;
     if !quantized.is_empty() {
-        return Err(StoreError::Invalid(format!(
+        return Err(crate::ImportError::Store(StoreError::Invalid(format!(
             "{} is already quantized ({}); create it without {flag} {}",
             input.source,
             common_type(&quantized),
             want.name()
-        )));
+        ))));
     }
     Ok(())
 }

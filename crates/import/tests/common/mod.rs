@@ -43,10 +43,10 @@ impl Scratch {
         name: &str,
         text: &str,
         opts: &CreateOptions,
-    ) -> store::Result<store::CreateReport> {
+    ) -> import::Result<store::CreateReport> {
         let p = self.dir.path().join("Modelfile");
         std::fs::write(&p, text).unwrap();
-        store::create(&self.store, &name.parse().unwrap(), &p, opts)
+        import::create(&self.store, &name.parse().unwrap(), &p, opts)
     }
 
     /// The stored target, loaded in float32.

@@ -1,7 +1,7 @@
-//! The wire format (PROTOCOL.md, decision D4): the ollama MLX runner's JSON field names, with our
-//! additions as extra fields a parent ignores.
+//! The runner's wire format (docs/PROTOCOL.md; docs/ARCHITECTURE.md, D4): the ollama MLX
+//! runner's JSON field names, with our additions as extra fields a parent ignores.
 
-use sample::Options;
+use crate::options::{Options, MAX_TOP_LOGPROBS};
 use serde::{Deserialize, Serialize};
 
 /// `POST /v1/completions` body, as ollama's parent sends it: Go's `json.Marshal` of its
@@ -30,27 +30,31 @@ pub struct CompletionRequest {
 
 /// The `Options` object. Unknown keys are ignored; a known key of the wrong type fails to parse.
 /// Every default is Go's zero value (see [`CompletionRequest`]).
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(default)]
 pub struct RequestOptions {
     /// Tokens to generate; ≤ 0 means until EOS or the context is full (as the ollama runner).
     pub num_predict: i32,
-    pub temperature: f32,
-    pub top_k: i32,
-    pub top_p: f32,
-    pub min_p: f32,
-    pub repeat_last_n: i32,
-    pub repeat_penalty: f32,
-    pub presence_penalty: f32,
-    pub frequency_penalty: f32,
-    pub seed: i64,
     pub stop: Vec<String>,
     /// Context length for this request, at most the runner's; ≤ 0 means the runner's.
     pub num_ctx: i32,
+    /// The sampling options ([`crate::options`]).
+    #[serde(flatten)]
+    pub sampling: Options,
 }
 
-/// The top-level keys of a completion request and the option keys we read, spelled as the
-/// parent spells them.
+impl Default for RequestOptions {
+    fn default() -> Self {
+        RequestOptions {
+            num_predict: 0,
+            stop: Vec::new(),
+            num_ctx: 0,
+            sampling: Options::zero(),
+        }
+    }
+}
+
+/// The top-level keys of a completion request, spelled as the parent spells them.
 const REQUEST_KEYS: [&str; 6] = [
     "Prompt",
     "Media",
@@ -59,20 +63,13 @@ const REQUEST_KEYS: [&str; 6] = [
     "TopLogprobs",
     "Format",
 ];
-const OPTION_KEYS: [&str; 12] = [
-    "num_predict",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "repeat_last_n",
-    "repeat_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "stop",
-    "num_ctx",
-];
+
+/// The option keys the runner reads: the sampling options and its own.
+fn option_keys() -> Vec<&'static str> {
+    let mut keys: Vec<&str> = crate::options::KEYS.iter().map(|(k, _)| *k).collect();
+    keys.extend(["num_predict", "stop", "num_ctx"]);
+    keys
+}
 
 /// Makes a JSON object read as Go's `encoding/json` reads it into a struct: keys match field
 /// names case-insensitively (an exact match wins), and a `null` leaves the field at its zero
@@ -132,7 +129,7 @@ impl CompletionRequest {
             serde_json::from_slice(body).map_err(|e| format!("invalid request: {e}"))?;
         let mut top = go_object(value, &REQUEST_KEYS, "the request")?;
         if let Some(options) = top.remove("Options") {
-            let options = go_object(options, &OPTION_KEYS, "Options")?;
+            let options = go_object(options, &option_keys(), "Options")?;
             top.insert("Options".into(), serde_json::Value::Object(options));
         }
         serde_json::from_value(serde_json::Value::Object(top))
@@ -142,19 +139,10 @@ impl CompletionRequest {
     /// The sampler options this request asks for. Logprobs are returned only when `Logprobs` is
     /// set, as ollama's runner does (`TopLogprobs` alone asks for nothing).
     pub fn sampler_options(&self) -> Options {
-        let o = &self.options;
         Options {
-            temperature: o.temperature,
-            top_k: o.top_k,
-            top_p: o.top_p,
-            min_p: o.min_p,
-            repeat_last_n: o.repeat_last_n,
-            repeat_penalty: o.repeat_penalty,
-            presence_penalty: o.presence_penalty,
-            frequency_penalty: o.frequency_penalty,
-            seed: o.seed,
             logprobs: self.logprobs,
             top_logprobs: if self.logprobs { self.top_logprobs } else { 0 },
+            ..self.options.sampling.clone()
         }
     }
 
@@ -169,14 +157,13 @@ impl CompletionRequest {
                 self.media.len()
             ));
         }
-        if !(0..=sample::MAX_TOP_LOGPROBS).contains(&self.top_logprobs) {
+        if !(0..=MAX_TOP_LOGPROBS).contains(&self.top_logprobs) {
             return Err(format!(
-                "TopLogprobs must be in [0, {}], got {}",
-                sample::MAX_TOP_LOGPROBS,
+                "TopLogprobs must be in [0, {MAX_TOP_LOGPROBS}], got {}",
                 self.top_logprobs
             ));
         }
-        self.sampler_options().validate().map_err(|e| e.to_string())
+        self.sampler_options().validate()
     }
 
     /// The context this request may use: its `num_ctx` when positive and smaller than the

@@ -7,10 +7,11 @@
 //!
 //! Planning reads no tensor data and makes every decision; writing then only executes the plan.
 
-use crate::quant::{Policy, QuantType, GROUP_SIZE};
-use crate::{Result, StoreError};
+use crate::Result;
 use mlx::{Array, Dtype};
 use std::collections::{BTreeMap, HashMap};
+use store::quant::{Policy, QuantType, GROUP_SIZE};
+use store::StoreError;
 
 /// How an output tensor is made from the checkpoint's tensors.
 #[derive(Debug, Clone, PartialEq)]
@@ -141,13 +142,13 @@ pub(crate) fn plan(
             for (i, n) in &experts {
                 let t = &inv.tensors[*n];
                 if t.dtype() != first.dtype() || t.shape() != first.shape() {
-                    return Err(StoreError::Invalid(format!(
+                    return Err(crate::ImportError::Store(StoreError::Invalid(format!(
                         "expert {i} of {group}.{proj} is {:?} {:?}, the others {:?} {:?}: the experts of a projection must match",
                         t.dtype(),
                         t.shape(),
                         first.dtype(),
                         first.shape()
-                    )));
+                    ))));
                 }
             }
             let name = format!("{group}.{proj}.weight");
@@ -221,7 +222,7 @@ fn plan_prequantized(inv: &Inventory, names: &[&String]) -> Vec<BlobSpec> {
                 });
             }
         }
-        let kind = crate::quant::type_name(bits);
+        let kind = store::quant::type_name(bits);
         blobs.push(BlobSpec {
             name: name.to_string(),
             tensors,

@@ -4,12 +4,27 @@
 //! for the list of safetensors files; a store hands out content-addressed blobs under those
 //! names, with the digests they must have.
 
-use crate::weights::shard_files;
-use crate::{ModelError, Result};
+use serde_json::Value;
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+
+/// Why a model's files cannot be used: the file at fault and what is wrong with it.
+#[derive(Debug, thiserror::Error)]
+pub enum FileError {
+    /// The cause is part of the message and deliberately not a `source()`: a CLI that prints
+    /// the chain would print it twice.
+    #[error("{path}: {cause}")]
+    Io {
+        path: PathBuf,
+        cause: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Config { path: PathBuf, message: String },
+}
+
+pub type Result<T> = std::result::Result<T, FileError>;
 
 /// The files one model (a target or a draft) loads from.
 #[derive(Debug, Clone)]
@@ -44,7 +59,7 @@ impl ModelFiles {
     /// A checkpoint directory: its known files that exist, and its shards.
     pub fn dir(dir: &Path) -> Result<ModelFiles> {
         if !dir.is_dir() {
-            return Err(ModelError::Io {
+            return Err(FileError::Io {
                 path: dir.to_path_buf(),
                 cause: std::io::Error::new(std::io::ErrorKind::NotFound, "no such model directory"),
             });
@@ -70,7 +85,7 @@ impl ModelFiles {
 
     /// `config.json`, which every model has.
     pub fn config(&self) -> Result<&Path> {
-        self.file("config.json").ok_or_else(|| ModelError::Config {
+        self.file("config.json").ok_or_else(|| FileError::Config {
             path: self.origin.join("config.json"),
             message: "missing".into(),
         })
@@ -162,12 +177,12 @@ pub fn sha256_file(path: &Path) -> std::io::Result<String> {
 }
 
 fn check_digest(path: &Path, want: &str) -> Result<()> {
-    let got = sha256_file(path).map_err(|source| ModelError::Io {
+    let got = sha256_file(path).map_err(|source| FileError::Io {
         path: path.to_path_buf(),
         cause: source,
     })?;
     if got != want {
-        return Err(ModelError::Config {
+        return Err(FileError::Config {
             path: path.to_path_buf(),
             message: format!(
                 "content does not match its digest (sha256 {got}, expected {want}): the model store is damaged; create the model again"
@@ -175,4 +190,132 @@ fn check_digest(path: &Path, want: &str) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// The safetensors files of a checkpoint directory: those its `model.safetensors.index.json`
+/// lists, else every `model*.safetensors`, in name order. None is not an error here: loading
+/// says so, after the config has had its say.
+pub fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |cause| FileError::Io { path, cause }
+    };
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let text = std::fs::read_to_string(&index).map_err(io(&index))?;
+        let v: Value = serde_json::from_str(&text).map_err(|e| FileError::Config {
+            path: index.clone(),
+            message: format!("not valid JSON: {e}"),
+        })?;
+        let map = v
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| FileError::Config {
+                path: index.clone(),
+                message: "no weight_map object".into(),
+            })?;
+        let mut files: Vec<PathBuf> = map
+            .values()
+            .filter_map(Value::as_str)
+            .map(|f| dir.join(f))
+            .collect();
+        files.sort();
+        files.dedup();
+        if let Some(missing) = files.iter().find(|f| !f.is_file()) {
+            return Err(FileError::Config {
+                path: index,
+                message: format!("lists {} which does not exist", missing.display()),
+            });
+        }
+        return Ok(files);
+    }
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(io(dir))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("model") && n.ends_with(".safetensors"))
+        })
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// One tensor of a safetensors file's header.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorHeader {
+    pub name: String,
+    /// The safetensors dtype label (`F32`, `BF16`, `U32`, ...).
+    pub dtype: String,
+    pub shape: Vec<i32>,
+    pub nbytes: u64,
+}
+
+/// The header of a safetensors file, without reading any tensor data: its tensors (sorted by
+/// name) and its `__metadata__` strings. A header that does not parse, or offsets past the end
+/// of the file, are errors naming the file.
+pub fn safetensors_header(path: &Path) -> Result<(Vec<TensorHeader>, HashMap<String, String>)> {
+    let bad = |message: String| FileError::Config {
+        path: path.to_path_buf(),
+        message,
+    };
+    let io = |cause| FileError::Io {
+        path: path.to_path_buf(),
+        cause,
+    };
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let len = f.metadata().map_err(io)?.len();
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n)
+        .map_err(|_| bad("not a safetensors file: shorter than its header length".into()))?;
+    let n = u64::from_le_bytes(n);
+    if n > len.saturating_sub(8) || n > 100 << 20 {
+        return Err(bad(format!(
+            "not a safetensors file: a header of {n} bytes in a file of {len}"
+        )));
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header).map_err(io)?;
+    let v: Value = serde_json::from_slice(&header)
+        .map_err(|e| bad(format!("the safetensors header is not valid JSON: {e}")))?;
+    let map = v
+        .as_object()
+        .ok_or_else(|| bad("the safetensors header is not an object".into()))?;
+    let data = len - 8 - n;
+    let mut meta = HashMap::new();
+    let mut tensors = Vec::with_capacity(map.len());
+    for (name, t) in map {
+        if name == "__metadata__" {
+            if let Some(m) = t.as_object() {
+                for (k, v) in m {
+                    if let Some(v) = v.as_str() {
+                        meta.insert(k.clone(), v.to_string());
+                    }
+                }
+            }
+            continue;
+        }
+        let entry = || -> Option<TensorHeader> {
+            let dtype = t.get("dtype")?.as_str()?.to_string();
+            let shape = t
+                .get("shape")?
+                .as_array()?
+                .iter()
+                .map(|d| d.as_u64().and_then(|d| i32::try_from(d).ok()))
+                .collect::<Option<Vec<i32>>>()?;
+            let offsets = t.get("data_offsets")?.as_array()?;
+            let (a, b) = (offsets.first()?.as_u64()?, offsets.get(1)?.as_u64()?);
+            (a <= b && b <= data).then_some(TensorHeader {
+                name: name.clone(),
+                dtype,
+                shape,
+                nbytes: b - a,
+            })
+        };
+        tensors
+            .push(entry().ok_or_else(|| bad(format!("tensor {name}: a malformed header entry")))?);
+    }
+    tensors.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok((tensors, meta))
 }
