@@ -75,6 +75,27 @@ pub mod ffi {
         LogSumExp,
     }
 
+    /// A rotation (RoPE) of a head's first `dims` features: adjacent pairs `(2j, 2j+1)` when
+    /// `traditional`, else the rotate-half pairs `(j, j + dims/2)`; pair `j`'s wavelength
+    /// `base^(2j/dims)` when `has_base`, else the array the call passes; positions times `scale`.
+    #[derive(Debug, Clone, Copy)]
+    struct Rotation {
+        dims: i32,
+        traditional: bool,
+        base: f32,
+        has_base: bool,
+        scale: f32,
+    }
+
+    /// The heads of a decode step's q/k/v op: query and key/value heads, and the epsilon of
+    /// their RMS norms.
+    #[derive(Debug, Clone, Copy)]
+    struct QkvHeads {
+        q_heads: i32,
+        kv_heads: i32,
+        eps: f32,
+    }
+
     unsafe extern "C++" {
         include!("mlx-sys/src/shim.h");
 
@@ -326,21 +347,13 @@ pub mod ffi {
         ) -> Result<UniquePtr<Arr>>;
         unsafe fn rope(
             x: &Arr,
-            dims: i32,
-            traditional: bool,
-            base: f32,
-            has_base: bool,
-            scale: f32,
+            rotation: &Rotation,
             offset: i32,
             freqs: *const Arr,
         ) -> Result<UniquePtr<Arr>>;
         unsafe fn rope_dynamic(
             x: &Arr,
-            dims: i32,
-            traditional: bool,
-            base: f32,
-            has_base: bool,
-            scale: f32,
+            rotation: &Rotation,
             offset: &Arr,
             freqs: *const Arr,
         ) -> Result<UniquePtr<Arr>>;
@@ -350,11 +363,7 @@ pub mod ffi {
             w: *const Arr,
             eps: f32,
             rotate: bool,
-            dims: i32,
-            traditional: bool,
-            base: f32,
-            has_base: bool,
-            scale: f32,
+            rotation: &Rotation,
             offsets: &Arr,
             freqs: *const Arr,
         ) -> Result<UniquePtr<Arr>>;
@@ -362,16 +371,10 @@ pub mod ffi {
             q: &Arr,
             k: &Arr,
             v: &Arr,
-            q_heads: i32,
-            kv_heads: i32,
+            heads: &QkvHeads,
             q_norm: &Arr,
             k_norm: &Arr,
-            eps: f32,
-            dims: i32,
-            traditional: bool,
-            base: f32,
-            has_base: bool,
-            scale: f32,
+            rotation: &Rotation,
             offsets: &Arr,
             freqs: *const Arr,
         ) -> Result<UniquePtr<ArrVec>>;
@@ -384,16 +387,10 @@ pub mod ffi {
             biases: &ArrVec,
             group_size: i32,
             bits: i32,
-            q_heads: i32,
-            kv_heads: i32,
+            heads: &QkvHeads,
             q_norm: &Arr,
             k_norm: &Arr,
-            eps: f32,
-            dims: i32,
-            traditional: bool,
-            base: f32,
-            has_base: bool,
-            scale: f32,
+            rotation: &Rotation,
             offsets: &Arr,
             freqs: *const Arr,
         ) -> Result<UniquePtr<ArrVec>>;

@@ -706,49 +706,25 @@ ArrPtr layer_norm(const Arr& x, const Arr* w, const Arr* b, float eps) {
 
 namespace {
 // RoPE at an array offset (MLX's integer-offset overload wraps its offset the same way).
-ArrPtr rope_at(
-    const mx::array& x,
-    int32_t dims,
-    bool traditional,
-    float base,
-    bool has_base,
-    float scale,
-    const mx::array& offset,
-    const Arr* freqs) {
-  std::optional<float> b = has_base ? std::optional<float>(base) : std::nullopt;
-  if (auto out = cpu_rope(x, dims, traditional, b, scale, offset, opt(freqs)))
+ArrPtr rope_at(const mx::array& x, const Rotation& r, const mx::array& offset, const Arr* freqs) {
+  std::optional<float> b = r.has_base ? std::optional<float>(r.base) : std::nullopt;
+  if (auto out = cpu_rope(x, r.dims, r.traditional, b, r.scale, offset, opt(freqs)))
     return wrap(std::move(*out));
-  return wrap(mx::fast::rope(x, dims, traditional, b, scale, offset, opt(freqs)));
+  return wrap(mx::fast::rope(x, r.dims, r.traditional, b, r.scale, offset, opt(freqs)));
 }
 
-// The rotation of the heads kernels, from the FFI's flattened form (a base only with has_base).
-HeadsRope heads_rope(int32_t dims, bool traditional, float base, bool has_base, float scale, const Arr* freqs) {
-  return {dims, traditional, has_base ? std::optional<float>(base) : std::nullopt, scale, opt(freqs)};
+// The rotation of the heads kernels (a base only with has_base).
+HeadsRope heads_rope(const Rotation& r, const Arr* freqs) {
+  return {r.dims, r.traditional, r.has_base ? std::optional<float>(r.base) : std::nullopt, r.scale, opt(freqs)};
 }
 }  // namespace
 
-ArrPtr rope(
-    const Arr& x,
-    int32_t dims,
-    bool traditional,
-    float base,
-    bool has_base,
-    float scale,
-    int32_t offset,
-    const Arr* freqs) {
-  return rope_at(x.a, dims, traditional, base, has_base, scale, mx::array(offset, mx::int32), freqs);
+ArrPtr rope(const Arr& x, const Rotation& rotation, int32_t offset, const Arr* freqs) {
+  return rope_at(x.a, rotation, mx::array(offset, mx::int32), freqs);
 }
 
-ArrPtr rope_dynamic(
-    const Arr& x,
-    int32_t dims,
-    bool traditional,
-    float base,
-    bool has_base,
-    float scale,
-    const Arr& offset,
-    const Arr* freqs) {
-  return rope_at(x.a, dims, traditional, base, has_base, scale, offset.a, freqs);
+ArrPtr rope_dynamic(const Arr& x, const Rotation& rotation, const Arr& offset, const Arr* freqs) {
+  return rope_at(x.a, rotation, offset.a, freqs);
 }
 
 ArrPtr heads_norm_rope(
@@ -757,48 +733,39 @@ ArrPtr heads_norm_rope(
     const Arr* w,
     float eps,
     bool rotate,
-    int32_t dims,
-    bool traditional,
-    float base,
-    bool has_base,
-    float scale,
+    const Rotation& rotation,
     const Arr& offsets,
     const Arr* freqs) {
   std::optional<HeadsRope> rope;
-  if (rotate) rope = heads_rope(dims, traditional, base, has_base, scale, freqs);
+  if (rotate) rope = heads_rope(rotation, freqs);
   if (auto out = cpu_heads_norm_rope(y.a, heads, opt(w), eps, rope, offsets.a)) return wrap(std::move(*out));
   // The ops it stands for.
   const int d = y.a.shape(-1) / std::max(1, heads);
   const int T = (int)(y.a.size() / std::max(1, y.a.shape(-1)));
   auto normed = rms_norm(Arr{mx::reshape(y.a, {T, heads, 1, d})}, w, eps);
   if (!rotate) return normed;
-  return rope_at(normed->a, dims, traditional, base, has_base, scale, offsets.a, freqs);
+  return rope_at(normed->a, rotation, offsets.a, freqs);
 }
 
 std::unique_ptr<ArrVec> qkv_heads(
     const Arr& q,
     const Arr& k,
     const Arr& v,
-    int32_t q_heads,
-    int32_t kv_heads,
+    const QkvHeads& heads,
     const Arr& q_norm,
     const Arr& k_norm,
-    float eps,
-    int32_t dims,
-    bool traditional,
-    float base,
-    bool has_base,
-    float scale,
+    const Rotation& rotation,
     const Arr& offsets,
     const Arr* freqs) {
-  const HeadsRope rope = heads_rope(dims, traditional, base, has_base, scale, freqs);
-  if (auto outs = cpu_qkv_heads(q.a, k.a, v.a, q_heads, kv_heads, q_norm.a, k_norm.a, eps, rope, offsets.a)) {
+  const HeadsRope rope = heads_rope(rotation, freqs);
+  if (auto outs = cpu_qkv_heads(
+          q.a, k.a, v.a, heads.q_heads, heads.kv_heads, q_norm.a, k_norm.a, heads.eps, rope, offsets.a)) {
     return wrap_vec(std::move(*outs));
   }
   // The three ops it stands for.
-  auto qo = heads_norm_rope(q, q_heads, &q_norm, eps, true, dims, traditional, base, has_base, scale, offsets, freqs);
-  auto ko = heads_norm_rope(k, kv_heads, &k_norm, eps, true, dims, traditional, base, has_base, scale, offsets, freqs);
-  auto vo = heads_norm_rope(v, kv_heads, nullptr, eps, false, dims, traditional, base, has_base, scale, offsets, freqs);
+  auto qo = heads_norm_rope(q, heads.q_heads, &q_norm, heads.eps, true, rotation, offsets, freqs);
+  auto ko = heads_norm_rope(k, heads.kv_heads, &k_norm, heads.eps, true, rotation, offsets, freqs);
+  auto vo = heads_norm_rope(v, heads.kv_heads, nullptr, heads.eps, false, rotation, offsets, freqs);
   return wrap_vec({qo->a, ko->a, vo->a});
 }
 
@@ -809,32 +776,25 @@ std::unique_ptr<ArrVec> quantized_qkv_heads(
     const ArrVec& biases,
     int32_t group_size,
     int32_t bits,
-    int32_t q_heads,
-    int32_t kv_heads,
+    const QkvHeads& heads,
     const Arr& q_norm,
     const Arr& k_norm,
-    float eps,
-    int32_t dims,
-    bool traditional,
-    float base,
-    bool has_base,
-    float scale,
+    const Rotation& rotation,
     const Arr& offsets,
     const Arr* freqs) {
   const size_t n = w.v.size();
   if ((n != 2 && n != 3) || scales.v.size() != n || biases.v.size() != n) {
     throw std::invalid_argument("quantized_qkv_heads: takes two or three matrices, each with scales and biases");
   }
-  const HeadsRope rope = heads_rope(dims, traditional, base, has_base, scale, freqs);
-  if (auto outs = cpu_quantized_qkv_heads(x.a, w.v, scales.v, biases.v, group_size, bits, q_heads, kv_heads,
-                                          q_norm.a, k_norm.a, eps, rope, offsets.a)) {
+  const HeadsRope rope = heads_rope(rotation, freqs);
+  if (auto outs = cpu_quantized_qkv_heads(x.a, w.v, scales.v, biases.v, group_size, bits, heads.q_heads,
+                                          heads.kv_heads, q_norm.a, k_norm.a, heads.eps, rope, offsets.a)) {
     return wrap_vec(std::move(*outs));
   }
   // The two ops it stands for.
   auto raw = quantized_matmuls(x, w, scales, biases, group_size, bits);
   const Arr q{raw->v[0]}, k{raw->v[1]}, v{raw->v[n == 3 ? 2 : 1]};
-  return qkv_heads(q, k, v, q_heads, kv_heads, q_norm, k_norm, eps, dims, traditional, base, has_base, scale,
-                   offsets, freqs);
+  return qkv_heads(q, k, v, heads, q_norm, k_norm, rotation, offsets, freqs);
 }
 
 std::unique_ptr<ArrVec> sdpa_slots(

@@ -13,6 +13,10 @@
 
 namespace mlxr {
 
+// Shared with Rust; defined in the bridge's generated header.
+struct Rotation;
+struct QkvHeads;
+
 struct Arr {
   mlx::core::array a;
   explicit Arr(mlx::core::array x) : a(std::move(x)) {}
@@ -216,24 +220,8 @@ std::unique_ptr<ArrVec> quantized_matmul_norm(
     const Arr* scale,
     const Arr* next_w);
 ArrPtr layer_norm(const Arr& x, const Arr* w, const Arr* b, float eps);
-ArrPtr rope(
-    const Arr& x,
-    int32_t dims,
-    bool traditional,
-    float base,
-    bool has_base,
-    float scale,
-    int32_t offset,
-    const Arr* freqs);
-ArrPtr rope_dynamic(
-    const Arr& x,
-    int32_t dims,
-    bool traditional,
-    float base,
-    bool has_base,
-    float scale,
-    const Arr& offset,
-    const Arr* freqs);
+ArrPtr rope(const Arr& x, const Rotation& rotation, int32_t offset, const Arr* freqs);
+ArrPtr rope_dynamic(const Arr& x, const Rotation& rotation, const Arr& offset, const Arr* freqs);
 // y [1, T, heads·d] → [T, heads, 1, d], each head RMS-normalised (w may be null), then, with
 // `rotate`, rotated at offsets[t]: the reshape, norm and RoPE of a decode step's heads, one op on
 // the CPU.
@@ -243,27 +231,17 @@ ArrPtr heads_norm_rope(
     const Arr* w,
     float eps,
     bool rotate,
-    int32_t dims,
-    bool traditional,
-    float base,
-    bool has_base,
-    float scale,
+    const Rotation& rotation,
     const Arr& offsets,
     const Arr* freqs);
 std::unique_ptr<ArrVec> qkv_heads(
     const Arr& q,
     const Arr& k,
     const Arr& v,
-    int32_t q_heads,
-    int32_t kv_heads,
+    const QkvHeads& heads,
     const Arr& q_norm,
     const Arr& k_norm,
-    float eps,
-    int32_t dims,
-    bool traditional,
-    float base,
-    bool has_base,
-    float scale,
+    const Rotation& rotation,
     const Arr& offsets,
     const Arr* freqs);
 // quantized_matmuls of x (q, k and, with three matrices, v; with two the values are the keys)
@@ -275,16 +253,10 @@ std::unique_ptr<ArrVec> quantized_qkv_heads(
     const ArrVec& biases,
     int32_t group_size,
     int32_t bits,
-    int32_t q_heads,
-    int32_t kv_heads,
+    const QkvHeads& heads,
     const Arr& q_norm,
     const Arr& k_norm,
-    float eps,
-    int32_t dims,
-    bool traditional,
-    float base,
-    bool has_base,
-    float scale,
+    const Rotation& rotation,
     const Arr& offsets,
     const Arr* freqs);
 std::unique_ptr<ArrVec> sdpa_slots(

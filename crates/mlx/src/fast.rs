@@ -71,16 +71,11 @@ pub fn rms_norm_residual_norm(
 /// [`qkv_heads`] of `x`'s quantized projections `mats` (q, k and v, one format; two matrices:
 /// the values are the keys): a decode step's queries, keys and values from the layer's normed
 /// input in one op on the CPU, with the bits of `quantized_matmuls` and [`qkv_heads`].
-#[allow(clippy::too_many_arguments)]
 pub fn quantized_qkv_heads(
     x: &Array,
     mats: &[&crate::Quantized],
-    q_heads: i32,
-    kv_heads: i32,
-    q_norm: &Array,
-    k_norm: &Array,
-    eps: f32,
-    rotation: HeadsRotation<'_>,
+    norms: QkvNorms<'_>,
+    rotation: Rotation<'_>,
     offsets: &Array,
 ) -> Result<(Array, Array, Array)> {
     let first = mats
@@ -94,7 +89,7 @@ pub fn quantized_qkv_heads(
             "quantized_qkv_heads: matrices of different formats".into(),
         ));
     }
-    let (base, has_base, f) = rotation.freqs.parts();
+    let (r, f) = rotation.ffi();
     let pack = |f: fn(&crate::Quantized) -> &Array| crate::array::pack(mats.iter().map(|q| f(q)));
     // SAFETY: the pointers are null or point at arrays that outlive the call.
     let outs = crate::array::unpack(unsafe {
@@ -105,16 +100,10 @@ pub fn quantized_qkv_heads(
             &pack(|q| &q.biases),
             first.group_size,
             first.bits,
-            q_heads,
-            kv_heads,
-            q_norm.arr(),
-            k_norm.arr(),
-            eps,
-            rotation.dims,
-            rotation.traditional,
-            base,
-            has_base,
-            rotation.scale,
+            &norms.ffi(),
+            norms.q_norm.arr(),
+            norms.k_norm.arr(),
+            &r,
             offsets.arr(),
             f,
         )?
@@ -184,66 +173,74 @@ pub enum RopeFreqs<'a> {
     Custom(&'a Array),
 }
 
-impl RopeFreqs<'_> {
-    /// The (base, has_base, freqs) triple the bridge takes.
-    fn parts(&self) -> (f32, bool, *const ffi::Arr) {
-        match *self {
+/// A rotation (RoPE): the first `dims` features of each head turn, in adjacent pairs
+/// `(2j, 2j+1)` when `traditional`, else in rotate-half pairs `(j, j + dims/2)`, at `freqs`,
+/// positions scaled by `scale`.
+#[derive(Debug, Clone, Copy)]
+pub struct Rotation<'a> {
+    pub dims: i32,
+    pub traditional: bool,
+    pub freqs: RopeFreqs<'a>,
+    pub scale: f32,
+}
+
+impl Rotation<'_> {
+    /// The bridge's form: the plain settings, and the wavelengths' array (null for a base).
+    fn ffi(&self) -> (ffi::Rotation, *const ffi::Arr) {
+        let (base, has_base, freqs) = match self.freqs {
             RopeFreqs::Base(b) => (b, true, std::ptr::null()),
             RopeFreqs::Custom(a) => (0.0, false, ptr(Some(a))),
+        };
+        let r = ffi::Rotation {
+            dims: self.dims,
+            traditional: self.traditional,
+            base,
+            has_base,
+            scale: self.scale,
+        };
+        (r, freqs)
+    }
+}
+
+/// What a decode step's q/k/v op normalises its heads with: the query and key/value heads
+/// (`d` each: the projections' widths over the heads), `q_norm` and `k_norm` (`[d]`) and their
+/// epsilon (the values are normalised without a weight).
+#[derive(Debug, Clone, Copy)]
+pub struct QkvNorms<'a> {
+    pub q_heads: i32,
+    pub kv_heads: i32,
+    pub q_norm: &'a Array,
+    pub k_norm: &'a Array,
+    pub eps: f32,
+}
+
+impl QkvNorms<'_> {
+    fn ffi(&self) -> ffi::QkvHeads {
+        ffi::QkvHeads {
+            q_heads: self.q_heads,
+            kv_heads: self.kv_heads,
+            eps: self.eps,
         }
     }
 }
 
 /// Rotary position embedding of the last axis of `x` (`[B, H, L, D]`) for positions
-/// `offset .. offset + L`. `traditional` rotates adjacent pairs `(2j, 2j+1)`; otherwise the
-/// rotate-half layout `(j, j + dims/2)`. Only the first `dims` features rotate.
-pub fn rope(
-    x: &Array,
-    dims: i32,
-    traditional: bool,
-    freqs: RopeFreqs<'_>,
-    scale: f32,
-    offset: i32,
-) -> Result<Array> {
-    let (base, has_base, f) = freqs.parts();
+/// `offset .. offset + L`.
+pub fn rope(x: &Array, rotation: Rotation<'_>, offset: i32) -> Result<Array> {
+    let (r, f) = rotation.ffi();
     // SAFETY: the pointer is null or points at an array that outlives the call.
     Ok(Array::from_raw(unsafe {
-        ffi::rope(x.arr(), dims, traditional, base, has_base, scale, offset, f)?
+        ffi::rope(x.arr(), &r, offset, f)?
     }))
 }
 
 /// [`rope`] with the offset held in an array: a scalar, or one offset per batch row.
-pub fn rope_dynamic(
-    x: &Array,
-    dims: i32,
-    traditional: bool,
-    freqs: RopeFreqs<'_>,
-    scale: f32,
-    offset: &Array,
-) -> Result<Array> {
-    let (base, has_base, f) = freqs.parts();
+pub fn rope_dynamic(x: &Array, rotation: Rotation<'_>, offset: &Array) -> Result<Array> {
+    let (r, f) = rotation.ffi();
     // SAFETY: the pointer is null or points at an array that outlives the call.
     Ok(Array::from_raw(unsafe {
-        ffi::rope_dynamic(
-            x.arr(),
-            dims,
-            traditional,
-            base,
-            has_base,
-            scale,
-            offset.arr(),
-            f,
-        )?
+        ffi::rope_dynamic(x.arr(), &r, offset.arr(), f)?
     }))
-}
-
-/// A rotation for [`heads_norm_rope`]: [`rope`]'s parameters.
-#[derive(Debug, Clone, Copy)]
-pub struct HeadsRotation<'a> {
-    pub dims: i32,
-    pub traditional: bool,
-    pub freqs: RopeFreqs<'a>,
-    pub scale: f32,
 }
 
 /// `y: [1, T, heads·d]` (a projection of `T` tokens, each its own sequence) as `[T, heads, 1, d]`
@@ -255,16 +252,16 @@ pub fn heads_norm_rope(
     heads: i32,
     weight: Option<&Array>,
     eps: f32,
-    rotation: Option<HeadsRotation<'_>>,
+    rotation: Option<Rotation<'_>>,
     offsets: &Array,
 ) -> Result<Array> {
-    let r = rotation.unwrap_or(HeadsRotation {
+    let none = Rotation {
         dims: 0,
         traditional: false,
         freqs: RopeFreqs::Base(1.0),
         scale: 1.0,
-    });
-    let (base, has_base, f) = r.freqs.parts();
+    };
+    let (r, f) = rotation.unwrap_or(none).ffi();
     // SAFETY: the pointers are null or point at arrays that outlive the call.
     Ok(Array::from_raw(unsafe {
         ffi::heads_norm_rope(
@@ -273,11 +270,7 @@ pub fn heads_norm_rope(
             ptr(weight),
             eps,
             rotation.is_some(),
-            r.dims,
-            r.traditional,
-            base,
-            has_base,
-            r.scale,
+            &r,
             offsets.arr(),
             f,
         )?
@@ -288,36 +281,25 @@ pub fn heads_norm_rope(
 /// `k, v: [1, T, kv_heads·d]` → `[T, q_heads, 1, d]`, `[T, kv_heads, 1, d]` twice, exactly
 /// what [`heads_norm_rope`] gives for `(q, q_norm, rotated)`, `(k, k_norm, rotated)` and
 /// `(v, no weight, not rotated)`.
-#[allow(clippy::too_many_arguments)]
 pub fn qkv_heads(
     q: &Array,
     k: &Array,
     v: &Array,
-    q_heads: i32,
-    kv_heads: i32,
-    q_norm: &Array,
-    k_norm: &Array,
-    eps: f32,
-    rotation: HeadsRotation<'_>,
+    norms: QkvNorms<'_>,
+    rotation: Rotation<'_>,
     offsets: &Array,
 ) -> Result<(Array, Array, Array)> {
-    let (base, has_base, f) = rotation.freqs.parts();
+    let (r, f) = rotation.ffi();
     // SAFETY: the pointers are null or point at arrays that outlive the call.
     let outs = crate::array::unpack(unsafe {
         ffi::qkv_heads(
             q.arr(),
             k.arr(),
             v.arr(),
-            q_heads,
-            kv_heads,
-            q_norm.arr(),
-            k_norm.arr(),
-            eps,
-            rotation.dims,
-            rotation.traditional,
-            base,
-            has_base,
-            rotation.scale,
+            &norms.ffi(),
+            norms.q_norm.arr(),
+            norms.k_norm.arr(),
+            &r,
             offsets.arr(),
             f,
         )?

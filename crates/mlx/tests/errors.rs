@@ -2,7 +2,7 @@
 
 mod common;
 use common::*;
-use mlx::fast::{rms_norm, rope, scaled_dot_product_attention, RopeFreqs, SdpaMask};
+use mlx::fast::{rms_norm, rope, scaled_dot_product_attention, RopeFreqs, Rotation, SdpaMask};
 use mlx::{concatenate, random, Array, Dtype, Error};
 
 fn mlx_err<T: std::fmt::Debug>(r: mlx::Result<T>) -> String {
@@ -66,10 +66,12 @@ fn bad_dtypes_and_arguments() {
     // RoPE on a 1-d input.
     assert!(mlx_err(rope(
         &arr(&[1., 2.], &[2]),
-        2,
-        false,
-        RopeFreqs::Base(1e4),
-        1.0,
+        Rotation {
+            dims: 2,
+            traditional: false,
+            freqs: RopeFreqs::Base(1e4),
+            scale: 1.0
+        },
         0
     ))
     .contains("rope"));

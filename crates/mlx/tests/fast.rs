@@ -2,7 +2,7 @@
 
 mod common;
 use common::*;
-use mlx::fast::{rms_norm, rope, scaled_dot_product_attention, RopeFreqs, SdpaMask};
+use mlx::fast::{rms_norm, rope, scaled_dot_product_attention, RopeFreqs, Rotation, SdpaMask};
 use mlx::Array;
 
 #[test]
@@ -76,10 +76,12 @@ fn rope_matches_definition() {
         let got = f32s(
             &rope(
                 &xa,
-                d as i32,
-                traditional,
-                RopeFreqs::Base(base as f32),
-                1.0,
+                Rotation {
+                    dims: d as i32,
+                    traditional,
+                    freqs: RopeFreqs::Base(base as f32),
+                    scale: 1.0,
+                },
                 3,
             )
             .unwrap(),
@@ -93,10 +95,12 @@ fn rope_matches_definition() {
     let got = f32s(
         &rope(
             &xa,
-            d as i32,
-            false,
-            RopeFreqs::Custom(&arr(&wl, &[4])),
-            1.0,
+            Rotation {
+                dims: d as i32,
+                traditional: false,
+                freqs: RopeFreqs::Custom(&arr(&wl, &[4])),
+                scale: 1.0,
+            },
             2,
         )
         .unwrap(),
@@ -107,10 +111,12 @@ fn rope_matches_definition() {
     let dyn_ = f32s(
         &mlx::fast::rope_dynamic(
             &xa,
-            d as i32,
-            false,
-            RopeFreqs::Custom(&arr(&wl, &[4])),
-            1.0,
+            Rotation {
+                dims: d as i32,
+                traditional: false,
+                freqs: RopeFreqs::Custom(&arr(&wl, &[4])),
+                scale: 1.0,
+            },
             &off,
         )
         .unwrap(),

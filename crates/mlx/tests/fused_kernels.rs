@@ -6,7 +6,7 @@
 //! case also checks that the kernel, not MLX, answered.
 
 use mlx::fast::{
-    self, Attention, FusedCounts, HeadsRotation, KvSlots, RopeFreqs, SdpaLayout, SdpaMask,
+    self, Attention, FusedCounts, KvSlots, QkvNorms, RopeFreqs, Rotation, SdpaLayout, SdpaMask,
 };
 use mlx::{random, Array, Dtype, Rows};
 
@@ -137,8 +137,19 @@ fn rope_matches_mlx() {
                 case += 1;
                 let x = normal(&shape, case);
                 for (offset, scale) in [(0, 1.0), (37, 1.0), (1000, 0.25)] {
-                    let (ours, theirs, _, ran) =
-                        both(|| fast::rope(&x, dims, traditional, freqs, scale, offset).unwrap());
+                    let (ours, theirs, _, ran) = both(|| {
+                        fast::rope(
+                            &x,
+                            Rotation {
+                                dims,
+                                traditional,
+                                freqs,
+                                scale,
+                            },
+                            offset,
+                        )
+                        .unwrap()
+                    });
                     let what = format!("rope {shape:?} dims {dims} traditional {traditional} custom {custom} offset {offset}");
                     assert_close(&ours, &theirs, 2e-5, &what);
                     assert_eq!(ran.rope, 1, "{what}");
@@ -149,8 +160,19 @@ fn rope_matches_mlx() {
     // [B, L, H, D] transposed to [B, H, L, D], as attention feeds it; per-batch offsets.
     let x = normal(&[2, 6, 3, 16], 99).transpose(&[0, 2, 1, 3]).unwrap();
     let offsets = Array::from_slice(&[5i32, 120], &[2]).unwrap();
-    let (ours, theirs, _, ran) =
-        both(|| fast::rope_dynamic(&x, 16, false, RopeFreqs::Base(500.0), 1.0, &offsets).unwrap());
+    let (ours, theirs, _, ran) = both(|| {
+        fast::rope_dynamic(
+            &x,
+            Rotation {
+                dims: 16,
+                traditional: false,
+                freqs: RopeFreqs::Base(500.0),
+                scale: 1.0,
+            },
+            &offsets,
+        )
+        .unwrap()
+    });
     assert_close(
         &ours,
         &theirs,
@@ -922,7 +944,7 @@ fn heads_norm_and_rotation_are_the_ops_they_fuse() {
                 let one = Array::from_slice(&[42i32], &[1]).unwrap();
                 for offsets in [&per_row, &one] {
                     for weight in [Some(&w), None] {
-                        let rotation = HeadsRotation {
+                        let rotation = Rotation {
                             dims,
                             traditional,
                             freqs,
@@ -950,10 +972,12 @@ fn heads_norm_and_rotation_are_the_ops_they_fuse() {
                             let unfused = match rotate {
                                 Some(r) => fast::rope_dynamic(
                                     &normed,
-                                    r.dims,
-                                    r.traditional,
-                                    r.freqs,
-                                    r.scale,
+                                    Rotation {
+                                        dims: r.dims,
+                                        traditional: r.traditional,
+                                        freqs: r.freqs,
+                                        scale: r.scale,
+                                    },
                                     offsets,
                                 )
                                 .unwrap(),
@@ -1026,7 +1050,7 @@ fn a_layers_queries_keys_and_values_are_one_op_with_the_same_bits() {
             } else {
                 RopeFreqs::Base(10000.0)
             };
-            let rotation = HeadsRotation {
+            let rotation = Rotation {
                 dims,
                 traditional: false,
                 freqs,
@@ -1050,8 +1074,21 @@ fn a_layers_queries_keys_and_values_are_one_op_with_the_same_bits() {
                     offsets.size()
                 );
                 let before = fast::fused_kernel_counts();
-                let (qo, ko, vo) =
-                    fast::qkv_heads(&q, &k, &v, hq, hk, &wq, &wk, 1e-6, rotation, offsets).unwrap();
+                let (qo, ko, vo) = fast::qkv_heads(
+                    &q,
+                    &k,
+                    &v,
+                    QkvNorms {
+                        q_heads: hq,
+                        kv_heads: hk,
+                        q_norm: &wq,
+                        k_norm: &wk,
+                        eps: 1e-6,
+                    },
+                    rotation,
+                    offsets,
+                )
+                .unwrap();
                 mlx::eval(&[&qo, &ko, &vo]).unwrap();
                 let ran = fast::fused_kernel_counts().heads_norm_rope - before.heads_norm_rope;
                 assert_eq!(ran, 1, "one op: {what}");
@@ -1076,8 +1113,21 @@ fn a_layers_queries_keys_and_values_are_one_op_with_the_same_bits() {
                 }
                 // And MLX's own graphs for the same call agree within float tolerance.
                 fast::set_fused_kernels(false);
-                let (mq, mk, mv) =
-                    fast::qkv_heads(&q, &k, &v, hq, hk, &wq, &wk, 1e-6, rotation, offsets).unwrap();
+                let (mq, mk, mv) = fast::qkv_heads(
+                    &q,
+                    &k,
+                    &v,
+                    QkvNorms {
+                        q_heads: hq,
+                        kv_heads: hk,
+                        q_norm: &wq,
+                        k_norm: &wk,
+                        eps: 1e-6,
+                    },
+                    rotation,
+                    offsets,
+                )
+                .unwrap();
                 mlx::eval(&[&mq, &mk, &mv]).unwrap();
                 fast::set_fused_kernels(true);
                 for (ours, theirs) in [(&qo, &mq), (&ko, &mk), (&vo, &mv)] {
@@ -1096,14 +1146,27 @@ fn a_layers_queries_keys_and_values_are_one_op_with_the_same_bits() {
     let k = normal(&[1, 1, 2 * 8], 2);
     let w16 = normal(&[16], 3);
     let one = Array::from_slice(&[0i32], &[1]).unwrap();
-    let rotation = HeadsRotation {
+    let rotation = Rotation {
         dims: 16,
         traditional: false,
         freqs: RopeFreqs::Base(10000.0),
         scale: 1.0,
     };
-    let r = fast::qkv_heads(&q, &k, &k, 4, 2, &w16, &w16, 1e-6, rotation, &one)
-        .and_then(|(a, b, c)| mlx::eval(&[&a, &b, &c]));
+    let r = fast::qkv_heads(
+        &q,
+        &k,
+        &k,
+        QkvNorms {
+            q_heads: 4,
+            kv_heads: 2,
+            q_norm: &w16,
+            k_norm: &w16,
+            eps: 1e-6,
+        },
+        rotation,
+        &one,
+    )
+    .and_then(|(a, b, c)| mlx::eval(&[&a, &b, &c]));
     assert!(
         r.is_err(),
         "a key width that is not kv_heads x d is an error"

@@ -777,7 +777,7 @@ fn a_quantized_embedding_lookup_is_one_op() {
 /// the ops it stands for); matrices of two formats, or other than two or three, a clear error.
 #[test]
 fn a_layers_projections_and_their_heads_are_one_op() {
-    use mlx::fast::{self, HeadsRotation, RopeFreqs};
+    use mlx::fast::{self, QkvNorms, RopeFreqs, Rotation};
     let _one = serial();
     mlx::set_quantized_kernel(true);
     let mut case = 1700u64;
@@ -797,7 +797,7 @@ fn a_layers_projections_and_their_heads_are_one_op() {
             let (nq, nk) = (normal(&[d], 1.0, case + 4), normal(&[d], 1.0, case + 5));
             let positions: Vec<i32> = (0..t).map(|i| 3 + 97 * i).collect();
             let offsets = Array::from_slice(&positions, &[t]).unwrap();
-            let rotation = HeadsRotation {
+            let rotation = Rotation {
                 dims: d,
                 traditional: false,
                 freqs: if custom {
@@ -820,8 +820,20 @@ fn a_layers_projections_and_their_heads_are_one_op() {
             mlx::eval(&held).unwrap();
             let what = format!("{bits}-bit g{group} t {t} k_eq_v {k_eq_v} custom {custom}");
             let fused = || {
-                fast::quantized_qkv_heads(&x, &mats, hq, hk, &nq, &nk, 1e-6, rotation, &offsets)
-                    .unwrap()
+                fast::quantized_qkv_heads(
+                    &x,
+                    &mats,
+                    QkvNorms {
+                        q_heads: hq,
+                        kv_heads: hk,
+                        q_norm: &nq,
+                        k_norm: &nk,
+                        eps: 1e-6,
+                    },
+                    rotation,
+                    &offsets,
+                )
+                .unwrap()
             };
             let (q, kk, v) = fused();
             assert_eq!(
@@ -833,7 +845,18 @@ fn a_layers_projections_and_their_heads_are_one_op() {
             let raw = x.quantized_matmuls(&mats).unwrap();
             let rv = if k_eq_v { &raw[1] } else { &raw[2] };
             let apart = fast::qkv_heads(
-                &raw[0], &raw[1], rv, hq, hk, &nq, &nk, 1e-6, rotation, &offsets,
+                &raw[0],
+                &raw[1],
+                rv,
+                QkvNorms {
+                    q_heads: hq,
+                    kv_heads: hk,
+                    q_norm: &nq,
+                    k_norm: &nk,
+                    eps: 1e-6,
+                },
+                rotation,
+                &offsets,
             )
             .unwrap();
             for (i, (got, alone)) in [(&q, &apart.0), (&kk, &apart.1), (&v, &apart.2)]
@@ -874,21 +897,45 @@ fn a_layers_projections_and_their_heads_are_one_op() {
     let b = normal(&[32, 256], 0.05, 1802).quantize(64, 8).unwrap();
     let n = normal(&[16], 1.0, 1803);
     let one = Array::from_slice(&[0i32], &[1]).unwrap();
-    let rotation = HeadsRotation {
+    let rotation = Rotation {
         dims: 16,
         traditional: false,
         freqs: RopeFreqs::Base(10000.0),
         scale: 1.0,
     };
-    let err = fast::quantized_qkv_heads(&x, &[&a, &b], 4, 2, &n, &n, 1e-6, rotation, &one)
-        .unwrap_err()
-        .to_string();
+    let err = fast::quantized_qkv_heads(
+        &x,
+        &[&a, &b],
+        QkvNorms {
+            q_heads: 4,
+            kv_heads: 2,
+            q_norm: &n,
+            k_norm: &n,
+            eps: 1e-6,
+        },
+        rotation,
+        &one,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("different formats"), "{err}");
     // One matrix, or four: refused with a clear error, no crash.
     for mats in [vec![&a], vec![&a, &a, &a, &a]] {
-        let err = fast::quantized_qkv_heads(&x, &mats, 4, 2, &n, &n, 1e-6, rotation, &one)
-            .unwrap_err()
-            .to_string();
+        let err = fast::quantized_qkv_heads(
+            &x,
+            &mats,
+            QkvNorms {
+                q_heads: 4,
+                kv_heads: 2,
+                q_norm: &n,
+                k_norm: &n,
+                eps: 1e-6,
+            },
+            rotation,
+            &one,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("two or three matrices"), "{err}");
     }
 }

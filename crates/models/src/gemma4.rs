@@ -14,7 +14,7 @@ use crate::packed::{check_rows, single_row};
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
 use cache::{AttnMask, KvCache, LayerCache, RotatingKvCache};
-use mlx::fast::{sdpa_slots, Attention as Sdpa, KvSlots, SdpaLayout::Tokens};
+use mlx::fast::{sdpa_slots, Attention as Sdpa, KvSlots, QkvNorms, SdpaLayout::Tokens};
 use mlx::{Array, Ix, Quantized};
 use serde::Deserialize;
 use serde_json::Value;
@@ -444,32 +444,14 @@ impl Attention {
         offsets: &Array,
     ) -> Result<(Array, Option<(Array, Array)>)> {
         if let Some(mats) = self.quantized_qkv() {
-            let (q, k, v) = rope.quantized_qkv_rows(
-                x,
-                &mats,
-                self.heads,
-                self.kv_heads,
-                &self.q_norm,
-                self.k_norm()?,
-                eps,
-                offsets,
-            )?;
+            let (q, k, v) = rope.quantized_qkv_rows(x, &mats, self.norms(eps)?, offsets)?;
             return Ok((q, Some((k, v))));
         }
         let (q_raw, kv) = self.project_qkv(x)?;
         match kv {
             Some((k_raw, v_raw)) => {
-                let (q, k, v) = rope.qkv_rows(
-                    &q_raw,
-                    &k_raw,
-                    &v_raw,
-                    self.heads,
-                    self.kv_heads,
-                    &self.q_norm,
-                    self.k_norm()?,
-                    eps,
-                    offsets,
-                )?;
+                let (q, k, v) =
+                    rope.qkv_rows((&q_raw, &k_raw, &v_raw), self.norms(eps)?, offsets)?;
                 Ok((q, Some((k, v))))
             }
             None => Ok((
@@ -477,6 +459,17 @@ impl Attention {
                 None,
             )),
         }
+    }
+
+    /// What the fused q/k/v ops normalise this layer's heads with.
+    fn norms(&self, eps: f32) -> Result<QkvNorms<'_>> {
+        Ok(QkvNorms {
+            q_heads: self.heads,
+            kv_heads: self.kv_heads,
+            q_norm: &self.q_norm,
+            k_norm: self.k_norm()?,
+            eps,
+        })
     }
 
     /// Normalised `[B, H, L, d]` queries from the raw query projection.

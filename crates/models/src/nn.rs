@@ -3,7 +3,7 @@
 
 use crate::weights::Weights;
 use crate::Result;
-use mlx::fast::{rms_norm, rope, RopeFreqs};
+use mlx::fast::{rms_norm, rope, QkvNorms, RopeFreqs, Rotation};
 use mlx::{Array, Quantized};
 
 /// `y = x Wᵀ`, with `W` stored `[out, in]` as in the checkpoints.
@@ -389,8 +389,8 @@ impl Rope {
         }
     }
 
-    fn rotation(&self) -> mlx::fast::HeadsRotation<'_> {
-        mlx::fast::HeadsRotation {
+    fn rotation(&self) -> Rotation<'_> {
+        Rotation {
             dims: self.dims,
             traditional: self.traditional,
             freqs: self.freqs(),
@@ -422,30 +422,19 @@ impl Rope {
 
     /// A decode step's queries, keys and values from their projections (`[1, T, heads·d]`,
     /// `[1, T, kv_heads·d]` twice), in one op: the queries and keys as [`Rope::heads_rows`]
-    /// gives them with `q_norm` and `k_norm`, the values normalised without a weight and not
-    /// rotated. The same values as three calls, one op where they would be three.
-    #[allow(clippy::too_many_arguments)]
+    /// gives them with their norms, the values normalised without a weight and not rotated.
+    /// The same values as three calls, one op where they would be three.
     pub fn qkv_rows(
         &self,
-        q: &Array,
-        k: &Array,
-        v: &Array,
-        heads: i32,
-        kv_heads: i32,
-        q_norm: &Array,
-        k_norm: &Array,
-        eps: f32,
+        (q, k, v): (&Array, &Array, &Array),
+        norms: QkvNorms<'_>,
         offsets: &Array,
     ) -> Result<(Array, Array, Array)> {
         Ok(mlx::fast::qkv_heads(
             q,
             k,
             v,
-            heads,
-            kv_heads,
-            q_norm,
-            k_norm,
-            eps,
+            norms,
             self.rotation(),
             offsets,
         )?)
@@ -453,26 +442,17 @@ impl Rope {
 
     /// [`Rope::qkv_rows`] of `x`'s quantized projections `mats` (q, k and v; two when the
     /// values are the keys): one op on the CPU, the projections' and the heads' bits.
-    #[allow(clippy::too_many_arguments)]
     pub fn quantized_qkv_rows(
         &self,
         x: &Array,
         mats: &[&Quantized],
-        heads: i32,
-        kv_heads: i32,
-        q_norm: &Array,
-        k_norm: &Array,
-        eps: f32,
+        norms: QkvNorms<'_>,
         offsets: &Array,
     ) -> Result<(Array, Array, Array)> {
         Ok(mlx::fast::quantized_qkv_heads(
             x,
             mats,
-            heads,
-            kv_heads,
-            q_norm,
-            k_norm,
-            eps,
+            norms,
             self.rotation(),
             offsets,
         )?)
@@ -481,29 +461,13 @@ impl Rope {
     /// Rotates `x: [B, H, L, D]`, row `b` for positions `offsets[b]..offsets[b]+L`, in one
     /// operation (a decode step of several sequences).
     pub fn apply_rows(&self, x: &Array, offsets: &[usize]) -> Result<Array> {
-        let freqs = self.freqs();
         let o: Vec<i32> = offsets.iter().map(|&o| o as i32).collect();
         let o = Array::from_slice(&o, &[o.len() as i32])?;
-        Ok(mlx::fast::rope_dynamic(
-            x,
-            self.dims,
-            self.traditional,
-            freqs,
-            1.0,
-            &o,
-        )?)
+        Ok(mlx::fast::rope_dynamic(x, self.rotation(), &o)?)
     }
 
     /// Rotates `x: [B, H, L, D]` for positions `offset..offset+L`.
     pub fn apply(&self, x: &Array, offset: usize) -> Result<Array> {
-        let freqs = self.freqs();
-        Ok(rope(
-            x,
-            self.dims,
-            self.traditional,
-            freqs,
-            1.0,
-            offset as i32,
-        )?)
+        Ok(rope(x, self.rotation(), offset as i32)?)
     }
 }
