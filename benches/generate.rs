@@ -5,7 +5,7 @@
 //! ratio ours / peer for prefill and decode tokens per second. The model is a randomly
 //! initialised ~120M-parameter gemma4-shaped text model in float32 that mlx-lm itself writes
 //! (benches/make_bench_model.py) into target/bench-model. The peer gets OpenBLAS preloaded
-//! when the system has it, so both sides run the same BLAS (decision D6). Needs the peer
+//! when the system has it, so both sides run the same BLAS (docs/ARCHITECTURE.md, D6). Needs the peer
 //! environment from benches/peer-venv.sh.
 
 mod common;

@@ -41,7 +41,7 @@ enum Command {
     Info,
     /// Generate a completion once, in-process (smoke tests and benchmarks).
     Generate(GenerateArgs),
-    /// Serve a model over local HTTP, as a parent model server spawns it (PROTOCOL.md).
+    /// Serve a model over local HTTP, as a parent model server spawns it (docs/PROTOCOL.md).
     Runner(RunnerArgs),
     /// The model server: ollama's and OpenAI's APIs over the store's models, each run in a
     /// runner child process (docs/SERVE.md).

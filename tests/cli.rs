@@ -4,7 +4,7 @@ use std::process::Command;
 
 fn mlx_runner() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_mlx-runner"));
-    // The binary must find libmlx through its rpath alone (BUILD_NOTES.md).
+    // The binary must find libmlx through its rpath alone (docs/BUILD.md §3).
     c.env_remove("LD_LIBRARY_PATH");
     c
 }

@@ -1,5 +1,5 @@
-//! Finds MLX (decision D1), compiles our C++ shim against it (D2) and links OpenBLAS ahead of the
-//! reference BLAS bundled with the wheel when the system has it (D6).
+//! Finds MLX (docs/ARCHITECTURE.md, D1), compiles our C++ shim against it (D2) and links OpenBLAS ahead of the
+//! reference BLAS bundled with the wheel when the system has it (D6; docs/BUILD.md).
 //!
 //! Search order for MLX: `MLX_DIR`, then an importable `mlx` Python package of the pinned version,
 //! then the pinned `mlx-cpu` wheel, downloaded once with pip into a cache folder outside the
@@ -130,7 +130,7 @@ fn run() -> Result<(), String> {
     Ok(())
 }
 
-/// Who serves MLX's `cblas_sgemm` (decision D6).
+/// Who serves MLX's `cblas_sgemm` (docs/ARCHITECTURE.md, D6).
 enum Blas {
     /// The system's `libopenblas.so.0`, in this folder.
     System(PathBuf),

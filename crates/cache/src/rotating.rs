@@ -9,7 +9,7 @@
 //!
 //! `capacity = window + slack`: the slack keeps history past the window so that speculation can
 //! rewind tokens that were written into the ring. mlx-lm's `RotatingKVCache` refuses to trim
-//! once it has wrapped (and then silently keeps rejected draft tokens, MODELS.md §4); here a
+//! once it has wrapped (and then silently keeps rejected draft tokens, docs/MODELS.md §4); here a
 //! rewind succeeds whenever the tokens the next query needs are still held, and is an error
 //! otherwise, never a silent divergence.
 

@@ -1,4 +1,4 @@
-//! Raw bridge to our C++ shim over MLX (decision D2). Use the safe `mlx` crate instead.
+//! Raw bridge to our C++ shim over MLX (docs/ARCHITECTURE.md, D2). Use the safe `mlx` crate instead.
 //!
 //! Every fallible function returns `Result`: cxx catches the C++ exception MLX throws and hands
 //! back its message. Optional arrays are nullable `*const Arr`; dtypes cross as the numeric value

@@ -145,7 +145,7 @@ bool default_device_is_gpu() {
 
 void init_thread() {
   // MLX keeps default streams per thread; a thread that did not create MLX's first stream must
-  // make its own before it builds any array (BUILD_NOTES.md, "Threads").
+  // make its own before it builds any array (docs/BUILD.md §5, "Threads").
   auto dev = mx::default_device();
   if (!mx::peek_default_stream(dev).has_value()) {
     mx::set_default_stream(mx::new_stream(dev));

@@ -1,4 +1,4 @@
-// Our C++ shim over MLX's C++ API (decision D2). Every function here is called through the cxx
+// Our C++ shim over MLX's C++ API (docs/ARCHITECTURE.md, D2). Every function here is called through the cxx
 // bridge in lib.rs; any C++ exception thrown inside becomes a Rust `Err` carrying MLX's message.
 // Optional arrays cross as nullable raw pointers; shapes and axes as slices of i32.
 #pragma once

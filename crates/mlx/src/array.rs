@@ -6,7 +6,7 @@ use mlx_sys::ffi;
 ///
 /// Cloning is cheap (the buffer is shared, as in MLX). Operations build a graph; data is
 /// computed when it is read ([`Array::to_vec`], [`Array::item`]) or evaluated ([`crate::eval`]).
-/// Not `Send`: MLX streams are per thread (decision D3).
+/// Not `Send`: MLX streams are per thread (docs/ARCHITECTURE.md, D3).
 pub struct Array {
     pub(crate) raw: UniquePtr<ffi::Arr>,
 }

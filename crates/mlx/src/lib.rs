@@ -1,4 +1,4 @@
-//! A safe, method-based Rust API over MLX (decision D2).
+//! A safe, method-based Rust API over MLX (docs/ARCHITECTURE.md, D2).
 //!
 //! This crate owns the boundary between Rust and MLX: [`Array`] and its operations, dtypes,
 //! devices and streams, evaluation, memory counters, random keys, the `fast` kernels,
@@ -6,7 +6,7 @@
 //! as [`Error`]; nothing here panics or aborts on bad arguments.
 //!
 //! MLX streams are per thread and arrays are not `Send`: everything MLX lives on one thread
-//! (decision D3). A thread other than the one that first touched MLX calls [`init_thread`] once.
+//! (docs/ARCHITECTURE.md, D3). A thread other than the one that first touched MLX calls [`init_thread`] once.
 
 mod array;
 mod dtype;

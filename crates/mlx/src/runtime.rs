@@ -52,7 +52,7 @@ pub fn set_default_device(d: Device) -> Result<()> {
 }
 
 /// Gives the calling thread its own default stream if it has none yet. Call once at the start
-/// of a thread that will own MLX work (the engine thread, decision D3).
+/// of a thread that will own MLX work (the engine thread, docs/ARCHITECTURE.md D3).
 pub fn init_thread() -> Result<()> {
     Ok(ffi::init_thread()?)
 }

@@ -1,4 +1,4 @@
-//! Evaluation, memory counters, safetensors loading, and the engine-thread pattern (D3).
+//! Evaluation, memory counters, safetensors loading, and the engine-thread pattern (docs/ARCHITECTURE.md, D3).
 
 mod common;
 use common::*;

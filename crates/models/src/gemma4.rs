@@ -1,4 +1,4 @@
-//! gemma4 text models (MODELS.md §1): E2B/E4B with per-layer embeddings and KV-shared layers,
+//! gemma4 text models (docs/MODELS.md §1): E2B/E4B with per-layer embeddings and KV-shared layers,
 //! 31B with k_eq_v full layers, and the 26B MoE form with experts beside the dense MLP.
 //!
 //! Reads top to bottom in the order data flows: config, attention, MLP and MoE, decoder layer,
@@ -39,7 +39,7 @@ struct PerLayer {
 }
 
 /// `text_config` of a `gemma4` checkpoint, or the whole config of `gemma4_text`. Both spellings
-/// the ecosystem writes are accepted (MODELS.md §1.1: `global_head_dim` /
+/// the ecosystem writes are accepted (docs/MODELS.md §1.1: `global_head_dim` /
 /// `num_global_key_value_heads` or transformers' `per_layer_config`; `layer_types` or a window
 /// pattern; `rope_parameters` or `rope_theta`).
 #[derive(Debug, Clone, Deserialize)]
@@ -494,7 +494,7 @@ impl Attention {
     }
 }
 
-/// q and k are RMS-normalised, so the attention scale is 1 (MODELS.md §1.3).
+/// q and k are RMS-normalised, so the attention scale is 1 (docs/MODELS.md §1.3).
 const ATTENTION_SCALE: f32 = 1.0;
 
 /// The 26B form's expert block, which runs beside the dense MLP.
@@ -738,7 +738,7 @@ pub struct Gemma4 {
 }
 
 /// The K/V of the target's last non-shared sliding and full layers, which the gemma4 assistant
-/// attends to (MODELS.md §2.1).
+/// attends to (docs/MODELS.md §2.1).
 pub struct SharedKv {
     /// Keys and values (`[1, nKV, S, d]`, slot order, as the cache stores them) and each
     /// slot's position (`-1` = empty).
@@ -873,7 +873,7 @@ impl Gemma4 {
         (self.embed.clone(), self.embed_scale())
     }
 
-    /// `[B, L, num_layers, P]` per-layer inputs (MODELS.md §1.3).
+    /// `[B, L, num_layers, P]` per-layer inputs (docs/MODELS.md §1.3).
     fn per_layer_inputs(&self, ple: &Ple, tokens: &Array, h0: &Array) -> Result<Array> {
         let s = tokens.shape();
         let (l, p) = (self.cfg.num_hidden_layers, ple.dim);

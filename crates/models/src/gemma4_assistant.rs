@@ -1,4 +1,4 @@
-//! The gemma4 MTP drafter, `gemma4_assistant` (MODELS.md §2).
+//! The gemma4 MTP drafter, `gemma4_assistant` (docs/MODELS.md §2).
 //!
 //! A few gemma4 layers with no K/V of their own: each attends to the K/V of the target's last
 //! non-shared layer of its kind. Input is `[target embedding · √H_t, target hidden]` through
@@ -19,7 +19,7 @@ use mlx::fast::KvSlots;
 use mlx::{Array, Dtype};
 use serde_json::Value;
 
-/// Where the assistant's query sits (MODELS.md §2.4): transformers uses the position of the
+/// Where the assistant's query sits (docs/MODELS.md §2.4): transformers uses the position of the
 /// bonus token, `S`; mlx-vlm and ollama the last committed position, `S − 1`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QueryPosition {

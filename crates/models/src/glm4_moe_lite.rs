@@ -1,4 +1,4 @@
-//! GLM4-MoE-Lite (GLM-4.7-Flash, MODELS.md §3): multi-head latent attention with a compressed
+//! GLM4-MoE-Lite (GLM-4.7-Flash, docs/MODELS.md §3): multi-head latent attention with a compressed
 //! per-token cache, sigmoid-routed experts with a selection-only correction bias, shared
 //! experts, dense first layers, untied head.
 //!
@@ -30,7 +30,7 @@ struct RopeParameters {
     rope_theta: Option<f32>,
 }
 
-/// `config.json` of a `glm4_moe_lite` checkpoint, accepting both spellings (MODELS.md §3.1:
+/// `config.json` of a `glm4_moe_lite` checkpoint, accepting both spellings (docs/MODELS.md §3.1:
 /// `first_k_dense_replace` or `mlp_layer_types`, `rope_theta` or `rope_parameters`).
 #[derive(Debug, Clone, Deserialize)]
 pub struct GlmConfig {
@@ -416,7 +416,7 @@ impl Mla {
 struct Moe {
     /// Router weight, transposed, float32.
     gate_t: Array,
-    /// Added to the scores for selection only (MODELS.md §3.3), float32.
+    /// Added to the scores for selection only (docs/MODELS.md §3.3), float32.
     correction: Array,
     gate: Experts,
     up: Experts,

@@ -75,7 +75,7 @@ pub trait CausalLm {
     fn as_any(&self) -> &dyn std::any::Any;
 }
 
-/// Which dtype to compute in (decision D6).
+/// Which dtype to compute in (docs/ARCHITECTURE.md, D6).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DtypeChoice {
     /// float32 on the CPU (its fast BLAS path); the checkpoint's dtype on a GPU.

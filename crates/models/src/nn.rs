@@ -361,7 +361,7 @@ impl Rope {
 
     /// Rotate-half over all `head_dim` features where only the first `rotated` frequency pairs
     /// turn: pair `j < rotated` has wavelength `base^(2j/head_dim) · factor`, the rest infinite
-    /// (MODELS.md §1.3, "proportional").
+    /// (docs/MODELS.md §1.3, "proportional").
     pub fn proportional(head_dim: i32, rotated: i32, base: f32, factor: f32) -> Result<Rope> {
         let half = head_dim / 2;
         let f: Vec<f32> = (0..half)

@@ -382,7 +382,7 @@ impl<'a> Vb<'a> {
         Ok(self.shaped(leaf, shape)?.1)
     }
 
-    /// A tensor kept in float32 whatever the compute dtype (router biases, MODELS.md §3.2).
+    /// A tensor kept in float32 whatever the compute dtype (router biases, docs/MODELS.md §3.2).
     pub fn get_f32(&self, leaf: &str, shape: &[i32]) -> Result<Array> {
         let (_, a) = self.shaped(leaf, shape)?;
         Ok(self.w.keep(a.astype(Dtype::F32)?))

@@ -1,4 +1,4 @@
-//! The engine thread (decision D3): the one OS thread that owns MLX, the model, the caches and
+//! The engine thread (docs/ARCHITECTURE.md, D3): the one OS thread that owns MLX, the model, the caches and
 //! the sampler. HTTP handlers send it jobs over a channel and receive token events back.
 //!
 //! Sequences live in slots. Up to `parallel` run at once, stepped round-robin (a prefill chunk

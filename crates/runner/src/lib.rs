@@ -1,5 +1,5 @@
-//! The runner: the generation pipeline, the engine thread that owns MLX (decision D3), and the
-//! ollama-compatible HTTP server (PROTOCOL.md).
+//! The runner: the generation pipeline, the engine thread that owns MLX (docs/ARCHITECTURE.md, D3), and the
+//! ollama-compatible HTTP server (docs/PROTOCOL.md).
 
 pub mod depth;
 pub mod engine;

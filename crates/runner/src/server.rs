@@ -1,4 +1,4 @@
-//! The HTTP side (PROTOCOL.md): small handlers that validate, tokenize and hand over to the
+//! The HTTP side (docs/PROTOCOL.md): small handlers that validate, tokenize and hand over to the
 //! engine, then turn its token events into NDJSON off the engine thread. One error type maps
 //! every failure to a status and a `{"error": "..."}` body.
 

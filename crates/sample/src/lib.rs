@@ -1,6 +1,7 @@
 //! Turning logits into tokens for many sequences at once, and giving speculation the
-//! distributions it needs. Semantics: OLLAMA_RUNNER_REFERENCE.md §6 and §4.3, with the issue's
-//! order of transforms (penalties, top-k, temperature, top-p, min-p, renormalise, sample).
+//! distributions it needs. Options and their normalisation are ollama's (docs/PROTOCOL.md,
+//! "Completion request"); the transforms run in the order penalties, top-k, temperature, top-p,
+//! min-p, renormalise, sample.
 //!
 //! Sampling is by inverse CDF with one uniform number per row, drawn from the row's own slot key
 //! (SplitMix64 of the seed and a draw counter): a seeded slot draws the same numbers whatever

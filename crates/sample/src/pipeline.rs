@@ -1,6 +1,6 @@
 //! The transform pipeline, applied to `R` rows that share options: penalties on the raw
-//! logits, then top-k, temperature, top-p, min-p and renormalisation (issue order; where it
-//! and the reference differ, the issue wins).
+//! logits, then top-k, temperature, top-p, min-p and renormalisation (this project's order,
+//! docs/PROTOCOL.md).
 
 use crate::distribution::Distribution;
 use crate::error::Result;
