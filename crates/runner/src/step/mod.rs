@@ -171,3 +171,21 @@ impl From<GenerateError> for Event {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request's fault is a 400 (`Rejected`); an engine invariant that did not hold is an
+    /// error of the server's, never a 400.
+    #[test]
+    fn invariants_are_internal_errors_not_bad_requests() {
+        let e: Event = crate::generation::internal("a verify block without a verdict").into();
+        assert!(
+            matches!(&e, Event::Error(m) if m == "internal error: a verify block without a verdict"),
+            "{e:?}"
+        );
+        let e: Event = GenerateError::BadRequest("prompt is empty".into()).into();
+        assert!(matches!(&e, Event::Rejected(m) if m == "prompt is empty"), "{e:?}");
+    }
+}
