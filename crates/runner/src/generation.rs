@@ -602,11 +602,15 @@ impl Generation {
     // --------------------------------------------------------------------------------------
 
     /// A plain decode step's end, its fed token `current` now evaluated: commit and emit it.
+    /// `planned` is the depth of the round the step was planned as when its drafter found
+    /// nothing to propose: the controller hears a round that got no draft accepted, so that a
+    /// drafter that seldom finds anything (a lookup over text with no repeats) is asked less.
     pub(crate) fn settle_decode(
         &mut self,
         ctx: &mut Ctx<'_>,
         current: &Sampled,
         continues: bool,
+        planned: usize,
     ) -> Result<Event> {
         let id = current.tokens.to_vec::<i32>()?[0] as u32;
         if continues {
@@ -614,7 +618,7 @@ impl Generation {
             self.snapshot_generated();
         }
         if self.draft.is_some() {
-            self.record_depth(ctx, 0, 0);
+            self.record_depth(ctx, planned, 0);
         }
         let logprob = self.logprob(current)?;
         Ok(self.emit(ctx, id, logprob))

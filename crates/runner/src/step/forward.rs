@@ -17,10 +17,12 @@ pub(crate) enum Piece {
         start: usize,
         end: usize,
     },
-    /// Feeds the pending token (taken) and samples its successor when it continues.
+    /// Feeds the pending token (taken) and samples its successor when it continues; `planned`
+    /// is the depth of the round the plan had (0: a plain step), whose drafter found nothing.
     Decode {
         current: Sampled,
         continues: bool,
+        planned: usize,
     },
     /// Feeds the pending token and its drafts.
     Verify(Box<Proposal>),
@@ -53,6 +55,7 @@ pub(crate) fn run(
             Piece::Decode {
                 current,
                 continues: true,
+                ..
             } => {
                 tokens.push(current.tokens.reshape(&[1, 1])?);
                 lens.push(Some(1));

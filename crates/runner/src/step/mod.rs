@@ -75,13 +75,15 @@ pub fn run(
             Work::Decode { continues } => Piece::Decode {
                 current: g.take_pending()?,
                 continues: *continues,
+                planned: 0,
             },
-            Work::Round { .. } => match proposals.next().flatten() {
+            Work::Round { depth } => match proposals.next().flatten() {
                 Some(p) => Piece::Verify(Box::new(p)),
                 // Nothing drafted: a plain decode step.
                 None => Piece::Decode {
                     current: g.take_pending()?,
                     continues: g.may_continue(),
+                    planned: *depth,
                 },
             },
             Work::Skip => Piece::Skip,
@@ -150,7 +152,11 @@ fn settle(
     verdict: Option<Result<crate::round::Verdict>>,
 ) -> Result<Option<Event>> {
     Ok(match piece {
-        Piece::Decode { current, continues } => Some(g.settle_decode(ctx, &current, continues)?),
+        Piece::Decode {
+            current,
+            continues,
+            planned,
+        } => Some(g.settle_decode(ctx, &current, continues, planned)?),
         Piece::Verify(proposal) => {
             let k = proposal.k;
             let hidden = hidden.ok_or_else(|| internal("a verify block without hidden states"))?;
@@ -186,6 +192,9 @@ mod tests {
             "{e:?}"
         );
         let e: Event = GenerateError::BadRequest("prompt is empty".into()).into();
-        assert!(matches!(&e, Event::Rejected(m) if m == "prompt is empty"), "{e:?}");
+        assert!(
+            matches!(&e, Event::Rejected(m) if m == "prompt is empty"),
+            "{e:?}"
+        );
     }
 }
