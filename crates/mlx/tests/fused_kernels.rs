@@ -1073,22 +1073,15 @@ fn a_layers_queries_keys_and_values_are_one_op_with_the_same_bits() {
                      offsets {}",
                     offsets.size()
                 );
+                let norms = QkvNorms {
+                    q_heads: hq,
+                    kv_heads: hk,
+                    q_norm: &wq,
+                    k_norm: &wk,
+                    eps: 1e-6,
+                };
                 let before = fast::fused_kernel_counts();
-                let (qo, ko, vo) = fast::qkv_heads(
-                    &q,
-                    &k,
-                    &v,
-                    QkvNorms {
-                        q_heads: hq,
-                        kv_heads: hk,
-                        q_norm: &wq,
-                        k_norm: &wk,
-                        eps: 1e-6,
-                    },
-                    rotation,
-                    offsets,
-                )
-                .unwrap();
+                let (qo, ko, vo) = fast::qkv_heads(&q, &k, &v, norms, rotation, offsets).unwrap();
                 mlx::eval(&[&qo, &ko, &vo]).unwrap();
                 let ran = fast::fused_kernel_counts().heads_norm_rope - before.heads_norm_rope;
                 assert_eq!(ran, 1, "one op: {what}");
@@ -1113,21 +1106,7 @@ fn a_layers_queries_keys_and_values_are_one_op_with_the_same_bits() {
                 }
                 // And MLX's own graphs for the same call agree within float tolerance.
                 fast::set_fused_kernels(false);
-                let (mq, mk, mv) = fast::qkv_heads(
-                    &q,
-                    &k,
-                    &v,
-                    QkvNorms {
-                        q_heads: hq,
-                        kv_heads: hk,
-                        q_norm: &wq,
-                        k_norm: &wk,
-                        eps: 1e-6,
-                    },
-                    rotation,
-                    offsets,
-                )
-                .unwrap();
+                let (mq, mk, mv) = fast::qkv_heads(&q, &k, &v, norms, rotation, offsets).unwrap();
                 mlx::eval(&[&mq, &mk, &mv]).unwrap();
                 fast::set_fused_kernels(true);
                 for (ours, theirs) in [(&qo, &mq), (&ko, &mk), (&vo, &mv)] {

@@ -903,6 +903,13 @@ fn a_layers_projections_and_their_heads_are_one_op() {
         freqs: RopeFreqs::Base(10000.0),
         scale: 1.0,
     };
+    let norms = QkvNorms {
+        q_heads: 4,
+        kv_heads: 2,
+        q_norm: &n,
+        k_norm: &n,
+        eps: 1e-6,
+    };
     let err = fast::quantized_qkv_heads(
         &x,
         &[&a, &b],
@@ -921,21 +928,9 @@ fn a_layers_projections_and_their_heads_are_one_op() {
     assert!(err.contains("different formats"), "{err}");
     // One matrix, or four: refused with a clear error, no crash.
     for mats in [vec![&a], vec![&a, &a, &a, &a]] {
-        let err = fast::quantized_qkv_heads(
-            &x,
-            &mats,
-            QkvNorms {
-                q_heads: 4,
-                kv_heads: 2,
-                q_norm: &n,
-                k_norm: &n,
-                eps: 1e-6,
-            },
-            rotation,
-            &one,
-        )
-        .unwrap_err()
-        .to_string();
+        let err = fast::quantized_qkv_heads(&x, &mats, norms, rotation, &one)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("two or three matrices"), "{err}");
     }
 }

@@ -524,28 +524,26 @@ impl Engine {
                         .plan(prompt.len(), restored.cached, restored.matched);
                 params.snapshot_every = Some(self.cfg.cache_interval.max(1));
             }
-            let mut ctx = Ctx {
-                model: &*self.model.model,
-                sampler: &mut self.sampler,
-                draft: self.draft.as_deref().map(|d| (d, &mut self.controllers[0])),
-            };
-            match Generation::with_caches(&mut ctx, slot, params, restored.caches, restored.cached)
-            {
-                Ok(gen) => self.active.push(Active {
-                    gen,
-                    job,
-                    rounds: 0,
-                    failed: false,
-                }),
-                Err(e) => {
-                    let counter = match e {
-                        GenerateError::BadRequest(_) => &m.bad_requests,
-                        _ => &m.requests_failed,
-                    };
-                    counter.fetch_add(1, Ordering::Relaxed);
-                    let _ = job.events.send(e.into());
+            let shared = Arc::clone(&self.shared);
+            self.with_ctx(0, |ctx, active, _| {
+                match Generation::with_caches(ctx, slot, params, restored.caches, restored.cached) {
+                    Ok(gen) => active.push(Active {
+                        gen,
+                        job,
+                        rounds: 0,
+                        failed: false,
+                    }),
+                    Err(e) => {
+                        let m = &shared.metrics;
+                        let counter = match e {
+                            GenerateError::BadRequest(_) => &m.bad_requests,
+                            _ => &m.requests_failed,
+                        };
+                        counter.fetch_add(1, Ordering::Relaxed);
+                        let _ = job.events.send(e.into());
+                    }
                 }
-            }
+            });
         }
     }
 
@@ -574,7 +572,7 @@ impl Engine {
                     break;
                 }
                 let more = a.gen.has_ready();
-                let result = self.with_ctx(i, 0, |ctx, a| a.gen.step(ctx));
+                let result = self.with_ctx(0, |ctx, active, _| active[i].gen.step(ctx));
                 if self.deliver(i, result) {
                     ended.push(i);
                     break;
@@ -595,13 +593,12 @@ impl Engine {
         }
     }
 
-    /// Runs `f` on sequence `i` with the borrowed pieces a step runs on (the depth controller
-    /// of `bucket`).
+    /// Runs `f` with the borrowed pieces a step runs on (the depth controller of `bucket`) and
+    /// the running sequences.
     fn with_ctx<R>(
         &mut self,
-        i: usize,
         bucket: usize,
-        f: impl FnOnce(&mut Ctx<'_>, &mut Active) -> R,
+        f: impl FnOnce(&mut Ctx<'_>, &mut Vec<Active>, &EngineConfig) -> R,
     ) -> R {
         let Engine {
             active,
@@ -609,6 +606,7 @@ impl Engine {
             sampler,
             draft,
             controllers,
+            cfg,
             ..
         } = self;
         let mut ctx = Ctx {
@@ -616,7 +614,7 @@ impl Engine {
             sampler,
             draft: draft.as_deref().map(|d| (d, &mut controllers[bucket])),
         };
-        f(&mut ctx, &mut active[i])
+        f(&mut ctx, active, cfg)
     }
 
     /// One step of the sequences at `batch` in one forward pass; returns those that ended.
@@ -625,31 +623,15 @@ impl Engine {
             .iter()
             .filter(|&&i| !self.active[i].gen.prefilling())
             .count();
-        let result = {
-            let Engine {
-                active,
-                model,
-                sampler,
-                draft,
-                controllers,
-                cfg,
-                ..
-            } = self;
-            let mut ctx = Ctx {
-                model: &*model.model,
-                sampler,
-                draft: draft
-                    .as_deref()
-                    .map(|d| (d, &mut controllers[bucket(decoding)])),
-            };
+        let result = self.with_ctx(bucket(decoding), |ctx, active, cfg| {
             let mut gens: Vec<&mut Generation> = active
                 .iter_mut()
                 .enumerate()
                 .filter(|(i, _)| batch.contains(i))
                 .map(|(_, a)| &mut a.gen)
                 .collect();
-            crate::step::run(&mut ctx, &mut gens, cfg.prefill_chunk)
-        };
+            crate::step::run(ctx, &mut gens, cfg.prefill_chunk)
+        });
         let mut ended = Vec::new();
         match result {
             Ok(step) => {
@@ -668,7 +650,7 @@ impl Engine {
                 tracing::error!("batched step failed: {e}");
                 let message = e.to_string();
                 for &i in batch {
-                    self.fail(i, GenerateError::Internal(message.clone()));
+                    self.fail(i, Event::Error(message.clone()));
                     ended.push(i);
                 }
             }
@@ -681,7 +663,8 @@ impl Engine {
         let event = match result {
             Ok(e) => e,
             Err(e) => {
-                self.fail(i, e);
+                tracing::error!("generation failed: {e}");
+                self.fail(i, e.into());
                 return true;
             }
         };
@@ -704,17 +687,17 @@ impl Engine {
         }
     }
 
-    /// Ends sequence `i` with an error: its stream is told, its caches are not kept.
-    fn fail(&mut self, i: usize, e: GenerateError) {
-        tracing::error!("generation failed: {e}");
+    /// Ends sequence `i` with an error: its stream is told (`error`), its caches are not kept.
+    fn fail(&mut self, i: usize, error: Event) {
         self.shared
             .metrics
             .requests_failed
             .fetch_add(1, Ordering::Relaxed);
-        self.with_ctx(i, 0, |ctx, a| {
+        self.with_ctx(0, |ctx, active, _| {
+            let a = &mut active[i];
             a.failed = true;
             let _ = a.gen.cancel(ctx);
-            let _ = a.job.events.send(e.into());
+            let _ = a.job.events.send(error);
         });
     }
 
@@ -724,7 +707,8 @@ impl Engine {
             .metrics
             .requests_cancelled
             .fetch_add(1, Ordering::Relaxed);
-        self.with_ctx(i, 0, |ctx, a| {
+        self.with_ctx(0, |ctx, active, _| {
+            let a = &mut active[i];
             let ev = a.gen.cancel(ctx);
             let _ = a.job.events.send(ev);
         });
@@ -806,17 +790,14 @@ impl Engine {
     /// Ends every stream with an error, so that a parent reports a failure rather than a
     /// success with a truncated answer.
     fn shutdown(&mut self) {
-        for mut a in std::mem::take(&mut self.active) {
-            let mut ctx = Ctx {
-                model: &*self.model.model,
-                sampler: &mut self.sampler,
-                draft: None,
-            };
-            let _ = a.gen.cancel(&mut ctx);
-            let _ = a.job.events.send(Event::Error(
-                "the runner is shutting down: the completion was interrupted".into(),
-            ));
-        }
+        self.with_ctx(0, |ctx, active, _| {
+            for mut a in std::mem::take(active) {
+                let _ = a.gen.cancel(ctx);
+                let _ = a.job.events.send(Event::Error(
+                    "the runner is shutting down: the completion was interrupted".into(),
+                ));
+            }
+        });
         for j in self.queue.drain(..) {
             let _ = j
                 .events
