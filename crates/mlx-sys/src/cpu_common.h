@@ -4,6 +4,7 @@
 #pragma once
 
 #include <immintrin.h>
+#include <cstdlib>
 
 #include <algorithm>
 #include <cmath>
@@ -172,6 +173,14 @@ void for_rows(size_t n, size_t min_per_chunk, const F& f, size_t chunks_per_thre
 
 inline bool has_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+
+// AVX-512 (its foundation: 16-lane float and int32 arithmetic), beside AVX2; MLXR_NO_AVX512
+// set in the environment turns it off (to compare the two paths on one machine).
+inline bool has_avx512() {
+  static const bool yes =
+      has_avx2() && __builtin_cpu_supports("avx512f") && std::getenv("MLXR_NO_AVX512") == nullptr;
   return yes;
 }
 

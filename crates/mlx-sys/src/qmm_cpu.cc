@@ -313,6 +313,120 @@ __attribute__((target("avx2,fma"))) void qmv_rows(
     }
 }
 
+// qmv_rows with 16 lanes (AVX-512): two consecutive 8-word units side by side in one register,
+// x laid out to match (xt16: unit pairs interleaved, see pair_units). Each lane's arithmetic is
+// the 8-lane kernel's; the lanes hold units 2U and 2U + 1, so the row's total adds the same
+// products in another order. Every row count takes this kernel where it applies, so a row's
+// result does not depend on the batch around it.
+template <int BITS, int R, int W, bool CVT>
+__attribute__((target("avx512f,avx2,fma"))) void qmv_rows512(
+    const float* xt16,    // R rows of x in unit-pair order, each K floats
+    const float* xsum,    // R rows of per-group sums of x
+    const uint32_t* w,
+    const float* scales,
+    const float* biases,
+    float* out,  // row m0 of the output
+    const Shape& s,
+    const int* rows) {
+  constexpr int P = 32 / BITS;
+  constexpr int UNIT = 8 * P;
+  const int pairs = s.K / UNIT / 2, words = s.K / P, groups = s.K / s.group;
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  const int unit_shift = s.group >= UNIT ? __builtin_ctz(s.group / UNIT) : 0;
+  const uint32_t* wr[W];
+  const float* sr[W];
+  const float* br[W];
+  #pragma GCC unroll 4
+  for (int i = 0; i < W; ++i) {
+    wr[i] = w + (size_t)rows[i] * words;
+    sr[i] = scales + (size_t)rows[i] * groups;
+    br[i] = biases + (size_t)rows[i] * groups;
+    _mm_prefetch(reinterpret_cast<const char*>(sr[i] + 4 * groups), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(br[i] + 4 * groups), _MM_HINT_T0);
+  }
+  __m512 tot[W][R];
+  #pragma GCC unroll 4
+  for (int i = 0; i < W; ++i)
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) tot[i][r] = _mm512_setzero_ps();
+  for (int u = 0; u < pairs; ++u) {
+    __m512i q[W];
+    #pragma GCC unroll 4
+    for (int i = 0; i < W; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr[i] + u * 16) + 2048, _MM_HINT_T0);
+      q[i] = _mm512_loadu_si512(reinterpret_cast<const void*>(wr[i] + u * 16));
+    }
+    constexpr int A = R <= 2 ? 2 : 1;
+    __m512 acc[W][R][A];
+    #pragma GCC unroll 4
+    for (int i = 0; i < W; ++i)
+      #pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+        #pragma GCC unroll 4
+        for (int c = 0; c < A; ++c) acc[i][r][c] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int j = 0; j < P; ++j) {
+      __m512 xj[R];
+      #pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+        xj[r] = _mm512_loadu_ps(xt16 + (size_t)r * s.K + (size_t)(u * P + j) * 16);
+      #pragma GCC unroll 4
+      for (int i = 0; i < W; ++i) {
+        __m512 qj;
+        if (CVT) {
+          const __m512i field = j + 1 == P
+                                    ? _mm512_srli_epi32(q[i], BITS * j)
+                                    : _mm512_and_si512(q[i], _mm512_slli_epi32(mask, BITS * j));
+          qj = _mm512_cvtepi32_ps(field);
+        } else if (field_in_place(BITS, j)) {
+          qj = _mm512_castsi512_ps(_mm512_and_si512(q[i], _mm512_slli_epi32(mask, BITS * j)));
+        } else if (j + 1 == P) {
+          qj = _mm512_castsi512_ps(_mm512_srli_epi32(q[i], BITS * j));
+        } else {
+          qj = _mm512_castsi512_ps(_mm512_and_si512(_mm512_srli_epi32(q[i], BITS * j), mask));
+        }
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[i][r][j % A] = _mm512_fmadd_ps(qj, xj[r], acc[i][r][j % A]);
+      }
+    }
+    #pragma GCC unroll 4
+    for (int i = 0; i < W; ++i) {
+      // Each lane's group scale: units 2u (lanes 0-7) and 2u + 1 (lanes 8-15).
+      __m512 sv;
+      if (s.group >= UNIT) {
+        sv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sr[i][(2 * u) >> unit_shift]),
+                                  _mm512_set1_ps(sr[i][(2 * u + 1) >> unit_shift]));
+      } else {
+        // group == 32 with 4-bit: each unit's lanes 0-3 and 4-7 are two groups.
+        const float* g = sr[i] + 4 * u;
+        sv = _mm512_setr_ps(g[0], g[0], g[0], g[0], g[1], g[1], g[1], g[1], g[2], g[2], g[2], g[2], g[3],
+                            g[3], g[3], g[3]);
+      }
+      #pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        #pragma GCC unroll 4
+        for (int c = 1; c < A; ++c) acc[i][r][0] = _mm512_add_ps(acc[i][r][0], acc[i][r][c]);
+        tot[i][r] = _mm512_fmadd_ps(acc[i][r][0], sv, tot[i][r]);
+      }
+    }
+  }
+  #pragma GCC unroll 4
+  for (int i = 0; i < W; ++i)
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const float* xs = xsum + (size_t)r * groups;
+      __m256 bv = _mm256_setzero_ps();
+      int g = 0;
+      for (; g + 8 <= groups; g += 8)
+        bv = _mm256_fmadd_ps(_mm256_loadu_ps(br[i] + g), _mm256_loadu_ps(xs + g), bv);
+      float bias = hsum(bv);
+      for (; g < groups; ++g) bias += br[i][g] * xs[g];
+      const float t = _mm512_reduce_add_ps(tot[i][r]);
+      const float dot = CVT ? t : t * kSubBack;
+      out[(size_t)r * s.N + rows[i]] = dot + bias;
+    }
+}
+
 // The same, one value at a time (no AVX2).
 void qmv_scalar(
     const float* x,
@@ -376,6 +490,56 @@ void qmv_block(
   }
 }
 
+// qmv_block with the 16-lane kernel.
+template <int BITS, bool CVT>
+void qmv_block512(
+    const float* xt16,
+    const float* xsum,
+    const uint32_t* w,
+    const float* sc,
+    const float* bi,
+    float* out,
+    const Shape& s,
+    int rows,
+    int n0,
+    int n1) {
+  if (rows == 1) {
+    const int half = (n1 - n0) / 2;
+    for (int i = 0; i < half; ++i) {
+      const int pair[2] = {n0 + i, n0 + half + i};
+      qmv_rows512<BITS, 1, 2, CVT>(xt16, xsum, w, sc, bi, out, s, pair);
+    }
+    if (n0 + 2 * half < n1) {
+      const int last = n1 - 1;
+      qmv_rows512<BITS, 1, 1, CVT>(xt16, xsum, w, sc, bi, out, s, &last);
+    }
+    return;
+  }
+  for (int n = n0; n < n1; ++n) {
+    switch (rows) {
+      case 2: qmv_rows512<BITS, 2, 1, CVT>(xt16, xsum, w, sc, bi, out, s, &n); break;
+      case 3: qmv_rows512<BITS, 3, 1, CVT>(xt16, xsum, w, sc, bi, out, s, &n); break;
+      default: qmv_rows512<BITS, 4, 1, CVT>(xt16, xsum, w, sc, bi, out, s, &n); break;
+    }
+  }
+}
+
+// Whether the 16-lane kernel takes rows of K values: AVX-512, and whole pairs of 8-word units.
+bool wide_rows(const Shape& s) {
+  return has_avx512() && (s.K / (8 * per_word(s.bits))) % 2 == 0;
+}
+
+// x's permuted rows (xt) in unit-pair order for the 16-lane kernel: xt16[(U·P + j)·16 + h·8 + l]
+// = xt[((2U + h)·P + j)·8 + l], so one load gives field j of units 2U and 2U + 1.
+void pair_units(const float* xt, float* xt16, const Shape& s) {
+  const int P = per_word(s.bits), pairs = s.K / (8 * P) / 2;
+  for (int u = 0; u < pairs; ++u)
+    for (int j = 0; j < P; ++j)
+      for (int h = 0; h < 2; ++h)
+        std::memcpy(xt16 + ((size_t)(u * P + j) * 16 + h * 8), xt + ((size_t)((2 * u + h) * P + j) * 8),
+                    8 * sizeof(float));
+}
+
 // Output rows per pool chunk: enough that a chunk reads ~32 KB of packed weights, so that
 // claiming it (an atomic both cores contend for) is small beside the work.
 int rows_per_chunk(const Shape& s) {
@@ -387,6 +551,8 @@ int rows_per_chunk(const Shape& s) {
 // of one call with the same x.
 struct PreparedX {
   const float* xt;
+  // xt in unit-pair order, where the 16-lane kernel takes these rows (else null).
+  const float* xt16;
   const float* xsum;
   // The unpacking xt is scaled for (see permute_x).
   bool cvt;
@@ -395,7 +561,7 @@ struct PreparedX {
 PreparedX prepare_x(const float* x, const Shape& s) {
   const int groups = s.K / s.group;
   // Reused between calls (the stream's thread makes them one at a time).
-  thread_local std::vector<float> xt_buf, xsum_buf;
+  thread_local std::vector<float> xt_buf, xt16_buf, xsum_buf;
   xt_buf.resize((size_t)s.M * s.K);
   xsum_buf.resize((size_t)s.M * groups);
   // The subnormal unpacking scales x by up to 2^85 and forms products 2^-64 of their size: it
@@ -410,8 +576,14 @@ PreparedX prepare_x(const float* x, const Shape& s) {
     permute_x(x + (size_t)m * s.K, xt_buf.data() + (size_t)m * s.K, s, cvt);
     group_sums(x + (size_t)m * s.K, xsum_buf.data() + (size_t)m * groups, s.K, s.group);
   }
+  const bool wide = wide_rows(s);
+  if (wide) {
+    xt16_buf.resize((size_t)s.M * s.K);
+    for (int m = 0; m < s.M; ++m)
+      pair_units(xt_buf.data() + (size_t)m * s.K, xt16_buf.data() + (size_t)m * s.K, s);
+  }
   // Plain pointers: inside a pool job a thread-local would name the worker's own copy.
-  return {xt_buf.data(), xsum_buf.data(), cvt};
+  return {xt_buf.data(), wide ? xt16_buf.data() : nullptr, xsum_buf.data(), cvt};
 }
 
 // Output rows [n0, n1) of every row of x (AVX2 only).
@@ -430,6 +602,16 @@ void qmv_range(
     const float* xr = px.xt + (size_t)m * s.K;
     const float* xs = px.xsum + (size_t)m * groups;
     float* o = out + (size_t)m * s.N;
+    if (px.xt16) {
+      const float* x16 = px.xt16 + (size_t)m * s.K;
+      if (s.bits == 4)
+        px.cvt ? qmv_block512<4, true>(x16, xs, w, sc, bi, o, s, rows, n0, n1)
+               : qmv_block512<4, false>(x16, xs, w, sc, bi, o, s, rows, n0, n1);
+      else
+        px.cvt ? qmv_block512<8, true>(x16, xs, w, sc, bi, o, s, rows, n0, n1)
+               : qmv_block512<8, false>(x16, xs, w, sc, bi, o, s, rows, n0, n1);
+      continue;
+    }
     if (s.bits == 4)
       px.cvt ? qmv_block<4, true>(xr, xs, w, sc, bi, o, s, rows, n0, n1)
              : qmv_block<4, false>(xr, xs, w, sc, bi, o, s, rows, n0, n1);

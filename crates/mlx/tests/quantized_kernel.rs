@@ -66,6 +66,11 @@ fn the_kernel_matches_mlx_on_every_supported_shape() {
                 (7, 31, 256),
                 (16, 40, 512),
                 (37, 19, 1024),
+                // An odd number of 8-word units (3 and 5 at 4 bits, 3 at 8 bits): the 16-lane
+                // kernel takes units in pairs, so these rows take the 8-lane one.
+                (2, 9, 192),
+                (3, 11, 320),
+                (1, 7, 96),
                 // Inputs past the sgemm path's K tile: tiles accumulate.
                 (20, 24, 4608),
             ] {
