@@ -19,6 +19,11 @@
 #include "mlx-sys/src/cpu_common.h"
 #include "mlx-sys/src/qmm_cpu.h"
 
+// GCC 12's AVX-512 intrinsics give their undefined operands themselves as a value
+// (`__Y = __Y`), which its own -Wuninitialized then reports wherever they are inlined.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 namespace mx = mlx::core;
 
 namespace mlxr {

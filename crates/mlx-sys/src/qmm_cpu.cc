@@ -31,6 +31,11 @@
 #include <thread>
 #include <vector>
 
+// GCC 12's AVX-512 intrinsics give their undefined operands themselves as a value
+// (`__Y = __Y`), which its own -Wuninitialized then reports wherever they are inlined.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 namespace mx = mlx::core;
 
 namespace mlxr {
