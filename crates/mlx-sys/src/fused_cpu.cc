@@ -1183,13 +1183,13 @@ __attribute__((target("avx512f"))) inline void gemv_pass512(
 }
 
 // gemv_rows_avx with 16 lanes: every output is the same chain of FMAs over k in order, so the
-// same bits; W's rows stream 12 at a time (8 for one row of x), which keeps the outputs' loads
+// same bits; W's rows stream 12 at a time, which keeps the outputs' loads
 // and stores few (the bench model through the runner, interleaved A/B: 4 clients 1.11x and 8
 // clients 1.22x the aggregate tokens/s of four at a time, one client alike).
 template <int R>
 __attribute__((target("avx512f"))) void gemv_rows_avx512(
     const float* x, int K, const float* w, int N, float* y, int n0, int n1) {
-  constexpr int G = R == 1 ? 8 : 12;
+  constexpr int G = 12;
   for (int r = 0; r < R; ++r) std::fill(y + (size_t)r * N + n0, y + (size_t)r * N + n1, 0.0f);
   int k = 0;
   for (; k + G <= K; k += G) gemv_pass512<R, G>(x, K, w, N, y, n0, n1, k);
@@ -1213,9 +1213,11 @@ void gemv_rows_scalar(const float* x, int M, int K, const float* w, int N, float
 
 void gemv_rows(const float* x, int M, int K, const float* w, int N, float* y, int n0, int n1) {
   if (!has_avx2()) return gemv_rows_scalar(x, M, K, w, N, y, n0, n1);
-  // Rows in groups of up to eight share each pass over W's columns [n0, n1): whole 16-column
-  // vectors with AVX-512 where the CPU has it, the rest with AVX2.
-  if (has_avx512()) {
+  // Rows in groups of up to eight share each pass over W's columns [n0, n1): for three rows
+  // or more, whole 16-column vectors with AVX-512 where the CPU has it (one or two rows decode
+  // ~10% slower that way on the bench model: AVX2 keeps them), the rest with AVX2. The two give
+  // every column the same FMA chain, so a row's result does not depend on the rows beside it.
+  if (has_avx512() && M >= 3) {
     const int n16 = n0 + (n1 - n0) / 16 * 16;
     for (int m = 0; m < M;) {
       const int r = std::min(8, M - m);

@@ -867,6 +867,32 @@ fn few_row_matmul_matches_mlx() {
     assert_eq!(ran.matmul, 0, "a transposed view");
 }
 
+/// A row of x gets the same bits from the few-row product whichever rows it is computed with:
+/// one row, two and three (where the widest vectors take over) and eight, so a request's greedy
+/// tokens do not depend on the batch beside it.
+#[test]
+fn few_row_matmul_rows_do_not_depend_on_their_neighbours() {
+    let _one = serial();
+    let (k, n) = (130, 1000);
+    let w = normal(&[k, n], 60);
+    w.eval().unwrap();
+    let xs = normal(&[8, k], 61).to_vec::<f32>().unwrap();
+    let product = |rows: i32| {
+        let x = Array::from_slice(&xs[..(rows * k) as usize], &[rows, k]).unwrap();
+        let (ours, _, _, ran) = both(|| x.matmul(&w).unwrap());
+        assert_eq!(ran.matmul, 1, "{rows} rows");
+        ours
+    };
+    let all = product(8);
+    for rows in [1, 2, 3, 5] {
+        let y = product(rows);
+        assert!(
+            y.iter().zip(&all).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "the first {rows} rows alone differ from the same rows among eight"
+        );
+    }
+}
+
 #[test]
 fn rms_norm_with_a_residual_matches_mlx() {
     let _one = serial();
