@@ -1,12 +1,11 @@
 //! Quantized models on the CPU: `cargo bench --bench quantized`.
 //!
 //! The benchmark model (target/bench-model, ~120M float32, tied embeddings) quantized by
-//! `mlx_lm convert -q` (MLX affine, 4 and 8 bits, group 64; and 4-bit with groups 32 and 128),
-//! run by `mlx-runner generate` and `mlx_lm generate` one after the other (same MLX, same
+//! `mlx_lm convert -q` (MLX affine, 4, 8, 3 and 6 bits, group 64), run by `mlx-runner generate` and `mlx_lm generate` one after the other (same MLX, same
 //! machine, OpenBLAS preloaded into the peer): prefill and decode tokens/s, medians, ratio. Ours
 //! goes through mlx-runner's CPU kernel for quantized matmuls (crates/mlx-sys/src/qmm_cpu.cc);
 //! `MLX_RUNNER_KERNELS=mlx` runs ours with MLX's own kernels instead, for comparison;
-//! `BENCH_QUANT_ALL=1` adds 4-bit with groups 32 and 128.
+//! `BENCH_QUANT_ALL=1` adds 2 and 5 bits and 4-bit with groups 32 and 128.
 //!
 //! The memory roofline: the bytes a decode step must read over the read bandwidth, measured here
 //! by summing a 1 GiB buffer with all cores. The bytes are every weight file byte (each quantized
@@ -123,9 +122,9 @@ fn main() {
     // Every row runs the bench model's layers on the same prompt: one context and cache size,
     // taken from the first quantized model (its tokenizer is the one the rows run).
     let mut cache: Option<(u64, u64)> = None;
-    let mut configs = vec![(4, 64), (8, 64)];
+    let mut configs = vec![(4, 64), (8, 64), (3, 64), (6, 64)];
     if std::env::var_os("BENCH_QUANT_ALL").is_some() {
-        configs.extend([(4, 32), (4, 128)]);
+        configs.extend([(2, 64), (5, 64), (4, 32), (4, 128)]);
     }
     // mlx-lm's 4-bit group-64 medians, the peer of the store's q4 row below.
     let mut peer_q4 = None;

@@ -171,8 +171,11 @@ void for_rows(size_t n, size_t min_per_chunk, const F& f, size_t chunks_per_thre
   p.run(chunks, [&](size_t c) { f(n * c / chunks, n * (c + 1) / chunks); });
 }
 
+// AVX2 with FMA; MLXR_NO_AVX2 set in the environment turns it off, and AVX-512 with it (the
+// scalar paths, which CPUs without AVX2 take, tested on one that has it).
 inline bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          std::getenv("MLXR_NO_AVX2") == nullptr;
   return yes;
 }
 
@@ -181,6 +184,12 @@ inline bool has_avx2() {
 inline bool has_avx512() {
   static const bool yes =
       has_avx2() && __builtin_cpu_supports("avx512f") && std::getenv("MLXR_NO_AVX512") == nullptr;
+  return yes;
+}
+
+// AVX-512 with its byte and word instructions (a 64-byte byte shuffle), where has_avx512().
+inline bool has_avx512bw() {
+  static const bool yes = has_avx512() && __builtin_cpu_supports("avx512bw");
   return yes;
 }
 

@@ -8,8 +8,11 @@
 //   sum_k x_k (s_g q_k + b_g) = sum_g s_g (sum_{k in g} x_k q_k) + sum_g b_g (sum_{k in g} x_k).
 // - Many rows (prefill): blocks of weight rows are dequantized to float32 and multiplied with
 //   the process's sgemm (OpenBLAS), which is compute-bound there anyway.
+// - Widths whose fields straddle words (2, 3, 5 and 6 bits: a row is one bit stream) take
+//   bit-stream kernels of the same two shapes (StreamUnpack).
 // Output rows are split across a small persistent thread pool. Only float32 activations,
-// 4- and 8-bit weights, group sizes 32/64/128, on the CPU stream; everything else stays MLX's.
+// 2- to 8-bit weights (not 7), group sizes 32/64/128, on the CPU stream; everything else stays
+// MLX's.
 
 #include "mlx-sys/src/qmm_cpu.h"
 #include "mlx-sys/src/cpu_common.h"
@@ -94,8 +97,27 @@ struct Shape {
   int M, N, K, bits, group;
 };
 
-// Values per packed uint32, and per 8-lane unit (8 uint32).
+// Values per packed uint32, and per 8-lane unit (8 uint32), for the widths that divide a word.
 inline int per_word(int bits) { return 32 / bits; }
+
+// The widths whose fields never straddle a word (4 and 8) take the permuted-x kernels below;
+// the others (2, 3, 5, 6) take the bit-stream kernels ("any width").
+inline bool word_aligned(int bits) { return bits == 4 || bits == 8; }
+
+// uint32 words a row of K values takes: a row is one little-endian bit stream, value k at bit
+// k·bits, so K·bits/32 words for K a multiple of 32.
+inline size_t row_words(int K, int bits) { return (size_t)K * bits / 32; }
+
+// Values in a row of `words` packed words (whole values: the checks below ask for it).
+inline int row_values(int64_t words, int bits) { return (int)(words * 32 / bits); }
+
+// Value k of a packed row, for any width: its field may straddle two words (3, 5, 6 bits).
+inline uint32_t field_at(const uint32_t* row, int k, int bits) {
+  const int bit = k * bits, word = bit >> 5, off = bit & 31;
+  uint32_t v = row[word] >> off;
+  if (off + bits > 32) v |= row[word + 1] << (32 - off);
+  return v & ((1u << bits) - 1);
+}
 
 // Where field j of a packed word sits when the kernel multiplies it, and as what.
 //
@@ -199,6 +221,16 @@ __attribute__((target("avx2,fma"))) void group_sums(const float* x, float* xsum,
     for (int k = 8; k < group; k += 8) t = _mm256_add_ps(t, _mm256_loadu_ps(x + (size_t)g * group + k));
     xsum[g] = hsum(t);
   }
+}
+
+// sum_g b_g · (sum of x over group g): the biases' share of an output row.
+__attribute__((target("avx2,fma"))) inline float bias_sum(const float* b, const float* xs, int groups) {
+  __m256 bv = _mm256_setzero_ps();
+  int g = 0;
+  for (; g + 8 <= groups; g += 8) bv = _mm256_fmadd_ps(_mm256_loadu_ps(b + g), _mm256_loadu_ps(xs + g), bv);
+  float bias = hsum(bv);
+  for (; g < groups; ++g) bias += b[g] * xs[g];
+  return bias;
 }
 
 // Output rows n[0..W) for R (1..4) rows of x starting at m0. W = 2 (one row of x: decode)
@@ -306,15 +338,8 @@ __attribute__((target("avx2,fma"))) void qmv_rows(
   for (int i = 0; i < W; ++i)
     #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const float* xs = xsum + (size_t)r * groups;
-      __m256 bv = _mm256_setzero_ps();
-      int g = 0;
-      for (; g + 8 <= groups; g += 8)
-        bv = _mm256_fmadd_ps(_mm256_loadu_ps(br[i] + g), _mm256_loadu_ps(xs + g), bv);
-      float bias = hsum(bv);
-      for (; g < groups; ++g) bias += br[i][g] * xs[g];
       const float dot = CVT ? hsum(tot[i][r]) : hsum(tot[i][r]) * kSubBack;
-      out[(size_t)r * s.N + rows[i]] = dot + bias;
+      out[(size_t)r * s.N + rows[i]] = dot + bias_sum(br[i], xsum + (size_t)r * groups, groups);
     }
 }
 
@@ -443,15 +468,15 @@ void qmv_scalar(
     int m,
     int n0,
     int n1) {
-  const int P = per_word(s.bits), words = s.K / P, groups = s.K / s.group;
-  const uint32_t mask = (1u << s.bits) - 1;
+  const size_t words = row_words(s.K, s.bits);
+  const int groups = s.K / s.group;
   for (int n = n0; n < n1; ++n) {
     const uint32_t* wr = w + (size_t)n * words;
     float acc = 0;
     for (int g = 0; g < groups; ++g) {
       float dot = 0, sum = 0;
       for (int k = g * s.group; k < (g + 1) * s.group; ++k) {
-        float q = (float)((wr[k / P] >> (s.bits * (k % P))) & mask);
+        float q = (float)field_at(wr, k, s.bits);
         dot += x[(size_t)m * s.K + k] * q;
         sum += x[(size_t)m * s.K + k];
       }
@@ -529,9 +554,256 @@ void qmv_block512(
   }
 }
 
+// ---- any width: rows as bit streams ---------------------------------------------------------
+//
+// Eight values of BITS bits are BITS bytes, and one 8-byte load holds them all. Broadcast to
+// every 64-bit lane, a byte shuffle gives lane j the two bytes its field starts in (a field of
+// at most 6 bits starting at bit (j·BITS) mod 8 ends within them), a per-lane shift and the mask
+// leave the value. Fields are multiplied with x in its own order (no permuted copy), groups are
+// whole units (8 values), and each output row's sums are the same whichever rows of x are
+// computed beside it (two FMA chains per row at every row count).
+template <int BITS>
+struct StreamUnpack {
+  __m256i ctrl, shifts, mask;
+
+  __attribute__((target("avx2"))) StreamUnpack() {
+    alignas(32) int8_t c[32];
+    alignas(32) int32_t sh[8];
+    for (int j = 0; j < 8; ++j) {
+      const int bit = j * BITS;
+      // Lanes 4-7 index the upper 128-bit half, which holds the same 8 bytes.
+      c[4 * j] = (int8_t)(bit / 8);
+      c[4 * j + 1] = (int8_t)(bit / 8 + 1);
+      c[4 * j + 2] = c[4 * j + 3] = (int8_t)0x80;  // zero
+      sh[j] = bit % 8;
+    }
+    ctrl = _mm256_load_si256(reinterpret_cast<const __m256i*>(c));
+    shifts = _mm256_load_si256(reinterpret_cast<const __m256i*>(sh));
+    mask = _mm256_set1_epi32((1 << BITS) - 1);
+  }
+
+  // The 8 values of the unit at p, as int32 lanes; p + 8 must be inside the buffer.
+  __attribute__((target("avx2"))) __m256i operator()(const uint8_t* p) const {
+    const __m256i b = _mm256_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(b, ctrl), shifts), mask);
+  }
+};
+
+// StreamUnpack with 16 lanes: two units (2·BITS ≤ 12 bytes) from one 16-byte load broadcast to
+// the four 128-bit lanes; lanes 0-7 are the first unit's values, 8-15 the second's, so the 16
+// lanes meet 16 consecutive values of x.
+template <int BITS>
+struct StreamUnpack16 {
+  __m512i ctrl, shifts, mask;
+
+  __attribute__((target("avx512f,avx512bw"))) StreamUnpack16() {
+    alignas(64) int8_t c[64];
+    alignas(64) int32_t sh[16];
+    for (int j = 0; j < 16; ++j) {
+      const int bit = j * BITS;
+      c[4 * j] = (int8_t)(bit / 8);
+      c[4 * j + 1] = (int8_t)(bit / 8 + 1);
+      c[4 * j + 2] = c[4 * j + 3] = (int8_t)0x80;
+      sh[j] = bit % 8;
+    }
+    ctrl = _mm512_load_si512(c);
+    shifts = _mm512_load_si512(sh);
+    mask = _mm512_set1_epi32((1 << BITS) - 1);
+  }
+
+  // The 16 values of the two units at p; p + 16 must be inside the buffer.
+  __attribute__((target("avx512f,avx512bw"))) __m512i operator()(const uint8_t* p) const {
+    const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi8(b, ctrl), shifts), mask);
+  }
+};
+
+// A row whose last load (8 bytes, 16 for the 16-lane kernel) would pass the packed buffer's end
+// is read from a copy with room after it (only the matrix's last rows are).
+struct PaddedRow {
+  std::vector<uint8_t> copy;
+  const uint8_t* at(const uint32_t* w, const Shape& s, int n) {
+    const size_t bytes = row_words(s.K, s.bits) * 4;
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(w) + (size_t)n * bytes;
+    const uint8_t* end = reinterpret_cast<const uint8_t*>(w) + (size_t)s.N * bytes;
+    if (row + bytes + 16 <= end) return row;
+    copy.assign(bytes + 16, 0);
+    std::memcpy(copy.data(), row, bytes);
+    return copy.data();
+  }
+};
+
+// Output row n for R (1..4) rows of x (x in its own order, rows K apart), G values a group.
+template <int BITS, int R, int G>
+__attribute__((target("avx2,fma"))) void qmv_rows_any(
+    const float* x,
+    const float* xsum,
+    const uint32_t* w,
+    const float* scales,
+    const float* biases,
+    float* out,
+    const Shape& s,
+    int n,
+    PaddedRow& pad) {
+  const StreamUnpack<BITS> unpack;
+  const int groups = s.K / G;
+  const uint8_t* wr = pad.at(w, s, n);
+  const float* sr = scales + (size_t)n * groups;
+  const float* br = biases + (size_t)n * groups;
+  __m256 tot[R];
+  #pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) tot[r] = _mm256_setzero_ps();
+  for (int g = 0; g < groups; ++g) {
+    const uint8_t* pg = wr + (size_t)g * G / 8 * BITS;
+    const float* xg = x + (size_t)g * G;
+    _mm_prefetch(reinterpret_cast<const char*>(pg) + 1024, _MM_HINT_T0);
+    __m256 acc[R][2];
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    #pragma GCC unroll 16
+    for (int u = 0; u < G / 8; ++u) {
+      const __m256 q = _mm256_cvtepi32_ps(unpack(pg + u * BITS));
+      #pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+        acc[r][u & 1] = _mm256_fmadd_ps(q, _mm256_loadu_ps(xg + (size_t)r * s.K + u * 8), acc[r][u & 1]);
+    }
+    const __m256 sv = _mm256_set1_ps(sr[g]);
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) tot[r] = _mm256_fmadd_ps(_mm256_add_ps(acc[r][0], acc[r][1]), sv, tot[r]);
+  }
+  #pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+    out[(size_t)r * s.N + n] = hsum(tot[r]) + bias_sum(br, xsum + (size_t)r * groups, groups);
+}
+
+// qmv_rows_any with 16 lanes (StreamUnpack16): the row's sums in another order than the 8-lane
+// kernel's, the same at every row count.
+template <int BITS, int R, int G>
+__attribute__((target("avx512f,avx512bw,avx2,fma"))) void qmv_rows_any512(
+    const float* x,
+    const float* xsum,
+    const uint32_t* w,
+    const float* scales,
+    const float* biases,
+    float* out,
+    const Shape& s,
+    int n,
+    PaddedRow& pad) {
+  const StreamUnpack16<BITS> unpack;
+  const int groups = s.K / G;
+  const uint8_t* wr = pad.at(w, s, n);
+  const float* sr = scales + (size_t)n * groups;
+  const float* br = biases + (size_t)n * groups;
+  __m512 tot[R];
+  #pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) tot[r] = _mm512_setzero_ps();
+  for (int g = 0; g < groups; ++g) {
+    const uint8_t* pg = wr + (size_t)g * G / 8 * BITS;
+    const float* xg = x + (size_t)g * G;
+    _mm_prefetch(reinterpret_cast<const char*>(pg) + 1024, _MM_HINT_T0);
+    __m512 acc[R][2];
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    #pragma GCC unroll 8
+    for (int u = 0; u < G / 16; ++u) {
+      const __m512 q = _mm512_cvtepi32_ps(unpack(pg + u * 2 * BITS));
+      #pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+        acc[r][u & 1] = _mm512_fmadd_ps(q, _mm512_loadu_ps(xg + (size_t)r * s.K + u * 16), acc[r][u & 1]);
+    }
+    const __m512 sv = _mm512_set1_ps(sr[g]);
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) tot[r] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][0], acc[r][1]), sv, tot[r]);
+  }
+  #pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+    out[(size_t)r * s.N + n] =
+        _mm512_reduce_add_ps(tot[r]) + bias_sum(br, xsum + (size_t)r * groups, groups);
+}
+
+template <int BITS, int G>
+void qmv_block_any(
+    const float* x,
+    const float* xsum,
+    const uint32_t* w,
+    const float* sc,
+    const float* bi,
+    float* out,
+    const Shape& s,
+    int rows,
+    int n0,
+    int n1) {
+  PaddedRow pad;
+  const bool wide = has_avx512bw();
+  for (int n = n0; n < n1; ++n) {
+    if (wide) {
+      switch (rows) {
+        case 1: qmv_rows_any512<BITS, 1, G>(x, xsum, w, sc, bi, out, s, n, pad); break;
+        case 2: qmv_rows_any512<BITS, 2, G>(x, xsum, w, sc, bi, out, s, n, pad); break;
+        case 3: qmv_rows_any512<BITS, 3, G>(x, xsum, w, sc, bi, out, s, n, pad); break;
+        default: qmv_rows_any512<BITS, 4, G>(x, xsum, w, sc, bi, out, s, n, pad); break;
+      }
+      continue;
+    }
+    switch (rows) {
+      case 1: qmv_rows_any<BITS, 1, G>(x, xsum, w, sc, bi, out, s, n, pad); break;
+      case 2: qmv_rows_any<BITS, 2, G>(x, xsum, w, sc, bi, out, s, n, pad); break;
+      case 3: qmv_rows_any<BITS, 3, G>(x, xsum, w, sc, bi, out, s, n, pad); break;
+      default: qmv_rows_any<BITS, 4, G>(x, xsum, w, sc, bi, out, s, n, pad); break;
+    }
+  }
+}
+
+template <int BITS>
+void qmv_block_any(
+    const float* x,
+    const float* xsum,
+    const uint32_t* w,
+    const float* sc,
+    const float* bi,
+    float* out,
+    const Shape& s,
+    int rows,
+    int n0,
+    int n1) {
+  switch (s.group) {
+    case 32: return qmv_block_any<BITS, 32>(x, xsum, w, sc, bi, out, s, rows, n0, n1);
+    case 64: return qmv_block_any<BITS, 64>(x, xsum, w, sc, bi, out, s, rows, n0, n1);
+    default: return qmv_block_any<BITS, 128>(x, xsum, w, sc, bi, out, s, rows, n0, n1);
+  }
+}
+
+// Rows [n0, n1) and columns [k0, k1) (whole groups) of w as float32: each unit's values times
+// the group's scale plus its bias, one FMA, as MLX's dequantize computes them.
+template <int BITS>
+__attribute__((target("avx2,fma"))) void dequantize_rows_any(
+    const uint32_t* w,
+    const float* sc,
+    const float* bi,
+    float* dst,
+    const Shape& s,
+    int n0,
+    int n1,
+    int k0,
+    int k1) {
+  const StreamUnpack<BITS> unpack;
+  const int groups = s.K / s.group;
+  PaddedRow pad;
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* wr = pad.at(w, s, n);
+    float* d = dst + (size_t)(n - n0) * (k1 - k0) - k0;
+    for (int g = k0 / s.group; g < k1 / s.group; ++g) {
+      const __m256 a = _mm256_set1_ps(sc[(size_t)n * groups + g]);
+      const __m256 b = _mm256_set1_ps(bi[(size_t)n * groups + g]);
+      for (int k = g * s.group; k < (g + 1) * s.group; k += 8)
+        _mm256_storeu_ps(d + k, _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(unpack(wr + k / 8 * BITS)), b));
+    }
+  }
+}
+
 // Whether the 16-lane kernel takes rows of K values: AVX-512, and whole pairs of 8-word units.
 bool wide_rows(const Shape& s) {
-  return has_avx512() && (s.K / (8 * per_word(s.bits))) % 2 == 0;
+  return has_avx512() && word_aligned(s.bits) && (s.K / (8 * per_word(s.bits))) % 2 == 0;
 }
 
 // x's permuted rows (xt) in unit-pair order for the 16-lane kernel: xt16[(U·P + j)·16 + h·8 + l]
@@ -567,8 +839,14 @@ PreparedX prepare_x(const float* x, const Shape& s) {
   const int groups = s.K / s.group;
   // Reused between calls (the stream's thread makes them one at a time).
   thread_local std::vector<float> xt_buf, xt16_buf, xsum_buf;
-  xt_buf.resize((size_t)s.M * s.K);
   xsum_buf.resize((size_t)s.M * groups);
+  if (!word_aligned(s.bits)) {
+    // The bit-stream kernels read x in its own order.
+    for (int m = 0; m < s.M; ++m)
+      group_sums(x + (size_t)m * s.K, xsum_buf.data() + (size_t)m * groups, s.K, s.group);
+    return {x, nullptr, xsum_buf.data(), true};
+  }
+  xt_buf.resize((size_t)s.M * s.K);
   // The subnormal unpacking scales x by up to 2^85 and forms products 2^-64 of their size: it
   // takes inputs whose largest magnitude is within 2^±40, so that the scaled copy is finite and
   // the products that matter are normal floats (exact, as the conversion's are).
@@ -607,6 +885,13 @@ void qmv_range(
     const float* xr = px.xt + (size_t)m * s.K;
     const float* xs = px.xsum + (size_t)m * groups;
     float* o = out + (size_t)m * s.N;
+    switch (s.bits) {
+      case 2: qmv_block_any<2>(xr, xs, w, sc, bi, o, s, rows, n0, n1); continue;
+      case 3: qmv_block_any<3>(xr, xs, w, sc, bi, o, s, rows, n0, n1); continue;
+      case 5: qmv_block_any<5>(xr, xs, w, sc, bi, o, s, rows, n0, n1); continue;
+      case 6: qmv_block_any<6>(xr, xs, w, sc, bi, o, s, rows, n0, n1); continue;
+      default: break;
+    }
     if (px.xt16) {
       const float* x16 = px.xt16 + (size_t)m * s.K;
       if (s.bits == 4)
@@ -665,15 +950,15 @@ void dequantize_rows_scalar(
     int n1,
     int k0,
     int k1) {
-  const int P = per_word(s.bits), words = s.K / P, groups = s.K / s.group;
-  const uint32_t mask = (1u << s.bits) - 1;
+  const size_t words = row_words(s.K, s.bits);
+  const int groups = s.K / s.group;
   for (int n = n0; n < n1; ++n) {
     const uint32_t* wr = w + (size_t)n * words;
     float* d = dst + (size_t)(n - n0) * (k1 - k0) - k0;
     for (int g = k0 / s.group; g < k1 / s.group; ++g) {
       const float a = sc[(size_t)n * groups + g], b = bi[(size_t)n * groups + g];
       for (int k = g * s.group; k < (g + 1) * s.group; ++k)
-        d[k] = a * (float)((wr[k / P] >> (s.bits * (k % P))) & mask) + b;
+        d[k] = a * (float)field_at(wr, k, s.bits) + b;
     }
   }
 }
@@ -735,7 +1020,13 @@ void dequantize_rows(
     int k0,
     int k1) {
   if (has_avx2()) {
-    dequantize_rows_avx(w, sc, bi, dst, s, n0, n1, k0, k1);
+    switch (s.bits) {
+      case 2: return dequantize_rows_any<2>(w, sc, bi, dst, s, n0, n1, k0, k1);
+      case 3: return dequantize_rows_any<3>(w, sc, bi, dst, s, n0, n1, k0, k1);
+      case 5: return dequantize_rows_any<5>(w, sc, bi, dst, s, n0, n1, k0, k1);
+      case 6: return dequantize_rows_any<6>(w, sc, bi, dst, s, n0, n1, k0, k1);
+      default: dequantize_rows_avx(w, sc, bi, dst, s, n0, n1, k0, k1);
+    }
   } else {
     dequantize_rows_scalar(w, sc, bi, dst, s, n0, n1, k0, k1);
   }
@@ -988,7 +1279,7 @@ struct GatherQuantizedMatmulOp {
     const float* xp = dense(x, xd);
     const uint32_t* ip = dense(idx, id);
     float* op = out.data<float>();
-    const size_t words = (size_t)N * (K / per_word(bits)), groups = (size_t)N * (K / group);
+    const size_t words = (size_t)N * row_words(K, bits), groups = (size_t)N * (K / group);
     const DensePacked q(w, in[2], in[3]);
     int b = 0;
     while (b < B) {
@@ -1022,7 +1313,7 @@ struct DequantizeOp {
 
   static void run(const Params& p, std::vector<View>& in, View& out) {
     const auto& w = in[0];
-    const int K = (int)w.shape(-1) * per_word(p.bits);
+    const int K = row_values(w.shape(-1), p.bits);
     const int N = (int)(w.size() / w.shape(-1));
     const Shape s{1, N, K, p.bits, p.group};
     const DensePacked q(w, in[1], in[2]);
@@ -1050,7 +1341,7 @@ struct QuantizedEmbeddingOp {
 
   static void run(const Params& p, std::vector<View>& in, View& out) {
     const auto& w = in[1];
-    const int V = (int)w.shape(0), K = (int)w.shape(1) * per_word(p.bits);
+    const int V = (int)w.shape(0), K = row_values(w.shape(1), p.bits);
     const Shape s{1, V, K, p.bits, p.group};
     std::vector<int32_t> it;
     const int32_t* ids = dense(in[0], it);
@@ -1085,7 +1376,8 @@ bool packed_format_applies(
     int group_size,
     int bits) {
   return g_enabled.load() && mx::default_device() == mx::Device::cpu && biases &&
-         (bits == 4 || bits == 8) && (group_size == 32 || group_size == 64 || group_size == 128) &&
+         (bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8) &&
+         (group_size == 32 || group_size == 64 || group_size == 128) &&
          w.dtype() == mx::uint32 && scales.dtype() == mx::float32 &&
          biases->dtype() == mx::float32 && scales.ndim() == w.ndim() &&
          biases->shape() == scales.shape();
@@ -1102,7 +1394,8 @@ bool kernel_applies(
   const int K = x.ndim() >= 1 ? x.shape(-1) : 0;
   return packed_format_applies(w, scales, biases, group_size, bits) && transpose &&
          x.dtype() == mx::float32 && x.ndim() >= 1 && x.size() > 0 && w.ndim() >= 2 &&
-         K == w.shape(-1) * (32 / bits) && K % group_size == 0 && K % (256 / bits) == 0 &&
+         (int64_t)K * bits == (int64_t)w.shape(-1) * 32 && K % group_size == 0 &&
+         (!word_aligned(bits) || K % (256 / bits) == 0) &&
          scales.shape(-2) == w.shape(-2) && scales.shape(-1) == K / group_size;
 }
 
@@ -1202,10 +1495,10 @@ std::optional<mx::array> cpu_dequantize(
   const bool fits = packed_format_applies(w, scales, biases, group_size, bits) &&
                     w.ndim() >= 1 && w.size() > 0 &&
                     std::equal(w.shape().begin(), w.shape().end() - 1, scales.shape().begin()) &&
-                    (size_t)w.shape(-1) * (32 / bits) == (size_t)scales.shape(-1) * group_size;
+                    (size_t)w.shape(-1) * 32 == (size_t)scales.shape(-1) * group_size * bits;
   if (!fits) return std::nullopt;
   auto shape = w.shape();
-  shape.back() = w.shape(-1) * (32 / bits);
+  shape.back() = row_values(w.shape(-1), bits);
   return make<DequantizeOp>(shape, {group_size, bits}, {w, scales, *biases});
 }
 
@@ -1219,11 +1512,11 @@ std::optional<mx::array> cpu_quantized_embedding(
     std::optional<float> scale) {
   const bool fits = packed_format_applies(w, scales, biases, group_size, bits) && w.ndim() == 2 &&
                     scales.ndim() == 2 && w.shape(0) == scales.shape(0) && w.shape(0) > 0 &&
-                    (size_t)w.shape(1) * (32 / bits) == (size_t)scales.shape(1) * group_size &&
+                    (size_t)w.shape(1) * 32 == (size_t)scales.shape(1) * group_size * bits &&
                     (ids.dtype() == mx::int32 || ids.dtype() == mx::uint32) && ids.size() > 0;
   if (!fits) return std::nullopt;
   auto shape = ids.shape();
-  shape.push_back(w.shape(1) * (32 / bits));
+  shape.push_back(row_values(w.shape(1), bits));
   return make<QuantizedEmbeddingOp>(
       shape, {group_size, bits, scale.has_value(), scale.value_or(1.0f)}, {ids, w, scales, biases});
 }

@@ -56,7 +56,8 @@ fn the_kernel_matches_mlx_on_every_supported_shape() {
     let _one = serial();
     let mut case = 0u64;
     let before = mlx::quantized_kernel_counts();
-    for bits in [4, 8] {
+    for bits in [2, 3, 4, 5, 6, 8] {
+        let width_before = mlx::quantized_kernel_counts();
         for group in [32, 64, 128] {
             for (rows, n, k) in [
                 (1, 5, 256),
@@ -95,6 +96,16 @@ fn the_kernel_matches_mlx_on_every_supported_shape() {
                 );
             }
         }
+        // Every width has both of the kernel's paths.
+        let width_after = KERNEL_RUNS.with(|c| c.get());
+        assert!(
+            width_after.0 > width_before.0,
+            "{bits}-bit: packed rows never ran"
+        );
+        assert!(
+            width_after.1 > width_before.1,
+            "{bits}-bit: sgemm path never ran"
+        );
     }
     // Both of the kernel's paths answered.
     let after = KERNEL_RUNS.with(|c| c.get());
@@ -109,7 +120,7 @@ fn the_kernel_matches_mlx_on_every_supported_shape() {
 fn an_output_row_does_not_depend_on_its_neighbours() {
     let _one = serial();
     mlx::set_quantized_kernel(true);
-    for bits in [4, 8] {
+    for bits in [2, 3, 4, 5, 6, 8] {
         let x = random::normal(
             &[1, 256],
             Dtype::F32,
@@ -196,7 +207,7 @@ fn batched_and_strided_inputs_go_through_the_kernel_too() {
 fn shapes_it_does_not_cover_fall_back_to_mlx() {
     let _one = serial();
     let before = mlx::quantized_kernel_counts();
-    // 2-bit, and a k that is not a whole number of packed units: MLX's path, same answer.
+    // A k that is not a whole number of 4-bit packed units: MLX's path, same answer.
     let x = random::normal(
         &[2, 96],
         Dtype::F32,
@@ -213,10 +224,8 @@ fn shapes_it_does_not_cover_fall_back_to_mlx() {
         Some(&random::key(5).unwrap()),
     )
     .unwrap();
-    for (group, bits) in [(32, 2), (32, 4)] {
-        let (ours, theirs, _) = products(&x, &w, group, bits);
-        assert!(max_diff(&ours, &theirs) < 1e-5);
-    }
+    let (ours, theirs, _) = products(&x, &w, 32, 4);
+    assert!(max_diff(&ours, &theirs) < 1e-5);
     // More dimensions than the kernels' views of an array hold (8).
     let deep = x.reshape(&[1, 1, 1, 1, 1, 1, 1, 2, 96]).unwrap();
     let (ours, theirs, _) = products(&deep, &w, 32, 4);
@@ -263,7 +272,15 @@ fn expert_gathers_match_mlx() {
         Some(&random::key(11).unwrap()),
     )
     .unwrap();
-    for (bits, group) in [(4, 64), (8, 32), (4, 128)] {
+    for (bits, group) in [
+        (4, 64),
+        (8, 32),
+        (4, 128),
+        (3, 64),
+        (6, 32),
+        (5, 128),
+        (2, 64),
+    ] {
         // Decode-like: one token, top-3 experts, x broadcast over them ([T, 1, 1, K], ids [T, k]).
         let x = random::normal(
             &[1, 1, 1, k],
@@ -342,7 +359,7 @@ fn ops_of(a: &Array) -> Vec<String> {
 fn dequantization_matches_mlx() {
     let _one = serial();
     let mut case = 100u64;
-    for bits in [4, 8] {
+    for bits in [2, 3, 4, 5, 6, 8] {
         for group in [32, 64, 128] {
             // A matrix, an expert stack, and rows gathered from a table (an embedding lookup).
             for shape in [vec![7, 256], vec![3, 5, 384], vec![40, 128]] {
@@ -416,7 +433,7 @@ fn gated_mlps_are_the_ops_they_fuse() {
     ];
     let mut case = 300u64;
     for (kind, fused_op, unfused_op) in kinds {
-        for (bits, group) in [(4, 64), (8, 32), (4, 32), (8, 128)] {
+        for (bits, group) in [(4, 64), (8, 32), (4, 32), (8, 128), (3, 64), (6, 32)] {
             for (rows, n, k) in [(1, 96, 256), (3, 33, 512), (16, 40, 256), (37, 24, 384)] {
                 if k % group != 0 {
                     continue;
@@ -479,7 +496,16 @@ fn gated_mlps_are_the_ops_they_fuse() {
 fn projections_of_one_input_are_the_products_they_fuse() {
     let _one = serial();
     let mut case = 500u64;
-    for (bits, group) in [(4, 64), (8, 32), (4, 32), (8, 128), (4, 128)] {
+    for (bits, group) in [
+        (4, 64),
+        (8, 32),
+        (4, 32),
+        (8, 128),
+        (4, 128),
+        (3, 64),
+        (5, 32),
+        (2, 128),
+    ] {
         // Decode rows, a verify block, a prefill past the sgemm threshold; output widths of a
         // query, key and value projection, odd ones among them.
         for (rows, k, ns) in [
@@ -619,7 +645,7 @@ fn a_projection_and_its_residual_update_are_one_op() {
     let _one = serial();
     mlx::set_quantized_kernel(true);
     let mut case = 1300u64;
-    for (bits, group) in [(4, 64), (8, 32), (4, 128)] {
+    for (bits, group) in [(4, 64), (8, 32), (4, 128), (3, 64), (6, 128)] {
         for (rows, n, k) in [(1, 96, 256), (3, 40, 512), (20, 64, 384)] {
             case += 10;
             let x = normal(&[1, rows, k], 1.0, case);
@@ -708,7 +734,16 @@ fn a_quantized_embedding_lookup_is_one_op() {
     let _one = serial();
     mlx::set_quantized_kernel(true);
     let mut case = 1500u64;
-    for (bits, group) in [(4, 32), (4, 64), (8, 64), (8, 128)] {
+    for (bits, group) in [
+        (4, 32),
+        (4, 64),
+        (8, 64),
+        (8, 128),
+        (3, 64),
+        (5, 32),
+        (6, 128),
+        (2, 64),
+    ] {
         case += 1;
         let q = normal(&[50, 256], 0.05, case)
             .quantize(group, bits)
@@ -788,7 +823,7 @@ fn a_layers_projections_and_their_heads_are_one_op() {
     let mut case = 1700u64;
     let inv: Vec<f32> = (0..16).map(|j| 1.0 + j as f32 * 7.5).collect();
     let wavelengths = Array::from_slice(&inv, &[16]).unwrap();
-    for (bits, group) in [(4, 64), (8, 32)] {
+    for (bits, group) in [(4, 64), (8, 32), (3, 64), (6, 32)] {
         for (t, k_eq_v, custom) in [(1, false, false), (3, true, true), (2, false, true)] {
             case += 10;
             let (hq, hk, d, k) = (4, 2, 32, 256);

@@ -92,6 +92,26 @@ impl QuantConfig {
     }
 }
 
+/// Whether MLX's affine quantization has `bits` and `group_size`, for rows of `cols` values.
+fn affine_format(group_size: i32, bits: i32, cols: i32) -> std::result::Result<(), String> {
+    if ![2, 3, 4, 5, 6, 8].contains(&bits) {
+        return Err(format!(
+            "is quantized at {bits} bits, which MLX's affine mode does not have (2, 3, 4, 5, 6 or 8)"
+        ));
+    }
+    if ![32, 64, 128].contains(&group_size) {
+        return Err(format!(
+            "has a group size of {group_size}, which MLX's affine mode does not have (32, 64 or 128)"
+        ));
+    }
+    if cols % group_size != 0 {
+        return Err(format!(
+            "has rows of {cols} values, not a whole number of groups of {group_size}"
+        ));
+    }
+    Ok(())
+}
+
 /// All tensors of a checkpoint.
 pub struct Weights {
     dir: PathBuf,
@@ -418,6 +438,12 @@ impl<'a> Vb<'a> {
                     message: "stored quantized, but the quantization block excludes this module"
                         .into(),
                 })?;
+        if let Err(message) = affine_format(group_size, bits, cols) {
+            return Err(ModelError::Tensor {
+                name: wname,
+                message,
+            });
+        }
         // Kept, so that loading materialises the packed codes too: the first forward pass then
         // finds them in memory (and the CPU kernels find them contiguous).
         let weight = self.w.keep(self.w.raw(&wname)?);

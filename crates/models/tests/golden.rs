@@ -163,3 +163,16 @@ fn gemma4_moe_q4_matches_mlx_lm() {
 fn glm4_moe_lite_q4_matches_mlx_lm() {
     check_model("glm4_moe_lite_q4", 1e-3);
 }
+
+/// 3-bit codes straddle words: GLM's projections and routed experts at 3 bits.
+#[test]
+fn glm4_moe_lite_q3_matches_mlx_lm() {
+    check_model("glm4_moe_lite_q3", 1e-3);
+}
+
+/// mlx-lm's mixed recipe: attention at 6 bits (group 32), the dense MLP at 3, the experts at 5
+/// (group 32), the embedding and head at 2, the router in float.
+#[test]
+fn gemma4_moe_mixed_widths_match_mlx_lm() {
+    check_model("gemma4_26b_a4b_like_mixed", 1e-3);
+}

@@ -388,3 +388,31 @@ fn quantized_tensor_without_quantization_block() {
     let e = load_err(&s);
     assert!(e.contains("no quantization block"), "{e}");
 }
+
+/// A quantization block naming a width or a group MLX's affine mode does not have is refused
+/// at load, naming the tensor; one that disagrees with the stored codes names their shape.
+#[test]
+fn quantization_formats_mlx_does_not_have_are_named() {
+    for (bits, group, want) in [
+        (7, 64, "at 7 bits, which MLX's affine mode does not have"),
+        (
+            4,
+            16,
+            "group size of 16, which MLX's affine mode does not have",
+        ),
+        (3, 64, "does not hold"),
+    ] {
+        let s = Scratch::of("glm4_moe_lite_q4");
+        let mut c = s.config();
+        for key in ["quantization", "quantization_config"] {
+            c[key]["bits"] = json!(bits);
+            c[key]["group_size"] = json!(group);
+        }
+        s.set_config(&c);
+        let e = load_err(&s);
+        assert!(
+            e.contains(want) && e.contains(".weight"),
+            "{bits} bits, group {group}: {e}"
+        );
+    }
+}

@@ -94,6 +94,8 @@ fn packed_rows_match_each_row_alone() {
         "gemma4_31b_like",
         "glm4_moe_lite",
         "glm4_moe_lite_q4",
+        "glm4_moe_lite_q3",
+        "gemma4_26b_a4b_like_mixed",
     ] {
         let m = load(&fixture(name), DtypeChoice::Fixed(Dtype::F32)).unwrap();
         check(&*m.model, name, &steps);

@@ -126,6 +126,8 @@ fn glm4_moe_lite_grouped_greedy() {
 fn quantized_greedy_matches_mlx_lm() {
     greedy_matches_reference("gemma4_26b_a4b_like_q4");
     greedy_matches_reference("glm4_moe_lite_q4");
+    greedy_matches_reference("glm4_moe_lite_q3");
+    greedy_matches_reference("gemma4_26b_a4b_like_mixed");
 }
 
 #[test]
