@@ -5,7 +5,8 @@
 //! machine, OpenBLAS preloaded into the peer): prefill and decode tokens/s, medians, ratio. Ours
 //! goes through mlx-runner's CPU kernel for quantized matmuls (crates/mlx-sys/src/qmm_cpu.cc);
 //! `MLX_RUNNER_KERNELS=mlx` runs ours with MLX's own kernels instead, for comparison;
-//! `BENCH_QUANT_ALL=1` adds 2 and 5 bits and 4-bit with groups 32 and 128.
+//! `BENCH_QUANT_ALL=1` adds 2 and 5 bits and 4-bit with groups 32 and 128; `BENCH_QUANT=3:64,6:64`
+//! runs only the rows named (bits:group).
 //!
 //! The memory roofline: the bytes a decode step must read over the read bandwidth, measured here
 //! by summing a 1 GiB buffer with all cores. The bytes are every weight file byte (each quantized
@@ -125,6 +126,16 @@ fn main() {
     let mut configs = vec![(4, 64), (8, 64), (3, 64), (6, 64)];
     if std::env::var_os("BENCH_QUANT_ALL").is_some() {
         configs.extend([(2, 64), (5, 64), (4, 32), (4, 128)]);
+    }
+    // BENCH_QUANT=3:64,6:64 runs those rows alone.
+    if let Ok(only) = std::env::var("BENCH_QUANT") {
+        configs = only
+            .split(',')
+            .filter_map(|c| {
+                let (b, g) = c.split_once(':')?;
+                Some((b.trim().parse().ok()?, g.trim().parse().ok()?))
+            })
+            .collect();
     }
     // mlx-lm's 4-bit group-64 medians, the peer of the store's q4 row below.
     let mut peer_q4 = None;

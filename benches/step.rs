@@ -97,9 +97,10 @@ fn matrices(dir: &Path) -> Vec<Mat> {
             let q = mlx::Quantized {
                 weight: arrays[&name].clone(),
                 scales: scales.clone(),
-                biases: arrays[&format!("{base}.biases")].clone(),
+                biases: arrays.get(&format!("{base}.biases")).cloned(),
                 group_size: group,
                 bits,
+                mode: mlx::QuantMode::Affine,
             };
             mats.push(match q.weight.ndim() {
                 2 => Mat::Quantized(q),
@@ -120,9 +121,10 @@ fn matrices(dir: &Path) -> Vec<Mat> {
     let held: Vec<&Array> = mats
         .iter()
         .flat_map(|m| match m {
-            Mat::Quantized(q) | Mat::Experts(q, _) | Mat::Heads(q) => {
-                vec![&q.weight, &q.scales, &q.biases]
-            }
+            Mat::Quantized(q) | Mat::Experts(q, _) | Mat::Heads(q) => [&q.weight, &q.scales]
+                .into_iter()
+                .chain(&q.biases)
+                .collect(),
             Mat::Dense(wt) => vec![wt],
         })
         .collect();

@@ -365,7 +365,7 @@ fn quantized_blob(tensors: &[Tensor], kind: &str) -> Vec<u8> {
         let q = array(t).quantize(64, bits).unwrap();
         parts.push((t.name.clone(), q.weight));
         parts.push((format!("{}.scale", t.name), q.scales));
-        parts.push((format!("{}.bias", t.name), q.biases));
+        parts.push((format!("{}.bias", t.name), q.biases.expect("affine")));
     }
     let refs: Vec<(&str, &mlx::Array)> = parts.iter().map(|(n, a)| (n.as_str(), a)).collect();
     let meta = [("quant_type", kind), ("group_size", "64")]
@@ -392,7 +392,7 @@ fn mlx_lm_twin(dir: &Path, out: &Path, requested: &str) {
                     overrides.insert(m.clone(), json!({"group_size": 64, "bits": bits}));
                     parts.push((format!("{m}.weight"), q.weight));
                     parts.push((format!("{m}.scales"), q.scales));
-                    parts.push((format!("{m}.biases"), q.biases));
+                    parts.push((format!("{m}.biases"), q.biases.expect("affine")));
                 }
                 None => parts.push((t.name.clone(), array(&t))),
             }

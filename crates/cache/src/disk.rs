@@ -533,11 +533,14 @@ fn tensor_names(i: usize, c: &LayerCache) -> Vec<String> {
 fn named<'a>(base: &str, rows: &'a Rows) -> Vec<(String, &'a Array)> {
     match rows {
         Rows::Dense(a) => vec![(base.to_string(), a)],
-        Rows::Affine(q) => vec![
-            (format!("{base}.q"), &q.weight),
-            (format!("{base}.scales"), &q.scales),
-            (format!("{base}.biases"), &q.biases),
-        ],
+        Rows::Affine(q) => [
+            Some((format!("{base}.q"), &q.weight)),
+            Some((format!("{base}.scales"), &q.scales)),
+            q.biases.as_ref().map(|b| (format!("{base}.biases"), b)),
+        ]
+        .into_iter()
+        .flatten()
+        .collect(),
     }
 }
 

@@ -479,11 +479,22 @@ fn read_part(input: &Input) -> Result<(models::weights::Tensors, models::weights
         };
         let params = from_blobs
             .get(module)
-            .copied()
-            .or_else(|| block.as_ref().and_then(|b| b.module_params(module)));
+            .map(|&(g, b)| (g, b, mlx::QuantMode::Affine))
+            .or_else(|| {
+                let p = block.as_ref().and_then(|b| b.module_params(module))?;
+                Some((p.group_size, p.bits, p.mode))
+            });
         match params {
-            Some(p) => {
-                quantized.insert(module.to_string(), p);
+            Some((_, _, mode)) if mode != mlx::QuantMode::Affine => {
+                return Err(crate::ImportError::Store(StoreError::Invalid(format!(
+                    "{}: {module} is quantized as {}; the store takes affine quantization \
+                     only, so import the float checkpoint (with --quantize) instead",
+                    input.source,
+                    mode.name()
+                ))))
+            }
+            Some((g, b, _)) => {
+                quantized.insert(module.to_string(), (g, b));
             }
             None => {
                 return Err(crate::ImportError::Store(StoreError::Invalid(format!(

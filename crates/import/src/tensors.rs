@@ -268,7 +268,9 @@ pub(crate) fn write(
                     metadata.insert(format!("{name}.group_size"), GROUP_SIZE.to_string());
                 }
                 out.push((format!("{name}.scale"), qa.scales));
-                out.push((format!("{name}.bias"), qa.biases));
+                if let Some(biases) = qa.biases {
+                    out.push((format!("{name}.bias"), biases));
+                }
                 out.push((name, qa.weight));
             }
             None => out.push((name, a)),

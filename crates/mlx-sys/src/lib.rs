@@ -231,14 +231,17 @@ pub mod ffi {
             rhs: *const Arr,
             sorted: bool,
         ) -> Result<UniquePtr<Arr>>;
-        fn quantize(w: &Arr, group_size: i32, bits: i32) -> Result<UniquePtr<ArrVec>>;
+        /// `mode`: 0 affine, 1 mxfp4, 2 nvfp4, 3 mxfp8; biases are affine's only.
+        fn quantize(w: &Arr, group_size: i32, bits: i32, mode: i32) -> Result<UniquePtr<ArrVec>>;
         unsafe fn dequantize(
             w: &Arr,
             scales: &Arr,
             biases: *const Arr,
             group_size: i32,
             bits: i32,
+            mode: i32,
         ) -> Result<UniquePtr<Arr>>;
+        #[allow(clippy::too_many_arguments)]
         unsafe fn quantized_matmul(
             x: &Arr,
             w: &Arr,
@@ -247,6 +250,7 @@ pub mod ffi {
             transpose: bool,
             group_size: i32,
             bits: i32,
+            mode: i32,
         ) -> Result<UniquePtr<Arr>>;
         /// `x @ dequantize(w[i])ᵀ` for every matrix of one format; one op on the CPU.
         fn quantized_matmuls(
@@ -290,6 +294,7 @@ pub mod ffi {
             transpose: bool,
             group_size: i32,
             bits: i32,
+            mode: i32,
             sorted: bool,
         ) -> Result<UniquePtr<Arr>>;
 

@@ -519,8 +519,21 @@ ArrPtr gather_mm(const Arr& a, const Arr& b, const Arr* lhs, const Arr* rhs, boo
   return wrap(mx::gather_mm(a.a, b.a, opt(lhs), opt(rhs), sorted));
 }
 
-std::unique_ptr<ArrVec> quantize(const Arr& w, int32_t group_size, int32_t bits) {
-  return wrap_vec(mx::quantize(w.a, group_size, bits, "affine"));
+namespace {
+// MLX's name of a mode code (QuantMode's order on the Rust side).
+std::string mode_name(int32_t mode) {
+  switch (mode) {
+    case 0: return "affine";
+    case 1: return "mxfp4";
+    case 2: return "nvfp4";
+    case 3: return "mxfp8";
+    default: throw std::invalid_argument("unknown quantization mode " + std::to_string(mode));
+  }
+}
+}  // namespace
+
+std::unique_ptr<ArrVec> quantize(const Arr& w, int32_t group_size, int32_t bits, int32_t mode) {
+  return wrap_vec(mx::quantize(w.a, group_size, bits, mode_name(mode)));
 }
 
 ArrPtr dequantize(
@@ -528,11 +541,14 @@ ArrPtr dequantize(
     const Arr& scales,
     const Arr* biases,
     int32_t group_size,
-    int32_t bits) {
-  if (auto out = cpu_dequantize(w.a, scales.a, opt(biases), group_size, bits)) {
-    return wrap(std::move(*out));
+    int32_t bits,
+    int32_t mode) {
+  if (mode == 0) {
+    if (auto out = cpu_dequantize(w.a, scales.a, opt(biases), group_size, bits)) {
+      return wrap(std::move(*out));
+    }
   }
-  return wrap(mx::dequantize(w.a, scales.a, opt(biases), group_size, bits, "affine"));
+  return wrap(mx::dequantize(w.a, scales.a, opt(biases), group_size, bits, mode_name(mode)));
 }
 
 ArrPtr quantized_matmul(
@@ -542,12 +558,15 @@ ArrPtr quantized_matmul(
     const Arr* biases,
     bool transpose,
     int32_t group_size,
-    int32_t bits) {
-  if (auto out = cpu_quantized_matmul(x.a, w.a, scales.a, opt(biases), transpose, group_size, bits)) {
-    return wrap(std::move(*out));
+    int32_t bits,
+    int32_t mode) {
+  if (mode == 0) {
+    if (auto out = cpu_quantized_matmul(x.a, w.a, scales.a, opt(biases), transpose, group_size, bits)) {
+      return wrap(std::move(*out));
+    }
   }
   return wrap(mx::quantized_matmul(
-      x.a, w.a, scales.a, opt(biases), transpose, group_size, bits, "affine"));
+      x.a, w.a, scales.a, opt(biases), transpose, group_size, bits, mode_name(mode)));
 }
 
 std::unique_ptr<ArrVec> quantized_matmuls(
@@ -566,7 +585,7 @@ std::unique_ptr<ArrVec> quantized_matmuls(
   std::vector<mx::array> outs;
   for (size_t i = 0; i < w.v.size(); ++i) {
     Arr wi{w.v[i]}, si{scales.v[i]}, bi{biases.v[i]};
-    outs.push_back(quantized_matmul(x, wi, si, &bi, true, group_size, bits)->a);
+    outs.push_back(quantized_matmul(x, wi, si, &bi, true, group_size, bits, 0)->a);
   }
   return wrap_vec(std::move(outs));
 }
@@ -594,8 +613,8 @@ ArrPtr quantized_glu(
     return wrap(std::move(*out));
   }
   // The ops the fused kernel stands for, each through its own kernel where that applies.
-  auto gate = quantized_matmul(x, gate_w, gate_scales, &gate_biases, true, group_size, bits);
-  auto up = quantized_matmul(x, up_w, up_scales, &up_biases, true, group_size, bits);
+  auto gate = quantized_matmul(x, gate_w, gate_scales, &gate_biases, true, group_size, bits, 0);
+  auto up = quantized_matmul(x, up_w, up_scales, &up_biases, true, group_size, bits, 0);
   if (a == GluAct::Silu) return silu_mul(*gate, *up);
   return wrap(mx::multiply(gelu_tanh(*gate)->a, up->a));
 }
@@ -626,14 +645,17 @@ ArrPtr gather_qmm(
     bool transpose,
     int32_t group_size,
     int32_t bits,
+    int32_t mode,
     bool sorted) {
-  if (auto out = cpu_gather_qmm(x.a, w.a, scales.a, opt(biases), opt(lhs), opt(rhs), transpose,
-                                group_size, bits)) {
-    return wrap(std::move(*out));
+  if (mode == 0) {
+    if (auto out = cpu_gather_qmm(x.a, w.a, scales.a, opt(biases), opt(lhs), opt(rhs), transpose,
+                                  group_size, bits)) {
+      return wrap(std::move(*out));
+    }
   }
   return wrap(mx::gather_qmm(
       x.a, w.a, scales.a, opt(biases), opt(lhs), opt(rhs), transpose, group_size, bits,
-      "affine", std::nullopt, sorted));
+      mode_name(mode), std::nullopt, sorted));
 }
 
 // --- fast --------------------------------------------------------------------------------------
@@ -665,7 +687,7 @@ ArrPtr quantized_embedding(
     return wrap(std::move(*out));
   }
   const Arr rw{mx::take(w.a, ids.a, 0)}, rs{mx::take(scales.a, ids.a, 0)}, rb{mx::take(biases.a, ids.a, 0)};
-  auto rows = dequantize(rw, rs, &rb, group_size, bits);
+  auto rows = dequantize(rw, rs, &rb, group_size, bits, 0);
   return has_scale ? wrap(mx::multiply(rows->a, mx::array(scale, mx::float32))) : std::move(rows);
 }
 
@@ -685,7 +707,7 @@ std::unique_ptr<ArrVec> quantized_matmul_norm(
                                             residual.a, opt(scale), opt(next_w))) {
     return wrap_vec(std::move(*outs));
   }
-  auto y = quantized_matmul(x, w, scales, &biases, true, group_size, bits);
+  auto y = quantized_matmul(x, w, scales, &biases, true, group_size, bits, 0);
   if (!next_w) return wrap_vec({rms_norm_residual(*y, norm_w, eps, residual, scale)->a});
   return rms_norm_residual_norm(*y, norm_w, eps, residual, scale, *next_w);
 }

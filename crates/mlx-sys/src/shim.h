@@ -144,8 +144,10 @@ ArrPtr topk(const Arr& a, int32_t k, int32_t axis);
 ArrPtr matmul(const Arr& a, const Arr& b);
 ArrPtr addmm(const Arr& c, const Arr& a, const Arr& b, float alpha, float beta);
 ArrPtr gather_mm(const Arr& a, const Arr& b, const Arr* lhs, const Arr* rhs, bool sorted);
-std::unique_ptr<ArrVec> quantize(const Arr& w, int32_t group_size, int32_t bits);
-ArrPtr dequantize(const Arr& w, const Arr& scales, const Arr* biases, int32_t group_size, int32_t bits);
+// `mode`: 0 affine, 1 mxfp4, 2 nvfp4, 3 mxfp8 (MLX's names, in that order); biases affine's only.
+std::unique_ptr<ArrVec> quantize(const Arr& w, int32_t group_size, int32_t bits, int32_t mode);
+ArrPtr dequantize(
+    const Arr& w, const Arr& scales, const Arr* biases, int32_t group_size, int32_t bits, int32_t mode);
 ArrPtr quantized_matmul(
     const Arr& x,
     const Arr& w,
@@ -153,7 +155,8 @@ ArrPtr quantized_matmul(
     const Arr* biases,
     bool transpose,
     int32_t group_size,
-    int32_t bits);
+    int32_t bits,
+    int32_t mode);
 std::unique_ptr<ArrVec> quantized_matmuls(
     const Arr& x,
     const ArrVec& w,
@@ -186,6 +189,7 @@ ArrPtr gather_qmm(
     bool transpose,
     int32_t group_size,
     int32_t bits,
+    int32_t mode,
     bool sorted);
 
 // --- fast --------------------------------------------------------------------------------------

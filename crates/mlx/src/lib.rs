@@ -25,7 +25,7 @@ pub use dtype::{Dtype, Element};
 pub use error::{Error, Result};
 pub use fast::SdpaMask;
 pub use index::Ix;
-pub use ops::{concatenate, stack, where_, Quantized};
+pub use ops::{concatenate, stack, where_, QuantMode, Quantized};
 pub use rows::{RowFormat, Rows};
 pub use runtime::{
     async_eval, blas_library, default_device, eval, gpu_available, graph_ops, init_thread,

@@ -419,27 +419,91 @@ impl Array {
     }
 }
 
-/// Affine quantization of a matrix along its last axis (MLX's `quantize`, mode "affine").
+/// MLX's quantization modes: affine (a float scale and bias per group of integer codes) and the
+/// microscaling float formats (FP4 E2M1 or FP8 E4M3 values with a shared 8-bit scale per group:
+/// a power of two (E8M0) for the MX formats, an FP8 E4M3 number for NVFP4; no biases).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum QuantMode {
+    #[default]
+    Affine,
+    Mxfp4,
+    Nvfp4,
+    Mxfp8,
+}
+
+impl QuantMode {
+    pub const ALL: [QuantMode; 4] = [
+        QuantMode::Affine,
+        QuantMode::Mxfp4,
+        QuantMode::Nvfp4,
+        QuantMode::Mxfp8,
+    ];
+
+    /// The mode's name in MLX, mlx-lm's configs and ollama's stores.
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantMode::Affine => "affine",
+            QuantMode::Mxfp4 => "mxfp4",
+            QuantMode::Nvfp4 => "nvfp4",
+            QuantMode::Mxfp8 => "mxfp8",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<QuantMode> {
+        QuantMode::ALL.into_iter().find(|m| m.name() == name)
+    }
+
+    /// `(bits, group_size)` a microscaling mode has; affine's are chosen per model.
+    pub fn fixed_format(self) -> Option<(i32, i32)> {
+        match self {
+            QuantMode::Affine => None,
+            QuantMode::Mxfp4 => Some((4, 32)),
+            QuantMode::Nvfp4 => Some((4, 16)),
+            QuantMode::Mxfp8 => Some((8, 32)),
+        }
+    }
+
+    /// Whether a group has a bias beside its scale.
+    pub fn has_biases(self) -> bool {
+        self == QuantMode::Affine
+    }
+
+    fn code(self) -> i32 {
+        self as i32
+    }
+}
+
+/// A matrix quantized along its last axis (MLX's `quantize`): packed uint32 words, a scale per
+/// group (float for affine, uint8 for the microscaling modes) and, for affine, a bias per group.
 #[derive(Debug, Clone)]
 pub struct Quantized {
     /// Packed uint32 words.
     pub weight: Array,
     pub scales: Array,
-    pub biases: Array,
+    /// Affine's biases; `None` in the microscaling modes.
+    pub biases: Option<Array>,
     pub group_size: i32,
     pub bits: i32,
+    pub mode: QuantMode,
 }
 
 impl Array {
+    /// Affine quantization (`quantize_as` for the other modes).
     pub fn quantize(&self, group_size: i32, bits: i32) -> Result<Quantized> {
-        let mut parts = unpack(ffi::quantize(self.arr(), group_size, bits)?)?;
-        if parts.len() != 3 {
+        self.quantize_as(QuantMode::Affine, group_size, bits)
+    }
+
+    pub fn quantize_as(&self, mode: QuantMode, group_size: i32, bits: i32) -> Result<Quantized> {
+        let mut parts = unpack(ffi::quantize(self.arr(), group_size, bits, mode.code())?)?;
+        let want = if mode.has_biases() { 3 } else { 2 };
+        if parts.len() != want {
             return Err(Error::Mlx(format!(
-                "quantize returned {} arrays, expected weight, scales and biases",
+                "quantize ({}) returned {} arrays, expected {want}",
+                mode.name(),
                 parts.len()
             )));
         }
-        let biases = parts.pop().ok_or_else(|| Error::Mlx("no biases".into()))?;
+        let biases = if mode.has_biases() { parts.pop() } else { None };
         let scales = parts.pop().ok_or_else(|| Error::Mlx("no scales".into()))?;
         let weight = parts.pop().ok_or_else(|| Error::Mlx("no weight".into()))?;
         Ok(Quantized {
@@ -448,6 +512,7 @@ impl Array {
             biases,
             group_size,
             bits,
+            mode,
         })
     }
 
@@ -459,10 +524,11 @@ impl Array {
                 self.arr(),
                 w.weight.arr(),
                 w.scales.arr(),
-                ptr(Some(&w.biases)),
+                ptr(w.biases.as_ref()),
                 transpose,
                 w.group_size,
                 w.bits,
+                w.mode.code(),
             )?
         }))
     }
@@ -475,20 +541,22 @@ impl Array {
         let Some(first) = ws.first() else {
             return Ok(Vec::new());
         };
-        if let Some(q) = ws
-            .iter()
-            .find(|q| q.group_size != first.group_size || q.bits != first.bits)
-        {
+        if let Some(q) = ws.iter().find(|q| !q.same_format(first)) {
             return Err(Error::Mlx(format!(
-                "quantized_matmuls: {} bits, group {} beside {} bits, group {}",
-                q.bits, q.group_size, first.bits, first.group_size
+                "quantized_matmuls: {} beside {}",
+                q.format(),
+                first.format()
             )));
         }
+        let Some(biases) = Quantized::all_biases(ws) else {
+            // The fused op is affine's; the other modes take one product each.
+            return ws.iter().map(|q| self.quantized_matmul(q, true)).collect();
+        };
         unpack(ffi::quantized_matmuls(
             self.arr(),
             &pack(ws.iter().map(|q| &q.weight)),
             &pack(ws.iter().map(|q| &q.scales)),
-            &pack(ws.iter().map(|q| &q.biases)),
+            &pack(biases),
             first.group_size,
             first.bits,
         )?)
@@ -513,20 +581,30 @@ impl Array {
         act: u8,
         what: &str,
     ) -> Result<Array> {
-        if gate.group_size != up.group_size || gate.bits != up.bits {
+        if !gate.same_format(up) {
             return Err(Error::Mlx(format!(
-                "{what}: gate ({} bits, group {}) and up ({} bits, group {}) differ",
-                gate.bits, gate.group_size, up.bits, up.group_size
+                "{what}: gate ({}) and up ({}) differ",
+                gate.format(),
+                up.format()
             )));
         }
+        let (Some(gate_biases), Some(up_biases)) = (&gate.biases, &up.biases) else {
+            // The fused op is affine's; the other modes take the ops it stands for.
+            let g = self.quantized_matmul(gate, true)?;
+            let u = self.quantized_matmul(up, true)?;
+            return match act {
+                0 => crate::fast::gelu_tanh(&g)?.multiply(&u),
+                _ => crate::fast::silu_mul(&g, &u),
+            };
+        };
         Ok(Array::from_raw(ffi::quantized_glu(
             self.arr(),
             gate.weight.arr(),
             gate.scales.arr(),
-            gate.biases.arr(),
+            gate_biases.arr(),
             up.weight.arr(),
             up.scales.arr(),
-            up.biases.arr(),
+            up_biases.arr(),
             gate.group_size,
             gate.bits,
             act,
@@ -548,12 +626,13 @@ impl Array {
                 self.arr(),
                 w.weight.arr(),
                 w.scales.arr(),
-                ptr(Some(&w.biases)),
+                ptr(w.biases.as_ref()),
                 ptr(lhs_indices),
                 ptr(rhs_indices),
                 transpose,
                 w.group_size,
                 w.bits,
+                w.mode.code(),
                 sorted,
             )?
         }))
@@ -561,15 +640,48 @@ impl Array {
 }
 
 impl Quantized {
+    /// Whether `other` has this matrix's mode, bits and group size (what a fused op over
+    /// several matrices needs).
+    pub fn same_format(&self, other: &Quantized) -> bool {
+        (self.mode, self.bits, self.group_size) == (other.mode, other.bits, other.group_size)
+    }
+
+    /// "affine 4 bits, group 64", "mxfp4", ...: for messages.
+    pub fn format(&self) -> String {
+        match self.mode {
+            QuantMode::Affine => format!("affine {} bits, group {}", self.bits, self.group_size),
+            m => m.name().to_string(),
+        }
+    }
+
+    /// Every matrix's biases, if every one has them (affine).
+    pub(crate) fn all_biases<'a>(qs: &[&'a Quantized]) -> Option<Vec<&'a Array>> {
+        qs.iter().map(|q| q.biases.as_ref()).collect()
+    }
+
     /// Rows `ids` (int32 or uint32, any shape) of the matrix, dequantized and times `scale`:
     /// `[..ids, K]`, a quantized embedding lookup. One op on the CPU, with the values of the
     /// gathers, [`Quantized::dequantize`] and the float32 multiply it stands for.
     pub fn lookup(&self, ids: &Array, scale: Option<f32>) -> Result<Array> {
+        let Some(biases) = &self.biases else {
+            // The fused op is affine's; the other modes take the rows, then dequantize them.
+            let rows = Quantized {
+                weight: self.weight.take(ids, 0)?,
+                scales: self.scales.take(ids, 0)?,
+                biases: None,
+                ..self.clone()
+            };
+            let dense = rows.dequantize()?;
+            return match scale {
+                Some(s) => dense.multiply(&Array::scalar(s)?),
+                None => Ok(dense),
+            };
+        };
         Ok(Array::from_raw(ffi::quantized_embedding(
             ids.arr(),
             self.weight.arr(),
             self.scales.arr(),
-            self.biases.arr(),
+            biases.arr(),
             self.group_size,
             self.bits,
             scale.unwrap_or(1.0),
@@ -584,9 +696,10 @@ impl Quantized {
             ffi::dequantize(
                 self.weight.arr(),
                 self.scales.arr(),
-                ptr(Some(&self.biases)),
+                ptr(self.biases.as_ref()),
                 self.group_size,
                 self.bits,
+                self.mode.code(),
             )?
         }))
     }

@@ -117,9 +117,10 @@ impl Rows {
                 Ok(Rows::Affine(Quantized {
                     weight,
                     scales,
-                    biases,
+                    biases: Some(biases),
                     group_size,
                     bits,
+                    mode: crate::QuantMode::Affine,
                 }))
             }
             (b, n) => Err(bad(format!("{n} arrays for rows of {b:?} bits"))),
@@ -130,7 +131,10 @@ impl Rows {
     pub fn arrays(&self) -> Vec<&Array> {
         match self {
             Rows::Dense(a) => vec![a],
-            Rows::Affine(q) => vec![&q.weight, &q.scales, &q.biases],
+            Rows::Affine(q) => [Some(&q.weight), Some(&q.scales), q.biases.as_ref()]
+                .into_iter()
+                .flatten()
+                .collect(),
         }
     }
 
@@ -191,7 +195,7 @@ impl Rows {
             Rows::Affine(q) => Rows::Affine(Quantized {
                 weight: f(&q.weight)?,
                 scales: f(&q.scales)?,
-                biases: f(&q.biases)?,
+                biases: q.biases.as_ref().map(&f).transpose()?,
                 ..*q
             }),
         })
@@ -225,7 +229,9 @@ impl Rows {
                 Ok(Rows::Affine(Quantized {
                     weight: cut(&q.weight, n * q.bits as usize / 32)?,
                     scales: cut(&q.scales, n / q.group_size as usize)?,
-                    biases: cut(&q.biases, n / q.group_size as usize)?,
+                    biases: (q.biases.as_ref())
+                        .map(|b| cut(b, n / q.group_size as usize))
+                        .transpose()?,
                     ..*q
                 }))
             }
@@ -249,7 +255,11 @@ impl Rows {
             (Rows::Affine(a), Rows::Affine(n)) => Ok(Rows::Affine(Quantized {
                 weight: a.weight.slice_update(&n.weight, &ix)?,
                 scales: a.scales.slice_update(&n.scales, &ix)?,
-                biases: a.biases.slice_update(&n.biases, &ix)?,
+                biases: match (&a.biases, &n.biases) {
+                    (Some(a), Some(n)) => Some(a.slice_update(n, &ix)?),
+                    (None, None) => None,
+                    _ => return Err(mixed()),
+                },
                 ..*a
             })),
             _ => Err(mixed()),

@@ -16,6 +16,11 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// An affine table's biases (every table these tests build is affine).
+fn b(q: &mlx::Quantized) -> &Array {
+    q.biases.as_ref().expect("affine quantization has biases")
+}
+
 fn max_diff(a: &Array, b: &Array) -> f32 {
     let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
     assert_eq!(a.len(), b.len());
@@ -147,7 +152,7 @@ fn an_output_row_does_not_depend_on_its_neighbours() {
             let part = mlx::Quantized {
                 weight: q.weight.slice_axis(0, from, Some(to)).unwrap(),
                 scales: q.scales.slice_axis(0, from, Some(to)).unwrap(),
-                biases: q.biases.slice_axis(0, from, Some(to)).unwrap(),
+                biases: Some(b(&q).slice_axis(0, from, Some(to)).unwrap()),
                 ..q.clone()
             };
             let some = x
@@ -248,7 +253,7 @@ fn gathered(
     sorted: bool,
 ) -> (Array, Array) {
     let q = w.quantize(group, bits).unwrap();
-    mlx::eval(&[&q.weight, &q.scales, &q.biases]).unwrap();
+    mlx::eval(&[&q.weight, &q.scales, b(&q)]).unwrap();
     mlx::set_quantized_kernel(true);
     let ours = x.gather_qmm(&q, None, Some(idx), true, sorted).unwrap();
     ours.eval().unwrap();
@@ -381,9 +386,8 @@ fn dequantization_matches_mlx() {
                 let rows = |q: &mlx::Quantized| mlx::Quantized {
                     weight: q.weight.take(&ids, 0).unwrap(),
                     scales: q.scales.take(&ids, 0).unwrap(),
-                    biases: q.biases.take(&ids, 0).unwrap(),
-                    group_size: q.group_size,
-                    bits: q.bits,
+                    biases: Some(b(q).take(&ids, 0).unwrap()),
+                    ..q.clone()
                 };
                 for table in [q.clone(), rows(&q)] {
                     mlx::set_quantized_kernel(true);
@@ -530,7 +534,7 @@ fn projections_of_one_input_are_the_products_they_fuse() {
                 .collect();
             case += 8;
             let mut inputs = vec![&x];
-            inputs.extend(qs.iter().flat_map(|q| [&q.weight, &q.scales, &q.biases]));
+            inputs.extend(qs.iter().flat_map(|q| [&q.weight, &q.scales, b(&q)]));
             mlx::eval(&inputs).unwrap();
             let what = format!("bits {bits} group {group} {rows}x{k} @ {ns:?}");
             let refs: Vec<&mlx::Quantized> = qs.iter().collect();
@@ -584,7 +588,10 @@ fn projections_of_one_input_are_the_products_they_fuse() {
     let x = random::normal(&[1, 256], Dtype::F32, 0.0, 1.0, None).unwrap();
     let (a, b) = (w.quantize(64, 4).unwrap(), w.quantize(64, 8).unwrap());
     let err = x.quantized_matmuls(&[&a, &b]).unwrap_err().to_string();
-    assert!(err.contains("8 bits, group 64 beside 4 bits"), "{err}");
+    assert!(
+        err.contains("affine 8 bits, group 64 beside affine 4 bits"),
+        "{err}"
+    );
     assert!(x.quantized_matmuls(&[]).unwrap().is_empty());
 }
 
@@ -656,7 +663,7 @@ fn a_projection_and_its_residual_update_are_one_op() {
             let w = normal(&[n], 1.0, case + 3);
             let next = normal(&[n], 1.0, case + 4);
             let s = Array::from_slice(&[0.75f32], &[1]).unwrap();
-            mlx::eval(&[&x, &q.weight, &q.scales, &q.biases, &h, &w, &next, &s]).unwrap();
+            mlx::eval(&[&x, &q.weight, &q.scales, b(&q), &h, &w, &next, &s]).unwrap();
             for (weight, scale, then) in [
                 (Some(&w), None, Some(&next)),
                 (None, Some(&s), Some(&next)),
@@ -748,7 +755,7 @@ fn a_quantized_embedding_lookup_is_one_op() {
         let q = normal(&[50, 256], 0.05, case)
             .quantize(group, bits)
             .unwrap();
-        mlx::eval(&[&q.weight, &q.scales, &q.biases]).unwrap();
+        mlx::eval(&[&q.weight, &q.scales, b(&q)]).unwrap();
         let int = |v: &[i32], shape: &[i32]| Array::from_slice(v, shape).unwrap();
         let uint = Array::from_slice(&[3u32, 49, 0], &[3]).unwrap();
         for (ids, scale) in [
@@ -779,7 +786,7 @@ fn a_quantized_embedding_lookup_is_one_op() {
             let table = mlx::Quantized {
                 weight: part(&q.weight),
                 scales: part(&q.scales),
-                biases: part(&q.biases),
+                biases: Some(part(b(&q))),
                 ..q.clone()
             };
             let apart = |table: &mlx::Quantized| {
@@ -854,7 +861,7 @@ fn a_layers_projections_and_their_heads_are_one_op() {
             };
             let held: Vec<&Array> = mats
                 .iter()
-                .flat_map(|q| [&q.weight, &q.scales, &q.biases])
+                .flat_map(|q| [&q.weight, &q.scales, b(&q)])
                 .chain([&x, &nq, &nk, &offsets, &wavelengths])
                 .collect();
             mlx::eval(&held).unwrap();

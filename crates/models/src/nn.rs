@@ -117,9 +117,7 @@ pub fn quantized_alike<'a>(layers: &[&'a Linear]) -> Option<Vec<&'a Quantized>> 
         })
         .collect::<Option<_>>()?;
     let first = *qs.first()?;
-    qs.iter()
-        .all(|q| q.bits == first.bits && q.group_size == first.group_size)
-        .then_some(qs)
+    qs.iter().all(|q| q.same_format(first)).then_some(qs)
 }
 
 /// Expert matrices `[E, out, in]` applied per token to its selected experts in one
@@ -144,14 +142,16 @@ impl Experts {
     pub fn quantized_halves(weights: &Weights, q: Quantized) -> Result<(Experts, Experts)> {
         let w = q.weight.split(2, 1)?;
         let s = q.scales.split(2, 1)?;
-        let b = q.biases.split(2, 1)?;
+        let b = q.biases.as_ref().map(|b| b.split(2, 1)).transpose()?;
         let half = |i: usize| -> Result<Experts> {
             Ok(Experts::Quantized(Quantized {
                 weight: weights.keep(w[i].contiguous()?),
                 scales: weights.keep(s[i].contiguous()?),
-                biases: weights.keep(b[i].contiguous()?),
-                group_size: q.group_size,
-                bits: q.bits,
+                biases: match &b {
+                    Some(b) => Some(weights.keep(b[i].contiguous()?)),
+                    None => None,
+                },
+                ..q
             }))
         };
         Ok((half(0)?, half(1)?))
@@ -205,9 +205,8 @@ impl Embedding {
                 Quantized {
                     weight: part(&q.weight)?,
                     scales: part(&q.scales)?,
-                    biases: part(&q.biases)?,
-                    group_size: q.group_size,
-                    bits: q.bits,
+                    biases: q.biases.as_ref().map(part).transpose()?,
+                    ..*q
                 }
                 .dequantize()?
             }
@@ -285,7 +284,7 @@ impl GatedMlp {
     /// gate where the two are quantized alike.
     pub fn hidden(&self, x: &Array) -> Result<Array> {
         if let (Linear::Quantized(g), Linear::Quantized(u)) = (&self.gate, &self.up) {
-            if g.bits == u.bits && g.group_size == u.group_size {
+            if g.same_format(u) {
                 return Ok(match self.act {
                     Activation::GeluTanh => x.quantized_geglu(g, u)?,
                     Activation::Silu => x.quantized_swiglu(g, u)?,

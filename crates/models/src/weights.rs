@@ -9,47 +9,102 @@
 
 use crate::nn::{Embedding, Experts, Linear};
 use crate::{ModelError, Result};
-use mlx::{Array, Dtype};
+use mlx::{Array, Dtype, QuantMode};
 use serde_json::Value;
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
-/// mlx-lm's `quantization` block: defaults plus per-module overrides (or `false` to exclude).
-#[derive(Debug, Clone, Default)]
-pub struct QuantConfig {
+/// How one module is quantized: MLX's mode, bits per value and values per group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantParams {
     pub group_size: i32,
     pub bits: i32,
-    overrides: HashMap<String, Option<(i32, i32)>>,
+    pub mode: QuantMode,
+}
+
+impl QuantParams {
+    /// An entry of mlx-lm's block (the block itself for the defaults): `mode` (absent: affine,
+    /// as MLX's `to_quantized` takes it), `bits` and `group_size` (a microscaling mode's own
+    /// when absent).
+    fn parse(o: &serde_json::Map<String, Value>, at: &str) -> std::result::Result<Self, String> {
+        let mode = match o.get("mode") {
+            None => QuantMode::Affine,
+            Some(Value::String(m)) => QuantMode::parse(m).ok_or_else(|| {
+                format!(
+                    "{at}.mode {m:?} is not one of MLX's quantization modes (affine, mxfp4, nvfp4, mxfp8)"
+                )
+            })?,
+            Some(other) => return Err(format!("{at}.mode must be a string, not {other}")),
+        };
+        let int = |k: &str, fixed: Option<i32>| -> std::result::Result<i32, String> {
+            match (o.get(k), fixed) {
+                (None, Some(v)) => Ok(v),
+                (v, _) => v
+                    .and_then(Value::as_i64)
+                    .map(|x| x as i32)
+                    .ok_or_else(|| format!("{at}.{k} must be an integer")),
+            }
+        };
+        let fixed = mode.fixed_format();
+        Ok(QuantParams {
+            bits: int("bits", fixed.map(|f| f.0))?,
+            group_size: int("group_size", fixed.map(|f| f.1))?,
+            mode,
+        })
+    }
+
+    /// Whether MLX has this format, for rows of `cols` values.
+    fn check(&self, cols: i32) -> std::result::Result<(), String> {
+        let (bits, group_size) = (self.bits, self.group_size);
+        match self.mode.fixed_format() {
+            None if ![2, 3, 4, 5, 6, 8].contains(&bits) => {
+                return Err(format!(
+                    "is quantized at {bits} bits, which MLX's affine mode does not have (2, 3, 4, 5, 6 or 8)"
+                ))
+            }
+            None if ![32, 64, 128].contains(&group_size) => {
+                return Err(format!(
+                    "has a group size of {group_size}, which MLX's affine mode does not have (32, 64 or 128)"
+                ))
+            }
+            Some((b, g)) if (b, g) != (bits, group_size) => {
+                return Err(format!(
+                    "is {} with {bits} bits and groups of {group_size}; {} is {b} bits in groups of {g}",
+                    self.mode.name(),
+                    self.mode.name()
+                ))
+            }
+            _ => {}
+        }
+        if cols % group_size != 0 {
+            return Err(format!(
+                "has rows of {cols} values, not a whole number of groups of {group_size}"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// mlx-lm's `quantization` block: defaults plus per-module overrides (or `false` to exclude).
+#[derive(Debug, Clone)]
+pub struct QuantConfig {
+    pub default: QuantParams,
+    overrides: HashMap<String, Option<QuantParams>>,
 }
 
 impl QuantConfig {
     pub fn parse(v: &Value) -> std::result::Result<QuantConfig, String> {
         let obj = v.as_object().ok_or("quantization must be an object")?;
-        let int =
-            |o: &serde_json::Map<String, Value>, k: &str| -> std::result::Result<i32, String> {
-                o.get(k)
-                    .and_then(Value::as_i64)
-                    .map(|x| x as i32)
-                    .ok_or_else(|| format!("quantization.{k} must be an integer"))
-            };
         let mut q = QuantConfig {
-            group_size: int(obj, "group_size")?,
-            bits: int(obj, "bits")?,
+            default: QuantParams::parse(obj, "quantization")?,
             overrides: HashMap::new(),
         };
-        if let Some(mode) = obj.get("mode").and_then(Value::as_str) {
-            if mode != "affine" {
-                return Err(format!(
-                    "quantization mode {mode:?} is not supported (only affine)"
-                ));
-            }
-        }
         for (k, v) in obj {
             match v {
                 Value::Object(o) => {
-                    q.overrides
-                        .insert(k.clone(), Some((int(o, "group_size")?, int(o, "bits")?)));
+                    let params = QuantParams::parse(o, &format!("quantization.{k}"))?;
+                    q.overrides.insert(k.clone(), Some(params));
                 }
                 Value::Bool(false) => {
                     q.overrides.insert(k.clone(), None);
@@ -61,8 +116,8 @@ impl QuantConfig {
     }
 
     /// `config` (config.json's block, if any) with `modules` (what each module's stored blob
-    /// says, as ollama's importer records it) taking precedence; `None` when neither says
-    /// anything.
+    /// says, as ollama's importer records it: affine `(group_size, bits)`) taking precedence;
+    /// `None` when neither says anything.
     pub fn with_modules(
         config: Option<QuantConfig>,
         modules: HashMap<String, (i32, i32)>,
@@ -70,46 +125,27 @@ impl QuantConfig {
         if modules.is_empty() {
             return config;
         }
-        let mut q = config.unwrap_or_else(|| {
-            let (group_size, bits) = modules.values().next().copied().unwrap_or((64, 4));
-            QuantConfig {
-                group_size,
-                bits,
-                overrides: HashMap::new(),
-            }
+        let affine = |(group_size, bits): (i32, i32)| QuantParams {
+            group_size,
+            bits,
+            mode: QuantMode::Affine,
+        };
+        let mut q = config.unwrap_or_else(|| QuantConfig {
+            default: affine(modules.values().next().copied().unwrap_or((64, 4))),
+            overrides: HashMap::new(),
         });
         q.overrides
-            .extend(modules.into_iter().map(|(k, v)| (k, Some(v))));
+            .extend(modules.into_iter().map(|(k, v)| (k, Some(affine(v)))));
         Some(q)
     }
 
-    /// (group_size, bits) for the module at `path`; `None` for a module left unquantized.
-    pub fn module_params(&self, path: &str) -> Option<(i32, i32)> {
+    /// How the module at `path` is quantized; `None` for a module left unquantized.
+    pub fn module_params(&self, path: &str) -> Option<QuantParams> {
         match self.overrides.get(path) {
             Some(p) => *p,
-            None => Some((self.group_size, self.bits)),
+            None => Some(self.default),
         }
     }
-}
-
-/// Whether MLX's affine quantization has `bits` and `group_size`, for rows of `cols` values.
-fn affine_format(group_size: i32, bits: i32, cols: i32) -> std::result::Result<(), String> {
-    if ![2, 3, 4, 5, 6, 8].contains(&bits) {
-        return Err(format!(
-            "is quantized at {bits} bits, which MLX's affine mode does not have (2, 3, 4, 5, 6 or 8)"
-        ));
-    }
-    if ![32, 64, 128].contains(&group_size) {
-        return Err(format!(
-            "has a group size of {group_size}, which MLX's affine mode does not have (32, 64 or 128)"
-        ));
-    }
-    if cols % group_size != 0 {
-        return Err(format!(
-            "has rows of {cols} values, not a whole number of groups of {group_size}"
-        ));
-    }
-    Ok(())
 }
 
 /// All tensors of a checkpoint.
@@ -431,14 +467,18 @@ impl<'a> Vb<'a> {
             name: wname.clone(),
             message: "stored quantized, but config.json has no quantization block".into(),
         })?;
-        let (group_size, bits) =
-            q.module_params(&self.prefix)
-                .ok_or_else(|| ModelError::Tensor {
-                    name: wname.clone(),
-                    message: "stored quantized, but the quantization block excludes this module"
-                        .into(),
-                })?;
-        if let Err(message) = affine_format(group_size, bits, cols) {
+        let params = q
+            .module_params(&self.prefix)
+            .ok_or_else(|| ModelError::Tensor {
+                name: wname.clone(),
+                message: "stored quantized, but the quantization block excludes this module".into(),
+            })?;
+        let QuantParams {
+            group_size,
+            bits,
+            mode,
+        } = params;
+        if let Err(message) = params.check(cols) {
             return Err(ModelError::Tensor {
                 name: wname,
                 message,
@@ -447,8 +487,36 @@ impl<'a> Vb<'a> {
         // Kept, so that loading materialises the packed codes too: the first forward pass then
         // finds them in memory (and the CPU kernels find them contiguous).
         let weight = self.w.keep(self.w.raw(&wname)?);
-        let scales = self.get_unchecked("scales")?;
-        let biases = self.get_unchecked("biases")?;
+        // Affine's scales and biases are floats in the compute dtype; a microscaling mode's
+        // scales are its 8-bit codes, as stored, and it has no biases.
+        let (scales, biases) = if mode.has_biases() {
+            (
+                self.get_unchecked("scales")?,
+                Some(self.get_unchecked("biases")?),
+            )
+        } else {
+            if self.has("biases") {
+                return Err(ModelError::Tensor {
+                    name: self.name("biases"),
+                    message: format!(
+                        "{} has no biases, but the checkpoint holds some",
+                        mode.name()
+                    ),
+                });
+            }
+            let scales = self.w.keep(self.w.raw(&self.name("scales"))?);
+            if scales.dtype() != Dtype::U8 {
+                return Err(ModelError::Tensor {
+                    name: self.name("scales"),
+                    message: format!(
+                        "is {:?}; {} scales are uint8 codes",
+                        scales.dtype(),
+                        mode.name()
+                    ),
+                });
+            }
+            (scales, None)
+        };
         let mut expect_w: Vec<i32> = lead.to_vec();
         expect_w.extend([rows, cols * bits / 32]);
         let mut expect_s: Vec<i32> = lead.to_vec();
@@ -463,8 +531,8 @@ impl<'a> Vb<'a> {
                 ),
             });
         }
-        for (n, a) in [("scales", &scales), ("biases", &biases)] {
-            if a.shape() != expect_s {
+        for (n, a) in [("scales", Some(&scales)), ("biases", biases.as_ref())] {
+            if let Some(a) = a.filter(|a| a.shape() != expect_s) {
                 return Err(ModelError::Shape {
                     name: self.name(n),
                     expected: expect_s,
@@ -478,6 +546,7 @@ impl<'a> Vb<'a> {
             biases,
             group_size,
             bits,
+            mode,
         })
     }
 

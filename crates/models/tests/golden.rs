@@ -176,3 +176,21 @@ fn glm4_moe_lite_q3_matches_mlx_lm() {
 fn gemma4_moe_mixed_widths_match_mlx_lm() {
     check_model("gemma4_26b_a4b_like_mixed", 1e-3);
 }
+
+/// MLX's microscaling modes (FP4 / FP8 values, 8-bit scales, no biases), run by MLX's own
+/// kernels: mxfp4 and mxfp8 on gemma4's MoE form (its routers stay affine, as mlx-lm leaves
+/// them), nvfp4 (groups of 16) on GLM.
+#[test]
+fn gemma4_moe_mxfp4_matches_mlx_lm() {
+    check_model("gemma4_26b_a4b_like_mxfp4", 1e-3);
+}
+
+#[test]
+fn glm4_moe_lite_nvfp4_matches_mlx_lm() {
+    check_model("glm4_moe_lite_nvfp4", 1e-3);
+}
+
+#[test]
+fn gemma4_moe_mxfp8_matches_mlx_lm() {
+    check_model("gemma4_26b_a4b_like_mxfp8", 1e-3);
+}

@@ -416,3 +416,45 @@ fn quantization_formats_mlx_does_not_have_are_named() {
         );
     }
 }
+
+/// A mode MLX does not have, a microscaling format with another group size, and scales that are
+/// not 8-bit codes are each refused with the field or tensor named.
+#[test]
+fn quantization_modes_are_checked() {
+    let s = Scratch::of("glm4_moe_lite_q4");
+    let mut c = s.config();
+    for key in ["quantization", "quantization_config"] {
+        c[key]["mode"] = json!("int3");
+    }
+    s.set_config(&c);
+    let e = load_err(&s);
+    assert!(
+        e.contains("quantization.mode \"int3\" is not one of MLX's"),
+        "{e}"
+    );
+
+    let s = Scratch::of("glm4_moe_lite_nvfp4");
+    let mut c = s.config();
+    for key in ["quantization", "quantization_config"] {
+        c[key]["group_size"] = json!(32);
+    }
+    s.set_config(&c);
+    let e = load_err(&s);
+    assert!(
+        e.contains("nvfp4 is 4 bits in groups of 16") && e.contains(".weight"),
+        "{e}"
+    );
+
+    // The affine 4-bit fixture's float scales read as mxfp4's would be the wrong type.
+    let s = Scratch::of("glm4_moe_lite_q4");
+    let mut c = s.config();
+    for key in ["quantization", "quantization_config"] {
+        c[key] = json!({"group_size": 32, "bits": 4, "mode": "mxfp4"});
+    }
+    s.set_config(&c);
+    let e = load_err(&s);
+    assert!(
+        e.contains("mxfp4 has no biases") || e.contains("uint8 codes"),
+        "{e}"
+    );
+}

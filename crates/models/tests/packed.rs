@@ -96,6 +96,8 @@ fn packed_rows_match_each_row_alone() {
         "glm4_moe_lite_q4",
         "glm4_moe_lite_q3",
         "gemma4_26b_a4b_like_mixed",
+        "gemma4_26b_a4b_like_mxfp4",
+        "glm4_moe_lite_nvfp4",
     ] {
         let m = load(&fixture(name), DtypeChoice::Fixed(Dtype::F32)).unwrap();
         check(&*m.model, name, &steps);

@@ -128,6 +128,9 @@ fn quantized_greedy_matches_mlx_lm() {
     greedy_matches_reference("glm4_moe_lite_q4");
     greedy_matches_reference("glm4_moe_lite_q3");
     greedy_matches_reference("gemma4_26b_a4b_like_mixed");
+    greedy_matches_reference("gemma4_26b_a4b_like_mxfp4");
+    greedy_matches_reference("glm4_moe_lite_nvfp4");
+    greedy_matches_reference("gemma4_26b_a4b_like_mxfp8");
 }
 
 #[test]
