@@ -1,12 +1,12 @@
 //! Quantized models on the CPU: `cargo bench --bench quantized`.
 //!
 //! The benchmark model (target/bench-model, ~120M float32, tied embeddings) quantized by
-//! `mlx_lm convert -q` (MLX affine, 4, 8, 3 and 6 bits, group 64), run by `mlx-runner generate` and `mlx_lm generate` one after the other (same MLX, same
+//! `mlx_lm convert -q` (MLX affine, 4, 8, 3 and 6 bits, group 64; mxfp4, nvfp4 and mxfp8), run by `mlx-runner generate` and `mlx_lm generate` one after the other (same MLX, same
 //! machine, OpenBLAS preloaded into the peer): prefill and decode tokens/s, medians, ratio. Ours
 //! goes through mlx-runner's CPU kernel for quantized matmuls (crates/mlx-sys/src/qmm_cpu.cc);
 //! `MLX_RUNNER_KERNELS=mlx` runs ours with MLX's own kernels instead, for comparison;
-//! `BENCH_QUANT_ALL=1` adds 2 and 5 bits and 4-bit with groups 32 and 128; `BENCH_QUANT=3:64,6:64`
-//! runs only the rows named (bits:group).
+//! `BENCH_QUANT_ALL=1` adds 2 and 5 bits and 4-bit with groups 32 and 128; `BENCH_QUANT=3:64,mxfp4`
+//! runs only the rows named (bits:group for affine, or a mode).
 //!
 //! The memory roofline: the bytes a decode step must read over the read bandwidth, measured here
 //! by summing a 1 GiB buffer with all cores. The bytes are every weight file byte (each quantized
@@ -123,24 +123,37 @@ fn main() {
     // Every row runs the bench model's layers on the same prompt: one context and cache size,
     // taken from the first quantized model (its tokenizer is the one the rows run).
     let mut cache: Option<(u64, u64)> = None;
-    let mut configs = vec![(4, 64), (8, 64), (3, 64), (6, 64)];
+    // (mode, bits, group); a microscaling mode's bits and group are its own.
+    let mut configs: Vec<(String, u32, u32)> = [(4, 64), (8, 64), (3, 64), (6, 64)]
+        .into_iter()
+        .map(|(b, g)| ("affine".to_string(), b, g))
+        .chain(
+            [("mxfp4", 4, 32), ("nvfp4", 4, 16), ("mxfp8", 8, 32)]
+                .map(|(m, b, g)| (m.to_string(), b, g)),
+        )
+        .collect();
     if std::env::var_os("BENCH_QUANT_ALL").is_some() {
-        configs.extend([(2, 64), (5, 64), (4, 32), (4, 128)]);
+        configs.extend(
+            [(2, 64), (5, 64), (4, 32), (4, 128)].map(|(b, g)| ("affine".to_string(), b, g)),
+        );
     }
-    // BENCH_QUANT=3:64,6:64 runs those rows alone.
+    // BENCH_QUANT=3:64,6:64,mxfp4 runs those rows alone.
     if let Ok(only) = std::env::var("BENCH_QUANT") {
         configs = only
             .split(',')
             .filter_map(|c| {
-                let (b, g) = c.split_once(':')?;
-                Some((b.trim().parse().ok()?, g.trim().parse().ok()?))
+                let c = c.trim();
+                if let Some((b, g)) = c.split_once(':') {
+                    return Some(("affine".to_string(), b.parse().ok()?, g.parse().ok()?));
+                }
+                configs.iter().find(|(m, _, _)| m == c).cloned()
             })
             .collect();
     }
     // mlx-lm's 4-bit group-64 medians, the peer of the store's q4 row below.
     let mut peer_q4 = None;
-    for (bits, group) in configs {
-        let Some(model) = common::quantized_model(&python, &base, bits, group) else {
+    for (mode, bits, group) in configs {
+        let Some(model) = common::quantized_model_as(&python, &base, &mode, bits, group) else {
             continue;
         };
         let bytes = weight_bytes(&model);
@@ -166,13 +179,17 @@ fn main() {
             pd.push(d);
         }
         let (op, od, pp, pd) = (median(op), median(od), median(pp), median(pd));
-        if (bits, group) == (4, 64) {
+        if (mode.as_str(), bits, group) == ("affine", 4, 64) {
             peer_q4 = Some((pp, pd));
         }
+        let label = match mode.as_str() {
+            "affine" => format!("{bits}-bit, group {group}"),
+            m => format!("{m} ({bits}-bit, group {group})"),
+        };
         let roof = median(row_bw.clone()) / bytes as f64;
         bandwidths.extend(row_bw);
         println!(
-            "| {bits}-bit, group {group} | {:.0} | {op:.1} | {pp:.1} | {:.1}x | {od:.1} | {pd:.1} | {:.1}x | {roof:.0} | {:.0}% | {:.0}% |",
+            "| {label} | {:.0} | {op:.1} | {pp:.1} | {:.1}x | {od:.1} | {pd:.1} | {:.1}x | {roof:.0} | {:.0}% | {:.0}% |",
             bytes as f64 / 1e6,
             op / pp,
             od / pd,

@@ -355,24 +355,40 @@ pub fn corpus_prompt(chars: usize) -> String {
 /// The bench model quantized by `mlx_lm convert -q` (affine, `bits`, `group`), made once into
 /// target/bench-model-q{bits}-g{group}.
 pub fn quantized_model(python: &Path, base: &Path, bits: u32, group: u32) -> Option<PathBuf> {
-    let dir = root().join(format!("target/bench-model-q{bits}-g{group}"));
+    quantized_model_as(python, base, "affine", bits, group)
+}
+
+/// The bench model converted by `mlx_lm convert -q` in MLX's quantization `mode` (`affine`, or a
+/// microscaling mode, which fixes its own bits and group), kept under target/ between runs.
+pub fn quantized_model_as(
+    python: &Path,
+    base: &Path,
+    mode: &str,
+    bits: u32,
+    group: u32,
+) -> Option<PathBuf> {
+    let name = match mode {
+        "affine" => format!("q{bits}-g{group}"),
+        other => other.to_string(),
+    };
+    let dir = root().join(format!("target/bench-model-{name}"));
     if !dir.join("config.json").exists() {
-        let ok = Command::new(python)
-            .args(["-m", "mlx_lm", "convert", "--hf-path"])
+        let mut cmd = Command::new(python);
+        cmd.args(["-m", "mlx_lm", "convert", "--hf-path"])
             .arg(base)
             .arg("--mlx-path")
             .arg(&dir)
-            .args([
-                "-q",
+            .args(["-q", "--q-mode", mode]);
+        if mode == "affine" {
+            cmd.args([
                 "--q-bits",
                 &bits.to_string(),
                 "--q-group-size",
                 &group.to_string(),
-            ])
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if !ok {
-            eprintln!("mlx_lm convert failed for {bits}-bit group {group}");
+            ]);
+        }
+        if !cmd.output().is_ok_and(|o| o.status.success()) {
+            eprintln!("mlx_lm convert failed for {name}");
             return None;
         }
     }

@@ -41,6 +41,8 @@ fn run() -> Result<(), String> {
         "src/lib.rs",
         "src/qmm_cpu.h",
         "src/qmm_cpu.cc",
+        "src/fpq_cpu.h",
+        "src/fpq_cpu.cc",
         "src/cpu_common.h",
         "src/fused_cpu.h",
         "src/fused_cpu.cc",
@@ -71,6 +73,7 @@ fn run() -> Result<(), String> {
     build
         .file("src/shim.cc")
         .file("src/qmm_cpu.cc")
+        .file("src/fpq_cpu.cc")
         .file("src/fused_cpu.cc")
         .file("src/weight_arena.cc")
         .include(&include)

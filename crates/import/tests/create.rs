@@ -102,10 +102,11 @@ fn dequantized_twin(s: &Scratch, model: &str, checkpoint: &str) -> std::path::Pa
         let scales = stored[&format!("{module}.scales")].clone();
         let q = mlx::Quantized {
             weight: a.clone(),
-            biases: stored[&format!("{module}.biases")].clone(),
+            biases: Some(stored[&format!("{module}.biases")].clone()),
             scales: scales.clone(),
             group_size,
             bits,
+            mode: mlx::QuantMode::Affine,
         };
         let w = q.dequantize().unwrap();
         // Stacked per-expert weights have no single source tensor; the others do.

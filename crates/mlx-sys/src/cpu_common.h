@@ -1,10 +1,12 @@
-// What the CPU kernels (qmm_cpu.cc, fused_cpu.cc) share: one persistent thread pool, the
+// What the CPU kernels (qmm_cpu.cc, fpq_cpu.cc, fused_cpu.cc) share: one persistent thread pool, the
 // AVX2 check, a horizontal sum, reading a strided array densely, and the MLX primitive that
 // runs a kernel on the CPU stream.
 #pragma once
 
+#include <dlfcn.h>
 #include <immintrin.h>
 #include <cstdlib>
+#include <cstring>
 
 #include <algorithm>
 #include <cmath>
@@ -502,6 +504,68 @@ std::optional<std::vector<mlx::core::array>> make_many(
   dtypes.resize(shapes.size(), mlx::core::float32);
   return mlx::core::array::make_arrays(
       std::move(shapes), dtypes, std::make_shared<CpuPrimitive<Op>>(stream, p), std::move(inputs));
+}
+
+using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
+                       float, float*, int);
+
+// The process's cblas_sgemm (OpenBLAS, loaded ahead of MLX's reference BLAS), or null.
+inline Sgemm sgemm() {
+  static const Sgemm f = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+  return f;
+}
+
+// Rows of x from which dequantizing tiles for sgemm beats reading packed weights per row.
+constexpr int SGEMM_ROWS = 16;
+
+// x [M, K] · Wᵀ into out [M, N] for a packed W [N, K] that `fill(dst, n0, n1, k0, k1)` writes
+// as float32 tiles (rows [n0, n1), columns [k0, k1), row-major): tiles of up to K_TILE inputs
+// by as many weight rows as fit TILE_BYTES, big enough that sgemm's per-call cost (packing its
+// operands) is spread thin, small enough to stay in cache between the dequantization and the
+// product; tiles along K accumulate into the output (beta = 1). Measured on E2B's and GLM's
+// shapes at 64 and 512 rows against sgemm on the float32 matrix. K_TILE is a multiple of every
+// group size and packing unit, so a tile's columns are whole groups.
+constexpr int K_TILE = 2048;
+constexpr size_t TILE_BYTES = 8 << 20;
+
+template <class Fill>
+void tiled_product(const float* x, float* out, int M, int N, int K, const Fill& fill) {
+  const int kt = std::min(K, K_TILE);
+  const int block = std::max(16, std::min(N, (int)(TILE_BYTES / (sizeof(float) * kt))));
+  std::vector<float> buf((size_t)block * kt);
+  for (int n0 = 0; n0 < N; n0 += block) {
+    const int n1 = std::min(N, n0 + block), rows = n1 - n0;
+    for (int k0 = 0; k0 < K; k0 += kt) {
+      const int k1 = std::min(K, k0 + kt), cols = k1 - k0;
+      for_rows(rows, 1, [&](size_t r0, size_t r1) {
+        fill(buf.data() + r0 * cols, n0 + (int)r0, n0 + (int)r1, k0, k1);
+      });
+      // Row-major (101), x[:, k0:k1] · tileᵀ (NoTrans 111, Trans 112) into out[:, n0:n1].
+      sgemm()(101, 111, 112, M, rows, cols, 1.0f, x + k0, K, buf.data(), cols, k0 == 0 ? 0.0f : 1.0f,
+              out + n0, N);
+    }
+  }
+}
+
+// A gathered product's row blocks by expert: block b of x (M rows) times expert ids[b] of E
+// into out's block b (M rows of N). With one row per block, consecutive blocks of the same
+// expert (MLX sorts them for prefill) are one call `f(e, b, run)` covering `run` blocks, so an
+// expert's weights are read once per run rather than once per token. An id past the stack
+// gives zeros, as no expert contributes.
+template <class F>
+void expert_runs(const uint32_t* ids, int B, int M, int N, int E, float* out, const F& f) {
+  int b = 0;
+  while (b < B) {
+    const uint32_t e = ids[b];
+    int run = 1;
+    if (M == 1)
+      while (b + run < B && ids[b + run] == e) ++run;
+    if (e >= (uint32_t)E)
+      std::memset(out + (size_t)b * M * N, 0, sizeof(float) * (size_t)run * M * N);
+    else
+      f((int)e, b, run);
+    b += run;
+  }
 }
 
 // x [..., K] (row-major) times each of n packed matrices (mats: w, scales, biases per matrix,

@@ -930,14 +930,6 @@ void qmv(
   });
 }
 
-using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
-                       float, float*, int);
-
-Sgemm sgemm() {
-  static const Sgemm f = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
-  return f;
-}
-
 // Rows [n0, n1) and columns [k0, k1) of w as float32, row-major [n1 - n0, k1 - k0]; k0 and k1
 // are whole groups.
 void dequantize_rows_scalar(
@@ -1032,14 +1024,7 @@ void dequantize_rows(
   }
 }
 
-// Many rows: tiles of dequantized weights through sgemm. A tile is up to K_TILE inputs by as
-// many weight rows as fit TILE_BYTES: big enough that sgemm's per-call cost (packing its
-// operands) is spread thin, small enough to stay in cache between the dequantization and the
-// product. Tiles along K accumulate into the output (beta = 1). Measured on E2B's and GLM's
-// shapes at 64 and 512 rows against sgemm on the float32 matrix.
-constexpr int K_TILE = 2048;
-constexpr size_t TILE_BYTES = 8 << 20;
-
+// Many rows: tiles of dequantized weights through sgemm (tiled_product).
 void qmm(
     const float* x,
     const uint32_t* w,
@@ -1047,27 +1032,10 @@ void qmm(
     const float* bi,
     float* out,
     const Shape& s) {
-  // K_TILE is a multiple of every group size and packing unit.
-  const int kt = std::min(s.K, K_TILE);
-  const int block = std::max(16, std::min(s.N, (int)(TILE_BYTES / (sizeof(float) * kt))));
-  std::vector<float> buf((size_t)block * kt);
-  for (int n0 = 0; n0 < s.N; n0 += block) {
-    const int n1 = std::min(s.N, n0 + block), rows = n1 - n0;
-    for (int k0 = 0; k0 < s.K; k0 += kt) {
-      const int k1 = std::min(s.K, k0 + kt), cols = k1 - k0;
-      for_rows(rows, 1, [&](size_t r0, size_t r1) {
-        const int a = n0 + (int)r0, b = n0 + (int)r1;
-        dequantize_rows(w, sc, bi, buf.data() + r0 * cols, s, a, b, k0, k1);
-      });
-      // Row-major (101), x[:, k0:k1] · tileᵀ (NoTrans 111, Trans 112) into out[:, n0:n1].
-      sgemm()(101, 111, 112, s.M, rows, cols, 1.0f, x + k0, s.K, buf.data(), cols,
-              k0 == 0 ? 0.0f : 1.0f, out + n0, s.N);
-    }
-  }
+  tiled_product(x, out, s.M, s.N, s.K, [&](float* dst, int n0, int n1, int k0, int k1) {
+    dequantize_rows(w, sc, bi, dst, s, n0, n1, k0, k1);
+  });
 }
-
-// Rows of x from which dequantize + sgemm beats reading packed weights per row.
-constexpr int SGEMM_ROWS = 16;
 
 // One product x [M, K] · dequantize(w)ᵀ by whichever path suits its rows, counted.
 void product(
@@ -1281,23 +1249,11 @@ struct GatherQuantizedMatmulOp {
     float* op = out.data<float>();
     const size_t words = (size_t)N * row_words(K, bits), groups = (size_t)N * (K / group);
     const DensePacked q(w, in[2], in[3]);
-    int b = 0;
-    while (b < B) {
-      const uint32_t e = ip[b];
-      int run = 1;
-      if (M == 1)
-        while (b + run < B && ip[b + run] == e) ++run;
-      float* o = op + (size_t)b * M * N;
-      if (e >= (uint32_t)E) {
-        // An expert id past the stack: zeros, as no expert contributes.
-        std::memset(o, 0, sizeof(float) * (size_t)run * M * N);
-      } else {
-        Shape s{run * M, N, K, bits, group};
-        const float* xb = xp + (size_t)b * M * K;
-        product(xb, q.w + e * words, q.s + e * groups, q.b + e * groups, o, s);
-      }
-      b += run;
-    }
+    expert_runs(ip, B, M, N, E, op, [&](int e, int b, int run) {
+      const Shape s{run * M, N, K, bits, group};
+      product(xp + (size_t)b * M * K, q.w + e * words, q.s + e * groups, q.b + e * groups,
+              op + (size_t)b * M * N, s);
+    });
   }
 };
 
@@ -1402,6 +1358,10 @@ bool kernel_applies(
 }  // namespace
 
 void set_cpu_qmm_enabled(bool on) { g_enabled.store(on); }
+
+bool cpu_qmm_enabled() { return g_enabled.load(); }
+
+void count_qmm_path(bool sgemm_path) { (sgemm_path ? g_sgemm_path : g_rows_path).fetch_add(1); }
 
 void set_cpu_qmm_unpacking(int mode) { g_subnormal.store(mode); }
 

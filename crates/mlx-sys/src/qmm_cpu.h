@@ -107,6 +107,13 @@ std::optional<mlx::core::array> cpu_quantized_glu(
 // Turns the kernel on (the default) or off (MLX's own path everywhere), for comparisons.
 void set_cpu_qmm_enabled(bool on);
 
+// Whether the quantized kernels are on (set_cpu_qmm_enabled), for the microscaling ones too.
+bool cpu_qmm_enabled();
+
+// Counts a product computed by the packed-rows (false) or sgemm (true) path, as
+// cpu_qmm_count reports them.
+void count_qmm_path(bool sgemm_path);
+
 // How the kernel unpacks 4- and 8-bit fields: -1 as this CPU runs fastest (the default), 0 by
 // integer-to-float conversion, 1 as subnormal floats (see qmm_cpu.cc). Both give the same bits.
 void set_cpu_qmm_unpacking(int mode);

@@ -2,6 +2,7 @@
 #include "mlx-sys/src/shim.h"
 #include "mlx-sys/src/lib.rs.h"
 #include "mlx-sys/src/qmm_cpu.h"
+#include "mlx-sys/src/fpq_cpu.h"
 #include "mlx-sys/src/fused_cpu.h"
 
 #include <dlfcn.h>
@@ -543,10 +544,9 @@ ArrPtr dequantize(
     int32_t group_size,
     int32_t bits,
     int32_t mode) {
-  if (mode == 0) {
-    if (auto out = cpu_dequantize(w.a, scales.a, opt(biases), group_size, bits)) {
-      return wrap(std::move(*out));
-    }
+  if (auto out = mode == 0 ? cpu_dequantize(w.a, scales.a, opt(biases), group_size, bits)
+                           : cpu_fp_dequantize(w.a, scales.a, group_size, bits, mode)) {
+    return wrap(std::move(*out));
   }
   return wrap(mx::dequantize(w.a, scales.a, opt(biases), group_size, bits, mode_name(mode)));
 }
@@ -560,10 +560,10 @@ ArrPtr quantized_matmul(
     int32_t group_size,
     int32_t bits,
     int32_t mode) {
-  if (mode == 0) {
-    if (auto out = cpu_quantized_matmul(x.a, w.a, scales.a, opt(biases), transpose, group_size, bits)) {
-      return wrap(std::move(*out));
-    }
+  if (auto out = mode == 0
+                     ? cpu_quantized_matmul(x.a, w.a, scales.a, opt(biases), transpose, group_size, bits)
+                     : cpu_fp_quantized_matmul(x.a, w.a, scales.a, transpose, group_size, bits, mode)) {
+    return wrap(std::move(*out));
   }
   return wrap(mx::quantized_matmul(
       x.a, w.a, scales.a, opt(biases), transpose, group_size, bits, mode_name(mode)));
@@ -647,11 +647,11 @@ ArrPtr gather_qmm(
     int32_t bits,
     int32_t mode,
     bool sorted) {
-  if (mode == 0) {
-    if (auto out = cpu_gather_qmm(x.a, w.a, scales.a, opt(biases), opt(lhs), opt(rhs), transpose,
-                                  group_size, bits)) {
-      return wrap(std::move(*out));
-    }
+  if (auto out = mode == 0 ? cpu_gather_qmm(x.a, w.a, scales.a, opt(biases), opt(lhs), opt(rhs),
+                                            transpose, group_size, bits)
+                           : cpu_fp_gather_qmm(x.a, w.a, scales.a, opt(lhs), opt(rhs), transpose,
+                                               group_size, bits, mode)) {
+    return wrap(std::move(*out));
   }
   return wrap(mx::gather_qmm(
       x.a, w.a, scales.a, opt(biases), opt(lhs), opt(rhs), transpose, group_size, bits,

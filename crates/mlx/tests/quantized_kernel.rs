@@ -534,7 +534,7 @@ fn projections_of_one_input_are_the_products_they_fuse() {
                 .collect();
             case += 8;
             let mut inputs = vec![&x];
-            inputs.extend(qs.iter().flat_map(|q| [&q.weight, &q.scales, b(&q)]));
+            inputs.extend(qs.iter().flat_map(|q| [&q.weight, &q.scales, b(q)]));
             mlx::eval(&inputs).unwrap();
             let what = format!("bits {bits} group {group} {rows}x{k} @ {ns:?}");
             let refs: Vec<&mlx::Quantized> = qs.iter().collect();
@@ -861,7 +861,7 @@ fn a_layers_projections_and_their_heads_are_one_op() {
             };
             let held: Vec<&Array> = mats
                 .iter()
-                .flat_map(|q| [&q.weight, &q.scales, b(&q)])
+                .flat_map(|q| [&q.weight, &q.scales, b(q)])
                 .chain([&x, &nq, &nk, &offsets, &wavelengths])
                 .collect();
             mlx::eval(&held).unwrap();
@@ -980,4 +980,108 @@ fn a_layers_projections_and_their_heads_are_one_op() {
             .to_string();
         assert!(err.contains("two or three matrices"), "{err}");
     }
+}
+
+/// MLX's microscaling modes (crates/mlx-sys/src/fpq_cpu.cc) against MLX's own ops in the same
+/// mode: dequantization bit for bit, products at decode row counts and past the sgemm threshold,
+/// expert gathers at decode and prefill shapes.
+#[test]
+fn microscaling_modes_match_mlx() {
+    use mlx::QuantMode;
+    let _one = serial();
+    let before = mlx::quantized_kernel_counts();
+    let modes = [
+        (QuantMode::Mxfp4, 32, 4),
+        (QuantMode::Nvfp4, 16, 4),
+        (QuantMode::Mxfp8, 32, 8),
+    ];
+    let both = |f: &dyn Fn() -> Array| {
+        mlx::set_quantized_kernel(true);
+        let ours = f();
+        let ours_ops = ops_of(&ours);
+        ours.eval().unwrap();
+        mlx::set_quantized_kernel(false);
+        let theirs = f().astype(Dtype::F32).unwrap();
+        theirs.eval().unwrap();
+        mlx::set_quantized_kernel(true);
+        (ours, ours_ops, theirs)
+    };
+    for (seed, (mode, group, bits)) in (30u64..).zip(modes) {
+        let what = mode.name();
+        // Weights of a few orders of magnitude, so that scales differ from group to group.
+        let w = normal(&[67, 384], 0.05, seed)
+            .multiply(&normal(&[67, 1], 2.0, seed + 100).exp().unwrap())
+            .unwrap();
+        let q = w.quantize_as(mode, group, bits).unwrap();
+        mlx::eval(&[&q.weight, &q.scales]).unwrap();
+        assert!(q.biases.is_none(), "{what}");
+
+        let (ours, ops, theirs) = both(&|| q.dequantize().unwrap());
+        assert!(
+            ops.contains(&"MlxrCpuFpDequantize".to_string()),
+            "{what}: {ops:?}"
+        );
+        assert_eq!(ours.dtype(), Dtype::F32);
+        assert_eq!(
+            ours.to_vec::<f32>().unwrap(),
+            theirs.to_vec::<f32>().unwrap(),
+            "{what}: dequantize"
+        );
+        let dense_w = theirs.t().unwrap();
+
+        for (i, rows) in [1, 2, 3, 4, 5, 9, 16, 40].into_iter().enumerate() {
+            let x = normal(&[rows, 384], 1.0, seed * 10 + i as u64);
+            let (ours, ops, theirs) = both(&|| x.quantized_matmul(&q, true).unwrap());
+            assert!(
+                ops.contains(&"MlxrCpuFpQuantizedMatmul".to_string()),
+                "{what}: {ops:?}"
+            );
+            let dense = x.matmul(&dense_w).unwrap();
+            let tol = 2e-5 * scale_of(&dense) * 384f32.sqrt();
+            assert!(
+                max_diff(&ours, &theirs) < tol && max_diff(&ours, &dense) < tol,
+                "{what}, {rows} rows: {} / {} (tolerance {tol})",
+                max_diff(&ours, &theirs),
+                max_diff(&ours, &dense)
+            );
+        }
+
+        // Expert stacks: decode (one token, top-3 of 5, x broadcast over them) and prefill-like
+        // (40 single rows sorted by expert, runs past the sgemm threshold, and unsorted).
+        let (e, n, k) = (5, 24, 128);
+        let stack = normal(&[e, n, k], 0.05, seed + 200);
+        let qs = stack.quantize_as(mode, group, bits).unwrap();
+        mlx::eval(&[&qs.weight, &qs.scales]).unwrap();
+        let x = normal(&[1, 1, 1, k], 1.0, seed + 300);
+        let idx = Array::from_slice(&[4u32, 0, 2], &[1, 3]).unwrap();
+        let (ours, ops, theirs) =
+            both(&|| x.gather_qmm(&qs, None, Some(&idx), true, false).unwrap());
+        assert!(
+            ops.contains(&"MlxrCpuFpGatherQuantizedMatmul".to_string()),
+            "{what}: {ops:?}"
+        );
+        assert_eq!(ours.shape(), vec![1, 3, 1, n]);
+        assert!(max_diff(&ours, &theirs) < 1e-4, "{what}: decode gather");
+        let ids: Vec<u32> = (0..40)
+            .map(|i| [0u32, 0, 3, 3, 3, 1, 4, 4][i % 8])
+            .collect();
+        let mut sorted_ids = ids.clone();
+        sorted_ids.sort();
+        let x = normal(&[40, 1, k], 1.0, seed + 400);
+        for (list, sorted) in [(&sorted_ids, true), (&ids, false)] {
+            let idx = Array::from_slice(list, &[40]).unwrap();
+            let (ours, _, theirs) =
+                both(&|| x.gather_qmm(&qs, None, Some(&idx), true, sorted).unwrap());
+            assert_eq!(ours.shape(), vec![40, 1, n]);
+            assert!(
+                max_diff(&ours, &theirs) < 1e-4,
+                "{what}: prefill gather, sorted {sorted}"
+            );
+        }
+    }
+    let after = mlx::quantized_kernel_counts();
+    assert!(
+        after.0 > before.0 && after.1 > before.1,
+        "the kernel did not answer on both paths: {before:?} -> {after:?}"
+    );
 }

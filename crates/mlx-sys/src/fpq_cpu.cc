@@ -1,0 +1,397 @@
+// CPU kernels for MLX's microscaling quantization modes, registered as MLX primitives beside
+// the affine ones (qmm_cpu.cc), in the same two shapes:
+//
+// - Few rows (decode): each output row reads its packed weights once; 8 values at a time are
+//   decoded in registers, multiplied by their group's scale and taken into up to four rows of x.
+// - Many rows (prefill): tiles of weight rows are decoded to float32 for sgemm (tiled_product).
+//
+// The formats (MLX's `QuantizationMode`): values are FP4 E2M1 (mxfp4, nvfp4) or FP8 E4M3
+// (mxfp8), packed little-endian in uint32 words (value k of a row at bit k·bits, as affine
+// 4- and 8-bit); each group of 32 (16 for nvfp4) has one uint8 scale, a power of two 2^(s−127)
+// (E8M0; mxfp4, mxfp8) or an E4M3 float (nvfp4). A value is code × scale, with no bias. Every
+// decoded weight is MLX's exactly (a product of a few-bit code and a power of two or an E4M3
+// number is exact in float32), so only the order of the sums differs from MLX's kernels.
+//
+// Decoding with AVX2, 8 values per step:
+// - E2M1: the word shifted per lane (srlv) leaves each code in a lane's low bits; a lane
+//   permute (vpermps reads an index's low 3 bits) looks up the magnitude in {0, ½, 1, 1½, 2, 3,
+//   4, 6} and the code's bit 3, shifted to bit 31, is the sign.
+// - E4M3: a byte's 7 magnitude bits moved to float32's exponent and mantissa (<< 20) and the
+//   exponent rebased (+120) are the value of a normal number; subnormals (exponent 0) are
+//   mantissa · 2^−9; 0x7f is NaN.
+
+#include "mlx-sys/src/fpq_cpu.h"
+#include "mlx-sys/src/cpu_common.h"
+#include "mlx-sys/src/qmm_cpu.h"
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace mx = mlx::core;
+
+namespace mlxr {
+
+namespace {
+
+enum class Mode : int { Mxfp4 = 1, Nvfp4 = 2, Mxfp8 = 3 };
+
+// A mode's value width and group size, MLX's only ones for it.
+struct Format {
+  int bits, group;
+};
+
+std::optional<Format> format_of(int mode) {
+  switch (mode) {
+    case (int)Mode::Mxfp4: return Format{4, 32};
+    case (int)Mode::Nvfp4: return Format{4, 16};
+    case (int)Mode::Mxfp8: return Format{8, 32};
+    default: return std::nullopt;
+  }
+}
+
+// An E4M3 (fn: no infinities, 0x7f NaN) number.
+float e4m3(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  float v;
+  if (e == 15 && m == 7)
+    v = std::numeric_limits<float>::quiet_NaN();
+  else
+    v = e == 0 ? std::ldexp((float)m, -9) : std::ldexp((float)(8 + m), e - 10);
+  return (b & 0x80) ? -v : v;
+}
+
+// Every code of each format, decoded once.
+struct Tables {
+  float e2m1[16];
+  float e4m3[256];
+  // 2^(s − 127): s = 0 is 2^−127, s = 255 infinity, as MLX reads E8M0 scales.
+  float e8m0[256];
+};
+
+const Tables& tables() {
+  static const Tables t = [] {
+    Tables t{};
+    const float mags[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+    for (int i = 0; i < 16; ++i) t.e2m1[i] = i < 8 ? mags[i] : -mags[i - 8];
+    for (int i = 0; i < 256; ++i) {
+      t.e4m3[i] = e4m3((uint8_t)i);
+      t.e8m0[i] = std::ldexp(1.0f, i - 127);
+    }
+    return t;
+  }();
+  return t;
+}
+
+// One product's sizes: x [M, K], w [N, K] in `mode`.
+struct Shape {
+  int M, N, K;
+  Mode mode;
+  int bits() const { return mode == Mode::Mxfp8 ? 8 : 4; }
+  int group() const { return mode == Mode::Nvfp4 ? 16 : 32; }
+  int groups() const { return K / group(); }
+  size_t row_words() const { return (size_t)K * bits() / 32; }
+  // The decoded scale of each uint8 code.
+  const float* scale_table() const { return mode == Mode::Nvfp4 ? tables().e4m3 : tables().e8m0; }
+};
+
+// Row n's scales, decoded.
+inline float scale_at(const uint8_t* sc, const Shape& s, int n, int g) {
+  return s.scale_table()[sc[(size_t)n * s.groups() + g]];
+}
+
+// Value k of a packed row, its code decoded (without the scale).
+inline float value_at(const uint32_t* row, int k, const Shape& s) {
+  if (s.bits() == 4) return tables().e2m1[(row[k / 8] >> (4 * (k % 8))) & 15];
+  return tables().e4m3[(row[k / 4] >> (8 * (k % 4))) & 255];
+}
+
+// Rows [n0, n1) and columns [k0, k1) (whole groups) of w as float32, row-major.
+void dequantize_rows_scalar(
+    const uint32_t* w, const uint8_t* sc, float* dst, const Shape& s, int n0, int n1, int k0, int k1) {
+  const int G = s.group();
+  for (int n = n0; n < n1; ++n) {
+    const uint32_t* wr = w + (size_t)n * s.row_words();
+    float* d = dst + (size_t)(n - n0) * (k1 - k0) - k0;
+    for (int g = k0 / G; g < k1 / G; ++g) {
+      const float a = scale_at(sc, s, n, g);
+      for (int k = g * G; k < (g + 1) * G; ++k) d[k] = value_at(wr, k, s) * a;
+    }
+  }
+}
+
+// Rows [n0, n1) of out [M, N] = x · dequantize(w)ᵀ, one product at a time.
+void qmv_scalar(const float* x, const uint32_t* w, const uint8_t* sc, float* out, const Shape& s, int n0, int n1) {
+  const int G = s.group();
+  for (int n = n0; n < n1; ++n) {
+    const uint32_t* wr = w + (size_t)n * s.row_words();
+    for (int m = 0; m < s.M; ++m) {
+      const float* xr = x + (size_t)m * s.K;
+      float acc = 0.0f;
+      for (int g = 0; g < s.groups(); ++g) {
+        const float a = scale_at(sc, s, n, g);
+        for (int k = g * G; k < (g + 1) * G; ++k) acc += xr[k] * (value_at(wr, k, s) * a);
+      }
+      out[(size_t)m * s.N + n] = acc;
+    }
+  }
+}
+
+// Values [8i, 8i + 8) of a packed row, decoded (without the scale).
+template <int BITS>
+__attribute__((target("avx2,fma"))) inline __m256 decode8(const uint32_t* row, int i) {
+  if constexpr (BITS == 4) {
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256 mags = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+    const __m256i codes = _mm256_srlv_epi32(_mm256_set1_epi32((int)row[i]), shifts);
+    const __m256 mag = _mm256_permutevar8x32_ps(mags, codes);
+    const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(codes, 28), _mm256_set1_epi32(INT32_MIN));
+    return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
+  } else {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(row + 2 * i)));
+    const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
+    const __m256 normal =
+        _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(mag, _mm256_set1_epi32(7))),
+                                     _mm256_set1_ps(0x1p-9f));
+    const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag);
+    __m256 v = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(is_sub));
+    v = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f))));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_xor_ps(v, _mm256_castsi256_ps(sign));
+  }
+}
+
+template <int BITS>
+__attribute__((target("avx2,fma"))) void dequantize_rows_avx(
+    const uint32_t* w, const uint8_t* sc, float* dst, const Shape& s, int n0, int n1, int k0, int k1) {
+  const int G = s.group();
+  for (int n = n0; n < n1; ++n) {
+    const uint32_t* wr = w + (size_t)n * s.row_words();
+    float* d = dst + (size_t)(n - n0) * (k1 - k0) - k0;
+    for (int g = k0 / G; g < k1 / G; ++g) {
+      const __m256 a = _mm256_set1_ps(scale_at(sc, s, n, g));
+      for (int i = g * G / 8; i < (g + 1) * G / 8; ++i)
+        _mm256_storeu_ps(d + (size_t)i * 8, _mm256_mul_ps(decode8<BITS>(wr, i), a));
+    }
+  }
+}
+
+void dequantize_rows(
+    const uint32_t* w, const uint8_t* sc, float* dst, const Shape& s, int n0, int n1, int k0, int k1) {
+  if (!has_avx2()) return dequantize_rows_scalar(w, sc, dst, s, n0, n1, k0, k1);
+  if (s.bits() == 4) return dequantize_rows_avx<4>(w, sc, dst, s, n0, n1, k0, k1);
+  dequantize_rows_avx<8>(w, sc, dst, s, n0, n1, k0, k1);
+}
+
+// Rows [n0, n1) of out for R rows of x: each 8 decoded values, times their scale, go into every
+// row's two accumulators in turn (two FMA chains, so that one row of x is not bound by their
+// latency). A row's result does not depend on the rows beside it.
+template <int BITS, int R>
+__attribute__((target("avx2,fma"))) void qmv_rows(
+    const float* x, const uint32_t* w, const uint8_t* sc, float* out, const Shape& s, int n0, int n1) {
+  const int G = s.group(), steps = G / 8;
+  const float* table = s.scale_table();
+  for (int n = n0; n < n1; ++n) {
+    const uint32_t* wr = w + (size_t)n * s.row_words();
+    const uint8_t* sr = sc + (size_t)n * s.groups();
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int g = 0; g < s.groups(); ++g) {
+      const __m256 a = _mm256_set1_ps(table[sr[g]]);
+      for (int j = 0; j < steps; ++j) {
+        const int i = g * steps + j;
+        const __m256 v = _mm256_mul_ps(decode8<BITS>(wr, i), a);
+        for (int r = 0; r < R; ++r)
+          acc[r][j & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (size_t)r * s.K + 8 * i), v, acc[r][j & 1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[(size_t)r * s.N + n] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+  }
+}
+
+template <int BITS>
+void qmv_block(const float* x, const uint32_t* w, const uint8_t* sc, float* out, const Shape& s, int rows, int n0, int n1) {
+  switch (rows) {
+    case 1: return qmv_rows<BITS, 1>(x, w, sc, out, s, n0, n1);
+    case 2: return qmv_rows<BITS, 2>(x, w, sc, out, s, n0, n1);
+    case 3: return qmv_rows<BITS, 3>(x, w, sc, out, s, n0, n1);
+    default: return qmv_rows<BITS, 4>(x, w, sc, out, s, n0, n1);
+  }
+}
+
+// Output rows per pool chunk: ~32 KB of packed weights and scales each.
+int rows_per_chunk(const Shape& s) {
+  const size_t row_bytes = s.row_words() * 4 + s.groups();
+  return (int)std::max<size_t>(1, (32u << 10) / row_bytes);
+}
+
+void qmv(const float* x, const uint32_t* w, const uint8_t* sc, float* out, const Shape& s) {
+  for_rows(s.N, rows_per_chunk(s), [&](size_t a, size_t b) {
+    const int n0 = (int)a, n1 = (int)b;
+    if (!has_avx2()) return qmv_scalar(x, w, sc, out, s, n0, n1);
+    for (int m = 0; m < s.M; m += 4) {
+      const int rows = std::min(4, s.M - m);
+      const Shape part{rows, s.N, s.K, s.mode};
+      const float* xr = x + (size_t)m * s.K;
+      float* o = out + (size_t)m * s.N;
+      if (s.bits() == 4)
+        qmv_block<4>(xr, w, sc, o, part, rows, n0, n1);
+      else
+        qmv_block<8>(xr, w, sc, o, part, rows, n0, n1);
+    }
+  });
+}
+
+// One product x [M, K] · dequantize(w)ᵀ by whichever path suits its rows, counted.
+void product(const float* x, const uint32_t* w, const uint8_t* sc, float* out, const Shape& s) {
+  const bool tiles = s.M >= SGEMM_ROWS && sgemm() != nullptr;
+  if (tiles)
+    tiled_product(x, out, s.M, s.N, s.K, [&](float* dst, int n0, int n1, int k0, int k1) {
+      dequantize_rows(w, sc, dst, s, n0, n1, k0, k1);
+    });
+  else
+    qmv(x, w, sc, out, s);
+  count_qmm_path(tiles);
+}
+
+struct ModeParams {
+  int mode;
+  bool operator==(const ModeParams&) const = default;
+};
+
+// x [..., K] @ dequantize(w)ᵀ, w [N, K·bits/32], scales [N, K/group].
+struct FpQuantizedMatmulOp {
+  using Params = ModeParams;
+  static constexpr const char* name = "MlxrCpuFpQuantizedMatmul";
+
+  static void run(const Params& p, std::vector<View>& in, View& out) {
+    const auto &x = in[0], &w = in[1];
+    const Shape s{(int)(x.size() / x.shape(-1)), (int)w.shape(0), (int)x.shape(-1), (Mode)p.mode};
+    std::vector<float> xc;
+    std::vector<uint32_t> wc;
+    std::vector<uint8_t> sc;
+    product(dense(x, xc), dense(w, wc), dense(in[2], sc), out.data<float>(), s);
+  }
+};
+
+// x [B, M, K], w [E, N, K·bits/32], scales [E, N, K/group], idx [B] (uint32) → out [B, M, N]:
+// row block b times expert idx[b] (expert_runs).
+struct FpGatherQuantizedMatmulOp {
+  using Params = ModeParams;
+  static constexpr const char* name = "MlxrCpuFpGatherQuantizedMatmul";
+
+  static void run(const Params& p, std::vector<View>& in, View& out) {
+    const auto &x = in[0], &w = in[1], &idx = in[3];
+    const int B = (int)idx.size(), M = (int)x.shape(-2), K = (int)x.shape(-1);
+    const int E = (int)w.shape(0), N = (int)w.shape(1);
+    std::vector<float> xd;
+    std::vector<uint32_t> id, wc;
+    std::vector<uint8_t> sd;
+    const float* xp = dense(x, xd);
+    const uint32_t* ip = dense(idx, id);
+    const uint32_t* wp = dense(w, wc);
+    const uint8_t* sp = dense(in[2], sd);
+    float* op = out.data<float>();
+    const Shape one{1, N, K, (Mode)p.mode};
+    const size_t words = (size_t)N * one.row_words(), groups = (size_t)N * one.groups();
+    expert_runs(ip, B, M, N, E, op, [&](int e, int b, int run) {
+      const Shape s{run * M, N, K, (Mode)p.mode};
+      product(xp + (size_t)b * M * K, wp + e * words, sp + e * groups, op + (size_t)b * M * N, s);
+    });
+  }
+};
+
+// dequantize(w): w [..., N, K·bits/32], scales [..., N, K/group] → [..., N, K] float32.
+struct FpDequantizeOp {
+  using Params = ModeParams;
+  static constexpr const char* name = "MlxrCpuFpDequantize";
+
+  static void run(const Params& p, std::vector<View>& in, View& out) {
+    const auto& w = in[0];
+    const Mode mode = (Mode)p.mode;
+    const int K = (int)(w.shape(-1) * 32 / (mode == Mode::Mxfp8 ? 8 : 4));
+    const Shape s{1, (int)(w.size() / w.shape(-1)), K, mode};
+    std::vector<uint32_t> wc;
+    std::vector<uint8_t> sc;
+    const uint32_t* wp = dense(w, wc);
+    const uint8_t* sp = dense(in[1], sc);
+    float* o = out.data<float>();
+    // Rows of at least 16 KB of output per chunk: a lookup of a few rows stays on this thread.
+    for_rows(s.N, std::max(1, 4096 / K), [&](size_t n0, size_t n1) {
+      dequantize_rows(wp, sp, o + n0 * K, s, (int)n0, (int)n1, 0, K);
+    });
+  }
+};
+
+// What every kernel here reads: the kernels on, the CPU, a microscaling mode at its own width
+// and group, uint32 words with uint8 scales of the same rank, rows of whole groups.
+bool format_applies(const mx::array& w, const mx::array& scales, int group_size, int bits, int mode) {
+  const auto f = format_of(mode);
+  return f && f->bits == bits && f->group == group_size && cpu_qmm_enabled() &&
+         mx::default_device() == mx::Device::cpu && w.dtype() == mx::uint32 &&
+         scales.dtype() == mx::uint8 && w.ndim() >= 1 && scales.ndim() == w.ndim() &&
+         std::equal(w.shape().begin(), w.shape().end() - 1, scales.shape().begin()) &&
+         (int64_t)w.shape(-1) * 32 == (int64_t)scales.shape(-1) * group_size * bits;
+}
+
+bool product_applies(
+    const mx::array& x, const mx::array& w, const mx::array& scales, bool transpose, int group_size, int bits, int mode) {
+  return transpose && format_applies(w, scales, group_size, bits, mode) && x.dtype() == mx::float32 &&
+         x.ndim() >= 1 && x.size() > 0 && w.ndim() >= 2 &&
+         (int64_t)x.shape(-1) * bits == (int64_t)w.shape(-1) * 32;
+}
+
+}  // namespace
+
+std::optional<mx::array> cpu_fp_quantized_matmul(
+    const mx::array& x, const mx::array& w, const mx::array& scales, bool transpose, int group_size, int bits, int mode) {
+  if (!product_applies(x, w, scales, transpose, group_size, bits, mode) || w.ndim() != 2) return std::nullopt;
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return make<FpQuantizedMatmulOp>(shape, {mode}, {x, w, scales});
+}
+
+std::optional<mx::array> cpu_fp_gather_qmm(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const std::optional<mx::array>& lhs_indices,
+    const std::optional<mx::array>& rhs_indices,
+    bool transpose,
+    int group_size,
+    int bits,
+    int mode) {
+  const bool fits = product_applies(x, w, scales, transpose, group_size, bits, mode) && w.ndim() == 3 &&
+                    x.ndim() >= 2 && !lhs_indices && rhs_indices &&
+                    mx::issubdtype(rhs_indices->dtype(), mx::integer);
+  if (!fits) return std::nullopt;
+  auto stream = mx::default_stream(mx::Device::cpu);
+  const int M = x.shape(-2), K = x.shape(-1);
+  mx::Shape xb(x.shape().begin(), x.shape().end() - 2);
+  mx::Shape batch = mx::broadcast_shapes(xb, rhs_indices->shape());
+  mx::Shape xs = batch;
+  xs.push_back(M);
+  xs.push_back(K);
+  // Broadcast views, read densely by the kernel itself.
+  auto xc = mx::broadcast_to(x, xs, stream);
+  auto ids = rhs_indices->dtype() == mx::uint32 ? *rhs_indices : mx::astype(*rhs_indices, mx::uint32, stream);
+  auto ic = mx::broadcast_to(ids, batch, stream);
+  mx::Shape os = batch;
+  os.push_back(M);
+  os.push_back(w.shape(1));
+  return make<FpGatherQuantizedMatmulOp>(os, {mode}, {xc, w, scales, ic});
+}
+
+std::optional<mx::array> cpu_fp_dequantize(
+    const mx::array& w, const mx::array& scales, int group_size, int bits, int mode) {
+  if (!format_applies(w, scales, group_size, bits, mode) || w.size() == 0) return std::nullopt;
+  auto shape = w.shape();
+  shape.back() = (int)((int64_t)w.shape(-1) * 32 / bits);
+  return make<FpDequantizeOp>(shape, {mode}, {w, scales});
+}
+
+}  // namespace mlxr

@@ -1,0 +1,42 @@
+// CPU kernels for MLX's microscaling quantization modes (fpq_cpu.cc): the mode codes are the
+// shim's (1 mxfp4, 2 nvfp4, 3 mxfp8); each returns nullopt where it does not apply, and the
+// caller then builds MLX's own op.
+#pragma once
+
+#include <optional>
+
+#include "mlx/mlx.h"
+
+namespace mlxr {
+
+// x [..., K] @ dequantize(w)ᵀ, w [N, K·bits/32] uint32, scales [N, K/group] uint8.
+std::optional<mlx::core::array> cpu_fp_quantized_matmul(
+    const mlx::core::array& x,
+    const mlx::core::array& w,
+    const mlx::core::array& scales,
+    bool transpose,
+    int group_size,
+    int bits,
+    int mode);
+
+// MLX's gather_qmm with rhs indices only (an MoE's expert stacks), w [E, N, K·bits/32].
+std::optional<mlx::core::array> cpu_fp_gather_qmm(
+    const mlx::core::array& x,
+    const mlx::core::array& w,
+    const mlx::core::array& scales,
+    const std::optional<mlx::core::array>& lhs_indices,
+    const std::optional<mlx::core::array>& rhs_indices,
+    bool transpose,
+    int group_size,
+    int bits,
+    int mode);
+
+// dequantize(w) as float32, w [..., N, K·bits/32].
+std::optional<mlx::core::array> cpu_fp_dequantize(
+    const mlx::core::array& w,
+    const mlx::core::array& scales,
+    int group_size,
+    int bits,
+    int mode);
+
+}  // namespace mlxr
