@@ -12,13 +12,12 @@
 // decoded weight is MLX's exactly (a product of a few-bit code and a power of two or an E4M3
 // number is exact in float32), so only the order of the sums differs from MLX's kernels.
 //
-// Decoding with AVX2, 8 values per step:
+// Decoding, 8 values per step with AVX2 and 16 with AVX-512:
 // - E2M1: the word shifted per lane (srlv) leaves each code in a lane's low bits; a lane
-//   permute (vpermps reads an index's low 3 bits) looks up the magnitude in {0, ½, 1, 1½, 2, 3,
-//   4, 6} and the code's bit 3, shifted to bit 31, is the sign.
-// - E4M3: a byte's 7 magnitude bits moved to float32's exponent and mantissa (<< 20) and the
-//   exponent rebased (+120) are the value of a normal number; subnormals (exponent 0) are
-//   mantissa · 2^−9; 0x7f is NaN.
+//   permute looks it up: AVX-512's reads 4 index bits, the sign included; AVX2's reads 3 (the
+//   magnitudes {0, ½, 1, 1½, 2, 3, 4, 6}) and the code's bit 3, shifted to bit 31, is the sign.
+// - E4M3: the byte moved into a half float's bits and converted (F16C), see fp8_to_float.
+// A group's codes are summed against x first and the sum scaled once.
 
 #include "mlx-sys/src/fpq_cpu.h"
 #include "mlx-sys/src/cpu_common.h"
@@ -30,6 +29,11 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+// GCC 12's AVX-512 intrinsics give their undefined operands themselves as a value
+// (`__Y = __Y`), which its own -Wuninitialized then reports wherever they are inlined.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 namespace mx = mlx::core;
 
@@ -140,9 +144,34 @@ void qmv_scalar(const float* x, const uint32_t* w, const uint8_t* sc, float* out
   }
 }
 
-// Values [8i, 8i + 8) of a packed row, decoded (without the scale).
+// E4M3's bits are a half float's shifted: sign at bit 15 and the 7 magnitude bits at bits 7-13
+// give a float16 of exactly the value · 2^−8 (normal and subnormal numbers alike, the exponent
+// bias 15 against 7), which F16C converts to float32. So a code costs a widening, three
+// integer ops and the conversion; the 2^8 goes into the group's scale (kFp8Rebase). The NaN
+// codes (magnitude 0x7f) would read as ±480 and are set apart.
+constexpr float kFp8Rebase = 256.0f;
+
+// 8 codes of E4M3 as half floats (8 × 16 bits).
+__attribute__((target("avx2,fma,f16c"))) inline __m256 fp8_to_float(__m128i bytes8) {
+  const __m128i u = _mm_cvtepu8_epi16(bytes8);
+  const __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(u, 8), 1), _mm_set1_epi16((short)0xBFFF));
+  const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(u, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7f));
+  // An all-ones half is a NaN, and stays one through the conversion.
+  return _mm256_cvtph_ps(_mm_or_si128(h, nan));
+}
+
+// 16 codes of E4M3 the same way.
+__attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 fp8x16_to_float(__m128i bytes16) {
+  const __m256i u = _mm256_cvtepu8_epi16(bytes16);
+  const __m256i h =
+      _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(u, 8), 1), _mm256_set1_epi16((short)0xBFFF));
+  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(u, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7f));
+  return _mm512_cvtph_ps(_mm256_or_si256(h, nan));
+}
+
+// Values [8i, 8i + 8) of a packed row: E2M1 codes decoded, E4M3 codes decoded · 2^−8.
 template <int BITS>
-__attribute__((target("avx2,fma"))) inline __m256 decode8(const uint32_t* row, int i) {
+__attribute__((target("avx2,fma,f16c"))) inline __m256 decode8(const uint32_t* row, int i) {
   if constexpr (BITS == 4) {
     const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256 mags = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
@@ -151,29 +180,26 @@ __attribute__((target("avx2,fma"))) inline __m256 decode8(const uint32_t* row, i
     const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(codes, 28), _mm256_set1_epi32(INT32_MIN));
     return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
   } else {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(row + 2 * i)));
-    const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
-    const __m256 normal =
-        _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
-    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(mag, _mm256_set1_epi32(7))),
-                                     _mm256_set1_ps(0x1p-9f));
-    const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag);
-    __m256 v = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(is_sub));
-    v = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f))));
-    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
-    return _mm256_xor_ps(v, _mm256_castsi256_ps(sign));
+    return fp8_to_float(_mm_loadl_epi64((const __m128i*)(row + 2 * i)));
   }
 }
 
+// The factor decode8's values take besides their group's scale.
 template <int BITS>
-__attribute__((target("avx2,fma"))) void dequantize_rows_avx(
+constexpr float decode_factor() {
+  return BITS == 8 ? kFp8Rebase : 1.0f;
+}
+
+template <int BITS>
+__attribute__((target("avx2,fma,f16c"))) void dequantize_rows_avx(
     const uint32_t* w, const uint8_t* sc, float* dst, const Shape& s, int n0, int n1, int k0, int k1) {
   const int G = s.group();
   for (int n = n0; n < n1; ++n) {
     const uint32_t* wr = w + (size_t)n * s.row_words();
     float* d = dst + (size_t)(n - n0) * (k1 - k0) - k0;
     for (int g = k0 / G; g < k1 / G; ++g) {
-      const __m256 a = _mm256_set1_ps(scale_at(sc, s, n, g));
+      // Exact: a power of two times a code, or (nvfp4) an E4M3 scale times an E2M1 code.
+      const __m256 a = _mm256_set1_ps(scale_at(sc, s, n, g) * decode_factor<BITS>());
       for (int i = g * G / 8; i < (g + 1) * G / 8; ++i)
         _mm256_storeu_ps(d + (size_t)i * 8, _mm256_mul_ps(decode8<BITS>(wr, i), a));
     }
@@ -187,34 +213,84 @@ void dequantize_rows(
   dequantize_rows_avx<8>(w, sc, dst, s, n0, n1, k0, k1);
 }
 
-// Rows [n0, n1) of out for R rows of x: each 8 decoded values, times their scale, go into every
-// row's two accumulators in turn (two FMA chains, so that one row of x is not bound by their
-// latency). A row's result does not depend on the rows beside it.
+// Rows [n0, n1) of out for R rows of x: a group's decoded codes go into each row's group sum,
+// which then goes into the row's total times the group's scale (one FMA per group, not a
+// multiply per 8 codes). A row's result does not depend on the rows beside it.
 template <int BITS, int R>
-__attribute__((target("avx2,fma"))) void qmv_rows(
+__attribute__((target("avx2,fma,f16c"))) void qmv_rows(
     const float* x, const uint32_t* w, const uint8_t* sc, float* out, const Shape& s, int n0, int n1) {
   const int G = s.group(), steps = G / 8;
   const float* table = s.scale_table();
   for (int n = n0; n < n1; ++n) {
     const uint32_t* wr = w + (size_t)n * s.row_words();
     const uint8_t* sr = sc + (size_t)n * s.groups();
-    __m256 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    __m256 tot[R];
+    for (int r = 0; r < R; ++r) tot[r] = _mm256_setzero_ps();
     for (int g = 0; g < s.groups(); ++g) {
-      const __m256 a = _mm256_set1_ps(table[sr[g]]);
+      __m256 part[R];
+      for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_ps();
       for (int j = 0; j < steps; ++j) {
         const int i = g * steps + j;
-        const __m256 v = _mm256_mul_ps(decode8<BITS>(wr, i), a);
+        const __m256 v = decode8<BITS>(wr, i);
         for (int r = 0; r < R; ++r)
-          acc[r][j & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (size_t)r * s.K + 8 * i), v, acc[r][j & 1]);
+          part[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (size_t)r * s.K + 8 * i), v, part[r]);
       }
+      const __m256 a = _mm256_set1_ps(table[sr[g]] * decode_factor<BITS>());
+      for (int r = 0; r < R; ++r) tot[r] = _mm256_fmadd_ps(part[r], a, tot[r]);
     }
-    for (int r = 0; r < R; ++r) out[(size_t)r * s.N + n] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+    for (int r = 0; r < R; ++r) out[(size_t)r * s.N + n] = hsum(tot[r]);
+  }
+}
+
+// The same 16 codes at a time with AVX-512: E2M1 codes are looked up with their sign in one
+// 16-entry permute (of two packed words, lanes 8-15 reading the second), E4M3 as above.
+template <int BITS, int R>
+__attribute__((target("avx512f,avx2,fma,f16c"))) void qmv_rows512(
+    const float* x, const uint32_t* w, const uint8_t* sc, float* out, const Shape& s, int n0, int n1) {
+  const int G = s.group(), steps = G / 16;
+  const float* table = s.scale_table();
+  const __m512 lut = _mm512_loadu_ps(tables().e2m1);
+  const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  for (int n = n0; n < n1; ++n) {
+    const uint32_t* wr = w + (size_t)n * s.row_words();
+    const uint8_t* sr = sc + (size_t)n * s.groups();
+    __m512 tot[R];
+    for (int r = 0; r < R; ++r) tot[r] = _mm512_setzero_ps();
+    for (int g = 0; g < s.groups(); ++g) {
+      __m512 part[R];
+      for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+      for (int j = 0; j < steps; ++j) {
+        const int i = g * steps + j;
+        __m512 v;
+        if constexpr (BITS == 4) {
+          const __m512i two = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i*)(wr + 2 * i)));
+          const __m512i codes = _mm512_srlv_epi32(_mm512_permutexvar_epi32(halves, two), shifts);
+          v = _mm512_permutexvar_ps(codes, lut);
+        } else {
+          v = fp8x16_to_float(_mm_loadu_si128((const __m128i*)(wr + 4 * i)));
+        }
+        for (int r = 0; r < R; ++r)
+          part[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (size_t)r * s.K + 16 * i), v, part[r]);
+      }
+      const __m512 a = _mm512_set1_ps(table[sr[g]] * decode_factor<BITS>());
+      for (int r = 0; r < R; ++r) tot[r] = _mm512_fmadd_ps(part[r], a, tot[r]);
+    }
+    for (int r = 0; r < R; ++r) out[(size_t)r * s.N + n] = _mm512_reduce_add_ps(tot[r]);
   }
 }
 
 template <int BITS>
 void qmv_block(const float* x, const uint32_t* w, const uint8_t* sc, float* out, const Shape& s, int rows, int n0, int n1) {
+  // nvfp4's groups of 16 are one 16-lane step; mxfp's of 32, two.
+  if (has_avx512()) {
+    switch (rows) {
+      case 1: return qmv_rows512<BITS, 1>(x, w, sc, out, s, n0, n1);
+      case 2: return qmv_rows512<BITS, 2>(x, w, sc, out, s, n0, n1);
+      case 3: return qmv_rows512<BITS, 3>(x, w, sc, out, s, n0, n1);
+      default: return qmv_rows512<BITS, 4>(x, w, sc, out, s, n0, n1);
+    }
+  }
   switch (rows) {
     case 1: return qmv_rows<BITS, 1>(x, w, sc, out, s, n0, n1);
     case 2: return qmv_rows<BITS, 2>(x, w, sc, out, s, n0, n1);

@@ -1085,3 +1085,84 @@ fn microscaling_modes_match_mlx() {
         "the kernel did not answer on both paths: {before:?} -> {after:?}"
     );
 }
+
+/// Every code of each microscaling format, NaN codes and subnormals included, decodes to what
+/// MLX's dequantize gives (NaN where it gives NaN).
+#[test]
+fn every_microscaling_code_decodes_as_mlx_does() {
+    use mlx::QuantMode;
+    let _one = serial();
+    // 256 FP8 codes (64 words) or 16 FP4 codes repeated (8 words of 0x76543210 / 0xfedcba98),
+    // under scales around 2^0 (E8M0 127, E4M3 0x38 = 1.0) and some far from it.
+    let fp8_words: Vec<u32> = (0..64u32)
+        .map(|i| (4 * i) | ((4 * i + 1) << 8) | ((4 * i + 2) << 16) | ((4 * i + 3) << 24))
+        .collect();
+    let fp4_words: Vec<u32> = (0..64)
+        .map(|i| if i % 2 == 0 { 0x7654_3210 } else { 0xfedc_ba98 })
+        .collect();
+    for (mode, group, bits, words, scales) in [
+        (
+            QuantMode::Mxfp8,
+            32,
+            8,
+            &fp8_words,
+            vec![127u8, 1, 100, 140, 127, 200, 127, 60],
+        ),
+        (
+            QuantMode::Mxfp4,
+            32,
+            4,
+            &fp4_words,
+            [127u8, 0, 1, 126, 128, 200, 90, 160].repeat(2),
+        ),
+        (
+            QuantMode::Nvfp4,
+            16,
+            4,
+            &fp4_words,
+            [0x38u8, 0x01, 0x7e, 0xb8, 0x30, 0x40, 0x08, 0x55].repeat(4),
+        ),
+    ] {
+        let q = mlx::Quantized {
+            weight: Array::from_slice(words, &[1, 64]).unwrap(),
+            scales: Array::from_slice(&scales, &[1, scales.len() as i32]).unwrap(),
+            biases: None,
+            group_size: group,
+            bits,
+            mode,
+        };
+        mlx::set_quantized_kernel(true);
+        let ours = q.dequantize().unwrap().to_vec::<f32>().unwrap();
+        mlx::set_quantized_kernel(false);
+        let theirs = q
+            .dequantize()
+            .unwrap()
+            .astype(Dtype::F32)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        mlx::set_quantized_kernel(true);
+        assert_eq!(ours.len(), theirs.len());
+        for (k, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+            assert!(
+                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                "{}: value {k}: ours {a:e}, MLX's {b:e}",
+                mode.name()
+            );
+        }
+        // The products' decode paths (few rows and tiles) read the same values.
+        let k = 64 * 32 / bits;
+        let x = Array::from_slice(&vec![1.0f32; k as usize], &[1, k]).unwrap();
+        let one = x
+            .quantized_matmul(&q, true)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap()[0];
+        let sum: f32 = ours.iter().sum();
+        assert!(
+            (one.is_nan() && sum.is_nan()) || (one - sum).abs() <= 1e-5 * sum.abs().max(1.0),
+            "{}: {one} vs {sum}",
+            mode.name()
+        );
+    }
+}
