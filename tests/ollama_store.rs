@@ -266,24 +266,31 @@ impl Policy {
     }
 
     fn quant(&self, name: &str, shape: &[u64], requested: &str) -> Option<&'static str> {
-        let requested: &'static str = if requested == "int4" { "int4" } else { "int8" };
-        let aligned = shape.last().is_some_and(|d| d % 64 == 0);
+        let requested: &'static str = canonical(requested);
+        // `eightBit`: int8 for the affine family, mxfp8 for the FP4 types.
+        let eight: &'static str = if requested.starts_with("int") {
+            "int8"
+        } else {
+            "mxfp8"
+        };
+        let fits = |t: &'static str| is_aligned(shape, t).then_some(t);
         let embed_tokens = name.ends_with("embed_tokens.weight") && !name.contains("per_layer");
         // draftPolicy: the draft's head takes the requested type.
         if self.draft && (embed_tokens || name.ends_with("lm_head.weight")) {
-            return aligned.then_some(requested);
+            return fits(requested);
         }
         let sensitive =
             name.contains(".v_proj") || name.contains(".k_proj") || name.contains("down_proj");
         if let Some((layers, experts)) = self.gemma4 {
             if embed_tokens {
-                return aligned.then_some("int8");
+                // promoteEmbedding, else the base type.
+                return fits(eight).or_else(|| fits(requested));
             }
             let tower = name.contains("vision")
                 || name.contains("visual")
                 || name.contains("audio_tower")
                 || name.contains("embed_audio");
-            if sensitive && !tower && requested == "int4" {
+            if sensitive && !tower && eight != requested {
                 let promote = layers > 0
                     && if experts == 8 && (name.contains(".v_proj") || name.contains(".k_proj")) {
                         true
@@ -295,7 +302,11 @@ impl Policy {
                             l < first || l >= last || (l - first) % 3 == 2
                         })
                     };
-                return aligned.then_some(if promote { "int8" } else { "int4" });
+                // sensitiveType.
+                return promote
+                    .then(|| fits(eight))
+                    .flatten()
+                    .or_else(|| fits(requested));
             }
         }
         // GetTensorQuantization.
@@ -329,17 +340,49 @@ impl Policy {
             return None;
         }
         if name.ends_with("lm_head.weight") {
-            return aligned.then_some("int8");
+            return fits(eight);
         }
-        if name.contains("vision") || name.contains("visual") || !aligned {
+        if name.contains("vision") || name.contains("visual") || !is_aligned(shape, requested) {
             return None;
         }
-        Some(if requested == "int4" && sensitive {
-            "int8"
-        } else {
-            requested
-        })
+        let promotes =
+            requested == "int4" || ((requested == "nvfp4" || requested == "mxfp4") && !stacked);
+        if promotes && sensitive {
+            if let Some(e) = fits(eight) {
+                return Some(e);
+            }
+        }
+        Some(requested)
     }
+}
+
+/// `quant.Canonical`: the canonical name of a type or alias.
+fn canonical(t: &str) -> &'static str {
+    match t.to_ascii_uppercase().as_str() {
+        "NVFP4" => "nvfp4",
+        "MXFP4" => "mxfp4",
+        "MXFP8" => "mxfp8",
+        "INT4" | "FP4" | "Q4" => "int4",
+        _ => "int8",
+    }
+}
+
+/// `quant.Params`: (group size, bits, MLX mode) of a canonical type.
+fn quant_params(t: &str) -> (i32, i32, mlx::QuantMode) {
+    match t {
+        "nvfp4" => (16, 4, mlx::QuantMode::Nvfp4),
+        "mxfp4" => (32, 4, mlx::QuantMode::Mxfp4),
+        "mxfp8" => (32, 8, mlx::QuantMode::Mxfp8),
+        "int4" => (64, 4, mlx::QuantMode::Affine),
+        _ => (64, 8, mlx::QuantMode::Affine),
+    }
+}
+
+/// `isAligned`: the last dimension a whole number of the type's groups.
+fn is_aligned(shape: &[u64], t: &str) -> bool {
+    shape
+        .last()
+        .is_some_and(|d| d % quant_params(t).0 as u64 == 0)
 }
 
 /// `layerIndex`: the N of `.layers.N.`.
@@ -354,24 +397,30 @@ fn array(t: &Tensor) -> mlx::Array {
     mlx::Array::from_bytes(&t.data, &shape, mlx::Dtype::F32).unwrap()
 }
 
-/// `x/create/quantize.go`: MLX's affine quantization (group 64), each weight `<t>` stored as
-/// packed `<t>` with `<t>.scale` and `<t>.bias`, `{"quant_type","group_size"}` in the blob's
-/// metadata. (ollama saves it with `mlx_save_safetensors`; the safetensors crate writes the
-/// same tensors and metadata, with another header order, which readers do not see.)
+/// `x/create/quantize.go`: MLX's quantization in the type's mode and group, each weight `<t>`
+/// stored as packed `<t>` with `<t>.scale` (and `<t>.bias` for int4/int8),
+/// `{"quant_type","group_size"}` in the blob's metadata. (ollama saves it with
+/// `mlx_save_safetensors`; the safetensors crate writes the same tensors and metadata, with
+/// another header order, which readers do not see.)
 fn quantized_blob(tensors: &[Tensor], kind: &str) -> Vec<u8> {
-    let bits = if kind == "int4" { 4 } else { 8 };
+    let (group, bits, mode) = quant_params(kind);
     let mut parts: Vec<(String, mlx::Array)> = Vec::new();
     for t in tensors {
-        let q = array(t).quantize(64, bits).unwrap();
+        let q = array(t).quantize_as(mode, group, bits).unwrap();
         parts.push((t.name.clone(), q.weight));
         parts.push((format!("{}.scale", t.name), q.scales));
-        parts.push((format!("{}.bias", t.name), q.biases.expect("affine")));
+        if let Some(b) = q.biases {
+            parts.push((format!("{}.bias", t.name), b));
+        }
     }
     let refs: Vec<(&str, &mlx::Array)> = parts.iter().map(|(n, a)| (n.as_str(), a)).collect();
-    let meta = [("quant_type", kind), ("group_size", "64")]
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+    let meta = [
+        ("quant_type", kind.to_string()),
+        ("group_size", group.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
     mlx::io::serialize_safetensors(&refs, Some(meta)).unwrap()
 }
 
@@ -386,13 +435,18 @@ fn mlx_lm_twin(dir: &Path, out: &Path, requested: &str) {
         for t in tensors {
             match policy.quant(&t.name, &t.shape, requested) {
                 Some(k) => {
-                    let bits = if k == "int4" { 4 } else { 8 };
-                    let q = array(&t).quantize(64, bits).unwrap();
+                    let (group, bits, mode) = quant_params(k);
+                    let q = array(&t).quantize_as(mode, group, bits).unwrap();
                     let m = t.name.trim_end_matches(".weight").to_string();
-                    overrides.insert(m.clone(), json!({"group_size": 64, "bits": bits}));
+                    overrides.insert(
+                        m.clone(),
+                        json!({"group_size": group, "bits": bits, "mode": mode.name()}),
+                    );
                     parts.push((format!("{m}.weight"), q.weight));
                     parts.push((format!("{m}.scales"), q.scales));
-                    parts.push((format!("{m}.biases"), q.biases.expect("affine")));
+                    if let Some(b) = q.biases {
+                        parts.push((format!("{m}.biases"), b));
+                    }
                 }
                 None => parts.push((t.name.clone(), array(&t))),
             }
@@ -408,7 +462,8 @@ fn mlx_lm_twin(dir: &Path, out: &Path, requested: &str) {
     }
     let mut cfg: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    let mut q = json!({"group_size": 64, "bits": if requested == "int4" { 4 } else { 8 }});
+    let (group, bits, mode) = quant_params(canonical(requested));
+    let mut q = json!({"group_size": group, "bits": bits, "mode": mode.name()});
     q.as_object_mut().unwrap().extend(overrides);
     cfg["quantization"] = q;
     std::fs::write(out.join("config.json"), cfg.to_string()).unwrap();
@@ -426,11 +481,15 @@ fn dequantized_twin(dir: &Path, out: &Path, requested: &str) {
     for t in inventory(dir) {
         let a = array(&t);
         let a = match policy.quant(&t.name, &t.shape, requested) {
-            Some(k) => a
-                .quantize(64, if k == "int4" { 4 } else { 8 })
-                .unwrap()
-                .dequantize()
-                .unwrap(),
+            Some(k) => {
+                let (group, bits, mode) = quant_params(k);
+                a.quantize_as(mode, group, bits)
+                    .unwrap()
+                    .dequantize()
+                    .unwrap()
+                    .astype(mlx::Dtype::F32)
+                    .unwrap()
+            }
             None => a,
         };
         parts.push((t.name.clone(), a));
@@ -638,6 +697,9 @@ fn quantized_models_ollama_created_serve_what_mlx_lm_layout_serves() {
         ("gemma4_e2b_like", "int8"),
         ("gemma4_26b_a4b_like", "int4"),
         ("glm4_moe_lite", "int4"),
+        ("glm4_moe_lite", "nvfp4"),
+        ("gemma4_26b_a4b_like", "mxfp4"),
+        ("gemma4_e2b_like", "mxfp8"),
     ] {
         let name = format!("{}-{q}", target.replace('_', "-"));
         ollama_create(ollama.path(), &name, &fixture(target), None, Some(q), None);
@@ -859,7 +921,7 @@ fn create_writes_what_ollama_create_writes() {
         Option<&'a str>,
         Option<&'a str>,
     );
-    let cases: [Case; 6] = [
+    let cases: [Case; 9] = [
         (
             "e2b",
             "gemma4_e2b_like",
@@ -877,6 +939,21 @@ fn create_writes_what_ollama_create_writes() {
             Some("gemma4_assistant"),
             Some("int4"),
             Some("int8"),
+        ),
+        ("glm-nvfp4", "glm4_moe_lite", None, Some("nvfp4"), None),
+        (
+            "moe-mxfp4",
+            "gemma4_26b_a4b_like",
+            None,
+            Some("mxfp4"),
+            None,
+        ),
+        (
+            "e2b-mxfp8",
+            "gemma4_e2b_like",
+            Some("gemma4_assistant"),
+            Some("mxfp8"),
+            Some("nvfp4"),
         ),
     ];
     for (model, target, draft, q, dq) in cases {

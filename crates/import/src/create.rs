@@ -461,7 +461,7 @@ fn prequantized(cfg: &Value) -> Option<Value> {
         .cloned()
 }
 
-/// The tensors of a part and, for those already quantized, each module's `(group, bits)`:
+/// The tensors of a part and, for those already quantized, how each module is:
 /// from the blob metadata (ollama's layout) or config.json's block (mlx-lm's).
 fn read_part(input: &Input) -> Result<(models::weights::Tensors, models::weights::ModuleQuant)> {
     let (tensors, from_blobs) = models::weights::read_tensors_quantized(&input.files)?;
@@ -479,22 +479,11 @@ fn read_part(input: &Input) -> Result<(models::weights::Tensors, models::weights
         };
         let params = from_blobs
             .get(module)
-            .map(|&(g, b)| (g, b, mlx::QuantMode::Affine))
-            .or_else(|| {
-                let p = block.as_ref().and_then(|b| b.module_params(module))?;
-                Some((p.group_size, p.bits, p.mode))
-            });
+            .copied()
+            .or_else(|| block.as_ref().and_then(|b| b.module_params(module)));
         match params {
-            Some((_, _, mode)) if mode != mlx::QuantMode::Affine => {
-                return Err(crate::ImportError::Store(StoreError::Invalid(format!(
-                    "{}: {module} is quantized as {}; the store takes affine quantization \
-                     only, so import the float checkpoint (with --quantize) instead",
-                    input.source,
-                    mode.name()
-                ))))
-            }
-            Some((g, b, _)) => {
-                quantized.insert(module.to_string(), (g, b));
+            Some(p) => {
+                quantized.insert(module.to_string(), p);
             }
             None => {
                 return Err(crate::ImportError::Store(StoreError::Invalid(format!(
@@ -508,15 +497,17 @@ fn read_part(input: &Input) -> Result<(models::weights::Tensors, models::weights
 }
 
 /// The most common type among already quantized modules (`""` for none).
-fn common_type(quantized: &HashMap<String, (i32, i32)>) -> String {
-    let mut counts: BTreeMap<i32, usize> = BTreeMap::new();
-    for (_, bits) in quantized.values() {
-        *counts.entry(*bits).or_default() += 1;
+fn common_type(quantized: &models::weights::ModuleQuant) -> String {
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for q in quantized.values() {
+        *counts
+            .entry(store::quant::type_name(q.mode.name(), q.bits, q.group_size))
+            .or_default() += 1;
     }
     counts
         .into_iter()
         .max_by_key(|(_, n)| *n)
-        .map(|(bits, _)| store::quant::type_name(bits))
+        .map(|(name, _)| name)
         .unwrap_or_default()
 }
 

@@ -10,7 +10,7 @@
 use crate::Result;
 use mlx::{Array, Dtype};
 use std::collections::{BTreeMap, HashMap};
-use store::quant::{Policy, QuantType, GROUP_SIZE};
+use store::quant::{Policy, QuantType};
 use store::StoreError;
 
 /// How an output tensor is made from the checkpoint's tensors.
@@ -28,7 +28,8 @@ pub(crate) struct TensorSpec {
     /// Its name in the blob (before the draft's prefix).
     pub name: String,
     pub build: Build,
-    /// Quantize it (into `<name>`, `<name>.scale`, `<name>.bias`) to this type.
+    /// Quantize it (into `<name>`, `<name>.scale` and, for int4/int8, `<name>.bias`) to this
+    /// type.
     pub quantize: Option<QuantType>,
 }
 
@@ -43,9 +44,9 @@ pub(crate) struct BlobSpec {
 /// The checkpoint as the planner sees it: names, shapes and dtypes only.
 pub(crate) struct Inventory<'a> {
     pub tensors: &'a HashMap<String, Array>,
-    /// `(group_size, bits)` of each module that is already quantized (mlx-lm's `<m>.weight` +
-    /// `<m>.scales` + `<m>.biases`), by module path.
-    pub quantized: HashMap<String, (i32, i32)>,
+    /// How each module that is already quantized (mlx-lm's `<m>.weight` + `<m>.scales` (+
+    /// `<m>.biases`)) is, by module path.
+    pub quantized: models::weights::ModuleQuant,
 }
 
 /// The prefixes a layer may sit under for its experts to be grouped (`expertLayerPrefixRegexp`).
@@ -195,7 +196,7 @@ fn plan_prequantized(inv: &Inventory, names: &[&String]) -> Vec<BlobSpec> {
         let quantized = name
             .strip_suffix(".weight")
             .and_then(|m| inv.quantized.get(m).map(|q| (m, q)));
-        let Some((module, &(group, bits))) = quantized else {
+        let Some((module, q)) = quantized else {
             blobs.push(BlobSpec {
                 name: name.to_string(),
                 tensors: vec![TensorSpec {
@@ -222,13 +223,13 @@ fn plan_prequantized(inv: &Inventory, names: &[&String]) -> Vec<BlobSpec> {
                 });
             }
         }
-        let kind = store::quant::type_name(bits);
+        let kind = store::quant::type_name(q.mode.name(), q.bits, q.group_size);
         blobs.push(BlobSpec {
             name: name.to_string(),
             tensors,
             metadata: BTreeMap::from([
                 ("quant_type".to_string(), kind),
-                ("group_size".to_string(), group.to_string()),
+                ("group_size".to_string(), q.group_size.to_string()),
             ]),
         });
     }
@@ -262,10 +263,11 @@ pub(crate) fn write(
                 } else {
                     a.astype(Dtype::Bf16)?
                 };
-                let qa = a.quantize(GROUP_SIZE, q.bits())?;
+                let mode = mlx::QuantMode::parse(q.mode()).expect("ollama's types are MLX's modes");
+                let qa = a.quantize_as(mode, q.group_size(), q.bits())?;
                 if !uniform {
                     metadata.insert(format!("{name}.quant_type"), q.name().into());
-                    metadata.insert(format!("{name}.group_size"), GROUP_SIZE.to_string());
+                    metadata.insert(format!("{name}.group_size"), q.group_size().to_string());
                 }
                 out.push((format!("{name}.scale"), qa.scales));
                 if let Some(biases) = qa.biases {
@@ -279,7 +281,7 @@ pub(crate) fn write(
     if uniform {
         if let Some(q) = types[0] {
             metadata.insert("quant_type".into(), q.name().into());
-            metadata.insert("group_size".into(), GROUP_SIZE.to_string());
+            metadata.insert("group_size".into(), q.group_size().to_string());
         }
     }
     let refs: Vec<(&str, &Array)> = out.iter().map(|(n, a)| (n.as_str(), a)).collect();

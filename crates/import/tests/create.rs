@@ -95,22 +95,28 @@ fn dequantized_twin(s: &Scratch, model: &str, checkpoint: &str) -> std::path::Pa
             continue;
         }
         let module = k.strip_suffix(".weight").unwrap_or(k);
-        let Some(&(group_size, bits)) = quant.get(module) else {
+        let Some(&p) = quant.get(module) else {
             out.push((k.clone(), a.clone()));
             continue;
         };
         let scales = stored[&format!("{module}.scales")].clone();
         let q = mlx::Quantized {
             weight: a.clone(),
-            biases: Some(stored[&format!("{module}.biases")].clone()),
+            biases: stored.get(&format!("{module}.biases")).cloned(),
             scales: scales.clone(),
-            group_size,
-            bits,
-            mode: mlx::QuantMode::Affine,
+            group_size: p.group_size,
+            bits: p.bits,
+            mode: p.mode,
         };
-        let w = q.dequantize().unwrap();
-        // Stacked per-expert weights have no single source tensor; the others do.
-        if let Some(src) = source.get(k).or_else(|| source.get(module)) {
+        let w = q.dequantize().unwrap().astype(mlx::Dtype::F32).unwrap();
+        // Stacked per-expert weights have no single source tensor; the others do. (An affine
+        // step is its scale; a microscaling code's step depends on the code.)
+        let affine = p.mode == mlx::QuantMode::Affine;
+        if let Some(src) = source
+            .get(k)
+            .or_else(|| source.get(module))
+            .filter(|_| affine)
+        {
             let src = src
                 .astype(mlx::Dtype::F32)
                 .unwrap()
@@ -129,7 +135,13 @@ fn dequantized_twin(s: &Scratch, model: &str, checkpoint: &str) -> std::path::Pa
                 "{k}: |dequantized - source| {err} > a step {step}"
             );
         }
-        out.push((k.clone(), w));
+        // Under the checkpoint's own name (a fused `experts.gate_up_proj` has no `.weight`).
+        let name = if !source.contains_key(k) && source.contains_key(module) {
+            module.to_string()
+        } else {
+            k.clone()
+        };
+        out.push((name, w));
     }
     let dir = s.dir.path().join(format!("{model}-dequantized"));
     std::fs::create_dir_all(&dir).unwrap();
@@ -145,9 +157,14 @@ fn dequantized_twin(s: &Scratch, model: &str, checkpoint: &str) -> std::path::Pa
 fn check_against(s: &Scratch, model: &str, reference: &std::path::Path, tol: f32) -> f32 {
     let m = s.load(model);
     let twin = models::load(reference, models::DtypeChoice::Fixed(mlx::Dtype::F32)).unwrap();
-    let ids = golden("glm4_moe_lite")["input_ids"]
-        .to_vec::<i32>()
-        .unwrap();
+    // The golden input of the checkpoint the twin was made from.
+    let checkpoint = std::fs::read_to_string(reference.join("config.json")).unwrap();
+    let golden_of = if checkpoint.contains("glm4_moe_lite") {
+        "glm4_moe_lite"
+    } else {
+        "gemma4_26b_a4b_like"
+    };
+    let ids = golden(golden_of)["input_ids"].to_vec::<i32>().unwrap();
     let got = logits(&*m.model, &ids);
     let want = logits(&*twin.model, &ids);
     let d = max_diff(&got, &want);
@@ -205,6 +222,75 @@ fn quantized_glm_serves_what_its_quantization_stands_for() {
     eprintln!("glm4_moe_lite int4 vs its dequantized twin: max |Δ| {d:e}");
 }
 
+/// ollama's FP types: nvfp4 on GLM (groups of 16; sensitive projections at mxfp8, expert
+/// stacks not promoted), mxfp4 and mxfp8 on gemma4's MoE form. Each serves what its
+/// quantization stands for, and is really quantized.
+#[test]
+fn fp_quantized_models_serve_what_their_quantization_stands_for() {
+    let s = Scratch::new();
+    let r = s
+        .create(
+            "glm-nvfp4",
+            &from("glm4_moe_lite"),
+            &quantize(QuantType::Nvfp4),
+        )
+        .unwrap();
+    assert_eq!(r.config.part.file_type, "nvfp4");
+    let stored = s.store.resolve(&name("glm-nvfp4")).unwrap();
+    let tensors = store::show::precisions(&stored.target).unwrap();
+    let of = |n: &str| {
+        tensors
+            .iter()
+            .find(|t| t.name == n)
+            .unwrap()
+            .precision
+            .clone()
+    };
+    assert_eq!(of("lm_head.weight"), "mxfp8");
+    assert_eq!(of("model.layers.0.mlp.down_proj.weight"), "mxfp8");
+    assert_eq!(
+        of("model.layers.1.mlp.experts.down_proj.weight"),
+        "nvfp4",
+        "input 32 is two groups of 16, and stacks are not promoted"
+    );
+    assert_eq!(of("model.layers.1.mlp.experts.up_proj.weight"), "nvfp4");
+    assert_eq!(of("model.embed_tokens.weight"), "F32");
+    let twin = dequantized_twin(&s, "glm-nvfp4", "glm4_moe_lite");
+    let d = check_against(&s, "glm-nvfp4", &twin, 1e-3);
+    eprintln!("glm4_moe_lite nvfp4 vs its dequantized twin: max |Δ| {d:e}");
+    for (model, q) in [
+        ("moe-mxfp4", QuantType::Mxfp4),
+        ("moe-mxfp8", QuantType::Mxfp8),
+    ] {
+        let r = s
+            .create(model, &from("gemma4_26b_a4b_like"), &quantize(q))
+            .unwrap();
+        assert_eq!(r.config.part.file_type, q.name());
+        assert!(
+            r.target.precisions[q.name()] > 0,
+            "{:?}",
+            r.target.precisions
+        );
+        let twin = dequantized_twin(&s, model, "gemma4_26b_a4b_like");
+        let d = check_against(&s, model, &twin, 1e-3);
+        eprintln!(
+            "gemma4_26b_a4b_like {} vs its dequantized twin: max |Δ| {d:e}",
+            q.name()
+        );
+        // Not the float model's logits.
+        let float =
+            models::load(&fixture("gemma4_26b_a4b_like"), models::DtypeChoice::Auto).unwrap();
+        let m = s.load(model);
+        let ids = golden("gemma4_26b_a4b_like")["input_ids"]
+            .to_vec::<i32>()
+            .unwrap();
+        assert!(
+            max_diff(&logits(&*m.model, &ids), &logits(&*float.model, &ids)) > 1e-4,
+            "{model}: the float model's logits"
+        );
+    }
+}
+
 #[test]
 fn quantized_gemma_moe_matches_mlx_lm() {
     // Fused experts are split and stacked as mlx-lm stores them, then quantized; the router
@@ -231,8 +317,10 @@ fn unquantized_models_match_their_references() {
         ("gemma4_e2b_like", 1e-4),
         ("gemma4_26b_a4b_like", 1e-4),
         ("glm4_moe_lite", 1e-4),
-        // An mlx-lm quantized directory is stored as it is.
+        // An mlx-lm quantized directory is stored as it is, in any of MLX's modes.
         ("gemma4_26b_a4b_like_q4", 1e-3),
+        ("gemma4_26b_a4b_like_mxfp4", 1e-3),
+        ("glm4_moe_lite_nvfp4", 1e-3),
     ] {
         let r = s
             .create(name, &from(name), &CreateOptions::default())

@@ -203,11 +203,6 @@ fn create_refuses_bad_input_before_touching_the_store() {
             "is already quantized (int4); create it without --quantize-draft int8",
         ),
         (
-            from("gemma4_26b_a4b_like_mxfp4"),
-            &none,
-            "is quantized as mxfp4; the store takes affine quantization only",
-        ),
-        (
             "FROM x\nPARAMETER top_k x\n".into(),
             &none,
             "line 2: parameter top_k expects an integer",

@@ -118,24 +118,16 @@ impl QuantConfig {
     /// `config` (config.json's block, if any) with `modules` (what each module's stored blob
     /// says, as ollama's importer records it: affine `(group_size, bits)`) taking precedence;
     /// `None` when neither says anything.
-    pub fn with_modules(
-        config: Option<QuantConfig>,
-        modules: HashMap<String, (i32, i32)>,
-    ) -> Option<QuantConfig> {
+    pub fn with_modules(config: Option<QuantConfig>, modules: ModuleQuant) -> Option<QuantConfig> {
         if modules.is_empty() {
             return config;
         }
-        let affine = |(group_size, bits): (i32, i32)| QuantParams {
-            group_size,
-            bits,
-            mode: QuantMode::Affine,
-        };
         let mut q = config.unwrap_or_else(|| QuantConfig {
-            default: affine(modules.values().next().copied().unwrap_or((64, 4))),
+            default: *modules.values().next().expect("not empty"),
             overrides: HashMap::new(),
         });
         q.overrides
-            .extend(modules.into_iter().map(|(k, v)| (k, Some(affine(v)))));
+            .extend(modules.into_iter().map(|(k, v)| (k, Some(v))));
         Some(q)
     }
 
@@ -167,27 +159,37 @@ pub fn read_tensors(files: &crate::ModelFiles) -> Result<HashMap<String, Array>>
 
 /// Tensors by name.
 pub type Tensors = HashMap<String, Array>;
-/// Module path → `(group_size, bits)`.
-pub type ModuleQuant = HashMap<String, (i32, i32)>;
+/// Module path → how it is quantized.
+pub type ModuleQuant = HashMap<String, QuantParams>;
 
-/// `(group_size, bits)` of an ollama quantization type.
-fn ollama_quant(kind: &str, group: Option<&str>) -> std::result::Result<(i32, i32), String> {
-    let bits = match kind {
-        "int4" | "q4" => 4,
-        "int8" | "q8" => 8,
-        other => {
+/// An ollama quantization type (a blob's `quant_type`, its aliases as ollama resolves them,
+/// case aside) and the blob's `group_size` (else the type's default): ollama's `int4`/`int8`
+/// are MLX's affine mode, `nvfp4`, `mxfp4` and `mxfp8` the microscaling modes of that name.
+fn ollama_quant(kind: &str, group: Option<&str>) -> std::result::Result<QuantParams, String> {
+    let (mode, bits, default_group) = match kind.trim().to_ascii_uppercase().as_str() {
+        "INT4" | "FP4" | "Q4" => (QuantMode::Affine, 4, 64),
+        "INT8" | "FP8" | "Q8" => (QuantMode::Affine, 8, 64),
+        "NVFP4" => (QuantMode::Nvfp4, 4, 16),
+        "MXFP4" => (QuantMode::Mxfp4, 4, 32),
+        "MXFP8" => (QuantMode::Mxfp8, 8, 32),
+        _ => {
             return Err(format!(
-            "is quantized as {other:?}, which mlx-runner does not read (affine int4 and int8 only)"
-        ))
+                "is quantized as {kind:?}, which is not one of ollama's quantization types \
+                 (int4, int8, nvfp4, mxfp4, mxfp8)"
+            ))
         }
     };
-    let group = match group {
-        None => 64,
+    let group_size = match group {
+        None => default_group,
         Some(g) => g
             .parse()
             .map_err(|_| format!("has a group_size of {g:?}, not a number"))?,
     };
-    Ok((group, bits))
+    Ok(QuantParams {
+        group_size,
+        bits,
+        mode,
+    })
 }
 
 /// Tensors as [`read_tensors`] gives them, with ollama's quantized layout turned into mlx-lm's.
@@ -195,7 +197,7 @@ fn ollama_quant(kind: &str, group: Option<&str>) -> std::result::Result<(i32, i3
 /// `<m>.weight.bias`, its type and group in the blob's `__metadata__` (`quant_type`,
 /// `group_size`, or per tensor `<t>.quant_type`, `<t>.group_size`), and mixes precisions within
 /// one model; they become `<m>.scales` / `<m>.biases` and a per-module entry in the returned
-/// map (module path → `(group_size, bits)`).
+/// map. A microscaling type (nvfp4, mxfp4, mxfp8) has a `.scale` and no `.bias`.
 pub fn read_tensors_quantized(files: &crate::ModelFiles) -> Result<(Tensors, ModuleQuant)> {
     if files.tensors.is_empty() {
         return Err(ModelError::Config {
@@ -578,17 +580,32 @@ impl<'a> Vb<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::ollama_quant;
+    use super::{ollama_quant, QuantParams};
+    use mlx::QuantMode;
 
     #[test]
     fn ollama_quantization_types() {
-        assert_eq!(ollama_quant("int4", None), Ok((64, 4)));
-        assert_eq!(ollama_quant("int8", Some("32")), Ok((32, 8)));
-        let e = ollama_quant("nvfp4", Some("16")).unwrap_err();
-        assert!(
-            e.contains("\"nvfp4\"") && e.contains("int4 and int8 only"),
-            "{e}"
+        let p = |group_size, bits, mode| {
+            Ok(QuantParams {
+                group_size,
+                bits,
+                mode,
+            })
+        };
+        assert_eq!(ollama_quant("int4", None), p(64, 4, QuantMode::Affine));
+        assert_eq!(
+            ollama_quant("int8", Some("32")),
+            p(32, 8, QuantMode::Affine)
         );
+        assert_eq!(ollama_quant("Q8", None), p(64, 8, QuantMode::Affine));
+        assert_eq!(
+            ollama_quant("nvfp4", Some("16")),
+            p(16, 4, QuantMode::Nvfp4)
+        );
+        assert_eq!(ollama_quant("MXFP4", None), p(32, 4, QuantMode::Mxfp4));
+        assert_eq!(ollama_quant("mxfp8", None), p(32, 8, QuantMode::Mxfp8));
+        let e = ollama_quant("q3_k", None).unwrap_err();
+        assert!(e.contains("\"q3_k\"") && e.contains("nvfp4"), "{e}");
         assert!(ollama_quant("int4", Some("x"))
             .unwrap_err()
             .contains("\"x\""));

@@ -3,24 +3,44 @@
 //! `x/create/gemma4.go`, and the draft's `x/create/draft.go`), so that a model we import holds
 //! the same precisions, tensor for tensor, as `ollama create --experimental --quantize` gives.
 //!
-//! Quantization itself is MLX's affine quantization (group 64), as ollama's importer runs it.
+//! The types are ollama's (`x/quant/quant.go`): `int4` and `int8` are MLX's affine
+//! quantization in groups of 64; `nvfp4` (groups of 16), `mxfp4` and `mxfp8` (groups of 32)
+//! MLX's microscaling modes of those names. A 4-bit type's "8-bit type" (where the policy
+//! promotes a sensitive tensor) is int8 for int4 and mxfp8 for the FP4 types.
 
 use serde_json::Value;
-
-/// The group size of every affine-quantized matrix (ollama's for int4 and int8).
-pub const GROUP_SIZE: i32 = 64;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum QuantType {
     Q4,
     Q8,
+    Nvfp4,
+    Mxfp4,
+    Mxfp8,
 }
 
 impl QuantType {
     pub fn bits(self) -> i32 {
         match self {
-            QuantType::Q4 => 4,
-            QuantType::Q8 => 8,
+            QuantType::Q4 | QuantType::Nvfp4 | QuantType::Mxfp4 => 4,
+            QuantType::Q8 | QuantType::Mxfp8 => 8,
+        }
+    }
+
+    /// Values per scale: the group MLX quantizes this type in, as ollama runs it.
+    pub fn group_size(self) -> i32 {
+        match self {
+            QuantType::Q4 | QuantType::Q8 => 64,
+            QuantType::Nvfp4 => 16,
+            QuantType::Mxfp4 | QuantType::Mxfp8 => 32,
+        }
+    }
+
+    /// MLX's name of the mode (`affine` for int4 and int8).
+    pub fn mode(self) -> &'static str {
+        match self {
+            QuantType::Q4 | QuantType::Q8 => "affine",
+            other => other.name(),
         }
     }
 
@@ -29,14 +49,30 @@ impl QuantType {
         match self {
             QuantType::Q4 => "int4",
             QuantType::Q8 => "int8",
+            QuantType::Nvfp4 => "nvfp4",
+            QuantType::Mxfp4 => "mxfp4",
+            QuantType::Mxfp8 => "mxfp8",
         }
     }
 
-    pub fn from_bits(bits: i32) -> Option<QuantType> {
-        match bits {
-            4 => Some(QuantType::Q4),
-            8 => Some(QuantType::Q8),
-            _ => None,
+    /// The type MLX's `mode` at `bits` and `group` is, where ollama has one.
+    pub fn from_format(mode: &str, bits: i32, group: i32) -> Option<QuantType> {
+        [
+            QuantType::Q4,
+            QuantType::Q8,
+            QuantType::Nvfp4,
+            QuantType::Mxfp4,
+            QuantType::Mxfp8,
+        ]
+        .into_iter()
+        .find(|q| q.mode() == mode && q.bits() == bits && q.group_size() == group)
+    }
+
+    /// `eightBit`: the 8-bit type of this type's family.
+    pub fn eight_bit(self) -> QuantType {
+        match self {
+            QuantType::Q4 | QuantType::Q8 => QuantType::Q8,
+            _ => QuantType::Mxfp8,
         }
     }
 }
@@ -44,24 +80,29 @@ impl QuantType {
 impl std::str::FromStr for QuantType {
     type Err = String;
     fn from_str(s: &str) -> Result<QuantType, String> {
-        // ollama's aliases (`normalizeQuantType`): fp4/fp8 name the affine types too.
-        match s.to_ascii_lowercase().as_str() {
+        // ollama's names and aliases (`quant.Canonical`): fp4/fp8 name the affine types too.
+        match s.trim().to_ascii_lowercase().as_str() {
             "q4" | "int4" | "fp4" => Ok(QuantType::Q4),
             "q8" | "int8" | "fp8" => Ok(QuantType::Q8),
-            "nvfp4" | "mxfp4" | "mxfp8" => Err(format!(
-                "{s} is not supported: mlx-runner quantizes to affine int4 or int8 (q4, q8)"
-            )),
+            "nvfp4" => Ok(QuantType::Nvfp4),
+            "mxfp4" => Ok(QuantType::Mxfp4),
+            "mxfp8" => Ok(QuantType::Mxfp8),
             _ => Err(format!(
-                "unknown quantization {s:?} (expected int4 or int8; q4 and q8 are aliases)"
+                "unknown quantization {s:?} (expected int4, int8, nvfp4, mxfp4 or mxfp8; q4 and q8 \
+                 are aliases)"
             )),
         }
     }
 }
 
-/// ollama's name of an affine type of `bits` bits (`int4`, `int8`, or `int<bits>` for a
-/// checkpoint that came with another width).
-pub fn type_name(bits: i32) -> String {
-    QuantType::from_bits(bits).map_or_else(|| format!("int{bits}"), |q| q.name().into())
+/// ollama's name of a checkpoint's quantization: its type where ollama has one (`int4`,
+/// `nvfp4`, ...), else `int<bits>` for an affine width ollama does not write, else the mode.
+pub fn type_name(mode: &str, bits: i32, group: i32) -> String {
+    match QuantType::from_format(mode, bits, group) {
+        Some(q) => q.name().into(),
+        None if mode == "affine" => format!("int{bits}"),
+        None => mode.to_string(),
+    }
 }
 
 /// The quantization policy of one model (its architecture), as ollama picks it.
@@ -130,7 +171,7 @@ impl Policy {
     /// its source precision.
     pub fn quant_type(&self, name: &str, shape: &[i32], requested: QuantType) -> Option<QuantType> {
         if self.draft && (is_embed_tokens(name) || name.ends_with("lm_head.weight")) {
-            return aligned(shape).then_some(requested);
+            return aligned(shape, requested).then_some(requested);
         }
         match self.kind {
             Kind::Generic => generic(name, shape, requested),
@@ -139,9 +180,14 @@ impl Policy {
     }
 }
 
-/// Quantized matrices need a last dimension that is a multiple of the group.
-fn aligned(shape: &[i32]) -> bool {
-    shape.last().is_some_and(|d| d % GROUP_SIZE == 0)
+/// `isAligned`: quantized matrices need a last dimension that is a multiple of the type's group.
+fn aligned(shape: &[i32], q: QuantType) -> bool {
+    shape.last().is_some_and(|d| d % q.group_size() == 0)
+}
+
+/// `q` where it fits the shape.
+fn fitting(shape: &[i32], q: QuantType) -> Option<QuantType> {
+    aligned(shape, q).then_some(q)
 }
 
 fn is_embed_tokens(name: &str) -> bool {
@@ -200,8 +246,8 @@ fn is_sensitive(name: &str) -> bool {
 }
 
 /// `GetTensorQuantization`: 2-D weights (3-D stacked experts) of at least 1024 elements whose
-/// last dimension fits the group; `lm_head` at 8 bits; at 4 bits, the value, key and down
-/// projections promoted to 8.
+/// last dimension fits the group; `lm_head` at the 8-bit type of the family; at int4, and at
+/// the FP4 types outside expert stacks, the value, key and down projections promoted to it.
 fn generic(name: &str, shape: &[i32], requested: QuantType) -> Option<QuantType> {
     let stacked = is_stacked_expert(name);
     if !stacked && !should_quantize(name) {
@@ -215,20 +261,29 @@ fn generic(name: &str, shape: &[i32], requested: QuantType) -> Option<QuantType>
         return None;
     }
     if name.ends_with("lm_head.weight") {
-        return aligned(shape).then_some(QuantType::Q8);
+        return fitting(shape, requested.eight_bit());
     }
-    if is_vision(name) || !aligned(shape) {
+    if is_vision(name) || !aligned(shape, requested) {
         return None;
     }
-    if requested == QuantType::Q4 && is_sensitive(name) {
-        return Some(QuantType::Q8);
+    // An expert stack's kernel takes one mode, so FP4 stacks are not promoted.
+    let promotes = match requested {
+        QuantType::Q4 => true,
+        QuantType::Nvfp4 | QuantType::Mxfp4 => !stacked,
+        _ => false,
+    };
+    if promotes && is_sensitive(name) {
+        if let Some(e) = fitting(shape, requested.eight_bit()) {
+            return Some(e);
+        }
     }
     Some(requested)
 }
 
-/// `x/create/gemma4.go`: the token embedding (which is also the output head) at 8 bits; value
-/// and down projections at 8 bits only on the first and last eighth of the layers and every
-/// third between; key projections at the requested type (unless the model has 8 experts).
+/// `x/create/gemma4.go`: the token embedding (which is also the output head) at the 8-bit type
+/// of the family, else the requested type, where they fit; value and down projections at the
+/// 8-bit type only on the first and last eighth of the layers and every third between; key
+/// projections at the requested type (unless the model has 8 experts).
 fn gemma4(
     name: &str,
     shape: &[i32],
@@ -237,10 +292,13 @@ fn gemma4(
     experts: usize,
 ) -> Option<QuantType> {
     if is_embed_tokens(name) {
-        // The 8-bit and 4-bit affine types share one group size, so they fit alike.
-        return aligned(shape).then_some(QuantType::Q8);
+        return fitting(shape, requested.eight_bit()).or_else(|| fitting(shape, requested));
     }
-    if is_sensitive(name) && !is_vision(name) && !is_audio(name) && requested != QuantType::Q8 {
+    if is_sensitive(name)
+        && !is_vision(name)
+        && !is_audio(name)
+        && requested.eight_bit() != requested
+    {
         let promote = layers > 0
             && if experts == 8 && (name.contains(".v_proj") || name.contains(".k_proj")) {
                 true
@@ -249,10 +307,11 @@ fn gemma4(
             } else {
                 layer_index(name).is_some_and(|l| more_bits(l, layers))
             };
-        if !aligned(shape) {
-            return None;
-        }
-        return Some(if promote { QuantType::Q8 } else { requested });
+        // `sensitiveType`: the 8-bit type where promoted and it fits, else the requested one.
+        let eight = promote
+            .then(|| fitting(shape, requested.eight_bit()))
+            .flatten();
+        return eight.or_else(|| fitting(shape, requested));
     }
     generic(name, shape, requested)
 }
@@ -387,10 +446,76 @@ mod tests {
     fn quant_names() {
         assert_eq!("q4".parse::<QuantType>(), Ok(QuantType::Q4));
         assert_eq!("INT8".parse::<QuantType>(), Ok(QuantType::Q8));
-        assert!("nvfp4"
+        assert_eq!("NVFP4".parse::<QuantType>(), Ok(QuantType::Nvfp4));
+        assert_eq!("mxfp8".parse::<QuantType>(), Ok(QuantType::Mxfp8));
+        assert!("q5"
             .parse::<QuantType>()
             .unwrap_err()
-            .contains("not supported"));
+            .contains("unknown quantization"));
         assert_eq!(QuantType::Q4.name(), "int4");
+        assert_eq!(type_name("affine", 3, 64), "int3");
+        assert_eq!(type_name("nvfp4", 4, 16), "nvfp4");
+        assert_eq!(type_name("affine", 8, 64), "int8");
+    }
+
+    /// The FP4 family: 8-bit promotions go to mxfp8, groups are the type's own, and expert
+    /// stacks keep the requested type.
+    #[test]
+    fn fp4_types_promote_within_their_family() {
+        let p = Policy::for_config(&json!({"architectures": ["Glm4MoeLiteForCausalLM"]}), false);
+        let nv = |n: &str, s: &[i32]| p.quant_type(n, s, QuantType::Nvfp4);
+        assert_eq!(
+            nv("model.layers.1.mlp.down_proj.weight", &[64, 128]),
+            Some(QuantType::Mxfp8)
+        );
+        assert_eq!(
+            nv("model.layers.1.mlp.experts.down_proj.weight", &[8, 64, 32]),
+            Some(QuantType::Nvfp4),
+            "stacked experts are not promoted"
+        );
+        assert_eq!(
+            nv("model.layers.1.self_attn.q_a_proj.weight", &[64, 48]),
+            Some(QuantType::Nvfp4),
+            "48 is whole groups of 16"
+        );
+        assert_eq!(
+            nv("model.layers.1.mlp.down_proj.weight", &[64, 48]),
+            Some(QuantType::Nvfp4),
+            "mxfp8 does not fit 48"
+        );
+        assert_eq!(nv("lm_head.weight", &[256, 64]), Some(QuantType::Mxfp8));
+        assert_eq!(
+            p.quant_type(
+                "model.layers.1.mlp.down_proj.weight",
+                &[64, 128],
+                QuantType::Mxfp8
+            ),
+            Some(QuantType::Mxfp8)
+        );
+        let g = gemma(16, 0);
+        assert_eq!(
+            g.quant_type(
+                "model.language_model.embed_tokens.weight",
+                &[256, 64],
+                QuantType::Mxfp4
+            ),
+            Some(QuantType::Mxfp8)
+        );
+        assert_eq!(
+            g.quant_type(
+                "model.language_model.layers.0.self_attn.v_proj.weight",
+                &[64, 64],
+                QuantType::Mxfp4
+            ),
+            Some(QuantType::Mxfp8)
+        );
+        assert_eq!(
+            g.quant_type(
+                "model.language_model.layers.2.self_attn.v_proj.weight",
+                &[64, 64],
+                QuantType::Mxfp4
+            ),
+            Some(QuantType::Mxfp4)
+        );
     }
 }
