@@ -305,21 +305,23 @@ int rows_per_chunk(const Shape& s) {
   return (int)std::max<size_t>(1, (32u << 10) / row_bytes);
 }
 
+// Output rows [n0, n1) of every row of x, on this thread.
+void qmv_range(const float* x, const uint32_t* w, const uint8_t* sc, float* out, const Shape& s, int n0, int n1) {
+  if (!has_avx2()) return qmv_scalar(x, w, sc, out, s, n0, n1);
+  for (int m = 0; m < s.M; m += 4) {
+    const int rows = std::min(4, s.M - m);
+    const Shape part{rows, s.N, s.K, s.mode};
+    const float* xr = x + (size_t)m * s.K;
+    float* o = out + (size_t)m * s.N;
+    if (s.bits() == 4)
+      qmv_block<4>(xr, w, sc, o, part, rows, n0, n1);
+    else
+      qmv_block<8>(xr, w, sc, o, part, rows, n0, n1);
+  }
+}
+
 void qmv(const float* x, const uint32_t* w, const uint8_t* sc, float* out, const Shape& s) {
-  for_rows(s.N, rows_per_chunk(s), [&](size_t a, size_t b) {
-    const int n0 = (int)a, n1 = (int)b;
-    if (!has_avx2()) return qmv_scalar(x, w, sc, out, s, n0, n1);
-    for (int m = 0; m < s.M; m += 4) {
-      const int rows = std::min(4, s.M - m);
-      const Shape part{rows, s.N, s.K, s.mode};
-      const float* xr = x + (size_t)m * s.K;
-      float* o = out + (size_t)m * s.N;
-      if (s.bits() == 4)
-        qmv_block<4>(xr, w, sc, o, part, rows, n0, n1);
-      else
-        qmv_block<8>(xr, w, sc, o, part, rows, n0, n1);
-    }
-  });
+  for_rows(s.N, rows_per_chunk(s), [&](size_t a, size_t b) { qmv_range(x, w, sc, out, s, (int)a, (int)b); });
 }
 
 // One product x [M, K] · dequantize(w)ᵀ by whichever path suits its rows, counted.
@@ -422,6 +424,23 @@ bool product_applies(
 }
 
 }  // namespace
+
+bool fp_format(int mode, int bits, int group) {
+  const auto f = format_of(mode);
+  return f && f->bits == bits && f->group == group;
+}
+
+void fp_product(const float* x, const uint32_t* w, const uint8_t* sc, float* out, int M, int N, int K, int mode) {
+  product(x, w, sc, out, Shape{M, N, K, (Mode)mode});
+}
+
+void fp_rows(const float* x, const uint32_t* w, const uint8_t* sc, float* out, int M, int N, int K, int mode, int n0, int n1) {
+  qmv_range(x, w, sc, out, Shape{M, N, K, (Mode)mode}, n0, n1);
+}
+
+void fp_dequantize_rows(const uint32_t* w, const uint8_t* sc, float* dst, int N, int K, int mode, int n0, int n1, int k0, int k1) {
+  dequantize_rows(w, sc, dst, Shape{1, N, K, (Mode)mode}, n0, n1, k0, k1);
+}
 
 std::optional<mx::array> cpu_fp_quantized_matmul(
     const mx::array& x, const mx::array& w, const mx::array& scales, bool transpose, int group_size, int bits, int mode) {

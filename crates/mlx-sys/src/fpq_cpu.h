@@ -3,6 +3,7 @@
 // caller then builds MLX's own op.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 
 #include "mlx/mlx.h"
@@ -38,5 +39,14 @@ std::optional<mlx::core::array> cpu_fp_dequantize(
     int group_size,
     int bits,
     int mode);
+
+// For the fused ops of qmm_cpu.cc, which read microscaling matrices through these: whether
+// (mode, bits, group) is a microscaling format; x [M, K] · dequantize(w)ᵀ by the path that suits
+// M (counted as cpu_qmm_count counts); output rows [n0, n1) by the few-rows kernel on this
+// thread; rows [n0, n1), columns [k0, k1) (whole groups) of w as float32.
+bool fp_format(int mode, int bits, int group);
+void fp_product(const float* x, const uint32_t* w, const uint8_t* sc, float* out, int M, int N, int K, int mode);
+void fp_rows(const float* x, const uint32_t* w, const uint8_t* sc, float* out, int M, int N, int K, int mode, int n0, int n1);
+void fp_dequantize_rows(const uint32_t* w, const uint8_t* sc, float* dst, int N, int K, int mode, int n0, int n1, int k0, int k1);
 
 }  // namespace mlxr

@@ -384,29 +384,29 @@ struct QkvHeadsOp {
 struct QuantizedQkvHeadsOp {
   struct Params {
     QkvHeadsOp::Params heads;
-    int group, bits, matrices;
+    int group, bits, matrices, mode;
     bool operator==(const Params&) const = default;
   };
   static constexpr const char* name = "MlxrCpuQuantizedQkvHeads";
   static constexpr FusedKind kind = FusedKind::HeadsNormRope;
 
-  // in: x [..., K], (w, scales, biases) per matrix, then QkvHeadsOp's q_norm, k_norm, offsets
-  // and wavelengths.
+  // in: x [..., K], (w, scales and, for affine, biases) per matrix, then QkvHeadsOp's q_norm,
+  // k_norm, offsets and wavelengths.
   static void run_many(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
     const View& x = in[0];
     const size_t rows = x.size() / x.shape(-1);
-    const int n = p.matrices;
+    const int n = p.matrices, per = p.mode == 0 ? 3 : 2;
     // The raw projections end to end, reused between calls (the stream's thread makes them one
     // at a time).
     thread_local std::vector<float> raw;
     size_t total = 0;
-    for (int i = 0; i < n; ++i) total += (size_t)in[1 + 3 * i].shape(0);
+    for (int i = 0; i < n; ++i) total += (size_t)in[1 + per * i].shape(0);
     raw.resize(rows * total);
     float* parts[3] = {raw.data(), nullptr, nullptr};
-    for (int i = 1; i < n; ++i) parts[i] = parts[i - 1] + rows * in[1 + 3 * (i - 1)].shape(0);
-    quantized_products(x, in.data() + 1, n, p.group, p.bits, parts);
+    for (int i = 1; i < n; ++i) parts[i] = parts[i - 1] + rows * in[1 + per * (i - 1)].shape(0);
+    quantized_products(x, in.data() + 1, n, p.group, p.bits, p.mode, parts);
     const float* y[3] = {parts[0], parts[1], n == 3 ? parts[2] : parts[1]};
-    QkvHeadsOp::heads(p.heads, y, in[1].shape(0) / p.heads.q_heads, rows, in.data() + 1 + 3 * n, outs);
+    QkvHeadsOp::heads(p.heads, y, in[1].shape(0) / p.heads.q_heads, rows, in.data() + 1 + per * n, outs);
   }
 };
 
@@ -1480,6 +1480,7 @@ std::optional<std::vector<mx::array>> cpu_quantized_qkv_heads(
     const std::vector<mx::array>& biases,
     int group_size,
     int bits,
+    int mode,
     int q_heads,
     int kv_heads,
     const mx::array& q_norm,
@@ -1488,21 +1489,27 @@ std::optional<std::vector<mx::array>> cpu_quantized_qkv_heads(
     const HeadsRope& rope,
     const mx::array& offsets) {
   const size_t n = ws.size();
-  if (!on_cpu() || (n != 2 && n != 3) || scales.size() != n || biases.size() != n || q_heads <= 0 ||
-      kv_heads <= 0)
+  // Affine matrices have biases, the microscaling modes none.
+  const size_t with_biases = mode == 0 ? n : 0;
+  if (!on_cpu() || (n != 2 && n != 3) || scales.size() != n || biases.size() != with_biases ||
+      q_heads <= 0 || kv_heads <= 0)
     return std::nullopt;
+  auto bias = [&](size_t i) { return mode == 0 ? std::optional<mx::array>(biases[i]) : std::nullopt; };
   for (size_t i = 0; i < n; ++i)
-    if (!cpu_qmm_applies(x, ws[i], scales[i], biases[i], group_size, bits)) return std::nullopt;
+    if (!cpu_qmm_applies(x, ws[i], scales[i], bias(i), group_size, bits, mode)) return std::nullopt;
   if (ws[0].shape(0) % q_heads != 0) return std::nullopt;
   const int d = ws[0].shape(0) / q_heads;
   for (size_t i = 1; i < n; ++i)
     if (ws[i].shape(0) != kv_heads * d) return std::nullopt;
   const int T = (int)(x.size() / x.shape(-1));
   std::vector<mx::array> in{x};
-  for (size_t i = 0; i < n; ++i) in.insert(in.end(), {ws[i], scales[i], biases[i]});
+  for (size_t i = 0; i < n; ++i) {
+    in.insert(in.end(), {ws[i], scales[i]});
+    if (mode == 0) in.push_back(biases[i]);
+  }
   const auto p = qkv_heads_part(q_heads, kv_heads, q_norm, k_norm, eps, rope, offsets, d, T, in);
   if (!p) return std::nullopt;
-  return fused_many<QuantizedQkvHeadsOp>(qkv_heads_shapes(*p, d, T), {*p, group_size, bits, (int)n}, std::move(in));
+  return fused_many<QuantizedQkvHeadsOp>(qkv_heads_shapes(*p, d, T), {*p, group_size, bits, (int)n, mode}, std::move(in));
 }
 
 std::optional<std::vector<mx::array>> cpu_sdpa_slots(

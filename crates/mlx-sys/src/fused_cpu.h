@@ -121,6 +121,7 @@ std::optional<std::vector<mlx::core::array>> cpu_quantized_qkv_heads(
     const std::vector<mlx::core::array>& biases,
     int group_size,
     int bits,
+    int mode,
     int q_heads,
     int kv_heads,
     const mlx::core::array& q_norm,

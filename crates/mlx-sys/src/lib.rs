@@ -260,21 +260,23 @@ pub mod ffi {
             biases: &ArrVec,
             group_size: i32,
             bits: i32,
+            mode: i32,
         ) -> Result<UniquePtr<ArrVec>>;
         /// `act(x @ dequantize(gate)ᵀ) * (x @ dequantize(up)ᵀ)`, act 0 gelu_tanh, 1 silu; one
         /// op on the CPU.
         #[allow(clippy::too_many_arguments)]
-        fn quantized_glu(
+        unsafe fn quantized_glu(
             x: &Arr,
             gate_w: &Arr,
             gate_scales: &Arr,
-            gate_biases: &Arr,
+            gate_biases: *const Arr,
             up_w: &Arr,
             up_scales: &Arr,
-            up_biases: &Arr,
+            up_biases: *const Arr,
             group_size: i32,
             bits: i32,
             act: u8,
+            mode: i32,
         ) -> Result<UniquePtr<Arr>>;
         /// Turns mlx-runner's CPU quantized-matmul kernel on (the default) or off.
         /// Primitives still to run in the graphs behind `v`, one `name count` line per kind.
@@ -335,9 +337,10 @@ pub mod ffi {
             x: &Arr,
             w: &Arr,
             scales: &Arr,
-            biases: &Arr,
+            biases: *const Arr,
             group_size: i32,
             bits: i32,
+            mode: i32,
             norm_w: *const Arr,
             eps: f32,
             residual: &Arr,
@@ -392,6 +395,7 @@ pub mod ffi {
             biases: &ArrVec,
             group_size: i32,
             bits: i32,
+            mode: i32,
             heads: &QkvHeads,
             q_norm: &Arr,
             k_norm: &Arr,

@@ -15,6 +15,7 @@
 // MLX's.
 
 #include "mlx-sys/src/qmm_cpu.h"
+#include "mlx-sys/src/fpq_cpu.h"
 #include "mlx-sys/src/cpu_common.h"
 #include "mlx-sys/src/fused_cpu.h"
 
@@ -95,6 +96,8 @@ bool subnormal_fields() {
 
 struct Shape {
   int M, N, K, bits, group;
+  // MLX's quantization mode (0 affine; the microscaling modes go to fpq_cpu.cc's kernels).
+  int mode = 0;
 };
 
 // Values per packed uint32, and per 8-lane unit (8 uint32), for the widths that divide a word.
@@ -836,6 +839,8 @@ struct PreparedX {
 };
 
 PreparedX prepare_x(const float* x, const Shape& s) {
+  // The microscaling kernels read x as it is.
+  if (s.mode != 0) return {x, nullptr, nullptr, true};
   const int groups = s.K / s.group;
   // Reused between calls (the stream's thread makes them one at a time).
   thread_local std::vector<float> xt_buf, xt16_buf, xsum_buf;
@@ -1060,13 +1065,43 @@ void product(
 struct DensePacked {
   std::vector<uint32_t> wc;
   std::vector<float> sc, bc;
+  std::vector<uint8_t> s8c;
   const uint32_t* w;
-  const float* s;
-  const float* b;
-  DensePacked(const View& w_, const View& s_, const View& b_)
-      : w(dense(w_, wc)), s(dense(s_, sc)), b(dense(b_, bc)) {}
+  // Float scales and biases (affine), or uint8 scales and no biases (the microscaling modes).
+  const float* s = nullptr;
+  const float* b = nullptr;
+  const uint8_t* s8 = nullptr;
+  DensePacked(const View& w_, const View& s_, const View* b_) : w(dense(w_, wc)) {
+    if (s_.dtype() == mx::uint8)
+      s8 = dense(s_, s8c);
+    else
+      s = dense(s_, sc);
+    if (b_) b = dense(*b_, bc);
+  }
+  DensePacked(const View& w_, const View& s_, const View& b_) : DensePacked(w_, s_, &b_) {}
   DensePacked(const DensePacked&) = delete;
 };
+
+// The matrix of an op's inputs at `at` (words, scales, and for affine biases), and the index
+// after it.
+size_t per_matrix(int mode) { return mode == 0 ? 3 : 2; }
+
+DensePacked* matrix_at(std::vector<View>& in, size_t at, int mode, std::unique_ptr<DensePacked>& keep) {
+  keep = std::make_unique<DensePacked>(in[at], in[at + 1], mode == 0 ? &in[at + 2] : nullptr);
+  return keep.get();
+}
+
+// The fused ops' products of one table in any mode: the whole product by the path its rows
+// suit; output rows [n0, n1) of the few-rows kernel on this thread; rows of the table as float32.
+void table_product(const float* x, const DensePacked& q, float* out, const Shape& s) {
+  if (s.mode != 0) return fp_product(x, q.w, q.s8, out, s.M, s.N, s.K, s.mode);
+  product(x, q.w, q.s, q.b, out, s);
+}
+
+void table_rows(const PreparedX& px, const DensePacked& q, float* out, const Shape& s, int n0, int n1) {
+  if (s.mode != 0) return fp_rows(px.xt, q.w, q.s8, out, s.M, s.N, s.K, s.mode, n0, n1);
+  qmv_range(px, q.w, q.s, q.b, out, s, n0, n1);
+}
 
 // x [..., K] @ dequantize(w)ᵀ, w [N, K·bits/32], scales and biases [N, K/group].
 struct QuantizedMatmulOp {
@@ -1092,7 +1127,7 @@ struct QuantizedMatmulOp {
 // own (the same product, the same row update).
 struct QuantizedMatmulNormOp {
   struct Params {
-    int group, bits;
+    int group, bits, mode;
     float eps;
     bool has_w, has_scale, has_next;
     bool operator==(const Params&) const = default;
@@ -1101,14 +1136,15 @@ struct QuantizedMatmulNormOp {
 
   static void run_many(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
     const auto &x = in[0], &w = in[1];
-    const Shape s{(int)(x.size() / x.shape(-1)), (int)w.shape(0), (int)x.shape(-1), p.bits, p.group};
+    const Shape s{(int)(x.size() / x.shape(-1)), (int)w.shape(0), (int)x.shape(-1), p.bits, p.group, p.mode};
     std::vector<float> xc, wt, rt, st, nt;
-    const DensePacked q(w, in[2], in[3]);
+    std::unique_ptr<DensePacked> keep;
+    const DensePacked& q = *matrix_at(in, 1, p.mode, keep);
     // The product, reused between calls (the stream's thread makes them one at a time).
     thread_local std::vector<float> y;
     y.resize((size_t)s.M * s.N);
-    product(dense(x, xc), q.w, q.s, q.b, y.data(), s);
-    size_t at = 4;
+    table_product(dense(x, xc), q, y.data(), s);
+    size_t at = 1 + per_matrix(p.mode);
     const float* nw = p.has_w ? dense(in[at++], wt) : nullptr;
     const float* res = dense(in[at++], rt);
     const float scale = p.has_scale ? dense(in[at++], st)[0] : 1.0f;
@@ -1131,7 +1167,7 @@ struct QuantizedMatmulNormOp {
 // product's (a row does not depend on the rows it is computed beside).
 struct QuantizedMatmulsOp {
   struct Params {
-    int group, bits;
+    int group, bits, mode;
     bool operator==(const Params&) const = default;
   };
   static constexpr const char* name = "MlxrCpuQuantizedMatmuls";
@@ -1139,25 +1175,26 @@ struct QuantizedMatmulsOp {
   static void run_many(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
     std::vector<float*> o;
     for (auto& out : outs) o.push_back(out.data<float>());
-    quantized_products(in[0], in.data() + 1, outs.size(), p.group, p.bits, o.data());
+    quantized_products(in[0], in.data() + 1, outs.size(), p.group, p.bits, p.mode, o.data());
   }
 };
 
 }  // namespace
 
-void quantized_products(const View& x, const View* mats, size_t n, int group, int bits, float* const* outs) {
+void quantized_products(const View& x, const View* mats, size_t n, int group, int bits, int mode, float* const* outs) {
   const int M = (int)(x.size() / x.shape(-1)), K = (int)x.shape(-1);
   std::vector<float> xc;
   const float* xp = dense(x, xc);
   std::vector<std::unique_ptr<DensePacked>> qs;
   std::vector<Shape> shapes;
+  const size_t per = per_matrix(mode);
   for (size_t i = 0; i < n; ++i) {
-    qs.push_back(std::make_unique<DensePacked>(mats[3 * i], mats[3 * i + 1], mats[3 * i + 2]));
-    shapes.push_back(Shape{M, (int)mats[3 * i].shape(0), K, bits, group});
+    const View* m = mats + per * i;
+    qs.push_back(std::make_unique<DensePacked>(m[0], m[1], mode == 0 ? &m[2] : nullptr));
+    shapes.push_back(Shape{M, (int)m[0].shape(0), K, bits, group, mode});
   }
   if (M >= SGEMM_ROWS || !has_avx2()) {
-    for (size_t i = 0; i < n; ++i)
-      product(xp, qs[i]->w, qs[i]->s, qs[i]->b, outs[i], shapes[i]);
+    for (size_t i = 0; i < n; ++i) table_product(xp, *qs[i], outs[i], shapes[i]);
     return;
   }
   const PreparedX px = prepare_x(xp, shapes[0]);
@@ -1167,8 +1204,7 @@ void quantized_products(const View& x, const View* mats, size_t n, int group, in
   for_rows(start[n], rows_per_chunk(shapes[0]), [&](size_t n0, size_t n1) {
     for (size_t i = 0; i < n; ++i) {
       const int a = std::max((int)n0, start[i]), b = std::min((int)n1, start[i + 1]);
-      if (a < b)
-        qmv_range(px, qs[i]->w, qs[i]->s, qs[i]->b, outs[i], shapes[i], a - start[i], b - start[i]);
+      if (a < b) table_rows(px, *qs[i], outs[i], shapes[i], a - start[i], b - start[i]);
     }
   });
   g_rows_path.fetch_add(n);
@@ -1184,7 +1220,7 @@ namespace {
 // activation kernel).
 struct QuantizedGluOp {
   struct Params {
-    int group, bits;
+    int group, bits, mode;
     GluAct act;
     bool operator==(const Params&) const = default;
   };
@@ -1198,16 +1234,18 @@ struct QuantizedGluOp {
 
   static void run(const Params& p, std::vector<View>& in, View& out) {
     const auto& x = in[0];
-    const Shape s{(int)(x.size() / x.shape(-1)), (int)in[1].shape(0), (int)x.shape(-1), p.bits, p.group};
+    const Shape s{(int)(x.size() / x.shape(-1)), (int)in[1].shape(0), (int)x.shape(-1), p.bits, p.group, p.mode};
     std::vector<float> xc;
     const float* xp = dense(x, xc);
-    const DensePacked g(in[1], in[2], in[3]), u(in[4], in[5], in[6]);
+    std::unique_ptr<DensePacked> gk, uk;
+    const DensePacked& g = *matrix_at(in, 1, p.mode, gk);
+    const DensePacked& u = *matrix_at(in, 1 + per_matrix(p.mode), p.mode, uk);
     float* o = out.data<float>();
     const size_t total = (size_t)s.M * s.N;
     std::vector<float> gate(total), up(total);
     if (s.M >= SGEMM_ROWS || !has_avx2()) {
-      product(xp, g.w, g.s, g.b, gate.data(), s);
-      product(xp, u.w, u.s, u.b, up.data(), s);
+      table_product(xp, g, gate.data(), s);
+      table_product(xp, u, up.data(), s);
       for_rows(total, 1 << 14, [&](size_t i0, size_t i1) {
         combine(p.act, gate.data() + i0, up.data() + i0, o + i0, i1 - i0);
       });
@@ -1215,8 +1253,8 @@ struct QuantizedGluOp {
     }
     const PreparedX px = prepare_x(xp, s);
     for_rows(s.N, rows_per_chunk(s), [&](size_t n0, size_t n1) {
-      qmv_range(px, g.w, g.s, g.b, gate.data(), s, (int)n0, (int)n1);
-      qmv_range(px, u.w, u.s, u.b, up.data(), s, (int)n0, (int)n1);
+      table_rows(px, g, gate.data(), s, (int)n0, (int)n1);
+      table_rows(px, u, up.data(), s, (int)n0, (int)n1);
       for (int m = 0; m < s.M; ++m) {
         const size_t at = (size_t)m * s.N + n0;
         combine(p.act, gate.data() + at, up.data() + at, o + at, n1 - n0);
@@ -1330,7 +1368,13 @@ bool packed_format_applies(
     const mx::array& scales,
     const std::optional<mx::array>& biases,
     int group_size,
-    int bits) {
+    int bits,
+    int mode = 0) {
+  if (mode != 0)
+    // A microscaling mode at its own width and group: uint8 scales, no biases.
+    return g_enabled.load() && mx::default_device() == mx::Device::cpu && !biases &&
+           fp_format(mode, bits, group_size) && w.dtype() == mx::uint32 &&
+           scales.dtype() == mx::uint8 && scales.ndim() == w.ndim();
   return g_enabled.load() && mx::default_device() == mx::Device::cpu && biases &&
          (bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8) &&
          (group_size == 32 || group_size == 64 || group_size == 128) &&
@@ -1346,12 +1390,13 @@ bool kernel_applies(
     const std::optional<mx::array>& biases,
     bool transpose,
     int group_size,
-    int bits) {
+    int bits,
+    int mode = 0) {
   const int K = x.ndim() >= 1 ? x.shape(-1) : 0;
-  return packed_format_applies(w, scales, biases, group_size, bits) && transpose &&
+  return packed_format_applies(w, scales, biases, group_size, bits, mode) && transpose &&
          x.dtype() == mx::float32 && x.ndim() >= 1 && x.size() > 0 && w.ndim() >= 2 &&
          (int64_t)K * bits == (int64_t)w.shape(-1) * 32 && K % group_size == 0 &&
-         (!word_aligned(bits) || K % (256 / bits) == 0) &&
+         (mode != 0 || !word_aligned(bits) || K % (256 / bits) == 0) &&
          scales.shape(-2) == w.shape(-2) && scales.shape(-1) == K / group_size;
 }
 
@@ -1392,16 +1437,18 @@ std::optional<std::vector<mx::array>> cpu_quantized_matmul_norm(
     const std::optional<mx::array>& biases,
     int group_size,
     int bits,
+    int mode,
     const std::optional<mx::array>& norm_w,
     float eps,
     const mx::array& residual,
     const std::optional<mx::array>& scale,
     const std::optional<mx::array>& next_w) {
-  if (!cpu_qmm_applies(x, w, scales, biases, group_size, bits)) return std::nullopt;
+  if (!cpu_qmm_applies(x, w, scales, biases, group_size, bits, mode)) return std::nullopt;
   auto shape = x.shape();
   shape.back() = w.shape(0);
   if (!cpu_norm_update_applies(shape, norm_w, residual, scale, next_w)) return std::nullopt;
-  std::vector<mx::array> in{x, w, scales, *biases};
+  std::vector<mx::array> in{x, w, scales};
+  if (biases) in.push_back(*biases);
   if (norm_w) in.push_back(*norm_w);
   in.push_back(residual);
   if (scale) in.push_back(*scale);
@@ -1409,7 +1456,7 @@ std::optional<std::vector<mx::array>> cpu_quantized_matmul_norm(
   std::vector<mx::Shape> shapes(next_w ? 2 : 1, shape);
   return make_many<QuantizedMatmulNormOp>(
       std::move(shapes),
-      {group_size, bits, eps, norm_w.has_value(), scale.has_value(), next_w.has_value()},
+      {group_size, bits, mode, eps, norm_w.has_value(), scale.has_value(), next_w.has_value()},
       std::move(in));
 }
 
@@ -1487,8 +1534,9 @@ bool cpu_qmm_applies(
     const mx::array& scales,
     const std::optional<mx::array>& biases,
     int group_size,
-    int bits) {
-  return kernel_applies(x, w, scales, biases, true, group_size, bits) && w.ndim() == 2 &&
+    int bits,
+    int mode) {
+  return kernel_applies(x, w, scales, biases, true, group_size, bits, mode) && w.ndim() == 2 &&
          scales.ndim() == 2;
 }
 
@@ -1498,42 +1546,51 @@ std::optional<std::vector<mx::array>> cpu_quantized_matmuls(
     const std::vector<mx::array>& scales,
     const std::vector<mx::array>& biases,
     int group_size,
-    int bits) {
-  if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size() || !fused_cpu_enabled())
+    int bits,
+    int mode) {
+  // Affine matrices have biases, the microscaling modes none.
+  const size_t with_biases = mode == 0 ? ws.size() : 0;
+  if (ws.empty() || scales.size() != ws.size() || biases.size() != with_biases || !fused_cpu_enabled())
     return std::nullopt;
   std::vector<mx::Shape> shapes;
   std::vector<mx::array> inputs{x};
   for (size_t i = 0; i < ws.size(); ++i) {
-    if (!cpu_qmm_applies(x, ws[i], scales[i], biases[i], group_size, bits)) return std::nullopt;
+    const auto b = mode == 0 ? std::optional<mx::array>(biases[i]) : std::nullopt;
+    if (!cpu_qmm_applies(x, ws[i], scales[i], b, group_size, bits, mode)) return std::nullopt;
     auto shape = x.shape();
     shape.back() = ws[i].shape(0);
     shapes.push_back(std::move(shape));
-    inputs.insert(inputs.end(), {ws[i], scales[i], biases[i]});
+    inputs.insert(inputs.end(), {ws[i], scales[i]});
+    if (b) inputs.push_back(*b);
   }
-  return make_many<QuantizedMatmulsOp>(std::move(shapes), {group_size, bits}, std::move(inputs));
+  return make_many<QuantizedMatmulsOp>(std::move(shapes), {group_size, bits, mode}, std::move(inputs));
 }
 
 std::optional<mx::array> cpu_quantized_glu(
     const mx::array& x,
     const mx::array& gate_w,
     const mx::array& gate_scales,
-    const mx::array& gate_biases,
+    const std::optional<mx::array>& gate_biases,
     const mx::array& up_w,
     const mx::array& up_scales,
-    const mx::array& up_biases,
+    const std::optional<mx::array>& up_biases,
     int group_size,
     int bits,
-    GluAct act) {
+    GluAct act,
+    int mode) {
   const bool fits = fused_cpu_enabled() &&
-                    kernel_applies(x, gate_w, gate_scales, gate_biases, true, group_size, bits) &&
-                    kernel_applies(x, up_w, up_scales, up_biases, true, group_size, bits) &&
+                    kernel_applies(x, gate_w, gate_scales, gate_biases, true, group_size, bits, mode) &&
+                    kernel_applies(x, up_w, up_scales, up_biases, true, group_size, bits, mode) &&
                     gate_w.ndim() == 2 && gate_scales.ndim() == 2 &&
                     up_w.shape() == gate_w.shape() && up_scales.shape() == gate_scales.shape();
   if (!fits) return std::nullopt;
   auto shape = x.shape();
   shape.back() = gate_w.shape(0);
-  return make<QuantizedGluOp>(
-      shape, {group_size, bits, act}, {x, gate_w, gate_scales, gate_biases, up_w, up_scales, up_biases});
+  std::vector<mx::array> in{x, gate_w, gate_scales};
+  if (gate_biases) in.push_back(*gate_biases);
+  in.insert(in.end(), {up_w, up_scales});
+  if (up_biases) in.push_back(*up_biases);
+  return make<QuantizedGluOp>(shape, {group_size, bits, mode, act}, std::move(in));
 }
 
 }  // namespace mlxr

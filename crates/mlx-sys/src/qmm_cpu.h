@@ -30,6 +30,7 @@ std::optional<std::vector<mlx::core::array>> cpu_quantized_matmul_norm(
     const std::optional<mlx::core::array>& biases,
     int group_size,
     int bits,
+    int mode,
     const std::optional<mlx::core::array>& norm_w,
     float eps,
     const mlx::core::array& residual,
@@ -54,7 +55,8 @@ bool cpu_qmm_applies(
     const mlx::core::array& scales,
     const std::optional<mlx::core::array>& biases,
     int group_size,
-    int bits);
+    int bits,
+    int mode = 0);
 
 // gather_qmm (expert stacks w [E, N, ·], per-row expert ids) through the kernel, or nullopt.
 std::optional<mlx::core::array> cpu_gather_qmm(
@@ -85,7 +87,8 @@ std::optional<std::vector<mlx::core::array>> cpu_quantized_matmuls(
     const std::vector<mlx::core::array>& scales,
     const std::vector<mlx::core::array>& biases,
     int group_size,
-    int bits);
+    int bits,
+    int mode);
 
 // The activation of a gated MLP.
 enum class GluAct : uint8_t { Gelu = 0, Silu = 1 };
@@ -96,13 +99,14 @@ std::optional<mlx::core::array> cpu_quantized_glu(
     const mlx::core::array& x,
     const mlx::core::array& gate_w,
     const mlx::core::array& gate_scales,
-    const mlx::core::array& gate_biases,
+    const std::optional<mlx::core::array>& gate_biases,
     const mlx::core::array& up_w,
     const mlx::core::array& up_scales,
-    const mlx::core::array& up_biases,
+    const std::optional<mlx::core::array>& up_biases,
     int group_size,
     int bits,
-    GluAct act);
+    GluAct act,
+    int mode);
 
 // Turns the kernel on (the default) or off (MLX's own path everywhere), for comparisons.
 void set_cpu_qmm_enabled(bool on);

@@ -575,17 +575,22 @@ std::unique_ptr<ArrVec> quantized_matmuls(
     const ArrVec& scales,
     const ArrVec& biases,
     int32_t group_size,
-    int32_t bits) {
-  if (w.v.size() != scales.v.size() || w.v.size() != biases.v.size()) {
+    int32_t bits,
+    int32_t mode) {
+  // Affine matrices have biases, the microscaling modes none.
+  const size_t with_biases = mode == 0 ? w.v.size() : 0;
+  if (w.v.size() != scales.v.size() || biases.v.size() != with_biases) {
     throw std::invalid_argument("quantized_matmuls: weights, scales and biases differ in number");
   }
-  if (auto outs = cpu_quantized_matmuls(x.a, w.v, scales.v, biases.v, group_size, bits)) {
+  if (auto outs = cpu_quantized_matmuls(x.a, w.v, scales.v, biases.v, group_size, bits, mode)) {
     return wrap_vec(std::move(*outs));
   }
   std::vector<mx::array> outs;
   for (size_t i = 0; i < w.v.size(); ++i) {
-    Arr wi{w.v[i]}, si{scales.v[i]}, bi{biases.v[i]};
-    outs.push_back(quantized_matmul(x, wi, si, &bi, true, group_size, bits, 0)->a);
+    Arr wi{w.v[i]}, si{scales.v[i]};
+    std::optional<Arr> bi;
+    if (mode == 0) bi.emplace(Arr{biases.v[i]});
+    outs.push_back(quantized_matmul(x, wi, si, bi ? &*bi : nullptr, true, group_size, bits, mode)->a);
   }
   return wrap_vec(std::move(outs));
 }
@@ -599,22 +604,23 @@ ArrPtr quantized_glu(
     const Arr& x,
     const Arr& gate_w,
     const Arr& gate_scales,
-    const Arr& gate_biases,
+    const Arr* gate_biases,
     const Arr& up_w,
     const Arr& up_scales,
-    const Arr& up_biases,
+    const Arr* up_biases,
     int32_t group_size,
     int32_t bits,
-    uint8_t act) {
+    uint8_t act,
+    int32_t mode) {
   if (act > 1) throw std::invalid_argument("quantized_glu: unknown activation");
   const auto a = static_cast<GluAct>(act);
-  if (auto out = cpu_quantized_glu(x.a, gate_w.a, gate_scales.a, gate_biases.a, up_w.a,
-                                   up_scales.a, up_biases.a, group_size, bits, a)) {
+  if (auto out = cpu_quantized_glu(x.a, gate_w.a, gate_scales.a, opt(gate_biases), up_w.a,
+                                   up_scales.a, opt(up_biases), group_size, bits, a, mode)) {
     return wrap(std::move(*out));
   }
   // The ops the fused kernel stands for, each through its own kernel where that applies.
-  auto gate = quantized_matmul(x, gate_w, gate_scales, &gate_biases, true, group_size, bits, 0);
-  auto up = quantized_matmul(x, up_w, up_scales, &up_biases, true, group_size, bits, 0);
+  auto gate = quantized_matmul(x, gate_w, gate_scales, gate_biases, true, group_size, bits, mode);
+  auto up = quantized_matmul(x, up_w, up_scales, up_biases, true, group_size, bits, mode);
   if (a == GluAct::Silu) return silu_mul(*gate, *up);
   return wrap(mx::multiply(gelu_tanh(*gate)->a, up->a));
 }
@@ -695,19 +701,20 @@ std::unique_ptr<ArrVec> quantized_matmul_norm(
     const Arr& x,
     const Arr& w,
     const Arr& scales,
-    const Arr& biases,
+    const Arr* biases,
     int32_t group_size,
     int32_t bits,
+    int32_t mode,
     const Arr* norm_w,
     float eps,
     const Arr& residual,
     const Arr* scale,
     const Arr* next_w) {
-  if (auto outs = cpu_quantized_matmul_norm(x.a, w.a, scales.a, biases.a, group_size, bits, opt(norm_w), eps,
-                                            residual.a, opt(scale), opt(next_w))) {
+  if (auto outs = cpu_quantized_matmul_norm(x.a, w.a, scales.a, opt(biases), group_size, bits, mode,
+                                            opt(norm_w), eps, residual.a, opt(scale), opt(next_w))) {
     return wrap_vec(std::move(*outs));
   }
-  auto y = quantized_matmul(x, w, scales, &biases, true, group_size, bits, 0);
+  auto y = quantized_matmul(x, w, scales, biases, true, group_size, bits, mode);
   if (!next_w) return wrap_vec({rms_norm_residual(*y, norm_w, eps, residual, scale)->a});
   return rms_norm_residual_norm(*y, norm_w, eps, residual, scale, *next_w);
 }
@@ -798,6 +805,7 @@ std::unique_ptr<ArrVec> quantized_qkv_heads(
     const ArrVec& biases,
     int32_t group_size,
     int32_t bits,
+    int32_t mode,
     const QkvHeads& heads,
     const Arr& q_norm,
     const Arr& k_norm,
@@ -805,16 +813,17 @@ std::unique_ptr<ArrVec> quantized_qkv_heads(
     const Arr& offsets,
     const Arr* freqs) {
   const size_t n = w.v.size();
-  if ((n != 2 && n != 3) || scales.v.size() != n || biases.v.size() != n) {
-    throw std::invalid_argument("quantized_qkv_heads: takes two or three matrices, each with scales and biases");
+  if ((n != 2 && n != 3) || scales.v.size() != n || biases.v.size() != (mode == 0 ? n : 0)) {
+    throw std::invalid_argument(
+        "quantized_qkv_heads: takes two or three matrices, each with scales (and biases in affine mode)");
   }
   const HeadsRope rope = heads_rope(rotation, freqs);
-  if (auto outs = cpu_quantized_qkv_heads(x.a, w.v, scales.v, biases.v, group_size, bits, heads.q_heads,
+  if (auto outs = cpu_quantized_qkv_heads(x.a, w.v, scales.v, biases.v, group_size, bits, mode, heads.q_heads,
                                           heads.kv_heads, q_norm.a, k_norm.a, heads.eps, rope, offsets.a)) {
     return wrap_vec(std::move(*outs));
   }
   // The two ops it stands for.
-  auto raw = quantized_matmuls(x, w, scales, biases, group_size, bits);
+  auto raw = quantized_matmuls(x, w, scales, biases, group_size, bits, mode);
   const Arr q{raw->v[0]}, k{raw->v[1]}, v{raw->v[n == 3 ? 2 : 1]};
   return qkv_heads(q, k, v, heads, q_norm, k_norm, rotation, offsets, freqs);
 }

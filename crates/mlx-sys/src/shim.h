@@ -163,18 +163,20 @@ std::unique_ptr<ArrVec> quantized_matmuls(
     const ArrVec& scales,
     const ArrVec& biases,
     int32_t group_size,
-    int32_t bits);
+    int32_t bits,
+    int32_t mode);
 ArrPtr quantized_glu(
     const Arr& x,
     const Arr& gate_w,
     const Arr& gate_scales,
-    const Arr& gate_biases,
+    const Arr* gate_biases,
     const Arr& up_w,
     const Arr& up_scales,
-    const Arr& up_biases,
+    const Arr* up_biases,
     int32_t group_size,
     int32_t bits,
-    uint8_t act);
+    uint8_t act,
+    int32_t mode);
 void set_quantized_kernel(bool on);
 void set_quantized_unpacking(int32_t mode);
 int32_t quantized_unpacking();
@@ -215,9 +217,10 @@ std::unique_ptr<ArrVec> quantized_matmul_norm(
     const Arr& x,
     const Arr& w,
     const Arr& scales,
-    const Arr& biases,
+    const Arr* biases,
     int32_t group_size,
     int32_t bits,
+    int32_t mode,
     const Arr* norm_w,
     float eps,
     const Arr& residual,
@@ -257,6 +260,7 @@ std::unique_ptr<ArrVec> quantized_qkv_heads(
     const ArrVec& biases,
     int32_t group_size,
     int32_t bits,
+    int32_t mode,
     const QkvHeads& heads,
     const Arr& q_norm,
     const Arr& k_norm,

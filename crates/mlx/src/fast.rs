@@ -86,12 +86,6 @@ pub fn quantized_qkv_heads(
             "quantized_qkv_heads: matrices of different formats".into(),
         ));
     }
-    let Some(biases) = crate::Quantized::all_biases(mats) else {
-        // The fused op is affine's; the other modes take the ops it stands for.
-        let p = x.quantized_matmuls(mats)?;
-        let v = p.get(2).unwrap_or(&p[1]);
-        return qkv_heads(&p[0], &p[1], v, norms, rotation, offsets);
-    };
     let (r, f) = rotation.ffi();
     let pack = |f: fn(&crate::Quantized) -> &Array| crate::array::pack(mats.iter().map(|q| f(q)));
     // SAFETY: the pointers are null or point at arrays that outlive the call.
@@ -100,9 +94,11 @@ pub fn quantized_qkv_heads(
             x.arr(),
             &pack(|q| &q.weight),
             &pack(|q| &q.scales),
-            &crate::array::pack(biases),
+            // One format: every matrix has biases (affine) or none does.
+            &crate::array::pack(mats.iter().filter_map(|q| q.biases.as_ref())),
             first.group_size,
             first.bits,
+            first.mode.code(),
             &norms.ffi(),
             norms.q_norm.arr(),
             norms.k_norm.arr(),
@@ -128,26 +124,16 @@ pub fn quantized_matmul_residual_norm(
     scale: Option<&Array>,
     next: Option<&Array>,
 ) -> Result<(Array, Option<Array>)> {
-    let Some(biases) = &q.biases else {
-        // The fused op is affine's; the other modes take the ops it stands for.
-        let y = x.quantized_matmul(q, true)?;
-        return match next {
-            Some(next) => {
-                let (sum, normed) = rms_norm_residual_norm(&y, weight, eps, residual, scale, next)?;
-                Ok((sum, Some(normed)))
-            }
-            None => Ok((rms_norm_residual(&y, weight, eps, residual, scale)?, None)),
-        };
-    };
     // SAFETY: the pointers are null or point at arrays that outlive the call.
     let outs = crate::array::unpack(unsafe {
         ffi::quantized_matmul_norm(
             x.arr(),
             q.weight.arr(),
             q.scales.arr(),
-            biases.arr(),
+            ptr(q.biases.as_ref()),
             q.group_size,
             q.bits,
+            q.mode.code(),
             ptr(weight),
             eps,
             residual.arr(),

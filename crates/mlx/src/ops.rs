@@ -468,7 +468,7 @@ impl QuantMode {
         self == QuantMode::Affine
     }
 
-    fn code(self) -> i32 {
+    pub(crate) fn code(self) -> i32 {
         self as i32
     }
 }
@@ -548,17 +548,15 @@ impl Array {
                 first.format()
             )));
         }
-        let Some(biases) = Quantized::all_biases(ws) else {
-            // The fused op is affine's; the other modes take one product each.
-            return ws.iter().map(|q| self.quantized_matmul(q, true)).collect();
-        };
+        // One format: every matrix has biases (affine) or none does.
         unpack(ffi::quantized_matmuls(
             self.arr(),
             &pack(ws.iter().map(|q| &q.weight)),
             &pack(ws.iter().map(|q| &q.scales)),
-            &pack(biases),
+            &pack(ws.iter().filter_map(|q| q.biases.as_ref())),
             first.group_size,
             first.bits,
+            first.mode.code(),
         )?)
     }
 
@@ -588,27 +586,22 @@ impl Array {
                 up.format()
             )));
         }
-        let (Some(gate_biases), Some(up_biases)) = (&gate.biases, &up.biases) else {
-            // The fused op is affine's; the other modes take the ops it stands for.
-            let g = self.quantized_matmul(gate, true)?;
-            let u = self.quantized_matmul(up, true)?;
-            return match act {
-                0 => crate::fast::gelu_tanh(&g)?.multiply(&u),
-                _ => crate::fast::silu_mul(&g, &u),
-            };
-        };
-        Ok(Array::from_raw(ffi::quantized_glu(
-            self.arr(),
-            gate.weight.arr(),
-            gate.scales.arr(),
-            gate_biases.arr(),
-            up.weight.arr(),
-            up.scales.arr(),
-            up_biases.arr(),
-            gate.group_size,
-            gate.bits,
-            act,
-        )?))
+        // SAFETY: the pointers are null or point at arrays that outlive the call.
+        Ok(Array::from_raw(unsafe {
+            ffi::quantized_glu(
+                self.arr(),
+                gate.weight.arr(),
+                gate.scales.arr(),
+                ptr(gate.biases.as_ref()),
+                up.weight.arr(),
+                up.scales.arr(),
+                ptr(up.biases.as_ref()),
+                gate.group_size,
+                gate.bits,
+                act,
+                gate.mode.code(),
+            )?
+        }))
     }
 
     /// [`Array::gather_mm`] with quantized matrices.
@@ -652,11 +645,6 @@ impl Quantized {
             QuantMode::Affine => format!("affine {} bits, group {}", self.bits, self.group_size),
             m => m.name().to_string(),
         }
-    }
-
-    /// Every matrix's biases, if every one has them (affine).
-    pub(crate) fn all_biases<'a>(qs: &[&'a Quantized]) -> Option<Vec<&'a Array>> {
-        qs.iter().map(|q| q.biases.as_ref()).collect()
     }
 
     /// Rows `ids` (int32 or uint32, any shape) of the matrix, dequantized and times `scale`:

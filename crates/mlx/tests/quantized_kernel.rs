@@ -16,6 +16,20 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// `(mode, bits, group)`: the affine formats given, then each of MLX's microscaling modes.
+fn with_modes(affine: &[(i32, i32)]) -> Vec<(mlx::QuantMode, i32, i32)> {
+    use mlx::QuantMode;
+    affine
+        .iter()
+        .map(|&(bits, group)| (QuantMode::Affine, bits, group))
+        .chain([
+            (QuantMode::Mxfp4, 4, 32),
+            (QuantMode::Nvfp4, 4, 16),
+            (QuantMode::Mxfp8, 8, 32),
+        ])
+        .collect()
+}
+
 /// An affine table's biases (every table these tests build is affine).
 fn b(q: &mlx::Quantized) -> &Array {
     q.biases.as_ref().expect("affine quantization has biases")
@@ -437,20 +451,22 @@ fn gated_mlps_are_the_ops_they_fuse() {
     ];
     let mut case = 300u64;
     for (kind, fused_op, unfused_op) in kinds {
-        for (bits, group) in [(4, 64), (8, 32), (4, 32), (8, 128), (3, 64), (6, 32)] {
+        for (mode, bits, group) in
+            with_modes(&[(4, 64), (8, 32), (4, 32), (8, 128), (3, 64), (6, 32)])
+        {
             for (rows, n, k) in [(1, 96, 256), (3, 33, 512), (16, 40, 256), (37, 24, 384)] {
                 if k % group != 0 {
                     continue;
                 }
                 let x = normal(&[1, rows, k], 1.0, case);
                 let g = normal(&[n, k], 0.05, case + 1)
-                    .quantize(group, bits)
+                    .quantize_as(mode, group, bits)
                     .unwrap();
                 let u = normal(&[n, k], 0.05, case + 2)
-                    .quantize(group, bits)
+                    .quantize_as(mode, group, bits)
                     .unwrap();
                 case += 3;
-                let what = format!("{kind} bits {bits} group {group} {rows}x{k} @ {n}");
+                let what = format!("{kind} {mode:?} bits {bits} group {group} {rows}x{k} @ {n}");
                 let fused = fused_op(&x, &g, &u).unwrap();
                 assert_eq!(
                     ops_of(&fused)
@@ -500,7 +516,7 @@ fn gated_mlps_are_the_ops_they_fuse() {
 fn projections_of_one_input_are_the_products_they_fuse() {
     let _one = serial();
     let mut case = 500u64;
-    for (bits, group) in [
+    for (mode, bits, group) in with_modes(&[
         (4, 64),
         (8, 32),
         (4, 32),
@@ -509,7 +525,7 @@ fn projections_of_one_input_are_the_products_they_fuse() {
         (3, 64),
         (5, 32),
         (2, 128),
-    ] {
+    ]) {
         // Decode rows, a verify block, a prefill past the sgemm threshold; output widths of a
         // query, key and value projection, odd ones among them.
         for (rows, k, ns) in [
@@ -528,15 +544,18 @@ fn projections_of_one_input_are_the_products_they_fuse() {
                 .enumerate()
                 .map(|(i, &n)| {
                     normal(&[n, k], 0.05, case + 1 + i as u64)
-                        .quantize(group, bits)
+                        .quantize_as(mode, group, bits)
                         .unwrap()
                 })
                 .collect();
             case += 8;
             let mut inputs = vec![&x];
-            inputs.extend(qs.iter().flat_map(|q| [&q.weight, &q.scales, b(q)]));
+            inputs.extend(
+                qs.iter()
+                    .flat_map(|q| [&q.weight, &q.scales].into_iter().chain(&q.biases)),
+            );
             mlx::eval(&inputs).unwrap();
-            let what = format!("bits {bits} group {group} {rows}x{k} @ {ns:?}");
+            let what = format!("{mode:?} bits {bits} group {group} {rows}x{k} @ {ns:?}");
             let refs: Vec<&mlx::Quantized> = qs.iter().collect();
             let fused = x.quantized_matmuls(&refs).unwrap();
             assert_eq!(fused.len(), ns.len(), "{what}");
@@ -652,18 +671,18 @@ fn a_projection_and_its_residual_update_are_one_op() {
     let _one = serial();
     mlx::set_quantized_kernel(true);
     let mut case = 1300u64;
-    for (bits, group) in [(4, 64), (8, 32), (4, 128), (3, 64), (6, 128)] {
+    for (mode, bits, group) in with_modes(&[(4, 64), (8, 32), (4, 128), (3, 64), (6, 128)]) {
         for (rows, n, k) in [(1, 96, 256), (3, 40, 512), (20, 64, 384)] {
             case += 10;
             let x = normal(&[1, rows, k], 1.0, case);
             let q = normal(&[n, k], 0.05, case + 1)
-                .quantize(group, bits)
+                .quantize_as(mode, group, bits)
                 .unwrap();
             let h = normal(&[1, rows, n], 1.0, case + 2);
             let w = normal(&[n], 1.0, case + 3);
             let next = normal(&[n], 1.0, case + 4);
             let s = Array::from_slice(&[0.75f32], &[1]).unwrap();
-            mlx::eval(&[&x, &q.weight, &q.scales, b(&q), &h, &w, &next, &s]).unwrap();
+            mlx::eval(&[&x, &q.weight, &q.scales, &h, &w, &next, &s]).unwrap();
             for (weight, scale, then) in [
                 (Some(&w), None, Some(&next)),
                 (None, Some(&s), Some(&next)),
@@ -830,12 +849,16 @@ fn a_layers_projections_and_their_heads_are_one_op() {
     let mut case = 1700u64;
     let inv: Vec<f32> = (0..16).map(|j| 1.0 + j as f32 * 7.5).collect();
     let wavelengths = Array::from_slice(&inv, &[16]).unwrap();
-    for (bits, group) in [(4, 64), (8, 32), (3, 64), (6, 32)] {
+    for (mode, bits, group) in with_modes(&[(4, 64), (8, 32), (3, 64), (6, 32)]) {
         for (t, k_eq_v, custom) in [(1, false, false), (3, true, true), (2, false, true)] {
             case += 10;
             let (hq, hk, d, k) = (4, 2, 32, 256);
             let x = normal(&[1, t, k], 1.0, case);
-            let mat = |n: i32, seed| normal(&[n, k], 0.05, seed).quantize(group, bits).unwrap();
+            let mat = |n: i32, seed| {
+                normal(&[n, k], 0.05, seed)
+                    .quantize_as(mode, group, bits)
+                    .unwrap()
+            };
             let (wq, wk, wv) = (
                 mat(hq * d, case + 1),
                 mat(hk * d, case + 2),
@@ -861,7 +884,7 @@ fn a_layers_projections_and_their_heads_are_one_op() {
             };
             let held: Vec<&Array> = mats
                 .iter()
-                .flat_map(|q| [&q.weight, &q.scales, b(q)])
+                .flat_map(|q| [&q.weight, &q.scales].into_iter().chain(&q.biases))
                 .chain([&x, &nq, &nk, &offsets, &wavelengths])
                 .collect();
             mlx::eval(&held).unwrap();
