@@ -710,7 +710,13 @@ fn main() {
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
-        std::process::exit(1);
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        // An error can end the process while the engine thread is still inside MLX (a runner
+        // interrupted while loading): `_exit` skips the C++ static destructors that thread
+        // would race, which `exit` runs. Nothing else is left to flush.
+        // SAFETY: `_exit` ends the process; no Rust state is observed afterwards.
+        unsafe { libc::_exit(1) };
     }
 }
 

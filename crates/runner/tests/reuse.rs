@@ -83,8 +83,12 @@ impl Engine {
 }
 
 impl Drop for Engine {
+    /// Joins the engine thread: a test process that exits while that thread still frees MLX
+    /// arrays races MLX's static destructors (heap corruption at exit).
     fn drop(&mut self) {
         let _ = self.handle.jobs.send(Job::Shutdown);
+        let thread = std::mem::replace(&mut self.handle.thread, std::thread::spawn(|| {}));
+        let _ = thread.join();
     }
 }
 
