@@ -452,26 +452,23 @@ fn progress(total: u64, prefix: &str) -> ProgressBar {
     bar
 }
 
-/// The quantization block of a checkpoint that came quantized (mlx-lm's format).
-fn prequantized(cfg: &Value) -> Option<Value> {
-    ["quantization", "quantization_config"]
-        .iter()
-        .find_map(|k| cfg.get(*k).or_else(|| cfg.get("text_config")?.get(*k)))
-        .filter(|q| q.is_object())
-        .cloned()
+/// A part's tensors as `create` reads them.
+struct Part {
+    tensors: models::weights::Tensors,
+    /// How each module that is already quantized is: from the blob metadata (ollama's layout)
+    /// or config.json's block (mlx-lm's).
+    quantized: models::weights::ModuleQuant,
+    /// The weights that were block-FP8, decoded to bfloat16: they become mxfp8.
+    decoded_fp8: Vec<String>,
 }
 
-/// The tensors of a part and, for those already quantized, how each module is:
-/// from the blob metadata (ollama's layout) or config.json's block (mlx-lm's).
-fn read_part(input: &Input) -> Result<(models::weights::Tensors, models::weights::ModuleQuant)> {
-    let (tensors, from_blobs) = models::weights::read_tensors_quantized(&input.files)?;
+fn read_part(input: &Input) -> Result<Part> {
+    let checkpoint = models::weights::read_checkpoint(&input.files)?;
+    let (tensors, from_blobs) = (checkpoint.tensors, checkpoint.quant);
     let cfg = models::JsonFile::read(input.files.config()?)?.value;
-    let block = match prequantized(&cfg) {
-        Some(b) => Some(models::weights::QuantConfig::parse(&b).map_err(|message| {
-            StoreError::Invalid(format!("{}: config.json: {message}", input.source))
-        })?),
-        None => None,
-    };
+    let block = models::weights::QuantConfig::of_config(&cfg).map_err(|message| {
+        StoreError::Invalid(format!("{}: config.json: {message}", input.source))
+    })?;
     let mut quantized = HashMap::new();
     for name in tensors.keys() {
         let Some(module) = name.strip_suffix(".scales") else {
@@ -493,7 +490,11 @@ fn read_part(input: &Input) -> Result<(models::weights::Tensors, models::weights
             }
         }
     }
-    Ok((tensors, quantized))
+    Ok(Part {
+        tensors,
+        quantized,
+        decoded_fp8: checkpoint.decoded_fp8,
+    })
 }
 
 /// The most common type among already quantized modules (`""` for none).
@@ -511,12 +512,21 @@ fn common_type(quantized: &models::weights::ModuleQuant) -> String {
         .unwrap_or_default()
 }
 
-/// Refuses to quantize a checkpoint that already is.
+/// Refuses to quantize a checkpoint that already is (block-FP8 ones become mxfp8 by
+/// themselves, as ollama imports them).
 fn check_quantizable(input: &Input, quant: Option<QuantType>, flag: &str) -> Result<()> {
     let Some(want) = quant else {
         return Ok(());
     };
-    let (_, quantized) = read_part(input)?;
+    let part = read_part(input)?;
+    if !part.decoded_fp8.is_empty() {
+        return Err(crate::ImportError::Store(StoreError::Invalid(format!(
+            "{} is a block-FP8 checkpoint, which is stored as mxfp8; create it without {flag} {}",
+            input.source,
+            want.name()
+        ))));
+    }
+    let quantized = part.quantized;
     if !quantized.is_empty() {
         return Err(crate::ImportError::Store(StoreError::Invalid(format!(
             "{} is already quantized ({}); create it without {flag} {}",
@@ -555,7 +565,17 @@ fn import_part(
         ("", "")
     };
     let cfg = models::JsonFile::read(input.files.config()?)?.value;
-    let (tensors, quantized) = read_part(input)?;
+    let Part {
+        tensors,
+        quantized,
+        decoded_fp8,
+    } = read_part(input)?;
+    // A block-FP8 checkpoint's float8 weights become mxfp8 where ollama's policy quantizes
+    // them (bfloat16 elsewhere); its other tensors stay as they are.
+    let (quant, only) = match quant {
+        None if !decoded_fp8.is_empty() => (Some(QuantType::Mxfp8), Some(decoded_fp8)),
+        q => (q, None),
+    };
     let file_type = match quant {
         Some(q) => q.name().to_string(),
         // The source's own quantization.
@@ -564,6 +584,7 @@ fn import_part(
     let inv = Inventory {
         tensors: &tensors,
         quantized,
+        quantizable: only.map(|v| v.into_iter().collect()),
     };
     let blobs = import::plan(&inv, quant, Policy::for_config(&cfg, draft))?;
     let total: u64 = tensors.values().map(|a| a.nbytes() as u64).sum();

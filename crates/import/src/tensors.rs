@@ -47,6 +47,9 @@ pub(crate) struct Inventory<'a> {
     /// How each module that is already quantized (mlx-lm's `<m>.weight` + `<m>.scales` (+
     /// `<m>.biases`)) is, by module path.
     pub quantized: models::weights::ModuleQuant,
+    /// Where only some tensors may be quantized (a block-FP8 checkpoint's decoded weights,
+    /// `planBlockFP8`): those; every tensor otherwise.
+    pub quantizable: Option<std::collections::HashSet<String>>,
 }
 
 /// The prefixes a layer may sit under for its experts to be grouped (`expertLayerPrefixRegexp`).
@@ -110,7 +113,16 @@ pub(crate) fn plan(
         return Ok(plan_prequantized(inv, &names));
     }
     let shape = |n: &str| inv.tensors[n].shape();
-    let decide = |n: &str, s: &[i32]| requested.and_then(|q| policy.quant_type(n, s, q));
+    let allowed = |sources: &[&str]| {
+        inv.quantizable
+            .as_ref()
+            .is_none_or(|q| sources.iter().all(|s| q.contains(*s)))
+    };
+    let decide = |n: &str, s: &[i32], sources: &[&str]| {
+        requested
+            .filter(|_| allowed(sources))
+            .and_then(|q| policy.quant_type(n, s, q))
+    };
     let mut blobs = Vec::new();
     // group -> projection -> expert -> tensor
     let mut groups: BTreeMap<&str, BTreeMap<&str, BTreeMap<usize, &str>>> = BTreeMap::new();
@@ -124,7 +136,7 @@ pub(crate) fn plan(
                 .insert(index, name);
             continue;
         }
-        let quantize = decide(name, &shape(name));
+        let quantize = decide(name, &shape(name), &[name.as_str()]);
         blobs.push(BlobSpec {
             name: name.clone(),
             tensors: vec![TensorSpec {
@@ -155,8 +167,9 @@ pub(crate) fn plan(
             let name = format!("{group}.{proj}.weight");
             let mut stacked = vec![experts.len() as i32];
             stacked.extend(first.shape());
+            let sources: Vec<&str> = experts.values().copied().collect();
             tensors.push(TensorSpec {
-                quantize: decide(&name, &stacked),
+                quantize: decide(&name, &stacked, &sources),
                 name,
                 build: Build::Stack(experts.values().map(|s| s.to_string()).collect()),
             });

@@ -291,6 +291,110 @@ fn fp_quantized_models_serve_what_their_quantization_stands_for() {
     }
 }
 
+/// A block-FP8 checkpoint (GLM's FP8 release form) is stored as ollama imports one: its float8
+/// weights decoded and quantized to mxfp8 where ollama's policy quantizes them (bfloat16 where
+/// it declines), every other tensor as the checkpoint has it; quantizing it otherwise is
+/// refused. Each mxfp8 tensor is MLX's quantization of the weight as mlx-lm decodes it.
+#[test]
+fn block_fp8_checkpoints_are_stored_as_mxfp8() {
+    let s = Scratch::new();
+    let e = s
+        .create(
+            "glm-fp8-q4",
+            &from("glm4_moe_lite_fp8"),
+            &quantize(QuantType::Q4),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("block-FP8") && e.contains("--quantize int4"),
+        "{e}"
+    );
+
+    let r = s
+        .create(
+            "glm-fp8",
+            &from("glm4_moe_lite_fp8"),
+            &CreateOptions::default(),
+        )
+        .unwrap();
+    assert_eq!(r.config.part.file_type, "mxfp8");
+    let stored = s.store.resolve(&name("glm-fp8")).unwrap();
+    let tensors = store::show::precisions(&stored.target).unwrap();
+    let of = |n: &str| {
+        tensors
+            .iter()
+            .find(|t| t.name == n)
+            .unwrap_or_else(|| panic!("{n}"))
+            .precision
+            .clone()
+    };
+    assert_eq!(of("model.layers.0.mlp.down_proj.weight"), "mxfp8");
+    assert_eq!(of("model.layers.1.mlp.experts.up_proj.weight"), "mxfp8");
+    assert_eq!(
+        of("model.layers.0.self_attn.q_b_proj.weight"),
+        "BF16",
+        "rows of 48 are no whole groups of 32: decoded, kept in bfloat16"
+    );
+    // Not float8 in the checkpoint: as it is, though the policy would quantize them.
+    assert_eq!(of("lm_head.weight"), "BF16");
+    assert_eq!(of("model.embed_tokens.weight"), "BF16");
+    assert!(!tensors.iter().any(|t| t.name.ends_with("_scale_inv")));
+
+    let g = golden("glm4_moe_lite_fp8");
+    let (stored_tensors, quant) = models::weights::read_tensors_quantized(&stored.target).unwrap();
+    let mut quantized = 0;
+    for (k, decoded) in g.iter().filter(|(k, _)| k.starts_with("decoded.")) {
+        let w = &k["decoded.".len()..];
+        // Expert 0's weight is the first of its layer's stack.
+        let (stored_name, expert) = match w.split_once(".experts.0.") {
+            Some((layer, proj)) => (format!("{layer}.experts.{proj}"), true),
+            None => (w.to_string(), false),
+        };
+        let module = stored_name.strip_suffix(".weight").unwrap();
+        let pick = |a: &Array| {
+            if expert {
+                a.index(&[mlx::Ix::At(0)]).unwrap()
+            } else {
+                a.clone()
+            }
+        };
+        let want = decoded.astype(mlx::Dtype::Bf16).unwrap();
+        match quant.get(module) {
+            Some(p) => {
+                assert_eq!(
+                    (p.mode, p.bits, p.group_size),
+                    (mlx::QuantMode::Mxfp8, 8, 32)
+                );
+                let q = want.quantize_as(mlx::QuantMode::Mxfp8, 32, 8).unwrap();
+                let codes = pick(&stored_tensors[&stored_name]);
+                let scales = pick(&stored_tensors[&format!("{module}.scales")]);
+                assert_eq!(
+                    codes.to_vec::<u32>().unwrap(),
+                    q.weight.to_vec::<u32>().unwrap(),
+                    "{w}"
+                );
+                assert_eq!(
+                    scales.to_vec::<u8>().unwrap(),
+                    q.scales.to_vec::<u8>().unwrap(),
+                    "{w}"
+                );
+                quantized += 1;
+            }
+            None => {
+                let got = pick(&stored_tensors[&stored_name]);
+                assert_eq!(got.dtype(), mlx::Dtype::Bf16, "{w}");
+                let f32s = |a: &Array| a.astype(mlx::Dtype::F32).unwrap().to_vec::<f32>().unwrap();
+                assert_eq!(f32s(&got), f32s(&want), "{w}");
+            }
+        }
+    }
+    assert!(quantized >= 5, "{quantized}");
+    let twin = dequantized_twin(&s, "glm-fp8", "glm4_moe_lite_fp8");
+    let d = check_against(&s, "glm-fp8", &twin, 1e-3);
+    eprintln!("glm4_moe_lite block-FP8 as mxfp8 vs its dequantized twin: max |Δ| {d:e}");
+}
+
 #[test]
 fn quantized_gemma_moe_matches_mlx_lm() {
     // Fused experts are split and stacked as mlx-lm stores them, then quantized; the router

@@ -26,6 +26,9 @@ use std::sync::Arc;
 pub struct Tensors {
     pub arrays: HashMap<String, Array>,
     pub metadata: HashMap<String, String>,
+    /// The tensors stored as E4M3 float8 (`F8_E4M3`), which MLX has no dtype for: their arrays
+    /// hold the uint8 codes ([`Array::from_fp8`] reads them).
+    pub float8: Vec<String>,
 }
 
 fn format_err(path: &Path, message: impl Into<String>) -> Error {
@@ -67,6 +70,8 @@ fn release_mapping(ctx: usize) {
 struct Entry {
     name: String,
     dtype: Dtype,
+    /// Stored as `F8_E4M3` (held as uint8 codes).
+    e4m3: bool,
     shape: Vec<i32>,
     /// Byte range within the file.
     range: std::ops::Range<usize>,
@@ -94,12 +99,22 @@ fn validate(path: &Path) -> Result<(MmapMut, Vec<Entry>, HashMap<String, String>
     let data_start = 8 + header_len;
     let mut entries = Vec::new();
     for (name, info) in meta.tensors() {
-        let dtype = dtype_of(info.dtype).ok_or_else(|| {
-            format_err(
-                path,
-                format!("tensor {name}: dtype {:?} is not supported", info.dtype),
-            )
-        })?;
+        let e4m3 = info.dtype == safetensors::Dtype::F8_E4M3;
+        let dtype = match info.dtype {
+            // MLX reads E4M3 codes as uint8 and decodes them with `from_fp8`.
+            _ if e4m3 => Dtype::U8,
+            safetensors::Dtype::F8_E5M2 => {
+                return Err(format_err(
+                    path,
+                    format!(
+                        "tensor {name} is F8_E5M2; only F8_E4M3 float8 checkpoints are supported"
+                    ),
+                ))
+            }
+            d => dtype_of(d).ok_or_else(|| {
+                format_err(path, format!("tensor {name}: dtype {d:?} is not supported"))
+            })?,
+        };
         let (begin, end) = info.data_offsets;
         if data_start + end > len {
             return Err(format_err(
@@ -130,6 +145,7 @@ fn validate(path: &Path) -> Result<(MmapMut, Vec<Entry>, HashMap<String, String>
         entries.push(Entry {
             name: name.to_string(),
             dtype,
+            e4m3,
             shape,
             range: data_start + begin..data_start + end,
         });
@@ -185,7 +201,12 @@ pub fn load_safetensors(path: impl AsRef<Path>) -> Result<Tensors> {
         }
     }
     arrays.retain(|name, _| entries.iter().any(|e| &e.name == name));
-    Ok(Tensors { arrays, metadata })
+    let float8 = float8_names(&entries);
+    Ok(Tensors {
+        arrays,
+        metadata,
+        float8,
+    })
 }
 
 /// Loads every tensor through a private memory mapping (see the module docs).
@@ -194,6 +215,7 @@ pub fn load_safetensors_mmap(path: impl AsRef<Path>) -> Result<Tensors> {
     let (map, entries, metadata) = validate(path)?;
     let map = Arc::new(map);
     let mut arrays = HashMap::new();
+    let float8 = float8_names(&entries);
     for e in entries {
         let bytes = &map[e.range.clone()];
         let array = if bytes.is_empty() || !(bytes.as_ptr() as usize).is_multiple_of(e.dtype.size())
@@ -213,7 +235,19 @@ pub fn load_safetensors_mmap(path: impl AsRef<Path>) -> Result<Tensors> {
         };
         arrays.insert(e.name, array);
     }
-    Ok(Tensors { arrays, metadata })
+    Ok(Tensors {
+        arrays,
+        metadata,
+        float8,
+    })
+}
+
+fn float8_names(entries: &[Entry]) -> Vec<String> {
+    entries
+        .iter()
+        .filter(|e| e.e4m3)
+        .map(|e| e.name.clone())
+        .collect()
 }
 
 /// Loads a safetensors file with MLX's own reader alone, without our validation.

@@ -147,6 +147,12 @@ impl Array {
         Ok(Array::from_raw(ffi::astype(self.arr(), dtype.code())?))
     }
 
+    /// Reads uint8 codes as E4M3 float8 values (sign, 4 exponent bits of bias 7, 3 mantissa
+    /// bits; no infinities, S.1111.111 is NaN) in `dtype`.
+    pub fn from_fp8(&self, dtype: Dtype) -> Result<Array> {
+        Ok(Array::from_raw(ffi::from_fp8(self.arr(), dtype.code())?))
+    }
+
     /// Limits values to `[lo, hi]`; either bound may be absent.
     pub fn clip(&self, lo: Option<&Array>, hi: Option<&Array>) -> Result<Array> {
         // SAFETY: the pointers are null or point at arrays that outlive the call.

@@ -7,6 +7,7 @@
 //! tensor at fault.
 
 mod attention;
+pub mod block_fp8;
 mod config;
 pub mod draft;
 mod error;
@@ -154,14 +155,7 @@ fn resolve_dtype(choice: DtypeChoice, cfg: &Value) -> Dtype {
 }
 
 fn quant_config(file: &JsonFile) -> Result<Option<QuantConfig>> {
-    let q = file
-        .value
-        .get("quantization")
-        .or_else(|| file.value.get("quantization_config"));
-    match q {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => QuantConfig::parse(v).map(Some).map_err(|m| file.error(m)),
-    }
+    QuantConfig::of_config(&file.value).map_err(|m| file.error(m))
 }
 
 enum Arch {

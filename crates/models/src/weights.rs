@@ -94,6 +94,34 @@ pub struct QuantConfig {
 }
 
 impl QuantConfig {
+    /// A checkpoint's quantization block (config.json's `quantization` or
+    /// `quantization_config`, at the top or under `text_config`): mlx-lm's, or `None` where the
+    /// weights are in float or decoded on reading (block-FP8); another producer's method is
+    /// refused by name.
+    pub fn of_config(cfg: &Value) -> std::result::Result<Option<QuantConfig>, String> {
+        let block = ["quantization", "quantization_config"]
+            .iter()
+            .find_map(|k| {
+                cfg.get(*k)
+                    .or_else(|| cfg.get("text_config")?.get(*k))
+                    .filter(|v| !v.is_null())
+            });
+        let Some(block) = block else {
+            return Ok(None);
+        };
+        if let Some(method) = block.get("quant_method").and_then(Value::as_str) {
+            return match method {
+                "fp8" => crate::block_fp8::check_config(block.as_object().expect("has a key"))
+                    .map(|()| None),
+                "mlx" => Self::parse(block).map(Some),
+                other => Err(format!(
+                    "quantization_config.quant_method is {other:?}; mlx-runner loads MLX's quantization (mlx-lm's block) and block-FP8 (\"fp8\") checkpoints"
+                )),
+            };
+        }
+        Self::parse(block).map(Some)
+    }
+
     pub fn parse(v: &Value) -> std::result::Result<QuantConfig, String> {
         let obj = v.as_object().ok_or("quantization must be an object")?;
         let mut q = QuantConfig {
@@ -199,6 +227,22 @@ fn ollama_quant(kind: &str, group: Option<&str>) -> std::result::Result<QuantPar
 /// one model; they become `<m>.scales` / `<m>.biases` and a per-module entry in the returned
 /// map. A microscaling type (nvfp4, mxfp4, mxfp8) has a `.scale` and no `.bias`.
 pub fn read_tensors_quantized(files: &crate::ModelFiles) -> Result<(Tensors, ModuleQuant)> {
+    let c = read_checkpoint(files)?;
+    Ok((c.tensors, c.quant))
+}
+
+/// A checkpoint's tensors as the models read them.
+pub struct Checkpoint {
+    /// By name, under the files' tensor prefix (removed).
+    pub tensors: Tensors,
+    /// How each module stored quantized in ollama's layout is (from the blobs' metadata).
+    pub quant: ModuleQuant,
+    /// The weights that were block-FP8 in the files, now bfloat16 ([`crate::block_fp8`]).
+    pub decoded_fp8: Vec<String>,
+}
+
+/// Every tensor of `files` (see [`read_tensors_quantized`]), block-FP8 weights decoded.
+pub fn read_checkpoint(files: &crate::ModelFiles) -> Result<Checkpoint> {
     if files.tensors.is_empty() {
         return Err(ModelError::Config {
             path: files.origin.clone(),
@@ -207,6 +251,7 @@ pub fn read_tensors_quantized(files: &crate::ModelFiles) -> Result<(Tensors, Mod
     }
     let mut tensors = HashMap::new();
     let mut quant = HashMap::new();
+    let mut float8 = Vec::new();
     let prefix = files.tensor_prefix.as_str();
     for f in &files.tensors {
         let t = mlx::io::load_safetensors(f).map_err(|e| match e {
@@ -214,6 +259,11 @@ pub fn read_tensors_quantized(files: &crate::ModelFiles) -> Result<(Tensors, Mod
             other => ModelError::Mlx(other),
         })?;
         let mut arrays = t.arrays;
+        float8.extend(
+            t.float8
+                .iter()
+                .filter_map(|n| n.strip_prefix(prefix).map(String::from)),
+        );
         // A packed (u32) tensor with a `.scale` beside it; a fused stacked tensor such as
         // `experts.gate_up_proj` has no `.weight` suffix, and gets one.
         let quantized: Vec<String> = arrays
@@ -263,7 +313,13 @@ pub fn read_tensors_quantized(files: &crate::ModelFiles) -> Result<(Tensors, Mod
                 .filter_map(|(k, v)| k.strip_prefix(prefix).map(|k| (k.to_string(), v))),
         );
     }
-    Ok((tensors, quant))
+    // A weight's block scales may sit in another shard: decoded once all are read.
+    let decoded_fp8 = crate::block_fp8::decode_all(&mut tensors, &float8)?;
+    Ok(Checkpoint {
+        tensors,
+        quant,
+        decoded_fp8,
+    })
 }
 
 impl Weights {

@@ -194,3 +194,27 @@ fn glm4_moe_lite_nvfp4_matches_mlx_lm() {
 fn gemma4_moe_mxfp8_matches_mlx_lm() {
     check_model("gemma4_26b_a4b_like_mxfp8", 1e-3);
 }
+
+/// A block-FP8 checkpoint (E4M3 weights, a float32 scale per 128x128 block) decodes on reading
+/// to what mlx-lm's own block-FP8 decoding gives, weight for weight, and runs as mlx-lm runs that
+/// decoded checkpoint.
+#[test]
+fn glm4_moe_lite_block_fp8_matches_mlx_lm() {
+    let name = "glm4_moe_lite_fp8";
+    let g = golden(name);
+    let c = models::weights::read_checkpoint(&models::ModelFiles::dir(&fixture(name)).unwrap())
+        .unwrap();
+    assert!(c.decoded_fp8.len() > 40, "{:?}", c.decoded_fp8);
+    assert!(!c.tensors.keys().any(|k| k.ends_with("_scale_inv")));
+    let mut checked = 0;
+    for (k, want) in g.iter().filter(|(k, _)| k.starts_with("decoded.")) {
+        let w = &k["decoded.".len()..];
+        let got = &c.tensors[w];
+        assert_eq!(got.dtype(), Dtype::Bf16, "{w}");
+        let got = got.astype(Dtype::F32).unwrap().to_vec::<f32>().unwrap();
+        assert_eq!(got, want.to_vec::<f32>().unwrap(), "{w}");
+        checked += 1;
+    }
+    assert!(checked >= 10, "{checked}");
+    check_model(name, 1e-4);
+}

@@ -458,3 +458,57 @@ fn quantization_modes_are_checked() {
         "{e}"
     );
 }
+
+/// The same bytes with `from` replaced by `to` (of the same length) in the safetensors header.
+fn patch_header(s: &Scratch, from: &str, to: &str) {
+    assert_eq!(from.len(), to.len());
+    let path = s.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&bytes[8..8 + n])
+        .unwrap()
+        .replace(from, to);
+    bytes[8..8 + n].copy_from_slice(header.as_bytes());
+    std::fs::write(&path, bytes).unwrap();
+}
+
+/// Block-FP8 checkpoints in a form we cannot decode are refused by name: E5M2 values, a float8
+/// weight without its block scales, blocks other than 128x128, another FP8 format, and
+/// another producer's quantization method.
+#[test]
+fn block_fp8_checkpoints_are_checked() {
+    let s = Scratch::of("glm4_moe_lite_fp8");
+    patch_header(&s, "F8_E4M3", "F8_E5M2");
+    let e = load_err(&s);
+    assert!(e.contains("is F8_E5M2; only F8_E4M3"), "{e}");
+
+    let s = Scratch::of("glm4_moe_lite_fp8");
+    let w = "model.layers.0.self_attn.o_proj.weight";
+    patch_header(&s, &format!("{w}_scale_inv"), &format!("{w}_scale_xxx"));
+    let e = load_err(&s);
+    assert!(e.contains(w) && e.contains("without a block scale"), "{e}");
+
+    for (field, value, want) in [
+        ("weight_block_size", json!([64, 64]), "only 128x128 blocks"),
+        ("fmt", json!("e5m2"), "only E4M3"),
+        ("quant_method", json!("gptq"), "quant_method is \"gptq\""),
+    ] {
+        let s = Scratch::of("glm4_moe_lite_fp8");
+        let mut c = s.config();
+        c["quantization_config"][field] = value;
+        s.set_config(&c);
+        let e = load_err(&s);
+        assert!(
+            e.contains(want) && e.contains("config.json"),
+            "{field}: {e}"
+        );
+    }
+    let s = Scratch::of("glm4_moe_lite_fp8");
+    let mut c = s.config();
+    c["quantization_config"]
+        .as_object_mut()
+        .unwrap()
+        .remove("weight_block_size");
+    s.set_config(&c);
+    assert!(load_err(&s).contains("without weight_block_size"));
+}
