@@ -193,16 +193,18 @@ pub(crate) fn plan(
     Ok(blobs)
 }
 
-/// An already quantized checkpoint (mlx-lm's layout, or a stored quantized model): each
-/// quantized module's weight, scales and biases fused into one blob named by the weight, as
-/// `<m>.weight`, `<m>.weight.scale`, `<m>.weight.bias` with the module's own type in the
-/// metadata; every other tensor as it is (`planPrequantized`).
+/// An already quantized checkpoint (mlx-lm's layout, NVIDIA's nvfp4 ones as the reader
+/// rewrites them, or a stored quantized model): each quantized module's weight, scales, biases
+/// and global scale fused into one blob named by the weight, as `<m>.weight`,
+/// `<m>.weight.scale`, `<m>.weight.bias`, `<m>.weight.global_scale` with the module's own type
+/// in the metadata; every other tensor as it is (`planPrequantized`).
 fn plan_prequantized(inv: &Inventory, names: &[&String]) -> Vec<BlobSpec> {
     let mut blobs = Vec::new();
     for name in names {
         let module = name
             .strip_suffix(".scales")
-            .or_else(|| name.strip_suffix(".biases"));
+            .or_else(|| name.strip_suffix(".biases"))
+            .or_else(|| name.strip_suffix(".global_scale"));
         if module.is_some_and(|m| inv.quantized.contains_key(m)) {
             continue;
         }
@@ -226,7 +228,11 @@ fn plan_prequantized(inv: &Inventory, names: &[&String]) -> Vec<BlobSpec> {
             build: Build::Copy(name.to_string()),
             quantize: None,
         }];
-        for (from, to) in [("scales", "scale"), ("biases", "bias")] {
+        for (from, to) in [
+            ("scales", "scale"),
+            ("biases", "bias"),
+            ("global_scale", "global_scale"),
+        ] {
             let src = format!("{module}.{from}");
             if inv.tensors.contains_key(&src) {
                 tensors.push(TensorSpec {

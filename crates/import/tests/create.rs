@@ -395,6 +395,84 @@ fn block_fp8_checkpoints_are_stored_as_mxfp8() {
     eprintln!("glm4_moe_lite block-FP8 as mxfp8 vs its dequantized twin: max |Δ| {d:e}");
 }
 
+/// NVIDIA's nvfp4 checkpoints (compressed-tensors, ModelOpt) are stored as ollama fuses them:
+/// each module's codes, E4M3 scales and global scale in one blob (`<m>.weight`, `.scale`,
+/// `.global_scale`), nvfp4 in groups of 16; the stored model computes what the checkpoint does,
+/// bit for bit; requantizing is refused.
+#[test]
+fn nvidia_nvfp4_checkpoints_are_stored_with_their_global_scales() {
+    let s = Scratch::new();
+    for fixture_name in ["glm4_moe_lite_nvfp4_ct", "glm4_moe_lite_nvfp4_modelopt"] {
+        let e = s
+            .create("again", &from(fixture_name), &quantize(QuantType::Q4))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("already quantized (nvfp4)"), "{e}");
+        let model = format!("{fixture_name}-stored").replace('_', "-");
+        let r = s
+            .create(&model, &from(fixture_name), &CreateOptions::default())
+            .unwrap();
+        assert_eq!(r.config.part.file_type, "nvfp4");
+        let stored = s.store.resolve(&name(&model)).unwrap();
+        let tensors = store::show::precisions(&stored.target).unwrap();
+        let of = |n: &str| {
+            tensors
+                .iter()
+                .find(|t| t.name == n)
+                .unwrap_or_else(|| panic!("{n}"))
+                .precision
+                .clone()
+        };
+        assert_eq!(of("model.layers.0.self_attn.o_proj.weight"), "nvfp4");
+        assert_eq!(of("model.layers.1.mlp.experts.up_proj.weight"), "nvfp4");
+        assert_eq!(of("lm_head.weight"), "BF16");
+        let extra: Vec<&String> = tensors
+            .iter()
+            .map(|t| &t.name)
+            .filter(|n| {
+                n.contains("input_scale")
+                    || n.contains("input_global")
+                    || n.ends_with("global_scale")
+            })
+            .collect();
+        assert!(extra.is_empty(), "{extra:?}");
+        let blob = stored
+            .target
+            .tensors
+            .iter()
+            .find(|p| {
+                mlx::io::read_header(p)
+                    .unwrap()
+                    .0
+                    .iter()
+                    .any(|t| t.name == "model.layers.0.self_attn.o_proj.weight.global_scale")
+            })
+            .is_some();
+        assert!(blob, "{model}: the global scale is in the module's blob");
+
+        let m = s.load(&model);
+        let direct = models::load(
+            &fixture(fixture_name),
+            models::DtypeChoice::Fixed(mlx::Dtype::F32),
+        )
+        .unwrap();
+        let ids = golden("glm4_moe_lite_nvfp4_ct")["input_ids"]
+            .to_vec::<i32>()
+            .unwrap();
+        assert_eq!(
+            logits(&*m.model, &ids),
+            logits(&*direct.model, &ids),
+            "{model}: the stored model computes what the checkpoint does"
+        );
+    }
+    check(
+        &s,
+        "glm4-moe-lite-nvfp4-ct-stored",
+        "glm4_moe_lite_nvfp4_ct",
+        1e-4,
+    );
+}
+
 #[test]
 fn quantized_gemma_moe_matches_mlx_lm() {
     // Fused experts are split and stacked as mlx-lm stores them, then quantized; the router

@@ -159,6 +159,7 @@ pub mod ffi {
         fn where_(cond: &Arr, x: &Arr, y: &Arr) -> Result<UniquePtr<Arr>>;
         fn astype(a: &Arr, dtype: u8) -> Result<UniquePtr<Arr>>;
         fn from_fp8(a: &Arr, dtype: u8) -> Result<UniquePtr<Arr>>;
+        fn view(a: &Arr, dtype: u8) -> Result<UniquePtr<Arr>>;
         unsafe fn clip(a: &Arr, lo: *const Arr, hi: *const Arr) -> Result<UniquePtr<Arr>>;
 
         // shape

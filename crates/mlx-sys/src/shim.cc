@@ -382,6 +382,10 @@ ArrPtr from_fp8(const Arr& a, uint8_t dtype) {
   return wrap(mx::from_fp8(a.a, to_dtype(dtype)));
 }
 
+ArrPtr view(const Arr& a, uint8_t dtype) {
+  return wrap(mx::view(a.a, to_dtype(dtype)));
+}
+
 ArrPtr clip(const Arr& a, const Arr* lo, const Arr* hi) {
   return wrap(mx::clip(a.a, opt(lo), opt(hi)));
 }

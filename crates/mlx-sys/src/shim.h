@@ -95,6 +95,7 @@ ArrPtr binary(BinaryOp op, const Arr& a, const Arr& b);
 ArrPtr where_(const Arr& cond, const Arr& x, const Arr& y);
 ArrPtr astype(const Arr& a, uint8_t dtype);
 ArrPtr from_fp8(const Arr& a, uint8_t dtype);
+ArrPtr view(const Arr& a, uint8_t dtype);
 ArrPtr clip(const Arr& a, const Arr* lo, const Arr* hi);
 
 // --- shape -----------------------------------------------------------------------------------

@@ -153,6 +153,12 @@ impl Array {
         Ok(Array::from_raw(ffi::from_fp8(self.arr(), dtype.code())?))
     }
 
+    /// The same bytes read as `dtype`: the last axis scales by the ratio of the sizes (four
+    /// uint8 become one uint32).
+    pub fn view(&self, dtype: Dtype) -> Result<Array> {
+        Ok(Array::from_raw(ffi::view(self.arr(), dtype.code())?))
+    }
+
     /// Limits values to `[lo, hi]`; either bound may be absent.
     pub fn clip(&self, lo: Option<&Array>, hi: Option<&Array>) -> Result<Array> {
         // SAFETY: the pointers are null or point at arrays that outlive the call.

@@ -245,28 +245,14 @@ impl Mla {
         let w = vb.weights();
         let (wk, wv) = if vb.pp("kv_b_proj").has("weight") {
             let kvb = vb.pp("kv_b_proj");
-            let full = if kvb.is_quantized() {
-                kvb.quantized(&[], nh * (dn + dv), r)?
-                    .dequantize()?
-                    .astype(w.dtype())?
-            } else {
-                kvb.get("weight", &[nh * (dn + dv), r])?
-            };
+            let full = kvb.weight_values(&[], nh * (dn + dv), r)?;
             let full = full.reshape(&[nh, dn + dv, r])?;
             let parts = full.split_at(&[dn], 1)?;
             (parts[0].clone(), parts[1].clone())
         } else {
             // mlx-lm's converted layout: embed_q = W_UKᵀ [nH, r, dn], unembed_out = W_UV.
-            let dense = |name: &str, rows: i32, cols: i32| -> Result<Array> {
-                let m = vb.pp(name);
-                if m.is_quantized() {
-                    Ok(m.quantized(&[nh], rows, cols)?
-                        .dequantize()?
-                        .astype(w.dtype())?)
-                } else {
-                    m.get("weight", &[nh, rows, cols])
-                }
-            };
+            let dense =
+                |name: &str, rows: i32, cols: i32| vb.pp(name).weight_values(&[nh], rows, cols);
             (
                 dense("embed_q", r, dn)?.swapaxes(-1, -2)?,
                 dense("unembed_out", dv, r)?,

@@ -17,6 +17,7 @@ pub mod glm4_moe_lite;
 pub mod glm4_mtp;
 pub mod nn;
 mod packed;
+mod prequant;
 mod tokenizer;
 pub mod weights;
 

@@ -14,6 +14,19 @@ pub enum Linear {
         wt: Array,
     },
     Quantized(Quantized),
+    /// A quantized matrix times a float32 global scale, `[]` (per tensor) or `[out]` (per
+    /// row): NVIDIA's nvfp4 checkpoints (crate::prequant). The products are MLX's nvfp4 ones,
+    /// then one multiply; the fused ops take plain tables only.
+    Scaled {
+        q: Quantized,
+        global: Array,
+    },
+}
+
+/// `y · g` in `y`'s dtype (`g` float32, broadcast over `y`'s last axis or scalar).
+fn times_global(y: Array, global: &Array) -> Result<Array> {
+    let dtype = y.dtype();
+    Ok(y.multiply(global)?.astype(dtype)?)
 }
 
 /// `Wᵀ` in the layout this device multiplies fastest. On the CPU, `[in, out]` row-major:
@@ -41,6 +54,7 @@ impl Linear {
         Ok(match self {
             Linear::Dense { wt } => x.matmul(wt)?,
             Linear::Quantized(q) => x.quantized_matmul(q, true)?,
+            Linear::Scaled { q, global } => times_global(x.quantized_matmul(q, true)?, global)?,
         })
     }
 
@@ -58,7 +72,9 @@ impl Linear {
             Linear::Quantized(q) => {
                 mlx::fast::quantized_matmul_residual_norm(x, q, w, eps, residual, scale, None)?.0
             }
-            Linear::Dense { .. } => add_norm(residual, &self.forward(x)?, w, eps, scale)?,
+            Linear::Dense { .. } | Linear::Scaled { .. } => {
+                add_norm(residual, &self.forward(x)?, w, eps, scale)?
+            }
         })
     }
 
@@ -90,7 +106,7 @@ impl Linear {
                     )),
                 }
             }
-            Linear::Dense { .. } => {
+            Linear::Dense { .. } | Linear::Scaled { .. } => {
                 add_norm_then_norm(residual, &self.forward(x)?, w, eps, scale, next)
             }
         }
@@ -113,7 +129,7 @@ pub fn quantized_alike<'a>(layers: &[&'a Linear]) -> Option<Vec<&'a Quantized>> 
         .iter()
         .map(|l| match l {
             Linear::Quantized(q) => Some(q),
-            Linear::Dense { .. } => None,
+            Linear::Dense { .. } | Linear::Scaled { .. } => None,
         })
         .collect::<Option<_>>()?;
     let first = *qs.first()?;
@@ -128,6 +144,11 @@ pub enum Experts {
         wt: Array,
     },
     Quantized(Quantized),
+    /// Quantized experts times a float32 global scale per expert (`[E]`) or for all (`[]`).
+    Scaled {
+        q: Quantized,
+        global: Array,
+    },
 }
 
 impl Experts {
@@ -163,6 +184,16 @@ impl Experts {
         Ok(match self {
             Experts::Dense { wt } => x.gather_mm(wt, None, Some(idx), sorted)?,
             Experts::Quantized(q) => x.gather_qmm(q, None, Some(idx), true, sorted)?,
+            Experts::Scaled { q, global } => {
+                let y = x.gather_qmm(q, None, Some(idx), true, sorted)?;
+                let g = if global.ndim() == 0 {
+                    global.clone()
+                } else {
+                    // [..., k] → [..., k, 1, 1] against y's [..., k, 1, out].
+                    global.take(idx, 0)?.expand_dims_axes(&[-1, -2])?
+                };
+                times_global(y, &g)?
+            }
         })
     }
 }
@@ -176,6 +207,11 @@ pub enum Embedding {
     /// gather columns, which costs little next to the head reading the whole table per token.
     DenseTransposed(Array),
     Quantized(Quantized),
+    /// A quantized table times a float32 global scale (`[]`).
+    Scaled {
+        q: Quantized,
+        global: Array,
+    },
 }
 
 impl Embedding {
@@ -210,6 +246,9 @@ impl Embedding {
                 }
                 .dequantize()?
             }
+            Embedding::Scaled { q, global } => {
+                times_global(Embedding::Quantized(q.clone()).lookup(ids)?, global)?
+            }
         })
     }
 
@@ -228,6 +267,7 @@ impl Embedding {
             Embedding::Dense(w) => h.matmul(&w.t()?)?,
             Embedding::DenseTransposed(wt) => h.matmul(wt)?,
             Embedding::Quantized(q) => h.quantized_matmul(q, true)?,
+            Embedding::Scaled { q, global } => times_global(h.quantized_matmul(q, true)?, global)?,
         })
     }
 }

@@ -113,9 +113,26 @@ impl QuantConfig {
             return match method {
                 "fp8" => crate::block_fp8::check_config(block.as_object().expect("has a key"))
                     .map(|()| None),
+                // NVIDIA's nvfp4 layouts, read by their tensors (crate::prequant).
+                "compressed-tensors" => {
+                    let format = block.get("format").and_then(Value::as_str).unwrap_or("");
+                    if format == "nvfp4-pack-quantized" {
+                        Ok(None)
+                    } else {
+                        Err(format!("quantization_config.format is {format:?}; of compressed-tensors' formats mlx-runner loads nvfp4-pack-quantized"))
+                    }
+                }
+                "modelopt" => {
+                    let algo = block.get("quant_algo").and_then(Value::as_str).unwrap_or("");
+                    if algo.eq_ignore_ascii_case("nvfp4") {
+                        Ok(None)
+                    } else {
+                        Err(format!("quantization_config.quant_algo is {algo:?}; of ModelOpt's formats mlx-runner loads NVFP4"))
+                    }
+                }
                 "mlx" => Self::parse(block).map(Some),
                 other => Err(format!(
-                    "quantization_config.quant_method is {other:?}; mlx-runner loads MLX's quantization (mlx-lm's block) and block-FP8 (\"fp8\") checkpoints"
+                    "quantization_config.quant_method is {other:?}; mlx-runner loads MLX's quantization (mlx-lm's block), block-FP8 (\"fp8\") and nvfp4 (compressed-tensors, modelopt) checkpoints"
                 )),
             };
         }
@@ -298,7 +315,11 @@ pub fn read_checkpoint(files: &crate::ModelFiles) -> Result<Checkpoint> {
                     arrays.insert(format!("{module}.weight"), a);
                 }
             }
-            for (from, to) in [("scale", "scales"), ("bias", "biases")] {
+            for (from, to) in [
+                ("scale", "scales"),
+                ("bias", "biases"),
+                ("global_scale", "global_scale"),
+            ] {
                 if let Some(a) = arrays.remove(&format!("{w}.{from}")) {
                     arrays.insert(format!("{module}.{to}"), a);
                 }
@@ -313,7 +334,8 @@ pub fn read_checkpoint(files: &crate::ModelFiles) -> Result<Checkpoint> {
                 .filter_map(|(k, v)| k.strip_prefix(prefix).map(|k| (k.to_string(), v))),
         );
     }
-    // A weight's block scales may sit in another shard: decoded once all are read.
+    // A weight's scales may sit in another shard: both rewrites run once all are read.
+    crate::prequant::canonicalize(&mut tensors, &mut float8, &mut quant)?;
     let decoded_fp8 = crate::block_fp8::decode_all(&mut tensors, &float8)?;
     Ok(Checkpoint {
         tensors,
@@ -608,10 +630,66 @@ impl<'a> Vb<'a> {
         })
     }
 
+    /// The float32 global scale of a quantized matrix here (NVIDIA's nvfp4 checkpoints,
+    /// crate::prequant), shaped `[]` for one value, else `[per]` (`per`: the rows of a matrix,
+    /// or the experts of a stack); `None` where there is none.
+    fn global_scale(&self, per: i32) -> Result<Option<Array>> {
+        if !self.has("global_scale") {
+            return Ok(None);
+        }
+        let name = self.name("global_scale");
+        let g = self.w.raw(&name)?;
+        let shape = match g.size() {
+            1 => vec![],
+            n if n == per as usize => vec![per],
+            _ => {
+                return Err(ModelError::Tensor {
+                    name,
+                    message: format!(
+                        "has shape {:?}: a global scale is one value or one per {per}",
+                        g.shape()
+                    ),
+                })
+            }
+        };
+        if !g.dtype().is_float() {
+            return Err(ModelError::Tensor {
+                name,
+                message: format!("is {:?}, not floating point", g.dtype()),
+            });
+        }
+        Ok(Some(self.w.keep(g.astype(Dtype::F32)?.reshape(&shape)?)))
+    }
+
+    /// The weight `[..lead, rows, cols]` at this path as values in the compute dtype: a
+    /// quantized one dequantized (times its global scale), for the few matrices a model
+    /// reshapes rather than multiplies as stored (MLA's `kv_b_proj`).
+    pub fn weight_values(&self, lead: &[i32], rows: i32, cols: i32) -> Result<Array> {
+        if !self.is_quantized() {
+            let mut shape = lead.to_vec();
+            shape.extend([rows, cols]);
+            return self.get("weight", &shape);
+        }
+        let values = self.quantized(lead, rows, cols)?.dequantize()?;
+        let per = if lead.is_empty() { rows } else { lead[0] };
+        let values = match self.global_scale(per)? {
+            // One value, one per row ([rows] → [rows, 1]) or one per leading entry.
+            Some(g) if g.ndim() == 0 => values.multiply(&g)?,
+            Some(g) if lead.is_empty() => values.multiply(&g.reshape(&[rows, 1])?)?,
+            Some(g) => values.multiply(&g.reshape(&[lead[0], 1, 1])?)?,
+            None => values,
+        };
+        Ok(values.astype(self.w.dtype)?)
+    }
+
     /// A linear layer `[out, in]` at this path, dense or quantized.
     pub fn linear(&self, out: i32, inp: i32) -> Result<Linear> {
         if self.is_quantized() {
-            return Ok(Linear::Quantized(self.quantized(&[], out, inp)?));
+            let q = self.quantized(&[], out, inp)?;
+            return Ok(match self.global_scale(out)? {
+                Some(global) => Linear::Scaled { q, global },
+                None => Linear::Quantized(q),
+            });
         }
         Linear::dense(self.w, self.get("weight", &[out, inp])?)
     }
@@ -619,7 +697,11 @@ impl<'a> Vb<'a> {
     /// Stacked expert matrices `[E, out, in]` at this path, dense or quantized.
     pub fn experts(&self, e: i32, out: i32, inp: i32) -> Result<Experts> {
         if self.is_quantized() {
-            return Ok(Experts::Quantized(self.quantized(&[e], out, inp)?));
+            let q = self.quantized(&[e], out, inp)?;
+            return Ok(match self.global_scale(e)? {
+                Some(global) => Experts::Scaled { q, global },
+                None => Experts::Quantized(q),
+            });
         }
         let w = self.get("weight", &[e, out, inp])?;
         Experts::dense(self.w, w)
@@ -628,7 +710,11 @@ impl<'a> Vb<'a> {
     /// An embedding table `[vocab, dim]` at this path, dense or quantized.
     pub fn embedding(&self, vocab: i32, dim: i32) -> Result<Embedding> {
         if self.is_quantized() {
-            return Ok(Embedding::Quantized(self.quantized(&[], vocab, dim)?));
+            let q = self.quantized(&[], vocab, dim)?;
+            return Ok(match self.global_scale(1)? {
+                Some(global) => Embedding::Scaled { q, global },
+                None => Embedding::Quantized(q),
+            });
         }
         Ok(Embedding::Dense(self.get("weight", &[vocab, dim])?))
     }

@@ -71,8 +71,14 @@ fn compare(what: &str, got: &[f32], want: &[f32], vocab: usize, tol: f32) {
 }
 
 fn check_model(name: &str, tol: f32) {
+    check_model_against(name, name, tol)
+}
+
+/// [`check_model`] with the golden values of another folder (the same weights in another
+/// layout).
+fn check_model_against(name: &str, reference: &str, tol: f32) {
     let m = model(name);
-    let g = golden(name);
+    let g = golden(reference);
     let ids = g["input_ids"].to_vec::<i32>().unwrap();
     let v = m.model.vocab_size();
     let t = ids.len();
@@ -217,4 +223,32 @@ fn glm4_moe_lite_block_fp8_matches_mlx_lm() {
     }
     assert!(checked >= 10, "{checked}");
     check_model(name, 1e-4);
+}
+
+/// NVIDIA's nvfp4 layouts (compressed-tensors and ModelOpt: FP4 codes, E4M3 scales per 16
+/// values, a float32 global scale per tensor, routed experts one tensor each) run as mlx-lm runs
+/// what MLX's dequantize makes of them.
+#[test]
+fn glm4_moe_lite_nvfp4_from_nvidia_layouts_matches_mlx_lm() {
+    check_model("glm4_moe_lite_nvfp4_ct", 1e-4);
+    check_model_against(
+        "glm4_moe_lite_nvfp4_modelopt",
+        "glm4_moe_lite_nvfp4_ct",
+        1e-4,
+    );
+    let c = models::weights::read_checkpoint(
+        &models::ModelFiles::dir(&fixture("glm4_moe_lite_nvfp4_modelopt")).unwrap(),
+    )
+    .unwrap();
+    let experts = &c.quant["model.layers.1.mlp.experts.up_proj"];
+    assert_eq!(
+        (experts.mode, experts.group_size),
+        (mlx::QuantMode::Nvfp4, 16)
+    );
+    assert_eq!(
+        c.tensors["model.layers.1.mlp.experts.up_proj.global_scale"].shape(),
+        vec![8],
+        "one global scale per expert"
+    );
+    assert!(c.decoded_fp8.is_empty());
 }

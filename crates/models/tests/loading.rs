@@ -512,3 +512,41 @@ fn block_fp8_checkpoints_are_checked() {
     s.set_config(&c);
     assert!(load_err(&s).contains("without weight_block_size"));
 }
+
+/// NVIDIA's nvfp4 layouts in forms we do not read are refused by name.
+#[test]
+fn nvfp4_layouts_are_checked() {
+    for (fixture, field, value, want) in [
+        (
+            "glm4_moe_lite_nvfp4_ct",
+            "format",
+            json!("float-quantized"),
+            "nvfp4-pack-quantized",
+        ),
+        (
+            "glm4_moe_lite_nvfp4_modelopt",
+            "quant_algo",
+            json!("FP8"),
+            "NVFP4",
+        ),
+    ] {
+        let s = Scratch::of(fixture);
+        let mut c = s.config();
+        c["quantization_config"][field] = value;
+        s.set_config(&c);
+        let e = load_err(&s);
+        assert!(
+            e.contains(want) && e.contains("config.json"),
+            "{field}: {e}"
+        );
+    }
+    let s = Scratch::of("glm4_moe_lite_nvfp4_ct");
+    let m = "model.layers.0.self_attn.o_proj";
+    patch_header(
+        &s,
+        &format!("{m}.weight_scale\""),
+        &format!("{m}.weight_scalf\""),
+    );
+    let e = load_err(&s);
+    assert!(e.contains("without its group scales"), "{e}");
+}

@@ -165,7 +165,7 @@ pub fn precisions(files: &ModelFiles) -> Result<Vec<TensorPrecision>> {
                     .get(&format!("{name}.{suffix}"))
                     .or_else(|| tensors.get(&format!("{module}.{suffix}s")))
             };
-            let is_part = [".scale", ".bias", ".scales", ".biases"]
+            let is_part = [".scale", ".bias", ".scales", ".biases", ".global_scale"]
                 .iter()
                 .any(|s| name.ends_with(s))
                 && dtype != "U32";
@@ -191,6 +191,7 @@ pub fn precisions(files: &ModelFiles) -> Result<Vec<TensorPrecision>> {
                     let extra: u64 = ["scale", "bias"]
                         .iter()
                         .filter_map(|s| companion(s))
+                        .chain(tensors.get(&format!("{name}.global_scale")))
                         .map(|t| t.2)
                         .sum();
                     (kind, bytes + extra, elements * 32 / bits.max(1))
