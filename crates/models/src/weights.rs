@@ -176,6 +176,40 @@ impl QuantConfig {
         Some(q)
     }
 
+    /// Refuses a per-module entry (a mixed recipe's) naming a module no tensor belongs to:
+    /// a recipe for another checkpoint, or one edited by hand.
+    fn check_modules(&self, tensors: &Tensors) -> Result<()> {
+        let mut modules = HashSet::new();
+        for name in tensors.keys() {
+            let mut at = name.len();
+            while let Some(dot) = name[..at].rfind('.') {
+                if !modules.insert(&name[..dot]) {
+                    break;
+                }
+                at = dot;
+            }
+        }
+        let mut missing: Vec<&String> = self
+            .overrides
+            .keys()
+            .filter(|k| !modules.contains(k.as_str()))
+            .collect();
+        missing.sort();
+        match missing.first() {
+            None => Ok(()),
+            Some(m) => Err(ModelError::Tensor {
+                name: (*m).clone(),
+                message: format!(
+                    "is named by config.json's quantization block, but the checkpoint has no tensors of that module{}",
+                    match missing.len() {
+                        1 => String::new(),
+                        n => format!(" ({} entries name missing modules)", n),
+                    }
+                ),
+            }),
+        }
+    }
+
     /// How the module at `path` is quantized; `None` for a module left unquantized.
     pub fn module_params(&self, path: &str) -> Option<QuantParams> {
         match self.overrides.get(path) {
@@ -358,6 +392,9 @@ impl Weights {
         quant: Option<QuantConfig>,
     ) -> Result<Weights> {
         let (tensors, per_module) = read_tensors_quantized(files)?;
+        if let Some(q) = &quant {
+            q.check_modules(&tensors)?;
+        }
         let quant = QuantConfig::with_modules(quant, per_module);
         Ok(Weights {
             dir: files.origin.clone(),

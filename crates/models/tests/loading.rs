@@ -550,3 +550,24 @@ fn nvfp4_layouts_are_checked() {
     let e = load_err(&s);
     assert!(e.contains("without its group scales"), "{e}");
 }
+
+/// A mixed recipe's entry for a module the checkpoint does not have (a recipe copied from
+/// another model, a typo) is refused naming the entry, whichever key holds the block.
+#[test]
+fn a_recipe_naming_a_missing_module_is_refused() {
+    for key in ["quantization", "quantization_config"] {
+        let s = Scratch::of("gemma4_26b_a4b_like_mixed");
+        let mut c = s.config();
+        let o = c.as_object_mut().unwrap();
+        let block = o.remove("quantization").unwrap();
+        o.remove("quantization_config");
+        o.insert(key.into(), block);
+        c[key]["model.layers.0.self_attn.qproj"] = json!({"bits": 4, "group_size": 64});
+        s.set_config(&c);
+        let e = load_err(&s);
+        assert!(
+            e.contains("model.layers.0.self_attn.qproj") && e.contains("no tensors of that module"),
+            "{key}: {e}"
+        );
+    }
+}
