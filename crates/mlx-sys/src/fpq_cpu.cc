@@ -17,7 +17,10 @@
 //   permute looks it up: AVX-512's reads 4 index bits, the sign included; AVX2's reads 3 (the
 //   magnitudes {0, ½, 1, 1½, 2, 3, 4, 6}) and the code's bit 3, shifted to bit 31, is the sign.
 // - E4M3: the byte moved into a half float's bits and converted (F16C), see fp8_to_float.
-// A group's codes are summed against x first and the sum scaled once.
+// A group's codes are summed against x first and the sum scaled once. With AVX-512, FP4 rows
+// of whole 128-value blocks read x in lane order instead (qmv_lanes): 16 words side by side,
+// field j of each a shift away, so a block costs one load, 7 shifts, 8 lookups and 8 FMAs a
+// row of x, and its 16 lanes are scaled once by their words' group scales.
 
 #include "mlx-sys/src/fpq_cpu.h"
 #include "mlx-sys/src/cpu_common.h"
@@ -280,6 +283,97 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void qmv_rows512(
   }
 }
 
+// A block's 16 group scales, lane l holding the scale of word l's group: 4 E8M0 codes (mxfp4,
+// 4 words a group) as 2^(s − 127), built in the float's exponent bits (s = 0, a subnormal, set
+// apart); or 8 E4M3 codes (nvfp4, 2 words a group) · 2^−8, as fp8_to_float gives them.
+template <bool NV>
+__attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 block_scales(const uint8_t* sr, int b) {
+  if constexpr (NV) {
+    const __m512 eight = _mm512_castps256_ps512(fp8_to_float(_mm_loadl_epi64((const __m128i*)(sr + 8 * b))));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), eight);
+  } else {
+    int32_t four;
+    std::memcpy(&four, sr + 4 * b, 4);
+    const __m512i codes = _mm512_permutexvar_epi32(
+        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+        _mm512_cvtepu8_epi32(_mm_cvtsi32_si128(four)));
+    const __m512i bits = _mm512_mask_mov_epi32(
+        _mm512_slli_epi32(codes, 23), _mm512_cmpeq_epi32_mask(codes, _mm512_setzero_si512()),
+        _mm512_set1_epi32(0x00400000));
+    return _mm512_castsi512_ps(bits);
+  }
+}
+
+// FP4 rows with x in lane order (fp4_lanes): one 64-byte load holds a 128-value block, 16 words;
+// field j of every word is a shift away (the permute reads an index's low 4 bits, so no mask)
+// and is looked up with its sign against field j's 16 values of x. A word's 8 values share a
+// group, so each lane's sum is scaled once a block by its word's group scale (block_scales),
+// not once a group. W weight rows at a time (two for one row of x: more independent sums in
+// flight), two sums per row (even and odd fields): a row's arithmetic is the same whichever
+// rows are beside it.
+template <int R, int W, bool NV>
+__attribute__((target("avx512f,avx2,fma,f16c"))) void qmv_lanes(
+    const float* xl, const uint32_t* w, const uint8_t* sc, float* out, const Shape& s, int n) {
+  const __m512 lut = _mm512_loadu_ps(tables().e2m1);
+  const int blocks = s.K / 128;
+  const uint32_t* wr[W];
+  const uint8_t* sr[W];
+  for (int v = 0; v < W; ++v) {
+    wr[v] = w + (size_t)(n + v) * s.row_words();
+    sr[v] = sc + (size_t)(n + v) * s.groups();
+  }
+  __m512 tot[W][R];
+  for (int v = 0; v < W; ++v)
+    for (int r = 0; r < R; ++r) tot[v][r] = _mm512_setzero_ps();
+  for (int b = 0; b < blocks; ++b) {
+    __m512i words[W];
+    for (int v = 0; v < W; ++v) {
+      words[v] = _mm512_loadu_si512(wr[v] + 16 * b);
+      _mm_prefetch(reinterpret_cast<const char*>(wr[v] + 16 * b) + 1024, _MM_HINT_T0);
+    }
+    __m512 part[W][R][2];
+    for (int v = 0; v < W; ++v)
+      for (int r = 0; r < R; ++r) part[v][r][0] = part[v][r][1] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      for (int v = 0; v < W; ++v) {
+        const __m512i codes = j == 0 ? words[v] : _mm512_srli_epi32(words[v], 4 * j);
+        const __m512 val = _mm512_permutexvar_ps(codes, lut);
+        for (int r = 0; r < R; ++r)
+          part[v][r][j & 1] = _mm512_fmadd_ps(
+              _mm512_loadu_ps(xl + (size_t)r * s.K + 128 * b + 16 * j), val, part[v][r][j & 1]);
+      }
+    }
+    for (int v = 0; v < W; ++v) {
+      const __m512 scale = block_scales<NV>(sr[v], b);
+      for (int r = 0; r < R; ++r)
+        tot[v][r] = _mm512_fmadd_ps(_mm512_add_ps(part[v][r][0], part[v][r][1]), scale, tot[v][r]);
+    }
+  }
+  // nvfp4's scales came · 2^−8 (exact, as any power of two).
+  const float rebase = NV ? kFp8Rebase : 1.0f;
+  for (int v = 0; v < W; ++v)
+    for (int r = 0; r < R; ++r) out[(size_t)r * s.N + n + v] = _mm512_reduce_add_ps(tot[v][r]) * rebase;
+}
+
+template <int R, bool NV>
+void qmv_lanes_rows(const float* xl, const uint32_t* w, const uint8_t* sc, float* out, const Shape& s, int n0, int n1) {
+  int n = n0;
+  if constexpr (R == 1)
+    for (; n + 2 <= n1; n += 2) qmv_lanes<1, 2, NV>(xl, w, sc, out, s, n);
+  for (; n < n1; ++n) qmv_lanes<R, 1, NV>(xl, w, sc, out, s, n);
+}
+
+template <bool NV>
+void qmv_lanes_block(const float* xl, const uint32_t* w, const uint8_t* sc, float* out, const Shape& s, int rows, int n0, int n1) {
+  switch (rows) {
+    case 1: return qmv_lanes_rows<1, NV>(xl, w, sc, out, s, n0, n1);
+    case 2: return qmv_lanes_rows<2, NV>(xl, w, sc, out, s, n0, n1);
+    case 3: return qmv_lanes_rows<3, NV>(xl, w, sc, out, s, n0, n1);
+    default: return qmv_lanes_rows<4, NV>(xl, w, sc, out, s, n0, n1);
+  }
+}
+
 template <int BITS>
 void qmv_block(const float* x, const uint32_t* w, const uint8_t* sc, float* out, const Shape& s, int rows, int n0, int n1) {
   // nvfp4's groups of 16 are one 16-lane step; mxfp's of 32, two.
@@ -305,15 +399,22 @@ int rows_per_chunk(const Shape& s) {
   return (int)std::max<size_t>(1, (32u << 10) / row_bytes);
 }
 
-// Output rows [n0, n1) of every row of x, on this thread.
-void qmv_range(const float* x, const uint32_t* w, const uint8_t* sc, float* out, const Shape& s, int n0, int n1) {
+// Output rows [n0, n1) of every row of x, on this thread (`lanes`: x in FP4 lane order, or null).
+void qmv_range(
+    const float* x, const float* lanes, const uint32_t* w, const uint8_t* sc, float* out, const Shape& s, int n0, int n1) {
   if (!has_avx2()) return qmv_scalar(x, w, sc, out, s, n0, n1);
   for (int m = 0; m < s.M; m += 4) {
     const int rows = std::min(4, s.M - m);
     const Shape part{rows, s.N, s.K, s.mode};
     const float* xr = x + (size_t)m * s.K;
     float* o = out + (size_t)m * s.N;
-    if (s.bits() == 4)
+    if (lanes && s.bits() == 4) {
+      const float* xl = lanes + (size_t)m * s.K;
+      if (s.mode == Mode::Nvfp4)
+        qmv_lanes_block<true>(xl, w, sc, o, part, rows, n0, n1);
+      else
+        qmv_lanes_block<false>(xl, w, sc, o, part, rows, n0, n1);
+    } else if (s.bits() == 4)
       qmv_block<4>(xr, w, sc, o, part, rows, n0, n1);
     else
       qmv_block<8>(xr, w, sc, o, part, rows, n0, n1);
@@ -321,7 +422,9 @@ void qmv_range(const float* x, const uint32_t* w, const uint8_t* sc, float* out,
 }
 
 void qmv(const float* x, const uint32_t* w, const uint8_t* sc, float* out, const Shape& s) {
-  for_rows(s.N, rows_per_chunk(s), [&](size_t a, size_t b) { qmv_range(x, w, sc, out, s, (int)a, (int)b); });
+  // Once a call, on the calling thread: the workers read it.
+  const float* lanes = s.bits() == 4 && has_avx2() ? fp4_lanes(x, s.M, s.K) : nullptr;
+  for_rows(s.N, rows_per_chunk(s), [&](size_t a, size_t b) { qmv_range(x, lanes, w, sc, out, s, (int)a, (int)b); });
 }
 
 // One product x [M, K] · dequantize(w)ᵀ by whichever path suits its rows, counted.
@@ -434,8 +537,9 @@ void fp_product(const float* x, const uint32_t* w, const uint8_t* sc, float* out
   product(x, w, sc, out, Shape{M, N, K, (Mode)mode});
 }
 
-void fp_rows(const float* x, const uint32_t* w, const uint8_t* sc, float* out, int M, int N, int K, int mode, int n0, int n1) {
-  qmv_range(x, w, sc, out, Shape{M, N, K, (Mode)mode}, n0, n1);
+void fp_rows(
+    const float* x, const float* lanes, const uint32_t* w, const uint8_t* sc, float* out, int M, int N, int K, int mode, int n0, int n1) {
+  qmv_range(x, lanes, w, sc, out, Shape{M, N, K, (Mode)mode}, n0, n1);
 }
 
 void fp_dequantize_rows(const uint32_t* w, const uint8_t* sc, float* dst, int N, int K, int mode, int n0, int n1, int k0, int k1) {

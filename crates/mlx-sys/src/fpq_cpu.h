@@ -43,10 +43,18 @@ std::optional<mlx::core::array> cpu_fp_dequantize(
 // For the fused ops of qmm_cpu.cc, which read microscaling matrices through these: whether
 // (mode, bits, group) is a microscaling format; x [M, K] · dequantize(w)ᵀ by the path that suits
 // M (counted as cpu_qmm_count counts); output rows [n0, n1) by the few-rows kernel on this
-// thread; rows [n0, n1), columns [k0, k1) (whole groups) of w as float32.
+// thread (`lanes`: x in FP4 lane order, fp4_lanes, or null); rows [n0, n1), columns [k0, k1)
+// (whole groups) of w as float32.
 bool fp_format(int mode, int bits, int group);
 void fp_product(const float* x, const uint32_t* w, const uint8_t* sc, float* out, int M, int N, int K, int mode);
-void fp_rows(const float* x, const uint32_t* w, const uint8_t* sc, float* out, int M, int N, int K, int mode, int n0, int n1);
+void fp_rows(
+    const float* x, const float* lanes, const uint32_t* w, const uint8_t* sc, float* out, int M, int N, int K, int mode, int n0, int n1);
+
+// x [M, K] in the FP4 kernels' lane order (each 128-value block's field j of word l, value 8l + j,
+// at 16j + l), in a buffer of the calling thread reused by its next call; null where those
+// kernels do not run (no AVX-512, rows not whole blocks). Defined in qmm_cpu.cc, beside the
+// affine kernels' permutation it shares.
+const float* fp4_lanes(const float* x, int M, int K);
 void fp_dequantize_rows(const uint32_t* w, const uint8_t* sc, float* dst, int N, int K, int mode, int n0, int n1, int k0, int k1);
 
 }  // namespace mlxr

@@ -158,12 +158,14 @@ inline int field_position(int bits, int j, bool cvt) {
 // this preparation runs on the calling thread alone before each product's pool job, and the
 // scalar loops took 6.7 µs a call at K = 3072 and 1.7 µs at K = 768 in a 4-bit decode (timers
 // around it, `generate -n 300` on the 4-bit bench model), 3.0 and 0.9 µs this way.
-__attribute__((target("avx2,fma"))) void permute_x(const float* x, float* xt, const Shape& s, bool cvt) {
+// With `raw`, x is only permuted (the FP4 kernels look their fields up rather than convert them).
+__attribute__((target("avx2,fma"))) void permute_x(const float* x, float* xt, const Shape& s, bool cvt, bool raw = false) {
   const int P = per_word(s.bits), unit = 8 * P, units = s.K / unit;
   __m256 scale[8];
   for (int j = 0; j < P; ++j) {
     const int p = field_position(s.bits, j, cvt);
-    scale[j] = _mm256_set1_ps(cvt ? std::ldexp(1.0f, -p) : std::ldexp(1.0f, 149 - p - kSubShift));
+    scale[j] = raw ? _mm256_set1_ps(1.0f)
+                   : _mm256_set1_ps(cvt ? std::ldexp(1.0f, -p) : std::ldexp(1.0f, 149 - p - kSubShift));
   }
   for (int u = 0; u < units; ++u) {
     const float* a = x + (size_t)u * unit;
@@ -806,7 +808,7 @@ __attribute__((target("avx2,fma"))) void dequantize_rows_any(
 
 // Whether the 16-lane kernel takes rows of K values: AVX-512, and whole pairs of 8-word units.
 bool wide_rows(const Shape& s) {
-  return has_avx512() && word_aligned(s.bits) && (s.K / (8 * per_word(s.bits))) % 2 == 0;
+  return has_avx512() && word_aligned(s.bits) && s.K > 0 && s.K % (16 * per_word(s.bits)) == 0;
 }
 
 // x's permuted rows (xt) in unit-pair order for the 16-lane kernel: xt16[(U·P + j)·16 + h·8 + l]
@@ -838,9 +840,26 @@ struct PreparedX {
   bool cvt;
 };
 
+}  // namespace
+
+const float* fp4_lanes(const float* x, int M, int K) {
+  const Shape s{M, 0, K, 4, 32};
+  if (!wide_rows(s) || !has_avx2()) return nullptr;
+  thread_local std::vector<float> xt_buf, lanes_buf;
+  xt_buf.resize((size_t)M * K);
+  lanes_buf.resize((size_t)M * K);
+  for (int m = 0; m < M; ++m) {
+    permute_x(x + (size_t)m * K, xt_buf.data() + (size_t)m * K, s, true, true);
+    pair_units(xt_buf.data() + (size_t)m * K, lanes_buf.data() + (size_t)m * K, s);
+  }
+  return lanes_buf.data();
+}
+
+namespace {
+
 PreparedX prepare_x(const float* x, const Shape& s) {
-  // The microscaling kernels read x as it is.
-  if (s.mode != 0) return {x, nullptr, nullptr, true};
+  // The microscaling kernels read x as it is, and FP4 rows also in lane order (xt16).
+  if (s.mode != 0) return {x, s.bits == 4 ? fp4_lanes(x, s.M, s.K) : nullptr, nullptr, true};
   const int groups = s.K / s.group;
   // Reused between calls (the stream's thread makes them one at a time).
   thread_local std::vector<float> xt_buf, xt16_buf, xsum_buf;
@@ -1099,7 +1118,7 @@ void table_product(const float* x, const DensePacked& q, float* out, const Shape
 }
 
 void table_rows(const PreparedX& px, const DensePacked& q, float* out, const Shape& s, int n0, int n1) {
-  if (s.mode != 0) return fp_rows(px.xt, q.w, q.s8, out, s.M, s.N, s.K, s.mode, n0, n1);
+  if (s.mode != 0) return fp_rows(px.xt, px.xt16, q.w, q.s8, out, s.M, s.N, s.K, s.mode, n0, n1);
   qmv_range(px, q.w, q.s, q.b, out, s, n0, n1);
 }
 

@@ -183,6 +183,88 @@ fn an_output_row_does_not_depend_on_its_neighbours() {
     }
 }
 
+/// The microscaling kernels too: an output row is the same bits whichever slice of the matrix
+/// and whichever rows of x it is computed with, on rows of whole 128-value blocks (FP4 in lane
+/// order with AVX-512) and of other lengths (word order), E8M0 scale 0 included.
+#[test]
+fn a_microscaling_output_row_does_not_depend_on_its_neighbours() {
+    use mlx::QuantMode;
+    let _one = serial();
+    mlx::set_quantized_kernel(true);
+    for (seed, (mode, group, bits)) in (50u64..).zip([
+        (QuantMode::Mxfp4, 32, 4),
+        (QuantMode::Nvfp4, 16, 4),
+        (QuantMode::Mxfp8, 32, 8),
+    ]) {
+        for k in [384, 128, 96, 64, 32] {
+            let x = normal(&[7, k], 1.0, seed);
+            let w = normal(&[301, k], 0.05, seed + 1)
+                .multiply(&normal(&[301, 1], 2.0, seed + 2).exp().unwrap())
+                .unwrap();
+            let mut q = w.quantize_as(mode, group, bits).unwrap();
+            if mode == QuantMode::Mxfp4 {
+                // A group at the smallest E8M0 scale, 2^-127 (a subnormal).
+                let mut sc = q.scales.to_vec::<u8>().unwrap();
+                sc[5] = 0;
+                q.scales = Array::from_slice(&sc, &q.scales.shape()).unwrap();
+            }
+            let ours = x.quantized_matmul(&q, true).unwrap();
+            mlx::set_quantized_kernel(false);
+            let theirs = x
+                .quantized_matmul(&q, true)
+                .unwrap()
+                .astype(Dtype::F32)
+                .unwrap();
+            theirs.eval().unwrap();
+            mlx::set_quantized_kernel(true);
+            let tol = 2e-5 * scale_of(&theirs) * (k as f32).sqrt();
+            assert!(
+                max_diff(&ours, &theirs) < tol,
+                "{}, K {k}: {} against MLX's (tolerance {tol})",
+                mode.name(),
+                max_diff(&ours, &theirs)
+            );
+            let all = ours.to_vec::<f32>().unwrap();
+            let n = 301usize;
+            for rows in [1, 2, 3, 5] {
+                let xs = x.slice_axis(0, 0, Some(rows)).unwrap();
+                let got = xs
+                    .quantized_matmul(&q, true)
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap();
+                assert_eq!(
+                    got,
+                    all[..rows as usize * n],
+                    "{}, K {k}, {rows} rows",
+                    mode.name()
+                );
+            }
+            for (from, to) in [(0, 1), (37, 90), (100, 301), (5, 6)] {
+                let part = mlx::Quantized {
+                    weight: q.weight.slice_axis(0, from, Some(to)).unwrap(),
+                    scales: q.scales.slice_axis(0, from, Some(to)).unwrap(),
+                    ..q.clone()
+                };
+                let some = x
+                    .quantized_matmul(&part, true)
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap();
+                for r in 0..7usize {
+                    let width = (to - from) as usize;
+                    assert_eq!(
+                        some[r * width..(r + 1) * width],
+                        all[r * n + from as usize..r * n + to as usize],
+                        "{}, K {k}: rows {from}..{to}, row {r} of x",
+                        mode.name()
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn batched_and_strided_inputs_go_through_the_kernel_too() {
     let _one = serial();
