@@ -71,6 +71,16 @@ fn check(s: &Scratch, name: &str, reference: &str, tol: f32) -> f32 {
     d.max(di)
 }
 
+/// The precision `show` reports for tensor `name` of a stored model.
+fn precision_of(tensors: &[store::show::TensorPrecision], name: &str) -> String {
+    tensors
+        .iter()
+        .find(|t| t.name == name)
+        .unwrap_or_else(|| panic!("no tensor {name}"))
+        .precision
+        .clone()
+}
+
 fn quantize(target: QuantType) -> CreateOptions {
     CreateOptions {
         quantize: Some(target),
@@ -200,14 +210,7 @@ fn quantized_glm_serves_what_its_quantization_stands_for() {
         1,
         "the MTP layer is kept"
     );
-    let of = |n: &str| {
-        tensors
-            .iter()
-            .find(|t| t.name == n)
-            .unwrap()
-            .precision
-            .clone()
-    };
+    let of = |n: &str| precision_of(&tensors, n);
     assert_eq!(of("lm_head.weight"), "int8");
     assert_eq!(
         of("model.layers.1.mlp.experts.down_proj.weight"),
@@ -238,14 +241,7 @@ fn fp_quantized_models_serve_what_their_quantization_stands_for() {
     assert_eq!(r.config.part.file_type, "nvfp4");
     let stored = s.store.resolve(&name("glm-nvfp4")).unwrap();
     let tensors = store::show::precisions(&stored.target).unwrap();
-    let of = |n: &str| {
-        tensors
-            .iter()
-            .find(|t| t.name == n)
-            .unwrap()
-            .precision
-            .clone()
-    };
+    let of = |n: &str| precision_of(&tensors, n);
     assert_eq!(of("lm_head.weight"), "mxfp8");
     assert_eq!(of("model.layers.0.mlp.down_proj.weight"), "mxfp8");
     assert_eq!(
@@ -321,14 +317,7 @@ fn block_fp8_checkpoints_are_stored_as_mxfp8() {
     assert_eq!(r.config.part.file_type, "mxfp8");
     let stored = s.store.resolve(&name("glm-fp8")).unwrap();
     let tensors = store::show::precisions(&stored.target).unwrap();
-    let of = |n: &str| {
-        tensors
-            .iter()
-            .find(|t| t.name == n)
-            .unwrap_or_else(|| panic!("{n}"))
-            .precision
-            .clone()
-    };
+    let of = |n: &str| precision_of(&tensors, n);
     assert_eq!(of("model.layers.0.mlp.down_proj.weight"), "mxfp8");
     assert_eq!(of("model.layers.1.mlp.experts.up_proj.weight"), "mxfp8");
     assert_eq!(
@@ -415,14 +404,7 @@ fn nvidia_nvfp4_checkpoints_are_stored_with_their_global_scales() {
         assert_eq!(r.config.part.file_type, "nvfp4");
         let stored = s.store.resolve(&name(&model)).unwrap();
         let tensors = store::show::precisions(&stored.target).unwrap();
-        let of = |n: &str| {
-            tensors
-                .iter()
-                .find(|t| t.name == n)
-                .unwrap_or_else(|| panic!("{n}"))
-                .precision
-                .clone()
-        };
+        let of = |n: &str| precision_of(&tensors, n);
         assert_eq!(of("model.layers.0.self_attn.o_proj.weight"), "nvfp4");
         assert_eq!(of("model.layers.1.mlp.experts.up_proj.weight"), "nvfp4");
         assert_eq!(of("lm_head.weight"), "BF16");

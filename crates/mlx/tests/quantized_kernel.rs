@@ -132,6 +132,17 @@ fn the_kernel_matches_mlx_on_every_supported_shape() {
     assert!(after.1 > before.1, "the sgemm path never ran");
 }
 
+/// Rows [from, to) of a quantized matrix: its words, scales and biases alike.
+fn rows_of(q: &mlx::Quantized, from: i32, to: i32) -> mlx::Quantized {
+    let rows = |a: &Array| a.slice_axis(0, from, Some(to)).unwrap();
+    mlx::Quantized {
+        weight: rows(&q.weight),
+        scales: rows(&q.scales),
+        biases: q.biases.as_ref().map(rows),
+        ..q.clone()
+    }
+}
+
 /// An output row is the same bits whichever rows it is computed with: one row of x takes the
 /// matrix's rows in pairs from the two halves of each chunk, so a row's partner (or none) moves
 /// with the matrix's height; a decode step must not change with it.
@@ -163,12 +174,7 @@ fn an_output_row_does_not_depend_on_its_neighbours() {
             .to_vec::<f32>()
             .unwrap();
         for (from, to) in [(0, 1), (37, 90), (100, 301), (5, 6)] {
-            let part = mlx::Quantized {
-                weight: q.weight.slice_axis(0, from, Some(to)).unwrap(),
-                scales: q.scales.slice_axis(0, from, Some(to)).unwrap(),
-                biases: Some(b(&q).slice_axis(0, from, Some(to)).unwrap()),
-                ..q.clone()
-            };
+            let part = rows_of(&q, from, to);
             let some = x
                 .quantized_matmul(&part, true)
                 .unwrap()
@@ -241,11 +247,7 @@ fn a_microscaling_output_row_does_not_depend_on_its_neighbours() {
                 );
             }
             for (from, to) in [(0, 1), (37, 90), (100, 301), (5, 6)] {
-                let part = mlx::Quantized {
-                    weight: q.weight.slice_axis(0, from, Some(to)).unwrap(),
-                    scales: q.scales.slice_axis(0, from, Some(to)).unwrap(),
-                    ..q.clone()
-                };
+                let part = rows_of(&q, from, to);
                 let some = x
                     .quantized_matmul(&part, true)
                     .unwrap()

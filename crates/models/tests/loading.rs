@@ -472,6 +472,20 @@ fn patch_header(s: &Scratch, from: &str, to: &str) {
     std::fs::write(&path, bytes).unwrap();
 }
 
+/// `fixture` with `quantization_config.<field>` set to `value` fails to load, the error naming
+/// config.json and saying `want`.
+fn quantization_field_is_refused(fixture: &str, field: &str, value: Value, want: &str) {
+    let s = Scratch::of(fixture);
+    let mut c = s.config();
+    c["quantization_config"][field] = value;
+    s.set_config(&c);
+    let e = load_err(&s);
+    assert!(
+        e.contains(want) && e.contains("config.json"),
+        "{fixture}, {field}: {e}"
+    );
+}
+
 /// Block-FP8 checkpoints in a form we cannot decode are refused by name: E5M2 values, a float8
 /// weight without its block scales, blocks other than 128x128, another FP8 format, and
 /// another producer's quantization method.
@@ -493,15 +507,7 @@ fn block_fp8_checkpoints_are_checked() {
         ("fmt", json!("e5m2"), "only E4M3"),
         ("quant_method", json!("gptq"), "quant_method is \"gptq\""),
     ] {
-        let s = Scratch::of("glm4_moe_lite_fp8");
-        let mut c = s.config();
-        c["quantization_config"][field] = value;
-        s.set_config(&c);
-        let e = load_err(&s);
-        assert!(
-            e.contains(want) && e.contains("config.json"),
-            "{field}: {e}"
-        );
+        quantization_field_is_refused("glm4_moe_lite_fp8", field, value, want);
     }
     let s = Scratch::of("glm4_moe_lite_fp8");
     let mut c = s.config();
@@ -530,15 +536,7 @@ fn nvfp4_layouts_are_checked() {
             "NVFP4",
         ),
     ] {
-        let s = Scratch::of(fixture);
-        let mut c = s.config();
-        c["quantization_config"][field] = value;
-        s.set_config(&c);
-        let e = load_err(&s);
-        assert!(
-            e.contains(want) && e.contains("config.json"),
-            "{field}: {e}"
-        );
+        quantization_field_is_refused(fixture, field, value, want);
     }
     let s = Scratch::of("glm4_moe_lite_nvfp4_ct");
     let m = "model.layers.0.self_attn.o_proj";
