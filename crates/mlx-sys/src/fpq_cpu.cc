@@ -230,6 +230,7 @@ __attribute__((target("avx2,fma,f16c"))) void qmv_rows(
     __m256 tot[R];
     for (int r = 0; r < R; ++r) tot[r] = _mm256_setzero_ps();
     for (int g = 0; g < s.groups(); ++g) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr + (size_t)g * G * BITS / 32) + 2048, _MM_HINT_T0);
       __m256 part[R];
       for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_ps();
       for (int j = 0; j < steps; ++j) {
@@ -261,6 +262,9 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) void qmv_rows512(
     __m512 tot[R];
     for (int r = 0; r < R; ++r) tot[r] = _mm512_setzero_ps();
     for (int g = 0; g < s.groups(); ++g) {
+      // Two kilobytes ahead: the hardware prefetcher alone left these rows at a third of the
+      // read bandwidth on an Intel Xeon (the affine kernels prefetch the same way).
+      _mm_prefetch(reinterpret_cast<const char*>(wr + (size_t)g * G * BITS / 32) + 2048, _MM_HINT_T0);
       __m512 part[R];
       for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
       for (int j = 0; j < steps; ++j) {
