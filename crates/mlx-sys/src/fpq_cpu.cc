@@ -427,7 +427,7 @@ void qmv_range(
 
 void qmv(const float* x, const uint32_t* w, const uint8_t* sc, float* out, const Shape& s) {
   // Once a call, on the calling thread: the workers read it.
-  const float* lanes = s.bits() == 4 && has_avx2() ? fp4_lanes(x, s.M, s.K) : nullptr;
+  const float* lanes = s.bits() == 4 ? fp4_lanes(x, s.M, s.K) : nullptr;
   for_rows(s.N, rows_per_chunk(s), [&](size_t a, size_t b) { qmv_range(x, lanes, w, sc, out, s, (int)a, (int)b); });
 }
 

@@ -52,7 +52,7 @@ pub(crate) fn decode_all(tensors: &mut Tensors, float8: &[String]) -> Result<Vec
         if !name.ends_with(".weight") {
             return Err(ModelError::Tensor {
                 name: name.clone(),
-                message: "is float8 (F8_E4M3) but not a weight: another producer's quantized layout (ModelOpt's or compressed-tensors' nvfp4 scales, for one), which mlx-runner does not load".into(),
+                message: "is float8 (F8_E4M3) but neither a block-FP8 weight nor the group scales of an nvfp4 weight beside it: a quantized layout mlx-runner does not load".into(),
             });
         }
         let Some(scale_name) = scale_of(tensors, name) else {

@@ -23,6 +23,18 @@ pub enum Linear {
     },
 }
 
+/// Rows `ids` of a quantized table, dequantized: only those rows are decoded.
+fn quantized_rows(q: &Quantized, ids: &Array) -> Result<Array> {
+    let part = |a: &Array| a.take(ids, 0);
+    Ok(Quantized {
+        weight: part(&q.weight)?,
+        scales: part(&q.scales)?,
+        biases: q.biases.as_ref().map(part).transpose()?,
+        ..*q
+    }
+    .dequantize()?)
+}
+
 /// `y · g` in `y`'s dtype (`g` float32, broadcast over `y`'s last axis or scalar).
 fn times_global(y: Array, global: &Array) -> Result<Array> {
     let dtype = y.dtype();
@@ -236,19 +248,8 @@ impl Embedding {
                 let axes: Vec<i32> = (1..n).chain(std::iter::once(0)).collect();
                 cols.transpose(&axes)?
             }
-            Embedding::Quantized(q) => {
-                let part = |a: &Array| a.take(ids, 0);
-                Quantized {
-                    weight: part(&q.weight)?,
-                    scales: part(&q.scales)?,
-                    biases: q.biases.as_ref().map(part).transpose()?,
-                    ..*q
-                }
-                .dequantize()?
-            }
-            Embedding::Scaled { q, global } => {
-                times_global(Embedding::Quantized(q.clone()).lookup(ids)?, global)?
-            }
+            Embedding::Quantized(q) => quantized_rows(q, ids)?,
+            Embedding::Scaled { q, global } => times_global(quantized_rows(q, ids)?, global)?,
         })
     }
 

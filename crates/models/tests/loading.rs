@@ -502,6 +502,12 @@ fn block_fp8_checkpoints_are_checked() {
     let e = load_err(&s);
     assert!(e.contains(w) && e.contains("without a block scale"), "{e}");
 
+    // A float8 tensor that is no weight (and no nvfp4 group scale).
+    let s = Scratch::of("glm4_moe_lite_fp8");
+    patch_header(&s, &format!("{w}\""), &format!("{}x\"", &w[..w.len() - 1]));
+    let e = load_err(&s);
+    assert!(e.contains("neither a block-FP8 weight"), "{e}");
+
     for (field, value, want) in [
         ("weight_block_size", json!([64, 64]), "only 128x128 blocks"),
         ("fmt", json!("e5m2"), "only E4M3"),
