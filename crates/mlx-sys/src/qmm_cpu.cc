@@ -8,8 +8,9 @@
 //   sum_k x_k (s_g q_k + b_g) = sum_g s_g (sum_{k in g} x_k q_k) + sum_g b_g (sum_{k in g} x_k).
 // - Many rows (prefill): blocks of weight rows are dequantized to float32 and multiplied with
 //   the process's sgemm (OpenBLAS), which is compute-bound there anyway.
-// - Widths whose fields straddle words (2, 3, 5 and 6 bits: a row is one bit stream) take
-//   bit-stream kernels of the same two shapes (StreamUnpack).
+// - The other widths (2, 3, 5 and 6 bits: a row is one bit stream, fields straddle words but
+//   at 2 bits) take kernels of the same two shapes: with AVX-512 a packed word a lane, masked
+//   per lane type (WordLanes), with AVX2 alone 8 values a load (StreamUnpack).
 // Output rows are split across a small persistent thread pool. Only float32 activations,
 // 2- to 8-bit weights (not 7), group sizes 32/64/128, on the CPU stream; everything else stays
 // MLX's.
@@ -31,6 +32,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -594,37 +596,8 @@ struct StreamUnpack {
   }
 };
 
-// StreamUnpack with 16 lanes: two units (2·BITS ≤ 12 bytes) from one 16-byte load broadcast to
-// the four 128-bit lanes; lanes 0-7 are the first unit's values, 8-15 the second's, so the 16
-// lanes meet 16 consecutive values of x.
-template <int BITS>
-struct StreamUnpack16 {
-  __m512i ctrl, shifts, mask;
-
-  __attribute__((target("avx512f,avx512bw"))) StreamUnpack16() {
-    alignas(64) int8_t c[64];
-    alignas(64) int32_t sh[16];
-    for (int j = 0; j < 16; ++j) {
-      const int bit = j * BITS;
-      c[4 * j] = (int8_t)(bit / 8);
-      c[4 * j + 1] = (int8_t)(bit / 8 + 1);
-      c[4 * j + 2] = c[4 * j + 3] = (int8_t)0x80;
-      sh[j] = bit % 8;
-    }
-    ctrl = _mm512_load_si512(c);
-    shifts = _mm512_load_si512(sh);
-    mask = _mm512_set1_epi32((1 << BITS) - 1);
-  }
-
-  // The 16 values of the two units at p; p + 16 must be inside the buffer.
-  __attribute__((target("avx512f,avx512bw"))) __m512i operator()(const uint8_t* p) const {
-    const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi8(b, ctrl), shifts), mask);
-  }
-};
-
-// A row whose last load (8 bytes, 16 for the 16-lane kernel) would pass the packed buffer's end
-// is read from a copy with room after it (only the matrix's last rows are).
+// A row whose last load (8 bytes) would pass the packed buffer's end is read from a copy with
+// room after it (only the matrix's last rows are).
 struct PaddedRow {
   std::vector<uint8_t> copy;
   const uint8_t* at(const uint32_t* w, const Shape& s, int n) {
@@ -681,51 +654,6 @@ __attribute__((target("avx2,fma"))) void qmv_rows_any(
     out[(size_t)r * s.N + n] = hsum(tot[r]) + bias_sum(br, xsum + (size_t)r * groups, groups);
 }
 
-// qmv_rows_any with 16 lanes (StreamUnpack16): the row's sums in another order than the 8-lane
-// kernel's, the same at every row count.
-template <int BITS, int R, int G>
-__attribute__((target("avx512f,avx512bw,avx2,fma"))) void qmv_rows_any512(
-    const float* x,
-    const float* xsum,
-    const uint32_t* w,
-    const float* scales,
-    const float* biases,
-    float* out,
-    const Shape& s,
-    int n,
-    PaddedRow& pad) {
-  const StreamUnpack16<BITS> unpack;
-  const int groups = s.K / G;
-  const uint8_t* wr = pad.at(w, s, n);
-  const float* sr = scales + (size_t)n * groups;
-  const float* br = biases + (size_t)n * groups;
-  __m512 tot[R];
-  #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) tot[r] = _mm512_setzero_ps();
-  for (int g = 0; g < groups; ++g) {
-    const uint8_t* pg = wr + (size_t)g * G / 8 * BITS;
-    const float* xg = x + (size_t)g * G;
-    _mm_prefetch(reinterpret_cast<const char*>(pg) + 1024, _MM_HINT_T0);
-    __m512 acc[R][2];
-    #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    #pragma GCC unroll 8
-    for (int u = 0; u < G / 16; ++u) {
-      const __m512 q = _mm512_cvtepi32_ps(unpack(pg + u * 2 * BITS));
-      #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r)
-        acc[r][u & 1] = _mm512_fmadd_ps(q, _mm512_loadu_ps(xg + (size_t)r * s.K + u * 16), acc[r][u & 1]);
-    }
-    const __m512 sv = _mm512_set1_ps(sr[g]);
-    #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) tot[r] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][0], acc[r][1]), sv, tot[r]);
-  }
-  #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-    out[(size_t)r * s.N + n] =
-        _mm512_reduce_add_ps(tot[r]) + bias_sum(br, xsum + (size_t)r * groups, groups);
-}
-
 template <int BITS, int G>
 void qmv_block_any(
     const float* x,
@@ -739,17 +667,7 @@ void qmv_block_any(
     int n0,
     int n1) {
   PaddedRow pad;
-  const bool wide = has_avx512bw();
   for (int n = n0; n < n1; ++n) {
-    if (wide) {
-      switch (rows) {
-        case 1: qmv_rows_any512<BITS, 1, G>(x, xsum, w, sc, bi, out, s, n, pad); break;
-        case 2: qmv_rows_any512<BITS, 2, G>(x, xsum, w, sc, bi, out, s, n, pad); break;
-        case 3: qmv_rows_any512<BITS, 3, G>(x, xsum, w, sc, bi, out, s, n, pad); break;
-        default: qmv_rows_any512<BITS, 4, G>(x, xsum, w, sc, bi, out, s, n, pad); break;
-      }
-      continue;
-    }
     switch (rows) {
       case 1: qmv_rows_any<BITS, 1, G>(x, xsum, w, sc, bi, out, s, n, pad); break;
       case 2: qmv_rows_any<BITS, 2, G>(x, xsum, w, sc, bi, out, s, n, pad); break;
@@ -775,6 +693,322 @@ void qmv_block_any(
     case 32: return qmv_block_any<BITS, 32>(x, xsum, w, sc, bi, out, s, rows, n0, n1);
     case 64: return qmv_block_any<BITS, 64>(x, xsum, w, sc, bi, out, s, rows, n0, n1);
     default: return qmv_block_any<BITS, 128>(x, xsum, w, sc, bi, out, s, rows, n0, n1);
+  }
+}
+
+// ---- any width, 16 lanes: one packed word a lane ----------------------------------------------
+//
+// With AVX-512, rows of 2, 3, 5 and 6 bits are read 16 consecutive words at a time, one word a
+// lane, as the 4- and 8-bit kernels read theirs, instead of one 8-value unit a load. A width's
+// fields repeat their layout every PW = BITS / gcd(BITS, 32) words (3-bit: 32 values in 3 words),
+// so a lane's word is one of PW types. Type t starts its stream at bit 32t: its whole fields
+// begin o_t bits into the word, and it may hold the upper part of a value begun in the word
+// before (its low "extra", o_t bits) and the lower part of one that ends in the word after (its
+// high extra). One variable shift by o_t puts every lane's whole fields at bits BITS·k, where
+// the same masks serve all lanes (fields that would end past bit 24 are shifted down once more,
+// as the 4-bit kernel's top fields are); the extras take a mask and a variable shift. Each field
+// is multiplied where it lies: x is prepared once a call in the kernel's order (lane_x), each
+// value scaled by 2^-position (or for the subnormal unpacking 2^(149-position-kSubShift)) and
+// each extra by its part's weight, zero where a lane has no such field. A 3-bit word thus costs
+// 12 masks or shifts and 12 FMAs for 10.7 values where the bit-stream kernel spends 6 operations
+// on every 16; a lane's sum is scaled by its word's group scale (groups are whole periods, so
+// no value straddles two groups) once a register.
+template <int BITS>
+struct WordLanes {
+  static constexpr int PW = BITS / std::gcd(BITS, 32);  // words a period
+  static constexpr int V = 32 * PW / BITS;               // values a period
+  // Whole fields in the word of type t, and the first one's value index in the period.
+  static constexpr int first(int t) { return (32 * t + BITS - 1) / BITS; }
+  static constexpr int fields(int t) { return 32 * (t + 1) / BITS - first(t); }
+  static constexpr int offset(int t) { return BITS * first(t) - 32 * t; }
+  static constexpr int max_fields() {
+    int f = 0;
+    for (int t = 0; t < PW; ++t) f = std::max(f, fields(t));
+    return f;
+  }
+  static constexpr int F = max_fields();
+  // Whether values straddle words at all (2 bits: never).
+  static constexpr bool EXTRAS = 32 % BITS != 0;
+  // x's slots a lane: the fields, then the low and the high extra.
+  static constexpr int S = F + (EXTRAS ? 2 : 0);
+  // Fields from k0 on are shifted down by SH before masking (they would end past bit 24).
+  static constexpr int k0 = std::min(F, 24 / BITS);
+  static constexpr int SH = BITS * k0;
+
+  // The bit position field slot k is multiplied at.
+  static constexpr int position(int k) { return k < k0 ? BITS * k : BITS * (k - k0); }
+
+  // Lane type of lane l in a register whose first word is register r's: (16r + l) mod PW.
+  static int type(int r, int l) { return (16 * (r % PW) + l) % PW; }
+};
+
+// Registers (16 words) a row of K values takes, and x's floats a prepared row.
+template <int BITS>
+inline int lane_registers(int K) { return (int)((row_words(K, BITS) + 15) / 16); }
+
+inline int lane_x_floats(int K, int bits) {
+  switch (bits) {
+    case 2: return lane_registers<2>(K) * WordLanes<2>::S * 16;
+    case 3: return lane_registers<3>(K) * WordLanes<3>::S * 16;
+    case 5: return lane_registers<5>(K) * WordLanes<5>::S * 16;
+    default: return lane_registers<6>(K) * WordLanes<6>::S * 16;
+  }
+}
+
+// Where each of a prepared row's floats comes from: x[src] · factor, or 0 where src < 0. Built
+// once for each (width, K, unpacking) a thread meets, then reused.
+struct LaneMap {
+  int bits, K;
+  bool cvt;
+  std::vector<int32_t> src;
+  std::vector<float> factor;
+};
+
+template <int BITS>
+void build_lane_map(LaneMap& m) {
+  using L = WordLanes<BITS>;
+  const int regs = lane_registers<BITS>(m.K);
+  const int64_t words = row_words(m.K, BITS);
+  m.src.assign((size_t)regs * L::S * 16, -1);
+  m.factor.assign(m.src.size(), 0.0f);
+  const auto scale = [&](int position) {
+    return m.cvt ? std::ldexp(1.0f, -position) : std::ldexp(1.0f, 149 - position - kSubShift);
+  };
+  for (int r = 0; r < regs; ++r)
+    for (int l = 0; l < 16; ++l) {
+      const int64_t word = (int64_t)r * 16 + l;
+      if (word >= words) continue;
+      const int t = (int)(word % L::PW);
+      const int base = (int)(word / L::PW) * L::V + L::first(t);
+      const auto put = [&](int slot, int value, float f) {
+        const size_t i = ((size_t)r * L::S + slot) * 16 + l;
+        m.src[i] = value;
+        m.factor[i] = f;
+      };
+      for (int k = 0; k < L::fields(t); ++k) put(k, base + k, scale(L::position(k)));
+      if (!L::EXTRAS) continue;
+      // The low extra is value base - 1's upper o_t bits: worth 2^(BITS - o_t) each.
+      if (L::offset(t) > 0) put(L::F, base - 1, scale(0) * (float)(1 << (BITS - L::offset(t))));
+      // The high extra is value base + fields's lower bits, from bit o_t + BITS·fields on.
+      if (L::offset(t) + BITS * L::fields(t) < 32) put(L::F + 1, base + L::fields(t), scale(0));
+    }
+}
+
+// x (M rows of K) in the word-lane kernel's order, rows lane_x_floats(K) apart.
+void lane_x(const float* x, float* xw, const Shape& s, bool cvt) {
+  thread_local std::vector<LaneMap> maps;
+  LaneMap* map = nullptr;
+  for (auto& m : maps)
+    if (m.bits == s.bits && m.K == s.K && m.cvt == cvt) map = &m;
+  if (map == nullptr) {
+    maps.push_back(LaneMap{s.bits, s.K, cvt, {}, {}});
+    map = &maps.back();
+    switch (s.bits) {
+      case 2: build_lane_map<2>(*map); break;
+      case 3: build_lane_map<3>(*map); break;
+      case 5: build_lane_map<5>(*map); break;
+      default: build_lane_map<6>(*map); break;
+    }
+  }
+  const size_t n = map->src.size();
+  for (int m = 0; m < s.M; ++m) {
+    const float* xr = x + (size_t)m * s.K;
+    float* o = xw + (size_t)m * n;
+    for (size_t i = 0; i < n; ++i) o[i] = map->src[i] < 0 ? 0.0f : xr[map->src[i]] * map->factor[i];
+  }
+}
+
+// The word-lane kernel's per-lane constants, by register phase (its first word's place in a
+// period): the shift to the whole fields, the low extra's mask, the high extra's shift (32 where
+// there is none: AVX-512's variable shifts give 0 past 31); and each lane's group among those a
+// register spans, by where the register starts in its first group. Made once for each width and group.
+struct LaneTables {
+  alignas(64) int32_t fshift[5][16], lomask[5][16], hishift[5][16], sidx[8][16];
+  // From a register starting at sidx's case c, the next register's case and how many groups on
+  // its first group is (divisions kept out of the loop).
+  int next[8], advance[8];
+
+  template <int BITS>
+  static LaneTables of(int group) {
+    using L = WordLanes<BITS>;
+    LaneTables t;
+    for (int ph = 0; ph < L::PW; ++ph)
+      for (int l = 0; l < 16; ++l) {
+        const int type = L::type(ph, l), o = L::offset(type), end = o + BITS * L::fields(type);
+        t.fshift[ph][l] = o;
+        t.lomask[ph][l] = (1 << o) - 1;
+        t.hishift[ph][l] = end < 32 ? end : 32;
+      }
+    const int wpg = BITS * group / 32, g16 = std::gcd(16, wpg);
+    for (int c = 0; c < wpg / g16; ++c) {
+      for (int l = 0; l < 16; ++l) t.sidx[c][l] = (c * g16 + l) / wpg;
+      t.next[c] = (c * g16 + 16) % wpg / g16;
+      t.advance[c] = (c * g16 + 16) / wpg;
+    }
+    return t;
+  }
+};
+
+template <int BITS>
+const LaneTables& lane_tables(int group) {
+  static const LaneTables g32 = LaneTables::of<BITS>(32), g64 = LaneTables::of<BITS>(64),
+                          g128 = LaneTables::of<BITS>(128);
+  return group == 32 ? g32 : group == 64 ? g64 : g128;
+}
+
+// Output rows rows[0..W) for R rows of x (prepared by lane_x), 16 words a step.
+template <int BITS, int R, int W, bool CVT>
+__attribute__((target("avx512f,avx2,fma"))) void qmv_rows_lanes(
+    const float* xw,
+    const float* xsum,
+    const uint32_t* w,
+    const float* scales,
+    const float* biases,
+    float* out,
+    const Shape& s,
+    const LaneTables& t,
+    const int* rows) {
+  using L = WordLanes<BITS>;
+  const int64_t words = row_words(s.K, BITS);
+  const int regs = lane_registers<BITS>(s.K), groups = s.K / s.group;
+  const size_t xstride = (size_t)regs * L::S * 16;
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+
+  const uint32_t* wr[W];
+  const float* sr[W];
+  const float* br[W];
+  #pragma GCC unroll 4
+  for (int i = 0; i < W; ++i) {
+    wr[i] = w + (size_t)rows[i] * words;
+    sr[i] = scales + (size_t)rows[i] * groups;
+    br[i] = biases + (size_t)rows[i] * groups;
+  }
+  __m512 tot[W][R];
+  #pragma GCC unroll 4
+  for (int i = 0; i < W; ++i)
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) tot[i][r] = _mm512_setzero_ps();
+  // The register's phase in the period, its first group, and where it starts in that group.
+  int ph = 0, first_group = 0, gc = 0;
+  for (int g = 0; g < regs; ++g) {
+    const int64_t left = words - (int64_t)g * 16;
+    const __mmask16 live = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    const __m512i fs = _mm512_load_si512(t.fshift[ph]);
+    __m512i fw[W], fw2[W], q[W];
+    #pragma GCC unroll 4
+    for (int i = 0; i < W; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr[i] + g * 16) + 2048, _MM_HINT_T0);
+      q[i] = _mm512_maskz_loadu_epi32(live, wr[i] + (size_t)g * 16);
+      fw[i] = _mm512_srlv_epi32(q[i], fs);
+      fw2[i] = _mm512_srli_epi32(fw[i], L::SH);
+    }
+    const float* xg = xw + (size_t)g * L::S * 16;
+    constexpr int A = R <= 2 ? 2 : 1;
+    __m512 acc[W][R][A];
+    #pragma GCC unroll 4
+    for (int i = 0; i < W; ++i)
+      #pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+        #pragma GCC unroll 4
+        for (int c = 0; c < A; ++c) acc[i][r][c] = _mm512_setzero_ps();
+    #pragma GCC unroll 18
+    for (int k = 0; k < L::S; ++k) {
+      __m512 xk[R];
+      #pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) xk[r] = _mm512_loadu_ps(xg + (size_t)r * xstride + (size_t)k * 16);
+      #pragma GCC unroll 4
+      for (int i = 0; i < W; ++i) {
+        __m512i field;
+        if (k < L::k0)
+          field = _mm512_and_si512(fw[i], _mm512_slli_epi32(mask, BITS * k));
+        else if (k < L::F)
+          field = _mm512_and_si512(fw2[i], _mm512_slli_epi32(mask, BITS * (k - L::k0)));
+        else if (k == L::F)
+          field = _mm512_and_si512(q[i], _mm512_load_si512(t.lomask[ph]));
+        else
+          field = _mm512_srlv_epi32(q[i], _mm512_load_si512(t.hishift[ph]));
+        const __m512 qk = CVT ? _mm512_cvtepi32_ps(field) : _mm512_castsi512_ps(field);
+        #pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[i][r][k % A] = _mm512_fmadd_ps(qk, xk[r], acc[i][r][k % A]);
+      }
+    }
+    const __m512i idx = _mm512_load_si512(t.sidx[gc]);
+    const int have = std::min(16, groups - first_group);
+    const __mmask16 gmask = (__mmask16)((1u << have) - 1);
+    #pragma GCC unroll 4
+    for (int i = 0; i < W; ++i) {
+      const __m512 sv = _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(gmask, sr[i] + first_group));
+      #pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        #pragma GCC unroll 4
+        for (int c = 1; c < A; ++c) acc[i][r][0] = _mm512_add_ps(acc[i][r][0], acc[i][r][c]);
+        tot[i][r] = _mm512_fmadd_ps(acc[i][r][0], sv, tot[i][r]);
+      }
+    }
+    ph = ph + 1 == L::PW ? 0 : ph + 1;
+    first_group += t.advance[gc];
+    gc = t.next[gc];
+  }
+  #pragma GCC unroll 4
+  for (int i = 0; i < W; ++i)
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const float sum = _mm512_reduce_add_ps(tot[i][r]);
+      out[(size_t)r * s.N + rows[i]] = (CVT ? sum : sum * kSubBack) + bias_sum(br[i], xsum + (size_t)r * groups, groups);
+    }
+}
+
+template <int BITS, bool CVT>
+void qmv_block_lanes(
+    const float* xw,
+    const float* xsum,
+    const uint32_t* w,
+    const float* sc,
+    const float* bi,
+    float* out,
+    const Shape& s,
+    int rows,
+    int n0,
+    int n1) {
+  const LaneTables& t = lane_tables<BITS>(s.group);
+  if (rows == 1) {
+    const int half = (n1 - n0) / 2;
+    for (int i = 0; i < half; ++i) {
+      const int pair[2] = {n0 + i, n0 + half + i};
+      qmv_rows_lanes<BITS, 1, 2, CVT>(xw, xsum, w, sc, bi, out, s, t, pair);
+    }
+    if (n0 + 2 * half < n1) {
+      const int last = n1 - 1;
+      qmv_rows_lanes<BITS, 1, 1, CVT>(xw, xsum, w, sc, bi, out, s, t, &last);
+    }
+    return;
+  }
+  for (int n = n0; n < n1; ++n) {
+    switch (rows) {
+      case 2: qmv_rows_lanes<BITS, 2, 1, CVT>(xw, xsum, w, sc, bi, out, s, t, &n); break;
+      case 3: qmv_rows_lanes<BITS, 3, 1, CVT>(xw, xsum, w, sc, bi, out, s, t, &n); break;
+      default: qmv_rows_lanes<BITS, 4, 1, CVT>(xw, xsum, w, sc, bi, out, s, t, &n); break;
+    }
+  }
+}
+
+template <bool CVT>
+void qmv_block_lanes(
+    const float* xw,
+    const float* xsum,
+    const uint32_t* w,
+    const float* sc,
+    const float* bi,
+    float* out,
+    const Shape& s,
+    int rows,
+    int n0,
+    int n1) {
+  switch (s.bits) {
+    case 2: return qmv_block_lanes<2, CVT>(xw, xsum, w, sc, bi, out, s, rows, n0, n1);
+    case 3: return qmv_block_lanes<3, CVT>(xw, xsum, w, sc, bi, out, s, rows, n0, n1);
+    case 5: return qmv_block_lanes<5, CVT>(xw, xsum, w, sc, bi, out, s, rows, n0, n1);
+    default: return qmv_block_lanes<6, CVT>(xw, xsum, w, sc, bi, out, s, rows, n0, n1);
   }
 }
 
@@ -833,7 +1067,8 @@ int rows_per_chunk(const Shape& s) {
 // of one call with the same x.
 struct PreparedX {
   const float* xt;
-  // xt in unit-pair order, where the 16-lane kernel takes these rows (else null).
+  // x in the 16-lane kernel's order where it takes these rows, else null: xt in unit-pair order
+  // (4 and 8 bits), or word-lane order (lane_x: 2, 3, 5 and 6 bits).
   const float* xt16;
   const float* xsum;
   // The unpacking xt is scaled for (see permute_x).
@@ -865,10 +1100,20 @@ PreparedX prepare_x(const float* x, const Shape& s) {
   thread_local std::vector<float> xt_buf, xt16_buf, xsum_buf;
   xsum_buf.resize((size_t)s.M * groups);
   if (!word_aligned(s.bits)) {
-    // The bit-stream kernels read x in its own order.
     for (int m = 0; m < s.M; ++m)
       group_sums(x + (size_t)m * s.K, xsum_buf.data() + (size_t)m * groups, s.K, s.group);
-    return {x, nullptr, xsum_buf.data(), true};
+    // The 8-lane bit-stream kernels read x in its own order.
+    if (!has_avx512()) return {x, nullptr, xsum_buf.data(), true};
+    // The word-lane kernel scales x by up to 2^89 (an extra's weight on top of the subnormal
+    // unpacking's 2^85, see below): it takes the subnormal unpacking within 2^±36.
+    bool cvt = !subnormal_fields();
+    if (!cvt) {
+      const float most = max_abs(x, (size_t)s.M * s.K);
+      cvt = !(most < 0x1p36f && most >= 0x1p-40f);
+    }
+    xt16_buf.resize((size_t)s.M * lane_x_floats(s.K, s.bits));
+    lane_x(x, xt16_buf.data(), s, cvt);
+    return {x, xt16_buf.data(), xsum_buf.data(), cvt};
   }
   xt_buf.resize((size_t)s.M * s.K);
   // The subnormal unpacking scales x by up to 2^85 and forms products 2^-64 of their size: it
@@ -909,6 +1154,12 @@ void qmv_range(
     const float* xr = px.xt + (size_t)m * s.K;
     const float* xs = px.xsum + (size_t)m * groups;
     float* o = out + (size_t)m * s.N;
+    if (!word_aligned(s.bits) && px.xt16) {
+      const float* xw = px.xt16 + (size_t)m * lane_x_floats(s.K, s.bits);
+      px.cvt ? qmv_block_lanes<true>(xw, xs, w, sc, bi, o, s, rows, n0, n1)
+             : qmv_block_lanes<false>(xw, xs, w, sc, bi, o, s, rows, n0, n1);
+      continue;
+    }
     switch (s.bits) {
       case 2: qmv_block_any<2>(xr, xs, w, sc, bi, o, s, rows, n0, n1); continue;
       case 3: qmv_block_any<3>(xr, xs, w, sc, bi, o, s, rows, n0, n1); continue;

@@ -700,18 +700,20 @@ fn projections_of_one_input_are_the_products_they_fuse() {
 
 /// The kernel's two ways of unpacking fields, by integer-to-float conversion and read in place
 /// as subnormal floats, give the same bits on every format and row count; inputs outside the
-/// subnormal unpacking's range (largest magnitude past 2^±40) are left to the conversion, and
-/// every result is MLX's within float tolerance.
+/// subnormal unpacking's range (largest magnitude past 2^±40, 2^36 for the word-lane kernel of
+/// the widths that straddle words) are left to the conversion, and every result is MLX's within
+/// float tolerance.
 #[test]
 fn both_ways_of_unpacking_give_the_same_bits() {
     let _one = serial();
     mlx::set_quantized_kernel(true);
     let mut case = 500u64;
-    for bits in [4, 8] {
+    for bits in [2, 3, 4, 5, 6, 8] {
         for group in [32, 64, 128] {
             for (rows, n, k) in [(1, 37, 384), (2, 16, 256), (3, 9, 512), (5, 20, 128)] {
-                // In range for the subnormal unpacking: 1, 1e-9, 1e9; past it: 1e-14, 2e13.
-                for scale in [1.0f32, 1e-9, 1e9, 1e-14, 2e13] {
+                // In range for the subnormal unpacking: 1, 1e-9, 1e9; past it: 1e-14, 2e13;
+                // 2e11 (largest magnitude near 2^39) between the two kernels' bounds.
+                for scale in [1.0f32, 1e-9, 1e9, 1e-14, 2e13, 2e11] {
                     case += 2;
                     let x = normal(&[rows, k], scale as f64, case);
                     let q = normal(&[n, k], 0.05, case + 1)
