@@ -13,6 +13,7 @@ pub mod draft;
 mod error;
 pub mod gemma4;
 pub mod gemma4_assistant;
+pub mod gemma4_vision;
 pub mod glm4_moe_lite;
 pub mod glm4_mtp;
 pub mod nn;
@@ -264,6 +265,21 @@ fn draft_impl(
         });
     }
     Ok(Draft::Model(draft.model))
+}
+
+/// The vision tower of the gemma4 model in `dir`, or `None` where its checkpoint has none.
+pub fn load_vision(dir: &Path, dtype: DtypeChoice) -> Result<Option<gemma4_vision::Gemma4Vision>> {
+    let files = ModelFiles::dir(dir)?;
+    let file = JsonFile::read(files.config()?)?;
+    let Some(cfg) = gemma4_vision::VisionConfig::from_file(&file)? else {
+        return Ok(None);
+    };
+    let text_hidden = gemma4_vision::text_hidden(&file)?;
+    let dtype = resolve_dtype(dtype, &file.value);
+    let weights = Weights::load_files(&files, dtype, quant_config(&file)?)?;
+    let vision = gemma4_vision::Gemma4Vision::new(cfg, text_hidden, &weights)?;
+    weights.materialize()?;
+    Ok(Some(vision))
 }
 
 /// Loads the model in `dir`: config, tokenizer, then weights (lazily read, cast once).

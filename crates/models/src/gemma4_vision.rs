@@ -1,0 +1,452 @@
+//! gemma4's vision tower and its embedder: an image's patches in, the soft tokens that take the
+//! place of its image tokens out (docs/MODELS.md, "gemma4 vision").
+//!
+//! Each image runs through the tower alone at its own patch count: transformers pads every image
+//! to the processor's patch budget and masks the padding out of attention and pooling, which is
+//! the same arithmetic as leaving it out.
+
+use crate::config::JsonFile;
+use crate::nn::{gelu_tanh, norm, Linear};
+use crate::weights::{Vb, Weights};
+use crate::{ModelError, Result};
+use mlx::fast::{scaled_dot_product_attention, SdpaMask};
+use mlx::{Array, Dtype};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// `vision_config` of a gemma4 checkpoint (transformers' `Gemma4VisionConfig`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct VisionConfig {
+    pub hidden_size: i32,
+    pub intermediate_size: i32,
+    pub num_hidden_layers: i32,
+    pub num_attention_heads: i32,
+    pub num_key_value_heads: i32,
+    pub head_dim: i32,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f32,
+    pub patch_size: i32,
+    pub pooling_kernel_size: i32,
+    pub position_embedding_size: i32,
+    #[serde(default)]
+    pub use_clipped_linears: bool,
+    #[serde(default)]
+    pub standardize: bool,
+    #[serde(default)]
+    pub rope_parameters: Option<RopeParameters>,
+    #[serde(default = "default_activation")]
+    pub hidden_activation: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct RopeParameters {
+    #[serde(default = "default_theta")]
+    pub rope_theta: f32,
+    #[serde(default = "default_rope_type")]
+    pub rope_type: String,
+}
+
+fn default_eps() -> f32 {
+    1e-6
+}
+fn default_theta() -> f32 {
+    100.0
+}
+fn default_rope_type() -> String {
+    "axial".into()
+}
+fn default_activation() -> String {
+    "gelu_pytorch_tanh".into()
+}
+
+impl VisionConfig {
+    /// The `vision_config` of a gemma4 `config.json`, if it has one.
+    pub fn from_file(file: &JsonFile) -> Result<Option<VisionConfig>> {
+        let Some(v) = file.value.get("vision_config").filter(|v| !v.is_null()) else {
+            return Ok(None);
+        };
+        let cfg: VisionConfig = file.parse(v)?;
+        cfg.validate()
+            .map_err(|m| file.error(format!("vision_config: {m}")))?;
+        Ok(Some(cfg))
+    }
+
+    fn validate(&self) -> std::result::Result<(), String> {
+        for (name, v) in [
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("patch_size", self.patch_size),
+            ("pooling_kernel_size", self.pooling_kernel_size),
+            ("position_embedding_size", self.position_embedding_size),
+        ] {
+            if v <= 0 {
+                return Err(format!("`{name}` must be positive, got {v}"));
+            }
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return Err(format!(
+                "`num_attention_heads` ({}) is not a multiple of `num_key_value_heads` ({})",
+                self.num_attention_heads, self.num_key_value_heads
+            ));
+        }
+        // The axial rotation splits a head in two halves (x, y), each rotated as pairs.
+        if self.head_dim % 4 != 0 {
+            return Err(format!(
+                "`head_dim` must be a multiple of 4, got {}",
+                self.head_dim
+            ));
+        }
+        if let Some(r) = &self.rope_parameters {
+            if r.rope_type != "axial" {
+                return Err(format!(
+                    "rope_type {:?} is not supported (only \"axial\")",
+                    r.rope_type
+                ));
+            }
+        }
+        if self.hidden_activation != "gelu_pytorch_tanh" {
+            return Err(format!(
+                "hidden_activation {:?} is not supported (only \"gelu_pytorch_tanh\")",
+                self.hidden_activation
+            ));
+        }
+        Ok(())
+    }
+
+    fn theta(&self) -> f32 {
+        self.rope_parameters
+            .as_ref()
+            .map_or(default_theta(), |r| r.rope_theta)
+    }
+
+    /// Values in one patch: 3 channels of `patch_size²` pixels.
+    pub fn patch_values(&self) -> i32 {
+        3 * self.patch_size * self.patch_size
+    }
+}
+
+/// A linear layer whose input and output may be clamped to stored bounds
+/// (`use_clipped_linears`: `<m>.input_min/max`, `<m>.output_min/max`, the weight under
+/// `<m>.linear`).
+struct ClippedLinear {
+    linear: Linear,
+    input: Option<(Array, Array)>,
+    output: Option<(Array, Array)>,
+}
+
+impl ClippedLinear {
+    fn load(vb: &Vb, cfg: &VisionConfig, out: i32, inp: i32) -> Result<ClippedLinear> {
+        let linear = vb.pp("linear").linear(out, inp)?;
+        if !cfg.use_clipped_linears {
+            return Ok(ClippedLinear {
+                linear,
+                input: None,
+                output: None,
+            });
+        }
+        let bound = |leaf: &str| vb.get_f32(leaf, &[]);
+        Ok(ClippedLinear {
+            linear,
+            input: Some((bound("input_min")?, bound("input_max")?)),
+            output: Some((bound("output_min")?, bound("output_max")?)),
+        })
+    }
+
+    fn forward(&self, x: &Array) -> Result<Array> {
+        let clip = |x: &Array, b: &Option<(Array, Array)>| -> Result<Array> {
+            Ok(match b {
+                Some((lo, hi)) => x.clip(Some(lo), Some(hi))?.astype(x.dtype())?,
+                None => x.clone(),
+            })
+        };
+        clip(&self.linear.forward(&clip(x, &self.input)?)?, &self.output)
+    }
+}
+
+struct VisionLayer {
+    input_norm: Array,
+    post_attention_norm: Array,
+    pre_feedforward_norm: Array,
+    post_feedforward_norm: Array,
+    q: ClippedLinear,
+    k: ClippedLinear,
+    v: ClippedLinear,
+    o: ClippedLinear,
+    q_norm: Array,
+    k_norm: Array,
+    gate: ClippedLinear,
+    up: ClippedLinear,
+    down: ClippedLinear,
+}
+
+impl VisionLayer {
+    fn load(vb: &Vb, cfg: &VisionConfig) -> Result<VisionLayer> {
+        let (h, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+        let (hq, hkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let attn = vb.pp("self_attn");
+        let mlp = vb.pp("mlp");
+        let lin = |vb: Vb, out, inp| ClippedLinear::load(&vb, cfg, out, inp);
+        Ok(VisionLayer {
+            input_norm: vb.pp("input_layernorm").get("weight", &[h])?,
+            post_attention_norm: vb.pp("post_attention_layernorm").get("weight", &[h])?,
+            pre_feedforward_norm: vb.pp("pre_feedforward_layernorm").get("weight", &[h])?,
+            post_feedforward_norm: vb.pp("post_feedforward_layernorm").get("weight", &[h])?,
+            q: lin(attn.pp("q_proj"), hq * d, h)?,
+            k: lin(attn.pp("k_proj"), hkv * d, h)?,
+            v: lin(attn.pp("v_proj"), hkv * d, h)?,
+            o: lin(attn.pp("o_proj"), h, hq * d)?,
+            q_norm: attn.pp("q_norm").get("weight", &[d])?,
+            k_norm: attn.pp("k_norm").get("weight", &[d])?,
+            gate: lin(mlp.pp("gate_proj"), i, h)?,
+            up: lin(mlp.pp("up_proj"), i, h)?,
+            down: lin(mlp.pp("down_proj"), h, i)?,
+        })
+    }
+
+    /// `x`: `[N, hidden]`, every patch of one image; `rot`: the axial rotation of its patches.
+    fn forward(&self, x: &Array, rot: &Axial, cfg: &VisionConfig) -> Result<Array> {
+        let eps = cfg.rms_norm_eps;
+        let n = x.dim(0)?;
+        let d = cfg.head_dim;
+        let heads = |t: Array, count: i32| t.reshape(&[n, count, d]);
+        let h = norm(x, Some(&self.input_norm), eps)?;
+        let q = heads(self.q.forward(&h)?, cfg.num_attention_heads)?;
+        let k = heads(self.k.forward(&h)?, cfg.num_key_value_heads)?;
+        let v = heads(self.v.forward(&h)?, cfg.num_key_value_heads)?;
+        let q = rot.apply(&norm(&q, Some(&self.q_norm), eps)?)?;
+        let k = rot.apply(&norm(&k, Some(&self.k_norm), eps)?)?;
+        let v = norm(&v, None, eps)?;
+        // [N, H, D] → [1, H, N, D]; every patch sees every patch, unscaled (the norms did it).
+        let bhnd = |t: &Array| t.transpose(&[1, 0, 2])?.expand_dims(0);
+        let a = scaled_dot_product_attention(
+            &bhnd(&q)?,
+            &bhnd(&k)?,
+            &bhnd(&v)?,
+            1.0,
+            SdpaMask::None,
+            None,
+        )?;
+        let a = a
+            .squeeze_axes(&[0])?
+            .transpose(&[1, 0, 2])?
+            .reshape(&[n, cfg.num_attention_heads * d])?;
+        let a = norm(&self.o.forward(&a)?, Some(&self.post_attention_norm), eps)?;
+        let x = x.add(&a)?;
+        let h = norm(&x, Some(&self.pre_feedforward_norm), eps)?;
+        let m = gelu_tanh(&self.gate.forward(&h)?)?.multiply(&self.up.forward(&h)?)?;
+        let m = norm(
+            &self.down.forward(&m)?,
+            Some(&self.post_feedforward_norm),
+            eps,
+        )?;
+        Ok(x.add(&m)?)
+    }
+}
+
+/// The axial rotation of one image's patches: a head's first half turns with the patch's x,
+/// its second half with its y, each half as `rotate_half` pairs over `head_dim / 4` frequencies
+/// `θ^(-2j / (head_dim / 2))`.
+struct Axial {
+    cos: Array,
+    sin: Array,
+}
+
+impl Axial {
+    fn new(positions: &[[i32; 2]], cfg: &VisionConfig) -> Result<Axial> {
+        let quarter = (cfg.head_dim / 4) as usize;
+        let half = (cfg.head_dim / 2) as f32;
+        let inv: Vec<f32> = (0..quarter)
+            .map(|j| 1.0 / cfg.theta().powf((2 * j) as f32 / half))
+            .collect();
+        let n = positions.len();
+        let (mut cos, mut sin) = (Vec::with_capacity(n * 2 * quarter), Vec::new());
+        sin.reserve(n * 2 * quarter);
+        for p in positions {
+            for &coord in p {
+                for f in &inv {
+                    // float32 throughout, as transformers computes the angles.
+                    let angle = coord as f32 * f;
+                    cos.push(angle.cos());
+                    sin.push(angle.sin());
+                }
+            }
+        }
+        // [N, 1 (heads), 2 (axis), 1 (pair half), quarter]
+        let shape = [n as i32, 1, 2, 1, quarter as i32];
+        Ok(Axial {
+            cos: Array::from_slice(&cos, &shape)?,
+            sin: Array::from_slice(&sin, &shape)?,
+        })
+    }
+
+    /// `x`: `[N, H, D]`.
+    fn apply(&self, x: &Array) -> Result<Array> {
+        let s = x.shape();
+        let quarter = s[2] / 4;
+        let parts = x.reshape(&[s[0], s[1], 2, 2, quarter])?;
+        let a = parts.slice_axis(3, 0, Some(1))?;
+        let b = parts.slice_axis(3, 1, Some(2))?;
+        let cos = self.cos.astype(x.dtype())?;
+        let sin = self.sin.astype(x.dtype())?;
+        let first = a.multiply(&cos)?.subtract(&b.multiply(&sin)?)?;
+        let second = b.multiply(&cos)?.add(&a.multiply(&sin)?)?;
+        Ok(mlx::concatenate(&[&first, &second], 3)?.reshape(&s)?)
+    }
+}
+
+/// One image's patches as the image processor makes them: `pixels` `[N, 3·patch²]` (each
+/// patch's rows of pixels, channels last, values in [0, 1]) and each patch's `(x, y)` in the
+/// patch grid, row by row; the grid's sides are multiples of the pooling kernel.
+pub struct ImagePatches {
+    pub pixels: Array,
+    pub positions: Vec<[i32; 2]>,
+    /// Patches across and down.
+    pub grid: (i32, i32),
+}
+
+impl ImagePatches {
+    /// Soft tokens the image becomes.
+    pub fn soft_tokens(&self, cfg: &VisionConfig) -> i32 {
+        let k = cfg.pooling_kernel_size;
+        (self.grid.0 / k) * (self.grid.1 / k)
+    }
+}
+
+/// gemma4's vision tower and the embedder that projects its output into the text model.
+pub struct Gemma4Vision {
+    pub cfg: VisionConfig,
+    patch_proj: Linear,
+    /// `[2, position_embedding_size, hidden]`: x and y position embeddings.
+    positions: Array,
+    layers: Vec<VisionLayer>,
+    standardize: Option<(Array, Array)>,
+    embed_proj: Linear,
+    text_hidden: i32,
+}
+
+impl Gemma4Vision {
+    /// The tower under `model.vision_tower` and its embedder under `model.embed_vision`
+    /// (transformers' `Gemma4ForConditionalGeneration` layout).
+    pub fn new(cfg: VisionConfig, text_hidden: i32, w: &Weights) -> Result<Gemma4Vision> {
+        let root = w.root().pp("model");
+        let tower = root.pp("vision_tower");
+        let h = cfg.hidden_size;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| VisionLayer::load(&tower.pp("encoder.layers").pp(i), &cfg))
+            .collect::<Result<Vec<_>>>()?;
+        let standardize = if cfg.standardize {
+            Some((
+                tower.get_f32("std_bias", &[h])?,
+                tower.get_f32("std_scale", &[h])?,
+            ))
+        } else {
+            None
+        };
+        Ok(Gemma4Vision {
+            patch_proj: tower
+                .pp("patch_embedder.input_proj")
+                .linear(h, cfg.patch_values())?,
+            positions: tower.pp("patch_embedder").get(
+                "position_embedding_table",
+                &[2, cfg.position_embedding_size, h],
+            )?,
+            layers,
+            standardize,
+            embed_proj: root
+                .pp("embed_vision.embedding_projection")
+                .linear(text_hidden, h)?,
+            text_hidden,
+            cfg,
+        })
+    }
+
+    /// The soft tokens of one image, `[soft_tokens, text hidden]` in the compute dtype: the
+    /// rows that replace the image's tokens in the text model's input.
+    pub fn encode(&self, image: &ImagePatches) -> Result<Array> {
+        let pooled = self.tower(image)?;
+        let normed = norm(&pooled, None, self.cfg.rms_norm_eps)?;
+        let out = self.embed_proj.forward(&normed)?;
+        debug_assert_eq!(out.dim(1).ok(), Some(self.text_hidden));
+        Ok(out)
+    }
+
+    /// The tower's output for one image, `[soft_tokens, vision hidden]`: patches encoded,
+    /// pooled, scaled and standardized (transformers' `Gemma4VisionModel`).
+    pub fn tower(&self, image: &ImagePatches) -> Result<Array> {
+        let cfg = &self.cfg;
+        let n = image.positions.len() as i32;
+        let (gw, gh) = image.grid;
+        let k = cfg.pooling_kernel_size;
+        if n == 0 || gw * gh != n || gw % k != 0 || gh % k != 0 {
+            return Err(ModelError::Invalid(format!(
+                "an image of {n} patches on a {gw}x{gh} grid does not pool by {k}"
+            )));
+        }
+        if image.pixels.shape() != [n, cfg.patch_values()] {
+            return Err(ModelError::Invalid(format!(
+                "image patches of shape {:?}, expected [{n}, {}]",
+                image.pixels.shape(),
+                cfg.patch_values()
+            )));
+        }
+        let limit = cfg.position_embedding_size;
+        if gw > limit || gh > limit {
+            return Err(ModelError::Invalid(format!(
+                "a {gw}x{gh} patch grid is past the tower's {limit} positions a side"
+            )));
+        }
+        let dtype = self.positions.dtype();
+        // The processor's [0, 1] pixels, scaled to [-1, 1] here (gemma4 has no normalization).
+        let pixels = image
+            .pixels
+            .astype(Dtype::F32)?
+            .subtract_scalar(0.5)?
+            .multiply_scalar(2.0)?
+            .astype(dtype)?;
+        let ids = |axis: usize| -> Result<Array> {
+            let v: Vec<i32> = image.positions.iter().map(|p| p[axis]).collect();
+            Ok(Array::from_slice(&v, &[n])?)
+        };
+        let table = |axis: i32| {
+            self.positions
+                .slice_axis(0, axis, Some(axis + 1))?
+                .squeeze_axes(&[0])
+        };
+        let pos = table(0)?
+            .take(&ids(0)?, 0)?
+            .add(&table(1)?.take(&ids(1)?, 0)?)?;
+        let mut x = self.patch_proj.forward(&pixels)?.add(&pos)?;
+        let rot = Axial::new(&image.positions, cfg)?;
+        for layer in &self.layers {
+            x = layer.forward(&x, &rot, cfg)?;
+        }
+        // Average each k×k block of the patch grid (patches are row by row), in float32, then
+        // scale by √hidden.
+        let h = cfg.hidden_size;
+        let pooled = x
+            .astype(Dtype::F32)?
+            .reshape(&[gh / k, k, gw / k, k, h])?
+            .mean(&[1, 3], false)?
+            .reshape(&[(gh / k) * (gw / k), h])?
+            .multiply_scalar((h as f64).sqrt())?;
+        let pooled = match &self.standardize {
+            Some((bias, scale)) => pooled.subtract(bias)?.multiply(scale)?,
+            None => pooled,
+        };
+        Ok(pooled.astype(dtype)?)
+    }
+}
+
+/// The text model's hidden size, where the embedder projects to.
+pub(crate) fn text_hidden(file: &JsonFile) -> Result<i32> {
+    file.value
+        .get("text_config")
+        .and_then(|t| t.get("hidden_size"))
+        .and_then(Value::as_i64)
+        .map(|h| h as i32)
+        .ok_or_else(|| file.error("missing field `text_config.hidden_size`"))
+}
