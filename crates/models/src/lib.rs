@@ -13,6 +13,7 @@ pub mod draft;
 mod error;
 pub mod gemma4;
 pub mod gemma4_assistant;
+pub mod gemma4_image;
 pub mod gemma4_vision;
 pub mod glm4_moe_lite;
 pub mod glm4_mtp;

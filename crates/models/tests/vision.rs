@@ -91,3 +91,48 @@ fn a_text_only_checkpoint_has_no_tower() {
         .unwrap()
         .is_none());
 }
+
+/// Each fixture image file through our image processor against transformers' (Pillow backend):
+/// every format and mode bit for bit (resizing, compositing, rescaling and patching), JPEG within
+/// its decoder's rounding.
+#[test]
+fn images_are_cut_into_patches_as_transformers_cuts_them() {
+    use models::gemma4_image::ImageProcessorConfig;
+    let g = golden();
+    let proc = ImageProcessorConfig::load(&fixture())
+        .unwrap()
+        .expect("the fixture has a processor config");
+    let cases = IMAGES
+        .iter()
+        .map(|n| (format!("{n}.png"), format!("image.{n}"), 0.0))
+        .chain(
+            [
+                ("alpha.png", 0.0),
+                ("gray_alpha.png", 0.0),
+                ("palette.png", 0.0),
+                ("frames.gif", 0.0),
+                ("lossless.webp", 0.0),
+                ("lossy.webp", 0.0),
+                // The image crate's JPEG decoder (zune-jpeg) rounds its inverse DCT and chroma
+                // upsampling differently from Pillow's libjpeg-turbo: up to 6 levels at the
+                // image's edge, 0.38 on average.
+                ("photo.jpg", 8.0 / 255.0),
+            ]
+            .map(|(f, tol)| (f.to_string(), format!("processed.{f}"), tol)),
+        );
+    for (file, key, tol) in cases {
+        let bytes = std::fs::read(fixture().join("images").join(&file)).unwrap();
+        let p = proc
+            .preprocess(&bytes)
+            .unwrap_or_else(|e| panic!("{file}: {e}"));
+        let want = &g[&format!("{key}.pixel_values")];
+        let d = max_diff(&p.pixels, want);
+        assert!(d <= tol + 1e-6, "{file}: pixels differ by {d}");
+        let pos: Vec<i32> = p.positions.iter().flatten().copied().collect();
+        assert_eq!(
+            pos,
+            g[&format!("{key}.positions")].to_vec::<i32>().unwrap(),
+            "{file}: positions"
+        );
+    }
+}
