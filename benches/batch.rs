@@ -92,7 +92,7 @@ fn step_costs(m: &models::LoadedModel, weights: &[mlx::Array], b: usize) -> (f64
         let start = Instant::now();
         let mut rows: Vec<models::PackedRow<'_>> = caches
             .iter_mut()
-            .map(|c| models::PackedRow { len: 1, caches: c })
+            .map(|c| models::PackedRow::text(1, c))
             .collect();
         let h = model.forward_packed(&next, &mut rows).unwrap();
         let picked = model.logits(&h).unwrap().argmax(-1, false).unwrap();

@@ -360,6 +360,21 @@ impl RotatingKvCache {
     }
 
     /// The mask for the `l` queries of the last update (positions `offset - l .. offset`).
+    /// [`RotatingKvCache::mask`] where the last `l` queries also see the later keys of their own
+    /// block (absolute `[start, end)` positions; see [`AttnMask::from_positions_blocks`]).
+    pub fn mask_blocks(&self, l: usize, blocks: &[(i32, i32)]) -> Result<AttnMask> {
+        if blocks.is_empty() {
+            return self.mask(l);
+        }
+        Ok(AttnMask::from_positions_blocks(
+            &self.key_positions(),
+            (self.offset - l) as i32,
+            l as i32,
+            Some(self.window as i32),
+            blocks,
+        )?)
+    }
+
     pub fn mask(&self, l: usize) -> Result<AttnMask> {
         // One query over keys that are all held and all inside its window sees every key (their
         // order in the buffer does not matter to attention).

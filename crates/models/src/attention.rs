@@ -52,17 +52,33 @@ pub(crate) struct Rows {
     masks: Vec<HashMap<usize, AttnMask>>,
     /// Per layer, per row: the K/V slots the layer attended over (what a KV-shared layer reads).
     written: Vec<Vec<KvSlots>>,
+    /// Per row: the absolute `[start, end)` positions of media whose tokens see each other both
+    /// ways in windowed layers.
+    blocks: Vec<Vec<(i32, i32)>>,
 }
 
 impl Rows {
     /// The rows of a pass over `rows` (each row's position is that of its first cache) through
-    /// a model of `layers` layers.
-    pub fn new(rows: &[PackedRow<'_>], layers: usize) -> Result<Rows> {
+    /// a model of `layers` layers; with `media_both_ways`, each media item's tokens see each
+    /// other both ways in windowed layers.
+    pub fn new(rows: &[PackedRow<'_>], layers: usize, media_both_ways: bool) -> Result<Rows> {
         let offsets: Vec<usize> = rows
             .iter()
             .map(|r| r.caches.first().map_or(0, LayerCache::offset))
             .collect();
-        Self::with_offsets(rows.iter().map(|r| r.len), offsets, layers)
+        let mut out = Self::with_offsets(rows.iter().map(|r| r.len), offsets, layers)?;
+        for (r, row) in rows.iter().enumerate() {
+            let at = out.offsets[r];
+            if !media_both_ways {
+                break;
+            }
+            out.blocks[r] = row
+                .media
+                .iter()
+                .map(|m| ((at + m.at) as i32, (at + m.at + m.len()) as i32))
+                .collect();
+        }
+        Ok(out)
     }
 
     /// Rows of these lengths starting at these positions.
@@ -91,6 +107,7 @@ impl Rows {
         Ok(Rows {
             offsets_array: Array::from_slice(&o, &[o.len() as i32])?,
             masks: vec![HashMap::new(); spans.len()],
+            blocks: vec![Vec::new(); spans.len()],
             written: vec![Vec::new(); layers],
             spans,
             offsets,
@@ -210,7 +227,7 @@ impl Rows {
                             let kv = c.update_slots(k, v)?;
                             let mask = match self.masks[r].get(&g) {
                                 Some(m) => m.clone(),
-                                None => c.mask(l)?,
+                                None => c.mask_blocks(l, &self.blocks[r])?,
                             };
                             over(q, kv, mask)?
                         }

@@ -81,6 +81,14 @@ pub struct Gemma4Config {
     pub tie_word_embeddings: bool,
     rope_parameters: Option<HashMap<String, RopeParams>>,
     rope_theta: Option<f32>,
+    /// The token whose per-layer embedding media positions read (transformers feeds the pad
+    /// token there).
+    #[serde(default)]
+    pub pad_token_id: Option<i32>,
+    /// `"vision"`: an image's soft tokens see each other both ways in the sliding layers (the
+    /// larger models); unset: causal everywhere.
+    #[serde(default)]
+    pub use_bidirectional_attention: Option<String>,
 }
 
 fn one() -> i32 {
@@ -140,6 +148,13 @@ impl Gemma4Config {
     }
 
     fn validate(&self) -> std::result::Result<(), String> {
+        if let Some(v) = &self.use_bidirectional_attention {
+            if v != "vision" {
+                return Err(format!(
+                    "use_bidirectional_attention {v:?} is not supported (only \"vision\")"
+                ));
+            }
+        }
         let positive = [
             ("hidden_size", self.hidden_size),
             ("num_hidden_layers", self.num_hidden_layers),
@@ -873,6 +888,46 @@ impl Gemma4 {
         (self.embed.clone(), self.embed_scale())
     }
 
+    /// Whether an image's soft tokens attend to each other both ways in the sliding layers.
+    pub fn bidirectional_vision(&self) -> bool {
+        self.cfg.use_bidirectional_attention.as_deref() == Some("vision")
+    }
+
+    /// The packed tokens' input embeddings with each media item's soft tokens in place of its
+    /// placeholder tokens, and the token ids the per-layer embeddings read: the pad token where
+    /// media sits (transformers' `Gemma4Model` does both).
+    fn embed_rows(&self, tokens: &Array, rows: &[PackedRow<'_>]) -> Result<(Array, Array)> {
+        let h = self.embed_scaled(tokens)?;
+        if rows.iter().all(|r| r.media.is_empty()) {
+            return Ok((h, tokens.clone()));
+        }
+        let total = tokens.dim(1)? as usize;
+        let mut ids = tokens.astype(mlx::Dtype::I32)?.to_vec::<i32>()?;
+        let pad = self.cfg.pad_token_id.unwrap_or(0);
+        let mut parts = Vec::new();
+        let (mut row_start, mut cursor) = (0, 0);
+        for r in rows {
+            for m in r.media {
+                let s = row_start + m.at;
+                if s > cursor {
+                    parts.push(h.slice_axis(1, cursor as i32, Some(s as i32))?);
+                }
+                parts.push(m.embeds.astype(h.dtype())?.expand_dims(0)?);
+                ids[s..s + m.len()].fill(pad);
+                cursor = s + m.len();
+            }
+            row_start += r.len;
+        }
+        if cursor < total {
+            parts.push(h.slice_axis(1, cursor as i32, Some(total as i32))?);
+        }
+        let refs: Vec<&Array> = parts.iter().collect();
+        Ok((
+            mlx::concatenate(&refs, 1)?,
+            Array::from_slice(&ids, &[1, total as i32])?,
+        ))
+    }
+
     /// `[B, L, num_layers, P]` per-layer inputs (docs/MODELS.md §1.3).
     fn per_layer_inputs(&self, ple: &Ple, tokens: &Array, h0: &Array) -> Result<Array> {
         let s = tokens.shape();
@@ -940,19 +995,19 @@ impl CausalLm for Gemma4 {
 
     fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array> {
         let len = single_row(tokens)?;
-        self.forward_packed(tokens, &mut [PackedRow { len, caches }])
+        self.forward_packed(tokens, &mut [PackedRow::text(len, caches)])
     }
 
     fn forward_packed(&self, tokens: &Array, rows: &mut [PackedRow<'_>]) -> Result<Array> {
         let eps = self.cfg.rms_norm_eps;
         let expected = self.cache_slot.iter().flatten().count();
         check_rows(tokens, rows, expected, "gemma4")?;
-        let mut h = self.embed_scaled(tokens)?;
+        let (mut h, ple_tokens) = self.embed_rows(tokens, rows)?;
         let ple = match &self.ple {
-            Some(p) => Some(self.per_layer_inputs(p, tokens, &h)?),
+            Some(p) => Some(self.per_layer_inputs(p, &ple_tokens, &h)?),
             None => None,
         };
-        let mut batch = Rows::new(rows, self.layers.len())?;
+        let mut batch = Rows::new(rows, self.layers.len(), self.bidirectional_vision())?;
         let n = batch.len() as i32;
         // One new token per row (a decode step, of one sequence or several): each layer's
         // queries, keys and values come out of one op each, every row at its own position.

@@ -686,13 +686,18 @@ impl CausalLm for Glm4MoeLite {
 
     fn forward(&self, tokens: &Array, caches: &mut [LayerCache]) -> Result<Array> {
         let len = single_row(tokens)?;
-        self.forward_packed(tokens, &mut [PackedRow { len, caches }])
+        self.forward_packed(tokens, &mut [PackedRow::text(len, caches)])
     }
 
     fn forward_packed(&self, tokens: &Array, rows: &mut [PackedRow<'_>]) -> Result<Array> {
         check_rows(tokens, rows, self.layers.len(), "glm4_moe_lite")?;
+        if rows.iter().any(|r| !r.media.is_empty()) {
+            return Err(ModelError::Invalid(
+                "glm4_moe_lite takes no images or audio".into(),
+            ));
+        }
         let eps = self.cfg.rms_norm_eps;
-        let batch = Rows::new(rows, self.layers.len())?;
+        let batch = Rows::new(rows, self.layers.len(), false)?;
         let mut h = self.embed.lookup(tokens)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let mut caches = rows

@@ -28,7 +28,7 @@ pub use cache::{LayerCache, RotatingKvCache};
 pub use config::JsonFile;
 pub use draft::{DraftOptions, Drafter};
 pub use error::{ModelError, Result};
-pub use packed::PackedRow;
+pub use packed::{MediaSpan, PackedRow};
 pub use tokenizer::{StreamDecoder, Tokenizer};
 
 use mlx::{Array, Dtype};

@@ -10,10 +10,44 @@ use crate::{ModelError, Result};
 use cache::LayerCache;
 use mlx::Array;
 
-/// One sequence of a packed forward: how many of the packed tokens are its, and its caches.
+/// One sequence of a packed forward: how many of the packed tokens are its, its caches, and
+/// the media whose soft tokens take the place of some of its tokens.
 pub struct PackedRow<'a> {
     pub len: usize,
     pub caches: &'a mut [LayerCache],
+    pub media: &'a [MediaSpan],
+}
+
+impl<'a> PackedRow<'a> {
+    /// A row of text tokens only.
+    pub fn text(len: usize, caches: &'a mut [LayerCache]) -> PackedRow<'a> {
+        PackedRow {
+            len,
+            caches,
+            media: &[],
+        }
+    }
+}
+
+/// Soft tokens of one media item (an image's encoded patches) inside a packed row: `embeds`
+/// (`[n, hidden]`) replace the embeddings of the row's tokens `at..at + n` of this pass (the
+/// placeholder tokens the prompt holds for it). Where the model's media tokens see each other
+/// both ways (gemma4's `use_bidirectional_attention: "vision"`), an item must be whole in one
+/// pass: a pass cannot know about keys a later pass brings.
+#[derive(Clone)]
+pub struct MediaSpan {
+    pub at: usize,
+    pub embeds: Array,
+}
+
+impl MediaSpan {
+    pub fn len(&self) -> usize {
+        self.embeds.shape().first().map_or(0, |&n| n as usize)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// The time length of a single-row `[1, L]` token array.
@@ -47,6 +81,20 @@ pub(crate) fn check_rows(
             "{model} needs {caches} layer caches per row, got {}",
             r.caches.len()
         )));
+    }
+    for r in rows {
+        let mut end = 0;
+        for m in r.media {
+            if m.at < end || m.at + m.len() > r.len || m.is_empty() {
+                return Err(ModelError::Invalid(format!(
+                    "media of {} tokens at {} in a row of {} tokens (after {end})",
+                    m.len(),
+                    m.at,
+                    r.len
+                )));
+            }
+            end = m.at + m.len();
+        }
     }
     Ok(())
 }

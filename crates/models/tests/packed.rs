@@ -53,10 +53,7 @@ fn check(m: &dyn CausalLm, name: &str, steps: &[Vec<(usize, usize)>]) {
         let mut refs: Vec<Option<&mut Vec<LayerCache>>> = packed.iter_mut().map(Some).collect();
         let mut batch: Vec<PackedRow<'_>> = step
             .iter()
-            .map(|&(r, n)| PackedRow {
-                len: n,
-                caches: refs[r].take().expect("a row appears once per step"),
-            })
+            .map(|&(r, n)| PackedRow::text(n, refs[r].take().expect("a row appears once per step")))
             .collect();
         let h = m.forward_packed(&tokens(&all), &mut batch).unwrap();
         let got = m.logits(&h).unwrap().to_vec::<f32>().unwrap();
@@ -114,16 +111,7 @@ fn packed_batches_are_checked() {
         .model
         .forward_packed(
             &tokens(&[1, 2, 3]),
-            &mut [
-                PackedRow {
-                    len: 1,
-                    caches: &mut a,
-                },
-                PackedRow {
-                    len: 1,
-                    caches: &mut b,
-                },
-            ],
+            &mut [PackedRow::text(1, &mut a), PackedRow::text(1, &mut b)],
         )
         .unwrap_err();
     assert!(e.to_string().contains("packed forward of 3 tokens"), "{e}");

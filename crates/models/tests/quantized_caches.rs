@@ -128,10 +128,7 @@ fn packed_and_alone(m: &dyn CausalLm, steps: &[Vec<(usize, usize)>]) -> (Vec<f32
         let mut refs: Vec<Option<&mut Vec<LayerCache>>> = packed.iter_mut().map(Some).collect();
         let mut batch: Vec<PackedRow<'_>> = step
             .iter()
-            .map(|&(r, n)| PackedRow {
-                len: n,
-                caches: refs[r].take().unwrap(),
-            })
+            .map(|&(r, n)| PackedRow::text(n, refs[r].take().unwrap()))
             .collect();
         let h = m.forward_packed(&tokens(&all), &mut batch).unwrap();
         got.extend(m.logits(&h).unwrap().to_vec::<f32>().unwrap());

@@ -4,7 +4,7 @@
 
 use mlx::{Array, Dtype};
 use models::gemma4_vision::{Gemma4Vision, ImagePatches};
-use models::{load_vision, DtypeChoice};
+use models::{load_vision, DtypeChoice, MediaSpan, PackedRow};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -135,4 +135,223 @@ fn images_are_cut_into_patches_as_transformers_cuts_them() {
             "{file}: positions"
         );
     }
+}
+
+/// The fixture's model with the smaller gemma4s' rule (media attend causally), in a temporary
+/// copy of its directory.
+fn causal_copy() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for f in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        std::fs::copy(fixture().join(f), dir.path().join(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture().join("config.json")).unwrap()).unwrap();
+    cfg["text_config"]
+        .as_object_mut()
+        .unwrap()
+        .remove("use_bidirectional_attention");
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+    dir
+}
+
+/// Logits `[T, V]` of `ids` fed in passes of the given lengths, each image's soft tokens in
+/// place of its run of image tokens.
+fn mm_logits(dir: &std::path::Path, ids: &[i32], images: &[Array], passes: &[usize]) -> Vec<f32> {
+    let m = models::load(dir, DtypeChoice::Fixed(Dtype::F32)).unwrap();
+    let image_token = serde_json::from_slice::<serde_json::Value>(
+        &std::fs::read(dir.join("config.json")).unwrap(),
+    )
+    .unwrap()["image_token_id"]
+        .as_i64()
+        .unwrap() as i32;
+    // Each run of image tokens, in order: (start, len).
+    let mut runs = Vec::new();
+    let mut i = 0;
+    while i < ids.len() {
+        if ids[i] == image_token {
+            let s = i;
+            while i < ids.len() && ids[i] == image_token {
+                i += 1;
+            }
+            runs.push((s, i - s));
+        } else {
+            i += 1;
+        }
+    }
+    assert_eq!(runs.len(), images.len());
+    let mut caches = m.model.make_caches();
+    let (mut out, mut at) = (Vec::new(), 0);
+    for &n in passes {
+        let media: Vec<MediaSpan> = runs
+            .iter()
+            .zip(images)
+            .filter(|((s, l), _)| *s >= at && s + l <= at + n)
+            .map(|((s, l), e)| {
+                assert_eq!(e.dim(0).unwrap() as usize, *l);
+                MediaSpan {
+                    at: s - at,
+                    embeds: e.clone(),
+                }
+            })
+            .collect();
+        let tokens = Array::from_slice(&ids[at..at + n], &[1, n as i32]).unwrap();
+        let h = m
+            .model
+            .forward_packed(
+                &tokens,
+                &mut [PackedRow {
+                    len: n,
+                    caches: &mut caches,
+                    media: &media,
+                }],
+            )
+            .unwrap();
+        out.extend(m.model.logits(&h).unwrap().to_vec::<f32>().unwrap());
+        at += n;
+    }
+    assert_eq!(at, ids.len());
+    out
+}
+
+fn argmax_rows(v: &[f32], vocab: usize) -> Vec<usize> {
+    v.chunks(vocab)
+        .map(|r| {
+            r.iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .unwrap()
+                .0
+        })
+        .collect()
+}
+
+/// A prompt with two images through the whole model against transformers'
+/// `Gemma4ForConditionalGeneration`: with the larger gemma4s' rule (an image's tokens see each
+/// other both ways in the sliding layers, within the window) and the smaller ones' (causal),
+/// in one pass and in passes that cut between the images, from transformers' own soft tokens
+/// and from ours. This prompt is sensitive to rounding (transformers' float32 logits are 1.3e-4
+/// and 4.1e-4 from its float64 ones), so each result is held to the float64 logits: no further
+/// from them than three times transformers' float32 (1.1 to 1.9 times seen), and the same
+/// argmax everywhere.
+#[test]
+fn a_prompt_with_two_images_gives_transformers_logits() {
+    let (v, g) = (tower(), golden());
+    let theirs = [
+        g["image.wide.features"].clone(),
+        g["image.small.features"].clone(),
+    ];
+    let ours = [
+        v.encode(&patches(&g, "wide")).unwrap(),
+        v.encode(&patches(&g, "small")).unwrap(),
+    ];
+    let ids = g["mm.input_ids"].to_vec::<i32>().unwrap();
+    let t = ids.len();
+    let causal = causal_copy();
+    let worst = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max)
+    };
+    for (dir, key) in [
+        (fixture(), "mm.logits"),
+        (causal.path().to_path_buf(), "mm.logits_causal"),
+    ] {
+        let exact: Vec<f32> = g[&format!("{key}_f64")]
+            .astype(Dtype::F32)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        let reference = worst(&g[key].to_vec::<f32>().unwrap(), &exact);
+        let vocab = exact.len() / t;
+        // Whole; cut after the first image; cut before each image.
+        for passes in [vec![t], vec![70, t - 70], vec![5, 65, t - 70]] {
+            for (images, whose) in [(&theirs, "theirs"), (&ours, "ours")] {
+                let got = mm_logits(&dir, &ids, images, &passes);
+                let what = format!("{key}, passes {passes:?}, {whose} soft tokens");
+                let d = worst(&got, &exact);
+                assert!(
+                    d <= 3.0 * reference.max(5e-5),
+                    "{what}: {d} from float64 (transformers' float32: {reference})"
+                );
+                assert_eq!(
+                    argmax_rows(&got, vocab),
+                    argmax_rows(&exact, vocab),
+                    "{what}: argmax"
+                );
+            }
+        }
+    }
+}
+
+/// Media that does not fit the pass is refused by name, before anything runs; a model without
+/// images refuses media.
+#[test]
+fn media_that_does_not_fit_its_row_is_refused() {
+    let m = models::load(&fixture(), DtypeChoice::Fixed(Dtype::F32)).unwrap();
+    let mut caches = m.model.make_caches();
+    let embeds = Array::zeros(&[4, 64], Dtype::F32).unwrap();
+    let tokens = Array::from_slice(&[2, 17, 200, 45, 3, 9], &[1, 6]).unwrap();
+    for (at, what) in [(3, "past the row's end"), (0, "overlapping the next")] {
+        let media = if at == 3 {
+            vec![MediaSpan {
+                at,
+                embeds: embeds.clone(),
+            }]
+        } else {
+            vec![
+                MediaSpan {
+                    at: 0,
+                    embeds: embeds.clone(),
+                },
+                MediaSpan {
+                    at: 2,
+                    embeds: embeds.slice_axis(0, 0, Some(2)).unwrap(),
+                },
+            ]
+        };
+        let e = m
+            .model
+            .forward_packed(
+                &tokens,
+                &mut [PackedRow {
+                    len: 6,
+                    caches: &mut caches,
+                    media: &media,
+                }],
+            )
+            .err()
+            .unwrap_or_else(|| panic!("{what}: accepted"))
+            .to_string();
+        assert!(e.contains("media of"), "{what}: {e}");
+    }
+    let glm = models::load(
+        &fixture().join("../glm4_moe_lite"),
+        DtypeChoice::Fixed(Dtype::F32),
+    )
+    .unwrap();
+    let mut caches = glm.model.make_caches();
+    let media = [MediaSpan {
+        at: 0,
+        embeds: Array::zeros(&[1, 8], Dtype::F32).unwrap(),
+    }];
+    let e = glm
+        .model
+        .forward_packed(
+            &Array::from_slice(&[2, 17], &[1, 2]).unwrap(),
+            &mut [PackedRow {
+                len: 2,
+                caches: &mut caches,
+                media: &media,
+            }],
+        )
+        .err()
+        .expect("GLM refuses media")
+        .to_string();
+    assert!(e.contains("no images"), "{e}");
 }

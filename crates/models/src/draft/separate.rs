@@ -89,10 +89,7 @@ impl Drafter for SeparateModel {
                     crate::ModelError::Invalid("a row twice in one drafting pass".into())
                 })?;
                 r.state.covered += len;
-                packed.push(PackedRow {
-                    len,
-                    caches: &mut r.state.caches,
-                });
+                packed.push(PackedRow::text(len, &mut r.state.caches));
             }
             let hidden = m.forward_packed(toks, &mut packed)?;
             let ends = last_positions(lens);

@@ -88,12 +88,7 @@ pub(crate) fn run(
     let mut packed_rows: Vec<models::PackedRow<'_>> = gens
         .iter_mut()
         .zip(&lens)
-        .filter_map(|(g, l)| {
-            l.map(|len| models::PackedRow {
-                len,
-                caches: g.caches_mut(),
-            })
-        })
+        .filter_map(|(g, l)| l.map(|len| models::PackedRow::text(len, g.caches_mut())))
         .collect();
     let hidden = ctx.model.forward_packed(&packed_tokens, &mut packed_rows)?;
     drop(packed_rows);
