@@ -350,8 +350,7 @@ fn media_that_does_not_fit_its_row_is_refused() {
                 media: &media,
             }],
         )
-        .err()
-        .expect("GLM refuses media")
+        .expect_err("GLM refuses media")
         .to_string();
     assert!(e.contains("no images"), "{e}");
 }
