@@ -1,5 +1,5 @@
 //! gemma4's image processor: encoded image bytes in, the tower's patches out, as transformers'
-//! `Gemma4ImageProcessorPil` makes them (docs/MODELS.md, "gemma4 vision"):
+//! `Gemma4ImageProcessorPil` makes them (docs/MODELS.md §1.5):
 //!
 //! 1. decode (PNG, JPEG, WebP, GIF's first frame) and convert to RGB, transparency composited
 //!    onto white with Pillow's integer arithmetic;
@@ -18,7 +18,7 @@ use serde::Deserialize;
 use std::io::Cursor;
 
 /// The largest image we decode, a side: larger ones are refused before their pixels are
-/// allocated (docs/PROTOCOL.md, media bounds).
+/// allocated (docs/MODELS.md §1.5).
 pub const MAX_IMAGE_SIDE: u32 = 16_384;
 /// The most memory one image's decoding may take.
 pub const MAX_IMAGE_BYTES: u64 = 512 << 20;

@@ -1,5 +1,5 @@
 //! gemma4's vision tower and its embedder: an image's patches in, the soft tokens that take the
-//! place of its image tokens out (docs/MODELS.md, "gemma4 vision").
+//! place of its image tokens out (docs/MODELS.md §1.5).
 //!
 //! Each image runs through the tower alone at its own patch count: transformers pads every image
 //! to the processor's patch budget and masks the padding out of attention and pooling, which is
