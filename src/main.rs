@@ -925,6 +925,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         checkpoints: Vec::new(),
         snapshot_every: None,
         constraint: None,
+        media: Vec::new(),
     };
     let tok = &loaded.tokenizer;
     let mut sampler = Sampler::new(num_ctx);
@@ -932,6 +933,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         model: &*loaded.model,
         sampler: &mut sampler,
         draft: draft.as_deref().map(|d| (d, &mut controller)),
+        vision: None,
     };
     let mut g = Generation::new(&mut ctx, 0, params)?;
     let mut text = TextStream::new(&req.options.stop);

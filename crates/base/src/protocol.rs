@@ -12,8 +12,9 @@ use serde::{Deserialize, Serialize};
 pub struct CompletionRequest {
     #[serde(rename = "Prompt")]
     pub prompt: String,
-    /// Images and audio (`llm.MediaData`); no model served here takes media, so a request that
-    /// carries any is refused rather than answered without it.
+    /// Images and audio (`llm.MediaData`: `{"data": base64, "id": N, "Kind": k}`), each named
+    /// in the prompt by an `[img-N]` tag ([`CompletionRequest::media_items`]). A model without
+    /// a tower for them refuses the request rather than answering without them.
     #[serde(rename = "Media")]
     pub media: Vec<serde_json::Value>,
     #[serde(rename = "Options")]
@@ -26,6 +27,13 @@ pub struct CompletionRequest {
     /// Schema object; ours also takes a string holding a Lark grammar. Absent: free text.
     #[serde(rename = "Format")]
     pub format: serde_json::Value,
+}
+
+/// One media item of a completion request: its bytes and the id its `[img-N]` tag names.
+#[derive(Debug, Clone)]
+pub struct MediaItem {
+    pub id: i64,
+    pub data: Vec<u8>,
 }
 
 /// The `Options` object. Unknown keys are ignored; a known key of the wrong type fails to parse.
@@ -146,16 +154,45 @@ impl CompletionRequest {
         }
     }
 
+    /// The request's media items, decoded: each needs its bytes (`data`, base64 as Go writes a
+    /// `[]byte`) and an integer `id`, unique in the request; keys match as Go's decoder matches
+    /// them (ignoring case).
+    pub fn media_items(&self) -> Result<Vec<MediaItem>, String> {
+        use base64::Engine;
+        let mut items: Vec<MediaItem> = Vec::with_capacity(self.media.len());
+        for (i, v) in self.media.iter().enumerate() {
+            let serde_json::Value::Object(o) = v else {
+                return Err(format!("media item {i} is not an object"));
+            };
+            let field = |name: &str| {
+                o.iter()
+                    .find(|(k, _)| k.eq_ignore_ascii_case(name))
+                    .map(|(_, v)| v)
+            };
+            let data = match field("data") {
+                Some(serde_json::Value::String(s)) => base64::engine::general_purpose::STANDARD
+                    .decode(s)
+                    .map_err(|e| format!("media item {i}: `data` is not base64: {e}"))?,
+                _ => return Err(format!("media item {i} has no `data` (base64 bytes)")),
+            };
+            if data.is_empty() {
+                return Err(format!("media item {i} is empty"));
+            }
+            let id = field("id")
+                .and_then(serde_json::Value::as_i64)
+                .ok_or_else(|| format!("media item {i} has no integer `id`"))?;
+            if items.iter().any(|m| m.id == id) {
+                return Err(format!("two media items have the id {id}"));
+            }
+            items.push(MediaItem { id, data });
+        }
+        Ok(items)
+    }
+
     /// Everything that makes the request a 400, described.
     pub fn validate(&self) -> Result<(), String> {
         if self.prompt.is_empty() {
             return Err("prompt is empty".into());
-        }
-        if !self.media.is_empty() {
-            return Err(format!(
-                "this model does not support images or audio, but the request carries {} media item(s)",
-                self.media.len()
-            ));
         }
         if !(0..=MAX_TOP_LOGPROBS).contains(&self.top_logprobs) {
             return Err(format!(

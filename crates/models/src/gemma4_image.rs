@@ -13,7 +13,6 @@ use crate::config::JsonFile;
 use crate::gemma4_vision::ImagePatches;
 use crate::{ModelError, Result};
 use image::{DynamicImage, ImageReader, Limits};
-use mlx::Array;
 use serde::Deserialize;
 use std::io::Cursor;
 
@@ -80,15 +79,23 @@ fn default_resample() -> u32 {
 }
 
 impl ImageProcessorConfig {
-    /// The image processor's config in the model directory `dir`: `preprocessor_config.json`,
-    /// or the `image_processor` part of `processor_config.json`; `None` where neither exists.
+    /// The image processor's config in the model directory `dir` (see
+    /// [`ImageProcessorConfig::load_files`]).
     pub fn load(dir: &std::path::Path) -> Result<Option<ImageProcessorConfig>> {
-        if let Some(file) = JsonFile::read_optional(&dir.join("preprocessor_config.json"))? {
+        Self::load_files(&crate::ModelFiles::dir(dir)?)
+    }
+
+    /// The image processor's config among a model's files: `preprocessor_config.json`, or the
+    /// `image_processor` part of `processor_config.json`; `None` where neither exists.
+    pub fn load_files(files: &crate::ModelFiles) -> Result<Option<ImageProcessorConfig>> {
+        if let Some(path) = files.file("preprocessor_config.json") {
+            let file = JsonFile::read(path)?;
             return Self::from_value(&file, &file.value).map(Some);
         }
-        let Some(file) = JsonFile::read_optional(&dir.join("processor_config.json"))? else {
+        let Some(path) = files.file("processor_config.json") else {
             return Ok(None);
         };
+        let file = JsonFile::read(path)?;
         match file.value.get("image_processor") {
             Some(v) => Self::from_value(&file, v).map(Some),
             None => Ok(None),
@@ -222,9 +229,8 @@ impl ImageProcessorConfig {
                 positions.push([px as i32, py as i32]);
             }
         }
-        let n = (gw * gh) as i32;
         Ok(ImagePatches {
-            pixels: Array::from_slice(&out, &[n, per as i32])?,
+            pixels: out,
             positions,
             grid: (gw as i32, gh as i32),
         })

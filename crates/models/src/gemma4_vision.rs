@@ -298,11 +298,13 @@ impl Axial {
     }
 }
 
-/// One image's patches as the image processor makes them: `pixels` `[N, 3·patch²]` (each
-/// patch's rows of pixels, channels last, values in [0, 1]) and each patch's `(x, y)` in the
-/// patch grid, row by row; the grid's sides are multiples of the pooling kernel.
+/// One image's patches as the image processor makes them: `pixels`, N rows of `3·patch²`
+/// values (each patch's rows of pixels, channels last, in [0, 1]) and each patch's `(x, y)` in
+/// the patch grid, row by row; the grid's sides are multiples of the pooling kernel. Plain data:
+/// made off the engine thread.
+#[derive(Debug, Clone)]
 pub struct ImagePatches {
-    pub pixels: Array,
+    pub pixels: Vec<f32>,
     pub positions: Vec<[i32; 2]>,
     /// Patches across and down.
     pub grid: (i32, i32),
@@ -386,10 +388,10 @@ impl Gemma4Vision {
                 "an image of {n} patches on a {gw}x{gh} grid does not pool by {k}"
             )));
         }
-        if image.pixels.shape() != [n, cfg.patch_values()] {
+        if image.pixels.len() != n as usize * cfg.patch_values() as usize {
             return Err(ModelError::Invalid(format!(
-                "image patches of shape {:?}, expected [{n}, {}]",
-                image.pixels.shape(),
+                "image patches of {} values, expected {n} x {}",
+                image.pixels.len(),
                 cfg.patch_values()
             )));
         }
@@ -401,9 +403,7 @@ impl Gemma4Vision {
         }
         let dtype = self.positions.dtype();
         // The processor's [0, 1] pixels, scaled to [-1, 1] here (gemma4 has no normalization).
-        let pixels = image
-            .pixels
-            .astype(Dtype::F32)?
+        let pixels = Array::from_slice(&image.pixels, &[n, cfg.patch_values()])?
             .subtract_scalar(0.5)?
             .multiply_scalar(2.0)?
             .astype(dtype)?;
@@ -438,6 +438,60 @@ impl Gemma4Vision {
             None => pooled,
         };
         Ok(pooled.astype(dtype)?)
+    }
+}
+
+/// What the HTTP side needs to put an image into a prompt: the processor, and the tokens an
+/// image becomes (`boi`, one `image_token` per soft token, `eoi`). Plain data.
+#[derive(Debug, Clone)]
+pub struct ImagePrompt {
+    pub processor: crate::gemma4_image::ImageProcessorConfig,
+    pub boi: u32,
+    pub eoi: u32,
+    pub image_token: u32,
+    /// Whether an image's soft tokens see each other both ways (an image must then be whole in
+    /// one forward pass; see [`crate::MediaSpan`]).
+    pub bidirectional: bool,
+}
+
+impl ImagePrompt {
+    /// From a gemma4 `config.json` and the image processor's config.
+    pub fn new(
+        file: &JsonFile,
+        processor: crate::gemma4_image::ImageProcessorConfig,
+        vision: &VisionConfig,
+    ) -> Result<ImagePrompt> {
+        let id = |key: &str| -> Result<u32> {
+            file.value
+                .get(key)
+                .and_then(Value::as_u64)
+                .map(|v| v as u32)
+                .ok_or_else(|| file.error(format!("missing field `{key}` (an image needs it)")))
+        };
+        if processor.patch_size != vision.patch_size
+            || processor.pooling_kernel_size != vision.pooling_kernel_size
+        {
+            return Err(file.error(format!(
+                "the image processor cuts {}-pixel patches pooled by {}, the tower takes {} and {}",
+                processor.patch_size,
+                processor.pooling_kernel_size,
+                vision.patch_size,
+                vision.pooling_kernel_size
+            )));
+        }
+        let bidirectional = file
+            .value
+            .get("text_config")
+            .and_then(|t| t.get("use_bidirectional_attention"))
+            .and_then(Value::as_str)
+            == Some("vision");
+        Ok(ImagePrompt {
+            processor,
+            boi: id("boi_token_id")?,
+            eoi: id("eoi_token_id")?,
+            image_token: id("image_token_id")?,
+            bidirectional,
+        })
     }
 }
 

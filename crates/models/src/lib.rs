@@ -270,17 +270,29 @@ fn draft_impl(
 
 /// The vision tower of the gemma4 model in `dir`, or `None` where its checkpoint has none.
 pub fn load_vision(dir: &Path, dtype: DtypeChoice) -> Result<Option<gemma4_vision::Gemma4Vision>> {
-    let files = ModelFiles::dir(dir)?;
+    Ok(load_vision_files(&ModelFiles::dir(dir)?, dtype)?.map(|(v, _)| v))
+}
+
+/// The vision tower among a model's files and what a prompt needs to hold an image; `None`
+/// where the checkpoint has no tower or no image processor config.
+pub fn load_vision_files(
+    files: &ModelFiles,
+    dtype: DtypeChoice,
+) -> Result<Option<(gemma4_vision::Gemma4Vision, gemma4_vision::ImagePrompt)>> {
     let file = JsonFile::read(files.config()?)?;
     let Some(cfg) = gemma4_vision::VisionConfig::from_file(&file)? else {
         return Ok(None);
     };
+    let Some(processor) = gemma4_image::ImageProcessorConfig::load_files(files)? else {
+        return Ok(None);
+    };
+    let prompt = gemma4_vision::ImagePrompt::new(&file, processor, &cfg)?;
     let text_hidden = gemma4_vision::text_hidden(&file)?;
     let dtype = resolve_dtype(dtype, &file.value);
-    let weights = Weights::load_files(&files, dtype, quant_config(&file)?)?;
+    let weights = Weights::load_files(files, dtype, quant_config(&file)?)?;
     let vision = gemma4_vision::Gemma4Vision::new(cfg, text_hidden, &weights)?;
     weights.materialize()?;
-    Ok(Some(vision))
+    Ok(Some((vision, prompt)))
 }
 
 /// Loads the model in `dir`: config, tokenizer, then weights (lazily read, cast once).

@@ -137,6 +137,17 @@ impl Tokenizer {
         Ok(self.encode_in_pieces(text, PIECE, MARGIN)?.0)
     }
 
+    /// Token ids for `text` with no special tokens at all: a piece of a prompt that follows
+    /// other pieces (the text after an image).
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self
+            .inner
+            .encode(text, false)
+            .map_err(|e| self.err(e))?
+            .get_ids()
+            .to_vec())
+    }
+
     /// The whole text through the tokenizer at once (what [`Tokenizer::encode`] must equal).
     pub fn encode_whole(&self, text: &str) -> Result<Vec<u32>> {
         let ids = self

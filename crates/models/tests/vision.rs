@@ -35,7 +35,9 @@ fn patches(g: &HashMap<String, Array>, name: &str) -> ImagePatches {
     let gw = positions.iter().map(|p| p[0]).max().unwrap() + 1;
     let gh = positions.iter().map(|p| p[1]).max().unwrap() + 1;
     ImagePatches {
-        pixels: g[&format!("image.{name}.pixel_values")].clone(),
+        pixels: g[&format!("image.{name}.pixel_values")]
+            .to_vec::<f32>()
+            .unwrap(),
         positions,
         grid: (gw, gh),
     }
@@ -77,11 +79,11 @@ fn patches_that_do_not_fit_the_tower_are_refused() {
     let p = patches(&g, "wide");
     let n = p.positions.len() as i32;
     let bad = ImagePatches {
-        pixels: Array::zeros(&[n, 12], Dtype::F32).unwrap(),
+        pixels: vec![0.0; n as usize * 12],
         ..p
     };
     let e = v.encode(&bad).unwrap_err().to_string();
-    assert!(e.contains("image patches of shape"), "{e}");
+    assert!(e.contains("image patches of"), "{e}");
 }
 
 #[test]
@@ -126,7 +128,8 @@ fn images_are_cut_into_patches_as_transformers_cuts_them() {
             .preprocess(&bytes)
             .unwrap_or_else(|e| panic!("{file}: {e}"));
         let want = &g[&format!("{key}.pixel_values")];
-        let d = max_diff(&p.pixels, want);
+        let n = p.positions.len() as i32;
+        let d = max_diff(&Array::from_slice(&p.pixels, &[n, 48]).unwrap(), want);
         assert!(d <= tol + 1e-6, "{file}: pixels differ by {d}");
         let pos: Vec<i32> = p.positions.iter().flatten().copied().collect();
         assert_eq!(

@@ -136,6 +136,8 @@ pub struct Shared {
     pub disk: OnceLock<(Arc<DiskStats>, u64)>,
     pub metrics: Metrics,
     pub architecture: OnceLock<&'static str>,
+    /// What a prompt needs to hold images, for a model that takes them (set at load).
+    pub images: OnceLock<Option<models::gemma4_vision::ImagePrompt>>,
 }
 
 impl Shared {
@@ -193,6 +195,19 @@ fn engine_main(
             return;
         }
     };
+    // Before the memory plan, which counts what the weights took.
+    let vision = match models::load_vision_files(&cfg.model, cfg.dtype) {
+        Ok(v) => v,
+        Err(e) => {
+            let _ = loaded.send(Err(format!("vision tower: {e}")));
+            return;
+        }
+    };
+    let (vision, images) = match vision {
+        Some((v, p)) => (Some(v), Some(p)),
+        None => (None, None),
+    };
+    let _ = shared.images.set(images);
     if let Some(d) = &draft {
         tracing::info!(drafter = d.name(), "speculative decoding on");
     }
@@ -224,6 +239,7 @@ fn engine_main(
         let _ = shared.disk.set((Arc::clone(d.stats()), d.budget()));
     }
     let mut engine = Engine {
+        vision,
         disk,
         draft,
         controllers,
@@ -379,6 +395,8 @@ impl Active {
 
 struct Engine {
     model: LoadedModel,
+    /// The vision tower, for a model that takes images.
+    vision: Option<models::gemma4_vision::Gemma4Vision>,
     sampler: Sampler,
     draft: Option<Box<dyn Drafter>>,
     /// Depth controllers by how many sequences decode or draft in a step ([`bucket`]): what a
@@ -466,7 +484,17 @@ impl Engine {
             self.next_slot += 1;
             let prompt = &job.params.prompt;
             let fresh = self.fresh_caches();
-            let mut restored = match self.prefix.restore(prompt, fresh) {
+            // A prompt with images starts cold: its token ids do not name its images.
+            let restore = if job.params.media.is_empty() {
+                self.prefix.restore(prompt, fresh)
+            } else {
+                Ok(cache::prefix::Restored {
+                    caches: fresh,
+                    cached: 0,
+                    matched: 0,
+                })
+            };
+            let mut restored = match restore {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::warn!("prefix cache restore failed, starting cold: {e}");
@@ -478,7 +506,7 @@ impl Engine {
                 }
             };
             let m = &self.shared.metrics;
-            if let Some(disk) = &self.disk {
+            if let Some(disk) = self.disk.as_ref().filter(|_| job.params.media.is_empty()) {
                 if let Some(d) = disk.restore(prompt, self.fresh_caches(), restored.cached) {
                     m.disk_hits.fetch_add(1, Ordering::Relaxed);
                     m.disk_tokens
@@ -607,12 +635,14 @@ impl Engine {
             draft,
             controllers,
             cfg,
+            vision,
             ..
         } = self;
         let mut ctx = Ctx {
             model: &*model.model,
             sampler,
             draft: draft.as_deref().map(|d| (d, &mut controllers[bucket])),
+            vision: vision.as_ref(),
         };
         f(&mut ctx, active, cfg)
     }
@@ -763,7 +793,8 @@ impl Engine {
 
     /// A finished or cancelled sequence leaves what it computed to the prefix cache.
     fn retire(&mut self, a: Active) {
-        if a.failed {
+        // A sequence with images is not kept: its token ids do not name its images.
+        if a.failed || a.gen.has_media() {
             return;
         }
         let r = match a.gen.into_parts(self.draft.as_deref()) {

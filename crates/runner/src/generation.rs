@@ -69,6 +69,18 @@ pub struct GenerationParams {
     pub snapshot_every: Option<usize>,
     /// Structured output: the grammar every generated token must keep to.
     pub constraint: Option<Box<grammar::Constraint>>,
+    /// The images in the prompt, in order: each one's soft tokens replace its run of image
+    /// tokens. Such a request neither drafts nor uses the prefix cache (its token ids alone
+    /// do not name the images).
+    pub media: Vec<PromptImage>,
+}
+
+/// An image in a prompt: its patches, and where its soft tokens go (`at..at + len`).
+#[derive(Debug, Clone)]
+pub struct PromptImage {
+    pub at: usize,
+    pub len: usize,
+    pub patches: std::sync::Arc<models::gemma4_vision::ImagePatches>,
 }
 
 /// The borrowed pieces a generation runs on.
@@ -77,6 +89,8 @@ pub struct Ctx<'a> {
     pub sampler: &'a mut Sampler,
     /// The drafter and its depth controller, when speculation is on.
     pub draft: Option<(&'a dyn Drafter, &'a mut DepthController)>,
+    /// The vision tower, for a model that takes images.
+    pub vision: Option<&'a models::gemma4_vision::Gemma4Vision>,
 }
 
 impl<'a> Ctx<'a> {
@@ -85,6 +99,7 @@ impl<'a> Ctx<'a> {
             model,
             sampler,
             draft: None,
+            vision: None,
         }
     }
 
@@ -214,7 +229,16 @@ impl Generation {
             return Err(internal("fewer caches than the target has layers"));
         }
         let own = caches.split_off(targets);
-        let draft = ctx.drafter().map(|_| DraftState::new(own, cached));
+        if !params.media.is_empty() && ctx.vision.is_none() {
+            return Err(GenerateError::BadRequest(
+                "this model does not support images".into(),
+            ));
+        }
+        let draft = if params.media.is_empty() {
+            ctx.drafter().map(|_| DraftState::new(own, cached))
+        } else {
+            None
+        };
         let own_depth = match &ctx.draft {
             Some((_, c)) if params.options.seeded_sampling() => Some(c.for_seeded_request()),
             _ => None,
@@ -357,6 +381,8 @@ impl Generation {
 
     /// Where the next prefill chunk starts and ends, taking at most `budget` tokens: a chunk
     /// ends where a snapshot is due.
+    /// An image is never cut: a chunk that would end inside one ends before it, or, where it
+    /// starts there, after it (so a chunk may pass the budget by the rest of one image).
     pub(crate) fn chunk(&self, budget: usize) -> (usize, usize) {
         let at = self.prefilled;
         let n = self.params.prompt.len();
@@ -365,7 +391,48 @@ impl Generation {
             Some(&cp) => cp,
             None => end,
         };
+        let end = match self
+            .params
+            .media
+            .iter()
+            .find(|m| m.at < end && end < m.at + m.len)
+        {
+            Some(m) if m.at > at => m.at,
+            Some(m) => m.at + m.len,
+            None => end,
+        };
         (at, end)
+    }
+
+    /// Whether the prompt holds images.
+    pub(crate) fn has_media(&self) -> bool {
+        !self.params.media.is_empty()
+    }
+
+    /// The images whose soft tokens lie in the prompt chunk `start..end`, encoded, placed
+    /// relative to the chunk (images are never cut by a chunk).
+    pub(crate) fn media_spans(
+        &self,
+        vision: Option<&models::gemma4_vision::Gemma4Vision>,
+        start: usize,
+        end: usize,
+    ) -> Result<Vec<models::MediaSpan>> {
+        let mut spans = Vec::new();
+        for m in &self.params.media {
+            if m.at + m.len <= start || m.at >= end {
+                continue;
+            }
+            if m.at < start || m.at + m.len > end {
+                return Err(internal("a prefill chunk cuts an image"));
+            }
+            let vision = vision.ok_or_else(|| internal("an image without a vision tower"))?;
+            let embeds = vision.encode(&m.patches)?;
+            spans.push(models::MediaSpan {
+                at: m.at - start,
+                embeds,
+            });
+        }
+        Ok(spans)
     }
 
     pub(crate) fn prompt(&self, start: usize, end: usize) -> &[u32] {

@@ -4,6 +4,7 @@
 pub mod depth;
 pub mod engine;
 pub mod generation;
+pub mod media;
 pub mod memory;
 pub mod metrics;
 pub mod process;

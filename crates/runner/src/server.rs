@@ -3,7 +3,7 @@
 //! every failure to a status and a `{"error": "..."}` body.
 
 use crate::engine::{CompletionJob, Job, Shared};
-use crate::generation::{Event, GenerationParams};
+use crate::generation::{Event, GenerationParams, PromptImage};
 use crate::text::{TextPiece, TextStream};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -247,7 +247,13 @@ impl Drop for CancelOnDrop {
 async fn completions(State(app): State<AppState>, body: Body) -> Result<Response, ApiError> {
     let received = Instant::now();
     let prepared = prepare(&app, body).await.map_err(|e| bad(&app, e))?;
-    let (req, prompt, num_ctx, tok) = prepared;
+    let Prepared {
+        req,
+        prompt,
+        media,
+        num_ctx,
+        tok,
+    } = prepared;
     let constraint = constrain(&app, &req, &tok)
         .await
         .map_err(|e| bad(&app, e))?;
@@ -261,6 +267,7 @@ async fn completions(State(app): State<AppState>, body: Body) -> Result<Response
         checkpoints: Vec::new(),
         snapshot_every: None,
         constraint,
+        media,
     };
     let (tx, mut rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
@@ -346,10 +353,42 @@ async fn constrain(
         .map_err(ApiError::bad_request)
 }
 
-async fn prepare(
+/// A completion request, checked and tokenized.
+struct Prepared {
+    req: CompletionRequest,
+    prompt: Vec<u32>,
+    media: Vec<PromptImage>,
+    num_ctx: usize,
+    tok: Arc<Tokenizer>,
+}
+
+/// The prompt of a request with media: its images prepared (decoded, cut into patches) and its
+/// tags expanded, off the async threads and within the tokenization budget.
+async fn prepare_media(
     app: &AppState,
-    body: Body,
-) -> Result<(CompletionRequest, Vec<u32>, usize, Arc<Tokenizer>), ApiError> {
+    req: &CompletionRequest,
+    tok: &Arc<Tokenizer>,
+) -> Result<(Vec<u32>, Vec<PromptImage>), ApiError> {
+    let Some(images) = app.shared.images.get().cloned().flatten() else {
+        return Err(ApiError::bad_request(format!(
+            "this model does not support images or audio, but the request carries {} media item(s)",
+            req.media.len()
+        )));
+    };
+    let items = req.media_items().map_err(ApiError::bad_request)?;
+    let _permit = app
+        .tokenize_slots
+        .acquire_many(TOKENIZE_UNITS)
+        .await
+        .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting down"))?;
+    let (tok, prompt) = (Arc::clone(tok), req.prompt.clone());
+    tokio::task::spawn_blocking(move || crate::media::prepare(&tok, &images, &prompt, &items))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(ApiError::bad_request)
+}
+
+async fn prepare(app: &AppState, body: Body) -> Result<Prepared, ApiError> {
     let body = read_body(body, &app.limits).await?;
     let req = CompletionRequest::parse(&body).map_err(ApiError::bad_request)?;
     req.validate().map_err(ApiError::bad_request)?;
@@ -362,7 +401,14 @@ async fn prepare(
             req.prompt.len()
         )));
     }
-    let prompt = encode(app, Arc::clone(&tok), req.prompt.clone()).await?;
+    let (prompt, media) = if req.media.is_empty() {
+        (
+            encode(app, Arc::clone(&tok), req.prompt.clone()).await?,
+            Vec::new(),
+        )
+    } else {
+        prepare_media(app, &req, &tok).await?
+    };
     if prompt.is_empty() {
         return Err(ApiError::bad_request("prompt tokenizes to nothing"));
     }
@@ -372,7 +418,13 @@ async fn prepare(
             prompt.len()
         )));
     }
-    Ok((req, prompt, num_ctx, tok))
+    Ok(Prepared {
+        req,
+        prompt,
+        media,
+        num_ctx,
+        tok,
+    })
 }
 
 struct NdjsonStream {

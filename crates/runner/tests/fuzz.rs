@@ -49,6 +49,8 @@ fn key() -> impl Strategy<Value = String> {
 
 fn check(body: &[u8]) {
     if let Ok(r) = CompletionRequest::parse(body) {
+        // Media items decode or are refused, never panic.
+        let _ = r.media_items();
         if r.validate().is_ok() {
             let o = r.sampler_options().normalized(4096);
             assert!(o.top_k >= 0 && o.top_p > 0.0 && o.top_p <= 1.0);

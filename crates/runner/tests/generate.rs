@@ -37,6 +37,7 @@ fn params(prompt: Vec<u32>, n: Option<usize>, eos: &[u32]) -> GenerationParams {
         checkpoints: Vec::new(),
         snapshot_every: None,
         constraint: None,
+        media: Vec::new(),
     }
 }
 

@@ -65,6 +65,7 @@ impl Engine {
                 checkpoints: Vec::new(),
                 snapshot_every: None,
                 constraint: None,
+                media: Vec::new(),
             },
             events: tx,
             cancel: Arc::new(AtomicBool::new(false)),

@@ -122,6 +122,7 @@ fn run(s: &mut Setup, prompt: &[u32], options: Options, n: Option<usize>, num_ct
         model: &*s.target.model,
         sampler: &mut sampler,
         draft: s.draft.as_deref().map(|d| (d, &mut s.controller)),
+        vision: None,
     };
     let params = GenerationParams {
         prompt: prompt.to_vec(),
@@ -136,6 +137,7 @@ fn run(s: &mut Setup, prompt: &[u32], options: Options, n: Option<usize>, num_ct
             .format
             .as_ref()
             .map(|(v, f)| Box::new(v.constrain(f).unwrap())),
+        media: Vec::new(),
     };
     let mut g = Generation::new(&mut ctx, 0, params).unwrap();
     let (mut ids, mut logprobs) = (Vec::new(), Vec::new());

@@ -50,7 +50,15 @@ pub(crate) fn run(
 ) -> Result<Forwarded> {
     let mut tokens: Vec<Array> = Vec::new();
     let mut lens: Vec<Option<usize>> = Vec::with_capacity(gens.len());
+    // The images in each row's prefill chunk, encoded (the tower runs here, in the step).
+    let mut media: Vec<Vec<models::MediaSpan>> = Vec::with_capacity(gens.len());
     for (g, p) in gens.iter().zip(pieces) {
+        media.push(match p {
+            Piece::Prefill { start, end } if g.has_media() => {
+                g.media_spans(ctx.vision, *start, *end)?
+            }
+            _ => Vec::new(),
+        });
         match p {
             Piece::Decode {
                 current,
@@ -88,7 +96,14 @@ pub(crate) fn run(
     let mut packed_rows: Vec<models::PackedRow<'_>> = gens
         .iter_mut()
         .zip(&lens)
-        .filter_map(|(g, l)| l.map(|len| models::PackedRow::text(len, g.caches_mut())))
+        .zip(&media)
+        .filter_map(|((g, l), m)| {
+            l.map(|len| models::PackedRow {
+                len,
+                caches: g.caches_mut(),
+                media: m,
+            })
+        })
         .collect();
     let hidden = ctx.model.forward_packed(&packed_tokens, &mut packed_rows)?;
     drop(packed_rows);

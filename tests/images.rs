@@ -1,0 +1,156 @@
+//! Images through the runner, sent as ollama's parent sends them (`[img-N]` tags in the prompt,
+//! `Media` items with base64 bytes): the greedy continuation equals transformers' on the same
+//! prompt (tests/fixtures/models/gemma4_vision_like), and bad media gets a 400 naming what is
+//! wrong while the runner keeps serving.
+
+mod common;
+
+use base64::Engine;
+use common::{done_of, fixture, golden, Runner};
+use serde_json::{json, Value};
+
+fn greedy(n: i64) -> Value {
+    json!({"num_predict": n, "temperature": 0, "repeat_penalty": 1.0})
+}
+
+fn image(name: &str) -> String {
+    let bytes = std::fs::read(fixture("gemma4_vision_like").join("images").join(name)).unwrap();
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+fn media(items: &[(&str, i64)]) -> Value {
+    items
+        .iter()
+        .map(|&(name, id)| json!({"data": image(name), "id": id, "Kind": 0}))
+        .collect()
+}
+
+const PROMPT: &str = "Describe [img-0] and [img-1] now.";
+
+#[test]
+fn a_prompt_with_images_continues_as_transformers_does() {
+    let g = golden("gemma4_vision_like");
+    let want: Vec<u32> = g["runner.greedy"]
+        .to_vec::<i32>()
+        .unwrap()
+        .into_iter()
+        .map(|t| t as u32)
+        .collect();
+    let prompt_len = g["runner.input_ids"].shape()[0] as u64;
+    let tok = models::Tokenizer::load(&fixture("gemma4_vision_like")).unwrap();
+    let r = Runner::start("gemma4_vision_like", &[]);
+    let body = json!({
+        "Prompt": PROMPT,
+        "Media": media(&[("wide.png", 0), ("small.png", 1)]),
+        "Options": greedy(want.len() as i64),
+        "Logprobs": true,
+    });
+    // Twice: a request with images leaves nothing behind that changes the next.
+    let mut first_logprob = None;
+    for round in 0..2 {
+        let lines = r.complete(&body);
+        let got: Vec<String> = lines
+            .iter()
+            .filter_map(|l| l["Logprobs"].as_array())
+            .flatten()
+            .map(|e| e["token"].as_str().unwrap_or_default().to_string())
+            .collect();
+        let expected: Vec<String> = want.iter().map(|&t| tok.token_text(t)).collect();
+        assert_eq!(got, expected, "round {round}: greedy tokens");
+        let done = done_of(&lines);
+        assert_eq!(done["PromptEvalCount"], prompt_len, "round {round}");
+        first_logprob = lines
+            .iter()
+            .find_map(|l| l["Logprobs"][0]["logprob"].as_f64());
+    }
+    // The images swapped: the same number of tokens, another distribution.
+    let swapped = r.complete(&json!({
+        "Prompt": PROMPT,
+        "Media": media(&[("small.png", 0), ("wide.png", 1)]),
+        "Options": greedy(want.len() as i64),
+        "Logprobs": true,
+    }));
+    assert_eq!(done_of(&swapped)["PromptEvalCount"], prompt_len);
+    let other = swapped
+        .iter()
+        .find_map(|l| l["Logprobs"][0]["logprob"].as_f64());
+    assert!(
+        first_logprob.is_some() && other != first_logprob,
+        "{first_logprob:?} {other:?}"
+    );
+}
+
+#[test]
+fn bad_media_is_refused_by_name() {
+    let r = Runner::start("gemma4_vision_like", &[]);
+    let png = image("wide.png");
+    let truncated = {
+        let b = base64::engine::general_purpose::STANDARD
+            .decode(&png)
+            .unwrap();
+        base64::engine::general_purpose::STANDARD.encode(&b[..b.len() / 2])
+    };
+    let not_image = base64::engine::general_purpose::STANDARD.encode(b"just some text, not pixels");
+    let many: String = (0..17).map(|i| format!("[img-{i}]")).collect();
+    let many_media: Vec<Value> = (0..17).map(|i| json!({"data": png, "id": i})).collect();
+    let cases = [
+        (
+            json!({"Prompt": "look: [img-3]", "Media": [{"data": png, "id": 0}]}),
+            "media item 0 is not named",
+        ),
+        (
+            json!({"Prompt": "[img-0] and [img-1]", "Media": [{"data": png, "id": 0}]}),
+            "no media item has the id 1",
+        ),
+        (
+            json!({"Prompt": "[img-0]", "Media": [{"data": not_image, "id": 0}]}),
+            "no format we decode",
+        ),
+        (
+            json!({"Prompt": "[img-0]", "Media": [{"data": truncated, "id": 0}]}),
+            "cannot decode",
+        ),
+        (
+            json!({"Prompt": "[img-0]", "Media": [{"data": "%%%", "id": 0}]}),
+            "not base64",
+        ),
+        (
+            json!({"Prompt": "[img-0]", "Media": [{"id": 0}]}),
+            "has no `data`",
+        ),
+        (
+            json!({"Prompt": "[img-0]", "Media": [{"data": png, "id": 0}, {"data": png, "id": 0}]}),
+            "two media items have the id 0",
+        ),
+        (
+            json!({"Prompt": many, "Media": many_media}),
+            "more than the 16",
+        ),
+    ];
+    for (body, needle) in cases {
+        let (code, e) = r.post_raw("/v1/completions", &body.to_string());
+        let msg = e.as_str().unwrap_or_default().to_string();
+        assert_eq!(code, 400, "{needle}: {e}");
+        assert!(msg.contains(needle), "{needle}: {msg}");
+    }
+    // More image than the context holds (tall.png is 65 soft tokens).
+    let small = Runner::start("gemma4_vision_like", &["--ctx-size", "64"]);
+    let (code, e) = small.post_raw(
+        "/v1/completions",
+        &json!({"Prompt": "[img-0]", "Media": [{"data": image("tall.png"), "id": 0}]}).to_string(),
+    );
+    assert_eq!(code, 400, "{e}");
+    assert!(
+        e.as_str()
+            .unwrap_or_default()
+            .contains("prompt is too long"),
+        "{e}"
+    );
+    // Still serving, images and text alike.
+    let lines = r.complete(
+        &json!({"Prompt": "[img-0]", "Media": [{"data": png, "id": 0}], "Options": greedy(2)}),
+    );
+    assert_eq!(done_of(&lines)["EvalCount"], 2);
+    let lines = r.complete(&json!({"Prompt": "hello", "Options": greedy(2)}));
+    assert_eq!(done_of(&lines)["EvalCount"], 2);
+}
