@@ -1,7 +1,8 @@
 //! Images through the runner, sent as ollama's parent sends them (`[img-N]` tags in the prompt,
 //! `Media` items with base64 bytes): the greedy continuation equals transformers' on the same
-//! prompt (tests/fixtures/models/gemma4_vision_like), and bad media gets a 400 naming what is
-//! wrong while the runner keeps serving.
+//! prompt (tests/fixtures/models/gemma4_vision_like), a prompt seen before reuses its encoded
+//! images from the prefix cache (the tower does not run again) and one with other images does
+//! not, and bad media gets a 400 naming what is wrong while the runner keeps serving.
 
 mod common;
 
@@ -27,6 +28,19 @@ fn media(items: &[(&str, i64)]) -> Value {
 
 const PROMPT: &str = "Describe [img-0] and [img-1] now.";
 
+/// Images the runner has run through its vision tower so far (`/metrics`).
+fn images_encoded(r: &Runner) -> u64 {
+    let text = ureq::get(&r.url("/metrics"))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("mlx_runner_images_encoded_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("the images counter")
+}
+
 #[test]
 fn a_prompt_with_images_continues_as_transformers_does() {
     let g = golden("gemma4_vision_like");
@@ -45,9 +59,10 @@ fn a_prompt_with_images_continues_as_transformers_does() {
         "Options": greedy(want.len() as i64),
         "Logprobs": true,
     });
-    // Twice: a request with images leaves nothing behind that changes the next.
+    // Twice: the second time from the prefix cache, which holds both images (keyed by their
+    // contents), so the tower does not run again; the answer is the same.
     let mut first_logprob = None;
-    for round in 0..2 {
+    for round in 0..2u64 {
         let lines = r.complete(&body);
         let got: Vec<String> = lines
             .iter()
@@ -59,6 +74,13 @@ fn a_prompt_with_images_continues_as_transformers_does() {
         assert_eq!(got, expected, "round {round}: greedy tokens");
         let done = done_of(&lines);
         assert_eq!(done["PromptEvalCount"], prompt_len, "round {round}");
+        let cached = done["CachedTokens"].as_u64().unwrap();
+        if round == 0 {
+            assert_eq!(cached, 0);
+        } else {
+            assert!(cached >= prompt_len - 4, "round {round}: {cached} cached");
+        }
+        assert_eq!(images_encoded(&r), 2, "round {round}");
         first_logprob = lines
             .iter()
             .find_map(|l| l["Logprobs"][0]["logprob"].as_f64());
@@ -71,6 +93,9 @@ fn a_prompt_with_images_continues_as_transformers_does() {
         "Logprobs": true,
     }));
     assert_eq!(done_of(&swapped)["PromptEvalCount"], prompt_len);
+    // Only the text before the first image is shared: both images are encoded again.
+    assert!(done_of(&swapped)["CachedTokens"].as_u64().unwrap() < 8);
+    assert_eq!(images_encoded(&r), 4);
     let other = swapped
         .iter()
         .find_map(|l| l["Logprobs"][0]["logprob"].as_f64());
@@ -78,6 +103,29 @@ fn a_prompt_with_images_continues_as_transformers_does() {
         first_logprob.is_some() && other != first_logprob,
         "{first_logprob:?} {other:?}"
     );
+}
+
+/// Drafting (prompt lookup) over a prompt with images: the same greedy tokens.
+#[test]
+fn drafting_over_images_keeps_the_greedy_output() {
+    let g = golden("gemma4_vision_like");
+    let want = g["runner.greedy"].to_vec::<i32>().unwrap();
+    let tok = models::Tokenizer::load(&fixture("gemma4_vision_like")).unwrap();
+    let r = Runner::start("gemma4_vision_like", &["--draft", "ngram"]);
+    let lines = r.complete(&json!({
+        "Prompt": PROMPT,
+        "Media": media(&[("wide.png", 0), ("small.png", 1)]),
+        "Options": greedy(want.len() as i64),
+        "Logprobs": true,
+    }));
+    let got: Vec<String> = lines
+        .iter()
+        .filter_map(|l| l["Logprobs"].as_array())
+        .flatten()
+        .map(|e| e["token"].as_str().unwrap_or_default().to_string())
+        .collect();
+    let expected: Vec<String> = want.iter().map(|&t| tok.token_text(t as u32)).collect();
+    assert_eq!(got, expected);
 }
 
 #[test]

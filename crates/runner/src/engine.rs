@@ -482,19 +482,11 @@ impl Engine {
             }
             let slot = self.next_slot;
             self.next_slot += 1;
-            let prompt = &job.params.prompt;
+            // The prefix cache knows a prompt by its key: its images by their contents.
+            let key = job.params.cache_key(&job.params.prompt);
+            let prompt = &key;
             let fresh = self.fresh_caches();
-            // A prompt with images starts cold: its token ids do not name its images.
-            let restore = if job.params.media.is_empty() {
-                self.prefix.restore(prompt, fresh)
-            } else {
-                Ok(cache::prefix::Restored {
-                    caches: fresh,
-                    cached: 0,
-                    matched: 0,
-                })
-            };
-            let mut restored = match restore {
+            let mut restored = match self.prefix.restore(prompt, fresh) {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::warn!("prefix cache restore failed, starting cold: {e}");
@@ -506,7 +498,7 @@ impl Engine {
                 }
             };
             let m = &self.shared.metrics;
-            if let Some(disk) = self.disk.as_ref().filter(|_| job.params.media.is_empty()) {
+            if let Some(disk) = &self.disk {
                 if let Some(d) = disk.restore(prompt, self.fresh_caches(), restored.cached) {
                     m.disk_hits.fetch_add(1, Ordering::Relaxed);
                     m.disk_tokens
@@ -522,9 +514,13 @@ impl Engine {
             // at the last stored position pairs it with the stored sequence's next token, which
             // this prompt need not share: greedy output would not change, but acceptance and
             // seeded draws would depend on what was stored).
+            // Nor may it end inside an image (an image is encoded whole, in one chunk).
             let margin = self.draft.as_ref().map_or(0, |d| d.restore_margin());
-            if restored.cached > 0 && margin > 0 {
-                let back = margin.min(restored.cached);
+            let keep = job
+                .params
+                .restorable(restored.cached.saturating_sub(margin));
+            if restored.cached > keep {
+                let back = restored.cached - keep;
                 if restored.caches.iter_mut().all(|c| c.rewind(back).is_ok()) {
                     restored.cached -= back;
                 } else {
@@ -535,6 +531,15 @@ impl Engine {
                     };
                 }
             }
+            // Every image the restored prefix does not hold runs through the tower once.
+            let encoded = job
+                .params
+                .media
+                .iter()
+                .filter(|i| i.at >= restored.cached)
+                .count();
+            m.images_encoded
+                .fetch_add(encoded as u64, Ordering::Relaxed);
             if restored.cached > 0 {
                 m.cache_hits.fetch_add(1, Ordering::Relaxed);
                 m.cached_tokens
@@ -793,8 +798,7 @@ impl Engine {
 
     /// A finished or cancelled sequence leaves what it computed to the prefix cache.
     fn retire(&mut self, a: Active) {
-        // A sequence with images is not kept: its token ids do not name its images.
-        if a.failed || a.gen.has_media() {
+        if a.failed {
             return;
         }
         let r = match a.gen.into_parts(self.draft.as_deref()) {

@@ -70,17 +70,44 @@ pub struct GenerationParams {
     /// Structured output: the grammar every generated token must keep to.
     pub constraint: Option<Box<grammar::Constraint>>,
     /// The images in the prompt, in order: each one's soft tokens replace its run of image
-    /// tokens. Such a request neither drafts nor uses the prefix cache (its token ids alone
-    /// do not name the images).
+    /// tokens.
     pub media: Vec<PromptImage>,
 }
 
-/// An image in a prompt: its patches, and where its soft tokens go (`at..at + len`).
+impl GenerationParams {
+    /// `tokens` (a prefix of this sequence) as the prefix cache keys them: each image's run of
+    /// image tokens replaced by its fold value, so that a sequence matches another only where
+    /// their images are the same.
+    pub fn cache_key(&self, tokens: &[u32]) -> Vec<u32> {
+        let mut key = tokens.to_vec();
+        for m in &self.media {
+            let end = (m.at + m.len).min(key.len());
+            if m.at < end {
+                key[m.at..end].fill(m.fold);
+            }
+        }
+        key
+    }
+
+    /// Where a restored prefix of `cached` tokens must stop so as not to end inside an image
+    /// (an image is encoded whole, in one chunk).
+    pub fn restorable(&self, cached: usize) -> usize {
+        self.media
+            .iter()
+            .find(|m| m.at < cached && cached < m.at + m.len)
+            .map_or(cached, |m| m.at)
+    }
+}
+
+/// An image in a prompt: its patches, where its soft tokens go (`at..at + len`), and what the
+/// prefix cache keys its positions by: a hash of its bytes and patch grid with bit 31 set, so
+/// that it is never a token id.
 #[derive(Debug, Clone)]
 pub struct PromptImage {
     pub at: usize,
     pub len: usize,
     pub patches: std::sync::Arc<models::gemma4_vision::ImagePatches>,
+    pub fold: u32,
 }
 
 /// The borrowed pieces a generation runs on.
@@ -234,11 +261,7 @@ impl Generation {
                 "this model does not support images".into(),
             ));
         }
-        let draft = if params.media.is_empty() {
-            ctx.drafter().map(|_| DraftState::new(own, cached))
-        } else {
-            None
-        };
+        let draft = ctx.drafter().map(|_| DraftState::new(own, cached));
         let own_depth = match &ctx.draft {
             Some((_, c)) if params.options.seeded_sampling() => Some(c.for_seeded_request()),
             _ => None,
@@ -282,7 +305,7 @@ impl Generation {
         }
         Ok(Remains {
             caches,
-            tokens: self.fed,
+            tokens: self.params.cache_key(&self.fed),
             snapshots: self.taken,
         })
     }

@@ -102,6 +102,7 @@ pub fn prepare(
                 media.push(PromptImage {
                     at: ids.len(),
                     len,
+                    fold: fold(&item.data, &p),
                     patches: p,
                 });
                 ids.extend(std::iter::repeat_n(images.image_token, len));
@@ -110,6 +111,22 @@ pub fn prepare(
         }
     }
     Ok((ids, media))
+}
+
+/// What the prefix cache keys an image's positions by: FNV-1a (64-bit) over its bytes and its
+/// patch grid (which fixes its soft tokens for given bytes), folded to 32 bits, with bit 31 set
+/// so that it is never a token id (ollama's runner keys its media the same way).
+fn fold(data: &[u8], p: &models::gemma4_vision::ImagePatches) -> u32 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |b: u8| {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    };
+    data.iter().copied().for_each(&mut eat);
+    for d in [p.grid.0, p.grid.1] {
+        (d as u64).to_le_bytes().into_iter().for_each(&mut eat);
+    }
+    ((h >> 32) as u32 ^ h as u32) | 1 << 31
 }
 
 #[cfg(test)]

@@ -72,6 +72,8 @@ pub struct Metrics {
     /// Requests restored from the disk tier, and the prompt tokens it gave them.
     pub disk_hits: AtomicU64,
     pub disk_tokens: AtomicU64,
+    /// Images run through the vision tower (an image the prefix cache restored is not).
+    pub images_encoded: AtomicU64,
     pub draft_tokens: AtomicU64,
     pub draft_accepted: AtomicU64,
     pub drafted_at: Vec<AtomicU64>,
@@ -101,6 +103,7 @@ impl Default for Metrics {
             recomputed_tokens: AtomicU64::new(0),
             disk_hits: AtomicU64::new(0),
             disk_tokens: AtomicU64::new(0),
+            images_encoded: AtomicU64::new(0),
             draft_tokens: AtomicU64::new(0),
             draft_accepted: AtomicU64::new(0),
             drafted_at: (0..DRAFT_POSITIONS).map(|_| AtomicU64::new(0)).collect(),
@@ -190,6 +193,12 @@ impl Metrics {
             "mlx_runner_cached_tokens_total",
             "Prompt tokens served from the prefix cache.",
             &self.cached_tokens,
+        );
+        counter(
+            &mut o,
+            "mlx_runner_images_encoded_total",
+            "Images run through the vision tower (not those the prefix cache restored).",
+            &self.images_encoded,
         );
         counter(
             &mut o,

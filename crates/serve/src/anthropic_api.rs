@@ -84,11 +84,9 @@ fn tool_result_text(content: &Value) -> Result<String, ApiError> {
             for b in blocks {
                 match b["type"].as_str() {
                     Some("text") => text.push_str(&text_of(b, "tool_result")?),
-                    Some("image") => {
-                        return Err(bad(
-                            "images are not supported: no model served here has vision",
-                        ))
-                    }
+                    Some("image") => return Err(bad(
+                        "images in tool results are not supported: send them in the user's message",
+                    )),
                     _ => {}
                 }
             }
@@ -123,6 +121,7 @@ fn convert(m: &Value, history: &[Value]) -> Result<Vec<Value>, ApiError> {
     };
     let (mut text, mut thinking) = (String::new(), String::new());
     let (mut calls, mut results) = (Vec::new(), Vec::new());
+    let mut images = Vec::new();
     for b in &blocks {
         match b["type"].as_str() {
             Some("text") => text.push_str(&text_of(b, "messages")?),
@@ -163,9 +162,10 @@ fn convert(m: &Value, history: &[Value]) -> Result<Vec<Value>, ApiError> {
                 }
                 results.push(msg);
             }
-            Some("image") | Some("document") => {
+            Some("image") => images.push(crate::images::anthropic_source(b)?),
+            Some("document") => {
                 return Err(bad(
-                    "images and documents are not supported: no model served here has vision",
+                    "documents are not supported: send their text, or images of their pages",
                 ))
             }
             Some(other) => return Err(bad(format!("unknown content block type {other:?}"))),
@@ -176,8 +176,11 @@ fn convert(m: &Value, history: &[Value]) -> Result<Vec<Value>, ApiError> {
     if role == "user" {
         out.append(&mut results);
     }
-    if !text.is_empty() || !calls.is_empty() || !thinking.is_empty() {
+    if !text.is_empty() || !calls.is_empty() || !thinking.is_empty() || !images.is_empty() {
         let mut msg = json!({"role": role, "content": text});
+        if !images.is_empty() {
+            msg["images"] = images.into();
+        }
         if !thinking.is_empty() {
             msg["thinking"] = thinking.into();
         }
@@ -623,9 +626,15 @@ mod tests {
         assert!(with(
             "messages",
             json!([{"role": "user", "content": [{"type": "image",
-            "source": {"type": "base64", "media_type": "image/png", "data": ""}}]}])
+            "source": {"type": "url", "url": "https://example.com/a.png"}}]}])
         )
-        .contains("vision"));
+        .contains("image URLs are not currently supported"));
+        assert!(with(
+            "messages",
+            json!([{"role": "user", "content": [{"type": "image",
+            "source": {"type": "base64", "media_type": "image/tiff", "data": "aGk="}}]}])
+        )
+        .contains("media_type"));
         assert!(with("messages", json!([{"role": "robot", "content": "x"}])).contains("role"));
         assert!(with("tool_choice", json!({"type": "tool"})).contains("name"));
         let e = error_body(&ApiError::new(404, "nope"));

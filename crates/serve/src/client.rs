@@ -27,6 +27,9 @@ pub fn http_client() -> HttpClient {
 pub struct CompletionRequest {
     #[serde(rename = "Prompt")]
     pub prompt: String,
+    /// The images the prompt's `[img-N]` tags name (`llm.MediaData`: base64 `data`, `id`).
+    #[serde(rename = "Media", skip_serializing_if = "Vec::is_empty")]
+    pub media: Vec<serde_json::Value>,
     #[serde(rename = "Options")]
     pub options: serde_json::Map<String, serde_json::Value>,
     #[serde(rename = "Logprobs", skip_serializing_if = "std::ops::Not::not")]

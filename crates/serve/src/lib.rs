@@ -10,6 +10,7 @@ pub mod client;
 mod create;
 pub mod families;
 pub mod forced;
+mod images;
 mod ollama_api;
 mod openai_api;
 pub mod options;

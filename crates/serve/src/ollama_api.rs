@@ -103,13 +103,26 @@ fn common(v: &Value, input: &mut Input) -> Result<(), ApiError> {
     if !(0..=20).contains(&input.top_logprobs) {
         return Err(ApiError::bad("top_logprobs must be between 0 and 20"));
     }
-    if !array(v, "images")?.is_empty() {
-        return Err(ApiError::bad(format!(
-            "{} does not support images: no model served here has vision",
-            input.model
-        )));
-    }
     Ok(())
+}
+
+/// A list of images as ollama's API takes them (`api.ImageData`: base64 strings, decoded by
+/// Go's JSON decoding, so a string that is not base64 is the request's error).
+fn images(v: &Value, key: &str) -> Result<Vec<String>, ApiError> {
+    use base64::Engine;
+    array(v, key)?
+        .into_iter()
+        .enumerate()
+        .map(|(i, img)| match img {
+            Value::String(s) => base64::engine::general_purpose::STANDARD
+                .decode(&s)
+                .map(|_| s)
+                .map_err(|e| ApiError::bad(format!("image {i} is not valid base64: {e}"))),
+            other => Err(ApiError::bad(format!(
+                "image {i} must be a base64 string, got {other}"
+            ))),
+        })
+        .collect()
 }
 
 /// A message as the template and the history see it: roles lower-cased (as Go's
@@ -135,13 +148,11 @@ fn message(m: &Value) -> Result<Value, ApiError> {
             )))
         }
     }
-    if o.get("images")
-        .and_then(Value::as_array)
-        .is_some_and(|a| !a.is_empty())
-    {
-        return Err(ApiError::bad(
-            "images are not supported: no model served here has vision",
-        ));
+    let list = images(&Value::Object(o.clone()), "images")?;
+    if list.is_empty() {
+        o.remove("images");
+    } else {
+        o.insert("images".into(), list.into());
     }
     Ok(Value::Object(o))
 }
@@ -298,17 +309,21 @@ async fn complete(app: Arc<App>, v: Value, kind: Kind) -> Result<Response, ApiEr
                     m.display()
                 )));
             }
+            let imgs = images(&v, "images")?;
             if raw {
                 input.raw = Some(prompt.clone());
+                input.raw_images = imgs;
             } else {
                 if !system.is_empty() {
                     input
                         .messages
                         .push(json!({"role": "system", "content": system}));
                 }
-                input
-                    .messages
-                    .push(json!({"role": "user", "content": prompt}));
+                let mut user = json!({"role": "user", "content": prompt});
+                if !imgs.is_empty() {
+                    user["images"] = imgs.into();
+                }
+                input.messages.push(user);
             }
             prompt.is_empty()
         }

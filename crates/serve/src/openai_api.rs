@@ -178,6 +178,7 @@ fn messages(v: &Value) -> Result<Vec<Value>, ApiError> {
             .as_str()
             .ok_or_else(|| ApiError::bad("each message needs a role"))?
             .to_lowercase();
+        let mut images = Vec::new();
         let content = match &m["content"] {
             Value::Null => String::new(),
             Value::String(s) => s.clone(),
@@ -186,11 +187,16 @@ fn messages(v: &Value) -> Result<Vec<Value>, ApiError> {
                 for p in parts {
                     match p["type"].as_str() {
                         Some("text") => text.push_str(
-                            p["text"].as_str().ok_or_else(|| ApiError::bad("invalid message format"))?,
+                            p["text"]
+                                .as_str()
+                                .ok_or_else(|| ApiError::bad("invalid message format"))?,
                         ),
-                        Some("image_url") | Some("input_audio") => {
+                        Some("image_url") => {
+                            images.push(crate::images::openai_part(p, "image_url")?)
+                        }
+                        Some("input_audio") => {
                             return Err(ApiError::bad(
-                                "images and audio are not supported: no model served here has vision or audio",
+                                "audio is not supported: no model served here takes audio",
                             ))
                         }
                         _ => return Err(ApiError::bad("invalid message format")),
@@ -205,6 +211,9 @@ fn messages(v: &Value) -> Result<Vec<Value>, ApiError> {
             }
         };
         let mut msg = json!({"role": role, "content": content});
+        if !images.is_empty() {
+            msg["images"] = images.into();
+        }
         if let Some(r) = m["reasoning"].as_str().or(m["reasoning_content"].as_str()) {
             msg["thinking"] = r.into();
         }

@@ -74,6 +74,50 @@ pub struct Input {
     pub keep_alive: Option<KeepAlive>,
     /// The answer must be a call of one of `tools` (OpenAI's `tool_choice`).
     pub forced: Option<crate::forced::Forced>,
+    /// Images of a raw prompt (ollama's `/api/generate` with `raw`), base64: its own `[img-N]`
+    /// tags name them 0, 1, ... Images of messages ride in the messages (`images`).
+    pub raw_images: Vec<String>,
+}
+
+/// A message's or a raw prompt's images as the runner takes them, numbered in order across the
+/// messages; each message's content gets their `[img-N]` tags, in place of its `[img]` markers
+/// or before its text (ollama's `imageTaggedMessages`). Refused for a model without vision.
+fn tag_images(m: &Model, input: &Input) -> Result<(Vec<Value>, Vec<Value>), ApiError> {
+    let mut media = Vec::new();
+    let mut messages = input.messages.clone();
+    if input.raw.is_some() {
+        for (i, data) in input.raw_images.iter().enumerate() {
+            media.push(serde_json::json!({"data": data, "id": i}));
+        }
+    } else {
+        for msg in &mut messages {
+            let Some(images) = msg.get("images").and_then(Value::as_array).cloned() else {
+                continue;
+            };
+            let mut content = msg["content"].as_str().unwrap_or_default().to_string();
+            let mut prefix = String::new();
+            for data in images {
+                let tag = format!("[img-{}]", media.len());
+                media.push(serde_json::json!({"data": data, "id": media.len()}));
+                if content.contains("[img]") {
+                    content = content.replacen("[img]", &tag, 1);
+                } else {
+                    prefix.push_str(&tag);
+                }
+            }
+            if let Some(o) = msg.as_object_mut() {
+                o.remove("images");
+                o.insert("content".into(), Value::from(prefix + &content));
+            }
+        }
+    }
+    if !media.is_empty() && !m.capabilities().iter().any(|c| c == "vision") {
+        return Err(ApiError::bad(format!(
+            "{} does not support images",
+            m.display()
+        )));
+    }
+    Ok((messages, media))
 }
 
 /// A running completion.
@@ -148,10 +192,21 @@ fn template_source(m: &Model, input: &Input) -> Option<String> {
         .or_else(|| template::builtin(&m.family).map(String::from))
 }
 
-/// The prompt `input` renders to for `m`: the raw prompt, or the messages (with the model's
-/// SYSTEM and MESSAGEs first) through its chat template, rendered under [`template::LIMITS`]
-/// in a render worker.
-pub async fn prompt(app: &App, m: &Model, input: &Input) -> Result<String, ApiError> {
+/// The prompt `input` renders to for `m`, and the images its `[img-N]` tags name: the raw
+/// prompt, or the messages (with the model's SYSTEM and MESSAGEs first) through its chat
+/// template, rendered under [`template::LIMITS`] in a render worker.
+pub async fn prompt(app: &App, m: &Model, input: &Input) -> Result<(String, Vec<Value>), ApiError> {
+    let (tagged, media) = tag_images(m, input)?;
+    let text = render(app, m, input, tagged).await?;
+    Ok((text, media))
+}
+
+async fn render(
+    app: &App,
+    m: &Model,
+    input: &Input,
+    tagged: Vec<Value>,
+) -> Result<String, ApiError> {
     let max = template::LIMITS.max_output;
     if let Some(raw) = &input.raw {
         if raw.len() > max {
@@ -170,7 +225,7 @@ pub async fn prompt(app: &App, m: &Model, input: &Input) -> Result<String, ApiEr
     for msg in &m.modelfile.messages {
         messages.push(serde_json::json!({"role": msg.role, "content": msg.content}));
     }
-    messages.extend(input.messages.iter().cloned());
+    messages.extend(tagged);
     let Some(source) = template_source(m, input) else {
         // No template at all: the messages' text, in order.
         let text = messages
@@ -299,7 +354,7 @@ fn decide(app: &App, m: &Model, input: &mut Input) -> Result<(Map<String, Value>
 pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Running, ApiError> {
     let started = Instant::now();
     let (mut opts, thinking) = decide(app, m, &mut input)?;
-    let prompt = prompt(app, m, &input).await?;
+    let (prompt, media) = prompt(app, m, &input).await?;
     let family = if input.raw.is_some() {
         ""
     } else {
@@ -311,6 +366,7 @@ pub async fn start(app: &Arc<App>, m: &Model, mut input: Input) -> Result<Runnin
     }
     let req = CompletionRequest {
         prompt: prompt.clone(),
+        media,
         options: options::omit_empty(opts),
         logprobs: input.logprobs,
         top_logprobs: input.top_logprobs,
@@ -467,7 +523,12 @@ fn watch_stream(
 pub async fn count_tokens(app: &Arc<App>, m: &Model, mut input: Input) -> Result<u64, ApiError> {
     // The prompt the completion would render: a forced call or a format turns thinking off.
     decide(app, m, &mut input)?;
-    let prompt = prompt(app, m, &input).await?;
+    let (prompt, media) = prompt(app, m, &input).await?;
+    if !media.is_empty() {
+        return Err(ApiError::bad(
+            "counting the tokens of a prompt with images is not supported",
+        ));
+    }
     let ka = keep_alive(app, input.keep_alive);
     let lease = app.sched.acquire(&target(m), ka).await?;
     let ids = watched(

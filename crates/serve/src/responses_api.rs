@@ -34,37 +34,52 @@ fn unix_now() -> u64 {
 
 /// A content list's text (`input_text`, `output_text`), or a 400 for what no model here reads.
 fn content_text(content: &Value, what: &str) -> Result<String, ApiError> {
-    match content {
-        Value::Null => Ok(String::new()),
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(parts) => {
-            let mut text = String::new();
-            for p in parts {
-                match p["type"].as_str() {
-                    Some("input_text" | "output_text" | "text") => match p["text"].as_str() {
-                        Some(t) => text.push_str(t),
-                        None => return Err(bad(format!("{what}: a text part needs its text"))),
-                    },
-                    Some("input_image" | "input_file" | "input_audio") => {
-                        return Err(bad(
-                            "images, files and audio are not supported: no model served here has vision or audio",
-                        ))
-                    }
-                    Some("refusal") => {}
-                    other => {
-                        return Err(bad(format!(
-                            "{what}: unknown content type {}",
-                            other.unwrap_or("(none)")
-                        )))
+    Ok(content_parts(content, what)?.0)
+}
+
+/// A content list's text and its images (`input_image` data URLs, as base64).
+fn content_parts(content: &Value, what: &str) -> Result<(String, Vec<String>), ApiError> {
+    let mut images = Vec::new();
+    let text =
+        match content {
+            Value::Null => Ok(String::new()),
+            Value::String(s) => Ok(s.clone()),
+            Value::Array(parts) => {
+                let mut text = String::new();
+                for p in parts {
+                    match p["type"].as_str() {
+                        Some("input_text" | "output_text" | "text") => match p["text"].as_str() {
+                            Some(t) => text.push_str(t),
+                            None => return Err(bad(format!("{what}: a text part needs its text"))),
+                        },
+                        Some("input_image") => {
+                            let url = p["image_url"]
+                                .as_str()
+                                .or(p["image_url"]["url"].as_str())
+                                .ok_or_else(|| {
+                                    bad(format!("{what}: an input_image needs its image_url"))
+                                })?;
+                            images.push(crate::images::from_data_url(url, what)?);
+                        }
+                        Some("input_file" | "input_audio") => return Err(bad(
+                            "files and audio are not supported: no model served here reads them",
+                        )),
+                        Some("refusal") => {}
+                        other => {
+                            return Err(bad(format!(
+                                "{what}: unknown content type {}",
+                                other.unwrap_or("(none)")
+                            )))
+                        }
                     }
                 }
+                Ok(text)
             }
-            Ok(text)
-        }
-        other => Err(bad(format!(
-            "{what}: content must be a string or parts, got {other}"
-        ))),
-    }
+            other => Err(bad(format!(
+                "{what}: content must be a string or parts, got {other}"
+            ))),
+        }?;
+    Ok((text, images))
 }
 
 /// The request's input as chat messages (ollama's `FromResponsesRequest`).
@@ -108,8 +123,11 @@ fn messages(v: &Value) -> Result<Vec<Value>, ApiError> {
                         )))
                     }
                 };
-                let text = content_text(&item["content"], &format!("input.{i}"))?;
+                let (text, images) = content_parts(&item["content"], &format!("input.{i}"))?;
                 let mut msg = json!({"role": role, "content": text});
+                if !images.is_empty() {
+                    msg["images"] = images.into();
+                }
                 if role == "assistant" && !thinking.is_empty() {
                     msg["thinking"] = std::mem::take(&mut thinking).into();
                 }
@@ -666,7 +684,12 @@ mod tests {
             "input",
             json!([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
         )
-        .contains("vision"));
+        .contains("invalid image input"));
+        assert!(with(
+            "input",
+            json!([{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}])
+        )
+        .contains("not supported"));
         assert!(with("input", json!([{"type": "item_reference", "id": "x"}])).contains("stored"));
         assert!(with("text", json!({"format": {"type": "grammar"}})).contains("text.format"));
     }
