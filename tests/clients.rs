@@ -57,11 +57,16 @@ fn official_python_clients_work_against_serve() {
     let root = env!("CARGO_MANIFEST_DIR");
     let python = python("clients-venv", "requirements.txt");
     let s = Serve::start(&[]);
+    s.create(
+        "vis",
+        &format!("FROM {}\n", fixture("gemma4_vision_like").display()),
+    );
     let out = Command::new(&python)
         .arg(format!("{root}/tests/clients/test_clients.py"))
         .env("MLX_SERVE_URL", format!("http://127.0.0.1:{}", s.port))
         .env("MLX_SERVE_PID", s.child.id().to_string())
         .env("MLX_FIXTURE_DIR", fixture("gemma4_e2b_like"))
+        .env("MLX_IMAGES_DIR", fixture("gemma4_vision_like").join("images"))
         .env("NO_PROXY", "127.0.0.1,localhost")
         .output()
         .unwrap();

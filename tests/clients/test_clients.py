@@ -1,9 +1,9 @@
 """The official `ollama`, `openai` and `anthropic` Python clients against `mlx-runner serve`.
 
 Run by tests/clients.rs, which starts `serve` over a store holding the fixture models `gem`
-(gemma4) and `glm` (GLM4-MoE-Lite) and passes its address (MLX_SERVE_URL), its pid
-(MLX_SERVE_PID) and a checkpoint directory to upload (MLX_FIXTURE_DIR). Every check prints one
-line; the first failure raises.
+(gemma4), `glm` (GLM4-MoE-Lite) and `vis` (gemma4 with a vision tower) and passes its address
+(MLX_SERVE_URL), its pid (MLX_SERVE_PID), a checkpoint directory to upload (MLX_FIXTURE_DIR) and
+a directory of images (MLX_IMAGES_DIR). Every check prints one line; the first failure raises.
 """
 
 import asyncio
@@ -20,6 +20,7 @@ import openai
 URL = os.environ["MLX_SERVE_URL"]
 SERVE_PID = int(os.environ["MLX_SERVE_PID"])
 FIXTURE = os.environ["MLX_FIXTURE_DIR"]
+IMAGES = os.environ["MLX_IMAGES_DIR"]
 
 client = ollama.Client(host=URL)
 oai = openai.OpenAI(base_url=URL + "/v1", api_key="unused")
@@ -61,7 +62,7 @@ def runners():
 @check("ollama: list and show")
 def _():
     names = sorted(m.model for m in client.list().models)
-    assert names == ["gem:latest", "glm:latest"], names
+    assert names == ["gem:latest", "glm:latest", "vis:latest"], names
     info = client.show("gem")
     assert "completion" in info.capabilities, info.capabilities
     assert "<|turn>" in info.template
@@ -232,7 +233,7 @@ def _():
 @check("openai: models, chat (streaming with usage), completions")
 def _():
     ids = sorted(m.id for m in oai.models.list().data)
-    assert ids == ["gem:latest", "glm:latest"], ids
+    assert ids == ["gem:latest", "glm:latest", "vis:latest"], ids
     assert oai.models.retrieve("glm:latest").id == "glm:latest"
     kw = dict(model="gem", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0, reasoning_effort="none")
     whole = oai.chat.completions.create(**kw)
@@ -453,6 +454,40 @@ def _():
             assert set(v) == {"name", "age"}, v
             done += 1
     assert done > 0
+
+
+@check("ollama, openai, anthropic: images in chats and prompts")
+def _():
+    import base64
+
+    assert "vision" in client.show("vis").capabilities
+    wide, small = (os.path.join(IMAGES, f) for f in ("wide.png", "small.png"))
+    # ollama: image paths in a chat message (the client sends their bytes), twice the same answer
+    # (the second from the runner's prefix cache, images included).
+    msgs = [{"role": "user", "content": "What is in this picture?", "images": [wide]}]
+    first = client.chat(model="vis", messages=msgs, options=GREEDY)
+    again = client.chat(model="vis", messages=msgs, options=GREEDY)
+    assert first.message.content == again.message.content
+    assert first.prompt_eval_count > 62, first.prompt_eval_count  # 60 soft tokens, boi, eoi
+    # A raw prompt naming two images: the runner's expansion of exactly this prompt.
+    r = client.generate(model="vis", prompt="Describe [img-0] and [img-1] now.", raw=True,
+                        images=[wide, small], options={"temperature": 0, "num_predict": 4})
+    assert r.prompt_eval_count == 143, r.prompt_eval_count
+    data = base64.b64encode(open(wide, "rb").read()).decode()
+    o = oai.chat.completions.create(model="vis", max_tokens=4, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                     {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}]}])
+    assert o.usage.prompt_tokens > 62, o.usage
+    a = ant.messages.create(model="vis", max_tokens=4, messages=[
+        {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+                                     {"type": "text", "text": "What is in this picture?"}]}])
+    assert a.usage.input_tokens > 62, a.usage
+    # A model without vision says so.
+    try:
+        client.chat(model="gem", messages=msgs)
+        raise AssertionError("an image accepted by a model without vision")
+    except ollama.ResponseError as e:
+        assert "does not support images" in str(e), e
 
 
 print("all client checks passed")
