@@ -66,7 +66,10 @@ fn official_python_clients_work_against_serve() {
         .env("MLX_SERVE_URL", format!("http://127.0.0.1:{}", s.port))
         .env("MLX_SERVE_PID", s.child.id().to_string())
         .env("MLX_FIXTURE_DIR", fixture("gemma4_e2b_like"))
-        .env("MLX_IMAGES_DIR", fixture("gemma4_vision_like").join("images"))
+        .env(
+            "MLX_IMAGES_DIR",
+            fixture("gemma4_vision_like").join("images"),
+        )
         .env("NO_PROXY", "127.0.0.1,localhost")
         .output()
         .unwrap();

@@ -107,7 +107,8 @@ impl StepPlan {
                     Work::Skip
                 } else {
                     let (start, end) = g.chunk(budget);
-                    budget -= end - start;
+                    // A chunk may pass the budget by the rest of an image it holds whole.
+                    budget = budget.saturating_sub(end - start);
                     Work::Prefill {
                         start,
                         end,
