@@ -2,7 +2,8 @@
 //! `Gemma4ImageProcessorPil` makes them (docs/MODELS.md §1.5):
 //!
 //! 1. decode (PNG, JPEG, WebP, GIF's first frame) and convert to RGB, transparency composited
-//!    onto white with Pillow's integer arithmetic;
+//!    onto white with Pillow's integer arithmetic; JPEG through libjpeg-turbo's decoder, as
+//!    Pillow decodes it;
 //! 2. resize, keeping the aspect ratio, to the largest size whose patch grid fits the budget
 //!    (`max_soft_tokens · pooling_kernel_size²` patches) with sides that pool evenly, with
 //!    Pillow's resampling (separable, fixed-point coefficients, 8-bit between the passes);
@@ -257,6 +258,11 @@ pub fn decode_rgb(bytes: &[u8]) -> Result<Rgb> {
             "the image is in no format we decode (PNG, JPEG, WebP, GIF)".into(),
         ));
     };
+    if format == image::ImageFormat::Jpeg {
+        if let Some(rgb) = decode_jpeg(bytes)? {
+            return Ok(rgb);
+        }
+    }
     let mut limits = Limits::default();
     limits.max_image_width = Some(MAX_IMAGE_SIDE);
     limits.max_image_height = Some(MAX_IMAGE_SIDE);
@@ -292,6 +298,66 @@ pub fn decode_rgb(bytes: &[u8]) -> Result<Rgb> {
         height,
         pixels,
     })
+}
+
+/// A JPEG through libjpeg-turbo's decoder (mozjpeg's): the integer inverse DCT and the fancy
+/// chroma upsampling Pillow's libjpeg-turbo applies, so the pixels are Pillow's. `None` for a
+/// colour space it does not turn into RGB (CMYK), which the image crate then decodes.
+fn decode_jpeg(bytes: &[u8]) -> Result<Option<Rgb>> {
+    let invalid = |m: String| ModelError::Invalid(format!("cannot decode the Jpeg image: {m}"));
+    // libjpeg fills the rest of a truncated image with grey and only warns; Pillow refuses it.
+    // Its entropy-coded data never holds 0xFF 0xD9, so an image whose last scan (0xFF 0xDA) is
+    // not followed by the end-of-image marker was cut short.
+    let last = |m: [u8; 2]| bytes.windows(2).rposition(|w| w == m);
+    match (last([0xFF, 0xDA]), last([0xFF, 0xD9])) {
+        (Some(sos), Some(eoi)) if eoi > sos => {}
+        (Some(_), _) => {
+            return Err(invalid(
+                "the image is truncated (it ends inside its data)".into(),
+            ))
+        }
+        _ => {}
+    }
+    // libjpeg reports errors by unwinding out of its callbacks.
+    let decoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let d = mozjpeg::Decompress::new_mem(bytes)?;
+        let (w, h) = (d.width(), d.height());
+        if w as u64 > MAX_IMAGE_SIDE as u64
+            || h as u64 > MAX_IMAGE_SIDE as u64
+            || (w as u64) * (h as u64) * 3 > MAX_IMAGE_BYTES
+        {
+            return Ok(Err(format!(
+                "the Jpeg image is larger than {MAX_IMAGE_SIDE} pixels a side or {} MiB decoded",
+                MAX_IMAGE_BYTES >> 20
+            )));
+        }
+        if matches!(
+            d.color_space(),
+            mozjpeg::ColorSpace::JCS_CMYK | mozjpeg::ColorSpace::JCS_YCCK
+        ) {
+            return Ok(Ok(None));
+        }
+        let mut started = d.rgb()?;
+        let pixels: Vec<u8> = started.read_scanlines()?;
+        started.finish()?;
+        Ok::<_, std::io::Error>(Ok(Some(Rgb {
+            width: w as u32,
+            height: h as u32,
+            pixels,
+        })))
+    }));
+    match decoded {
+        Ok(Ok(Ok(rgb))) => Ok(rgb),
+        Ok(Ok(Err(limit))) => Err(ModelError::Invalid(limit)),
+        Ok(Err(e)) => Err(invalid(e.to_string())),
+        Err(panic) => Err(invalid(
+            panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "corrupt data".into()),
+        )),
+    }
 }
 
 /// One channel of a pixel with alpha `a` over opaque white, as Pillow's `alpha_composite`
@@ -495,6 +561,27 @@ mod tests {
         // Tiny images are scaled up to the budget.
         assert_eq!(c.target_size(1, 1).unwrap(), (768, 768));
         assert_eq!(c.target_size(3, 2).unwrap(), (960, 624));
+    }
+
+    #[test]
+    fn broken_jpegs_are_refused_not_guessed() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/models/gemma4_vision_like/images/photo.jpg");
+        let whole = std::fs::read(path).unwrap();
+        assert!(decode_rgb(&whole).is_ok());
+        for cut in [whole.len() - 2, whole.len() / 2, 40] {
+            let e = decode_rgb(&whole[..cut]).err().map(|e| e.to_string());
+            assert!(
+                e.as_deref().is_some_and(|e| e.contains("Jpeg")),
+                "cut at {cut}: {e:?}"
+            );
+        }
+        // A corrupt header: an error, not a panic out of libjpeg.
+        let mut bad = whole.clone();
+        for b in &mut bad[20..60] {
+            *b = 0xFF;
+        }
+        assert!(decode_rgb(&bad).is_err());
     }
 
     #[test]
