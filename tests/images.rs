@@ -139,6 +139,12 @@ fn bad_media_is_refused_by_name() {
         base64::engine::general_purpose::STANDARD.encode(&b[..b.len() / 2])
     };
     let not_image = base64::engine::general_purpose::STANDARD.encode(b"just some text, not pixels");
+    let cut_jpeg = {
+        let b = base64::engine::general_purpose::STANDARD
+            .decode(image("photo.jpg"))
+            .unwrap();
+        base64::engine::general_purpose::STANDARD.encode(&b[..b.len() * 2 / 3])
+    };
     let many: String = (0..17).map(|i| format!("[img-{i}]")).collect();
     let many_media: Vec<Value> = (0..17).map(|i| json!({"data": png, "id": i})).collect();
     let cases = [
@@ -157,6 +163,10 @@ fn bad_media_is_refused_by_name() {
         (
             json!({"Prompt": "[img-0]", "Media": [{"data": truncated, "id": 0}]}),
             "cannot decode",
+        ),
+        (
+            json!({"Prompt": "[img-0]", "Media": [{"data": cut_jpeg, "id": 0}]}),
+            "truncated",
         ),
         (
             json!({"Prompt": "[img-0]", "Media": [{"data": "%%%", "id": 0}]}),
