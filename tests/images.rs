@@ -139,6 +139,7 @@ fn bad_media_is_refused_by_name() {
         base64::engine::general_purpose::STANDARD.encode(&b[..b.len() / 2])
     };
     let not_image = base64::engine::general_purpose::STANDARD.encode(b"just some text, not pixels");
+    let wav = base64::engine::general_purpose::STANDARD.encode(b"RIFF\x24\0\0\0WAVEfmt \x10\0\0\0");
     let cut_jpeg = {
         let b = base64::engine::general_purpose::STANDARD
             .decode(image("photo.jpg"))
@@ -167,6 +168,10 @@ fn bad_media_is_refused_by_name() {
         (
             json!({"Prompt": "[img-0]", "Media": [{"data": cut_jpeg, "id": 0}]}),
             "truncated",
+        ),
+        (
+            json!({"Prompt": "[img-0]", "Media": [{"data": wav, "id": 0}]}),
+            "is WAV audio",
         ),
         (
             json!({"Prompt": "[img-0]", "Media": [{"data": "%%%", "id": 0}]}),

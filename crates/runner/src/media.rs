@@ -84,6 +84,11 @@ pub fn prepare(
                 let item = items.iter().find(|m| m.id == id).ok_or_else(|| {
                     format!("the prompt names [img-{id}], but no media item has the id {id}")
                 })?;
+                if let Some(kind) = audio_kind(&item.data) {
+                    return Err(format!(
+                        "media item {id} is {kind} audio: this runner does not take audio yet"
+                    ));
+                }
                 let p = match patches.iter().find(|(k, _)| *k == id) {
                     Some((_, p)) => Arc::clone(p),
                     None => {
@@ -113,6 +118,18 @@ pub fn prepare(
     Ok((ids, media))
 }
 
+/// The audio format `data` is in, by its first bytes (ollama's parent sends audio as media
+/// too): WAV, MP3 (an ID3 tag or a frame header), FLAC or Ogg.
+fn audio_kind(data: &[u8]) -> Option<&'static str> {
+    match data {
+        [b'R', b'I', b'F', b'F', _, _, _, _, b'W', b'A', b'V', b'E', ..] => Some("WAV"),
+        [b'I', b'D', b'3', ..] | [0xFF, 0xE0..=0xFF, ..] => Some("MP3"),
+        [b'f', b'L', b'a', b'C', ..] => Some("FLAC"),
+        [b'O', b'g', b'g', b'S', ..] => Some("Ogg"),
+        _ => None,
+    }
+}
+
 /// What the prefix cache keys an image's positions by: FNV-1a (64-bit) over its bytes and its
 /// patch grid (which fixes its soft tokens for given bytes), folded to 32 bits, with bit 31 set
 /// so that it is never a token id (ollama's runner keys its media the same way).
@@ -132,6 +149,17 @@ fn fold(data: &[u8], p: &models::gemma4_vision::ImagePatches) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn audio_is_told_apart_from_images() {
+        assert_eq!(audio_kind(b"RIFF\x24\0\0\0WAVEfmt "), Some("WAV"));
+        assert_eq!(audio_kind(b"ID3\x04\0"), Some("MP3"));
+        assert_eq!(audio_kind(&[0xFF, 0xFB, 0x90, 0x00]), Some("MP3"));
+        assert_eq!(audio_kind(b"fLaC\0"), Some("FLAC"));
+        // JPEG starts 0xFF 0xD8: an image.
+        assert_eq!(audio_kind(&[0xFF, 0xD8, 0xFF, 0xE0]), None);
+        assert_eq!(audio_kind(b"\x89PNG\r\n"), None);
+    }
 
     #[test]
     fn tags_split_the_prompt() {

@@ -1,0 +1,70 @@
+"""The vision benchmark's model and peer (benches/vision.rs).
+
+`make DIR`: a gemma4 checkpoint whose vision tower has gemma4 E2B's shape (hidden 768,
+intermediate 3072, 16 layers, 12 heads of 64, 16-pixel patches, 3x3 pooling, 280 soft tokens)
+with random weights, a tiny text model (the tower is what is measured), the image processor's
+config and a 640x480 test image (DIR/image.png).
+
+`time DIR RUNS`: transformers' float32 CPU time to preprocess and encode the image
+(`Gemma4ImageProcessorPil` then `get_image_features`), one line per run, in seconds.
+
+Needs torch, transformers and Pillow (tests/fixtures/requirements.txt: .venv-golden).
+"""
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import (Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig,
+                          Gemma4VisionConfig)
+from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+torch.set_grad_enabled(False)
+torch.set_num_threads(os.cpu_count() or 1)
+
+
+def processor():
+    return Gemma4ImageProcessorPil(patch_size=16, pooling_kernel_size=3, max_soft_tokens=280)
+
+
+def make(out):
+    vision = Gemma4VisionConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=16,
+                                num_attention_heads=12, num_key_value_heads=12, head_dim=64,
+                                patch_size=16, pooling_kernel_size=3)
+    text = Gemma4TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                            head_dim=32, global_head_dim=32, sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention"],
+                            hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
+    config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
+                          boi_token_id=509, eoi_token_id=510, image_token_id=511)
+    torch.manual_seed(0)
+    m = Gemma4ForConditionalGeneration(config).eval()
+    for name, p in m.named_parameters():
+        if p.ndim >= 2:
+            p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    m.save_pretrained(out)
+    processor().save_pretrained(out)
+    g = np.random.default_rng(0)
+    img = g.integers(0, 256, (480, 640, 3), dtype=np.uint8)
+    Image.fromarray(img, "RGB").save(os.path.join(out, "image.png"))
+
+
+def timing(out, runs):
+    m = Gemma4ForConditionalGeneration.from_pretrained(out).eval()
+    proc = processor()
+    img = Image.open(os.path.join(out, "image.png"))
+    for _ in range(runs + 1):
+        t0 = time.perf_counter()
+        b = proc(images=[img], return_tensors="pt")
+        m.model.get_image_features(b["pixel_values"], b["image_position_ids"], return_dict=True)
+        print(time.perf_counter() - t0, flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "make":
+        make(sys.argv[2])
+    else:
+        timing(sys.argv[2], int(sys.argv[3]))
