@@ -38,10 +38,11 @@ fn main() {
     .unwrap()
     .expect("a vision tower");
     let mut ours = Vec::new();
-    let mut tokens = 0;
+    let (mut tokens, mut patches_n) = (0, 0);
     for i in 0..=RUNS {
         let t0 = Instant::now();
         let patches = prompt.processor.preprocess(&bytes).unwrap();
+        patches_n = patches.positions.len();
         let soft = tower.encode(&patches).unwrap();
         soft.eval().unwrap();
         tokens = soft.dim(0).unwrap();
@@ -68,7 +69,7 @@ fn main() {
         .collect();
     let (a, b) = (median(ours), median(theirs));
     println!(
-        "gemma4 vision tower, E2B shape, 640x480 image -> {tokens} soft tokens (2520 patches)"
+        "gemma4 vision tower, E2B shape, 640x480 image -> {patches_n} patches, {tokens} soft tokens"
     );
     println!("  ours (MLX CPU, float32):         {a:.3} s");
     println!("  transformers (torch CPU, float32): {b:.3} s");

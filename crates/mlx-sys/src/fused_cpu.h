@@ -20,6 +20,7 @@ enum class FusedKind : uint8_t {
   HeadsNormRope = 7,
   // Cache writes that had to copy their buffer (something else still held it).
   SdpaWriteCopy = 8,
+  Softmax = 9,
 };
 
 // Each returns the fused primitive's output, or nullopt when it does not apply (not the CPU, not
@@ -153,6 +154,9 @@ std::optional<std::vector<mlx::core::array>> cpu_sdpa_slots(
     bool tokens);
 
 std::optional<mlx::core::array> cpu_gelu_tanh(const mlx::core::array& x);
+
+// softmax over the last axis (float32).
+std::optional<mlx::core::array> cpu_softmax(const mlx::core::array& x);
 
 // cap · tanh(x / cap): logit soft-capping.
 std::optional<mlx::core::array> cpu_softcap(const mlx::core::array& x, float cap);

@@ -425,6 +425,8 @@ pub mod ffi {
             tokens: bool,
         ) -> Result<UniquePtr<ArrVec>>;
         fn gelu_tanh(x: &Arr) -> Result<UniquePtr<Arr>>;
+        /// Softmax over the last axis (a vectorized kernel on the CPU for float32).
+        fn softmax_last(x: &Arr) -> Result<UniquePtr<Arr>>;
         /// `cap · tanh(x / cap)`.
         fn softcap(x: &Arr, cap: f32) -> Result<UniquePtr<Arr>>;
         /// `silu(g) * u`.

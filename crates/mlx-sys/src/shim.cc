@@ -929,6 +929,11 @@ ArrPtr gelu_tanh(const Arr& x) {
       mx::multiply(a, mx::array(0.5f, t)), mx::add(mx::tanh(inner), mx::array(1.0f, t))));
 }
 
+ArrPtr softmax_last(const Arr& x) {
+  if (auto out = cpu_softmax(x.a)) return wrap(std::move(*out));
+  return wrap(mx::softmax(x.a, -1));
+}
+
 ArrPtr softcap(const Arr& x, float cap) {
   if (auto out = cpu_softcap(x.a, cap)) return wrap(std::move(*out));
   // The graph the kernel stands for, in the input's dtype.

@@ -287,6 +287,7 @@ std::unique_ptr<ArrVec> sdpa_slots(
 
 // 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³))).
 ArrPtr gelu_tanh(const Arr& x);
+ArrPtr softmax_last(const Arr& x);
 ArrPtr softcap(const Arr& x, float cap);
 ArrPtr silu_mul(const Arr& g, const Arr& u);
 void set_fused_kernels(bool on);

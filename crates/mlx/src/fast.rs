@@ -518,6 +518,12 @@ pub fn gelu_tanh(x: &Array) -> Result<Array> {
 }
 
 /// `cap · tanh(x / cap)`: soft-capping (gemma4's final logits).
+/// Softmax over the last axis: one op with a vectorized exponential on the CPU (MLX's CPU
+/// softmax calls libm once per value), MLX's softmax elsewhere.
+pub fn softmax(x: &Array) -> Result<Array> {
+    Ok(Array::from_raw(ffi::softmax_last(x.arr())?))
+}
+
 pub fn softcap(x: &Array, cap: f32) -> Result<Array> {
     Ok(Array::from_raw(ffi::softcap(x.arr(), cap)?))
 }
@@ -550,6 +556,7 @@ pub struct FusedCounts {
     pub heads_norm_rope: u64,
     /// [`sdpa_write`]s that had to copy their buffers (another array or op still held them).
     pub sdpa_write_copies: u64,
+    pub softmax: u64,
 }
 
 pub fn fused_kernel_counts() -> FusedCounts {
@@ -563,5 +570,6 @@ pub fn fused_kernel_counts() -> FusedCounts {
         silu_mul: ffi::fused_kernel_count(6),
         heads_norm_rope: ffi::fused_kernel_count(7),
         sdpa_write_copies: ffi::fused_kernel_count(8),
+        softmax: ffi::fused_kernel_count(9),
     }
 }

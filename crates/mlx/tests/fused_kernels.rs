@@ -56,6 +56,7 @@ fn both(f: impl Fn() -> Array) -> (Vec<f32>, Vec<f32>, Vec<i32>, FusedCounts) {
         silu_mul: after.silu_mul - before.silu_mul,
         heads_norm_rope: after.heads_norm_rope - before.heads_norm_rope,
         sdpa_write_copies: after.sdpa_write_copies - before.sdpa_write_copies,
+        softmax: after.softmax - before.softmax,
     };
     (
         ours.to_vec::<f32>().unwrap(),
@@ -1253,6 +1254,35 @@ fn arrays_of_more_dimensions_than_a_view_holds_are_left_to_mlx() {
     let (ours, theirs, _, ran) = both(|| fast::gelu_tanh(&x).unwrap());
     assert_eq!(ran.gelu_tanh, 0);
     assert_close(&ours, &theirs, 1e-6, "gelu of 9 dimensions");
+}
+
+#[test]
+fn softmax_matches_mlx() {
+    let _one = serial();
+    // Rows of attention-score-like values of lengths around the vector width, one with a huge
+    // spread (most weights underflow to 0), a transposed batch read through a copy.
+    for (shape, scale, seed) in [
+        (vec![3, 5], 1.0, 1),
+        (vec![2, 7, 8], 4.0, 2),
+        (vec![4, 2394], 8.0, 3),
+        (vec![1, 12, 17, 33], 200.0, 4),
+    ] {
+        let x = normal(&shape, seed).multiply_scalar(scale).unwrap();
+        let (ours, theirs, got, ran) = both(|| fast::softmax(&x).unwrap());
+        assert_eq!(got, shape);
+        // Probabilities in [0, 1]: a few float32 ulps of 1 (the sum of a row is in another order).
+        assert_close(
+            &ours,
+            &theirs,
+            4e-6,
+            &format!("softmax {shape:?} x {scale}"),
+        );
+        assert_eq!(ran.softmax, 1);
+    }
+    let x = normal(&[40, 6], 5).t().unwrap();
+    let (ours, theirs, _, ran) = both(|| fast::softmax(&x).unwrap());
+    assert_close(&ours, &theirs, 1e-6, "transposed softmax");
+    assert_eq!(ran.softmax, 1);
 }
 
 #[test]

@@ -9,7 +9,6 @@ use crate::config::JsonFile;
 use crate::nn::{gelu_tanh, norm, Linear};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
-use mlx::fast::{scaled_dot_product_attention, SdpaMask};
 use mlx::{Array, Dtype};
 use serde::Deserialize;
 use serde_json::Value;
@@ -167,6 +166,9 @@ impl ClippedLinear {
     }
 }
 
+/// Queries per attention block in the tower.
+const ATTENTION_BLOCK: i32 = 256;
+
 struct VisionLayer {
     input_norm: Array,
     post_attention_norm: Array,
@@ -222,14 +224,35 @@ impl VisionLayer {
         let v = norm(&v, None, eps)?;
         // [N, H, D] → [1, H, N, D]; every patch sees every patch, unscaled (the norms did it).
         let bhnd = |t: &Array| t.transpose(&[1, 0, 2])?.expand_dims(0);
-        let a = scaled_dot_product_attention(
-            &bhnd(&q)?,
-            &bhnd(&k)?,
-            &bhnd(&v)?,
-            1.0,
-            SdpaMask::None,
-            None,
-        )?;
+        let (q, mut k, mut v) = (bhnd(&q)?, bhnd(&k)?, bhnd(&v)?);
+        let group = cfg.num_attention_heads / cfg.num_key_value_heads;
+        if group > 1 {
+            k = k.repeat(group, 1)?;
+            v = v.repeat(group, 1)?;
+        }
+        let kt = k.transpose(&[0, 1, 3, 2])?;
+        // Queries a block at a time: a whole image's scores are heads × N² floats (275 MB for
+        // E2B's 2,394 patches).
+        let mut blocks = Vec::new();
+        let mut at = 0;
+        while at < n {
+            let end = (at + ATTENTION_BLOCK).min(n);
+            let qb = if at == 0 && end == n {
+                q.clone()
+            } else {
+                q.slice_axis(2, at, Some(end))?
+            };
+            // softmax(q kᵀ) v with the fused softmax (MLX's CPU one is a libm call a value).
+            let scores = qb.matmul(&kt)?;
+            blocks.push(mlx::fast::softmax(&scores)?.matmul(&v)?);
+            at = end;
+        }
+        let a = if blocks.len() == 1 {
+            blocks.pop().expect("one block")
+        } else {
+            let refs: Vec<&Array> = blocks.iter().collect();
+            mlx::concatenate(&refs, 2)?
+        };
         let a = a
             .squeeze_axes(&[0])?
             .transpose(&[1, 0, 2])?
