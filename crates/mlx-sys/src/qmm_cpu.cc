@@ -493,6 +493,34 @@ void qmv_scalar(
   }
 }
 
+// Output rows [n0, n1) for `rows` rows of x through `kernel`, a generic lambda
+// `<int R, int W>(const int* output_rows)`: one row of x (decode) takes the output rows in pairs
+// from the two halves of the range, two weight streams side by side with one load of x for both,
+// an odd one alone; more rows of x take them one at a time. Each output row's arithmetic is the
+// same whichever way it is taken.
+template <class Kernel>
+void by_rows(int rows, int n0, int n1, const Kernel& kernel) {
+  if (rows == 1) {
+    const int half = (n1 - n0) / 2;
+    for (int i = 0; i < half; ++i) {
+      const int pair[2] = {n0 + i, n0 + half + i};
+      kernel.template operator()<1, 2>(pair);
+    }
+    if (n0 + 2 * half < n1) {
+      const int last = n1 - 1;
+      kernel.template operator()<1, 1>(&last);
+    }
+    return;
+  }
+  for (int n = n0; n < n1; ++n) {
+    switch (rows) {
+      case 2: kernel.template operator()<2, 1>(&n); break;
+      case 3: kernel.template operator()<3, 1>(&n); break;
+      default: kernel.template operator()<4, 1>(&n); break;
+    }
+  }
+}
+
 template <int BITS, bool CVT>
 void qmv_block(
     const float* xt,
@@ -505,26 +533,9 @@ void qmv_block(
     int rows,
     int n0,
     int n1) {
-  if (rows == 1) {
-    // Output rows in pairs from the two halves of the range, an odd one left alone.
-    const int half = (n1 - n0) / 2;
-    for (int i = 0; i < half; ++i) {
-      const int pair[2] = {n0 + i, n0 + half + i};
-      qmv_rows<BITS, 1, 2, CVT>(xt, xsum, w, sc, bi, out, s, pair);
-    }
-    if (n0 + 2 * half < n1) {
-      const int last = n1 - 1;
-      qmv_rows<BITS, 1, 1, CVT>(xt, xsum, w, sc, bi, out, s, &last);
-    }
-    return;
-  }
-  for (int n = n0; n < n1; ++n) {
-    switch (rows) {
-      case 2: qmv_rows<BITS, 2, 1, CVT>(xt, xsum, w, sc, bi, out, s, &n); break;
-      case 3: qmv_rows<BITS, 3, 1, CVT>(xt, xsum, w, sc, bi, out, s, &n); break;
-      default: qmv_rows<BITS, 4, 1, CVT>(xt, xsum, w, sc, bi, out, s, &n); break;
-    }
-  }
+  by_rows(rows, n0, n1, [&]<int R, int W>(const int* r) {
+    qmv_rows<BITS, R, W, CVT>(xt, xsum, w, sc, bi, out, s, r);
+  });
 }
 
 // qmv_block with the 16-lane kernel.
@@ -540,25 +551,9 @@ void qmv_block512(
     int rows,
     int n0,
     int n1) {
-  if (rows == 1) {
-    const int half = (n1 - n0) / 2;
-    for (int i = 0; i < half; ++i) {
-      const int pair[2] = {n0 + i, n0 + half + i};
-      qmv_rows512<BITS, 1, 2, CVT>(xt16, xsum, w, sc, bi, out, s, pair);
-    }
-    if (n0 + 2 * half < n1) {
-      const int last = n1 - 1;
-      qmv_rows512<BITS, 1, 1, CVT>(xt16, xsum, w, sc, bi, out, s, &last);
-    }
-    return;
-  }
-  for (int n = n0; n < n1; ++n) {
-    switch (rows) {
-      case 2: qmv_rows512<BITS, 2, 1, CVT>(xt16, xsum, w, sc, bi, out, s, &n); break;
-      case 3: qmv_rows512<BITS, 3, 1, CVT>(xt16, xsum, w, sc, bi, out, s, &n); break;
-      default: qmv_rows512<BITS, 4, 1, CVT>(xt16, xsum, w, sc, bi, out, s, &n); break;
-    }
-  }
+  by_rows(rows, n0, n1, [&]<int R, int W>(const int* r) {
+    qmv_rows512<BITS, R, W, CVT>(xt16, xsum, w, sc, bi, out, s, r);
+  });
 }
 
 // ---- any width: rows as bit streams ---------------------------------------------------------
@@ -971,25 +966,9 @@ void qmv_block_lanes(
     int n0,
     int n1) {
   const LaneTables& t = lane_tables<BITS>(s.group);
-  if (rows == 1) {
-    const int half = (n1 - n0) / 2;
-    for (int i = 0; i < half; ++i) {
-      const int pair[2] = {n0 + i, n0 + half + i};
-      qmv_rows_lanes<BITS, 1, 2, CVT>(xw, xsum, w, sc, bi, out, s, t, pair);
-    }
-    if (n0 + 2 * half < n1) {
-      const int last = n1 - 1;
-      qmv_rows_lanes<BITS, 1, 1, CVT>(xw, xsum, w, sc, bi, out, s, t, &last);
-    }
-    return;
-  }
-  for (int n = n0; n < n1; ++n) {
-    switch (rows) {
-      case 2: qmv_rows_lanes<BITS, 2, 1, CVT>(xw, xsum, w, sc, bi, out, s, t, &n); break;
-      case 3: qmv_rows_lanes<BITS, 3, 1, CVT>(xw, xsum, w, sc, bi, out, s, t, &n); break;
-      default: qmv_rows_lanes<BITS, 4, 1, CVT>(xw, xsum, w, sc, bi, out, s, t, &n); break;
-    }
-  }
+  by_rows(rows, n0, n1, [&]<int R, int W>(const int* r) {
+    qmv_rows_lanes<BITS, R, W, CVT>(xw, xsum, w, sc, bi, out, s, t, r);
+  });
 }
 
 template <bool CVT>
