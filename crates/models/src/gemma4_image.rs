@@ -564,6 +564,21 @@ mod tests {
     }
 
     #[test]
+    fn processor_configs_it_cannot_follow_are_refused_by_name() {
+        let check = |json: &str| {
+            serde_json::from_str::<ImageProcessorConfig>(json)
+                .unwrap()
+                .validate()
+                .unwrap_err()
+        };
+        assert!(check(r#"{"max_soft_tokens": 100}"#).contains("max_soft_tokens must be one of"));
+        assert!(check(r#"{"resample": 0}"#).contains("nearest"));
+        assert!(check(r#"{"resample": 9}"#).contains("unknown resample filter 9"));
+        assert!(check(r#"{"patch_size": 0}"#).contains("must be positive"));
+        assert!(check(r#"{"image_std": [1.0, 0.0, 1.0]}"#).contains("image_std"));
+    }
+
+    #[test]
     fn broken_jpegs_are_refused_not_guessed() {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../tests/fixtures/models/gemma4_vision_like/images/photo.jpg");

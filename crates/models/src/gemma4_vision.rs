@@ -527,3 +527,37 @@ pub(crate) fn text_hidden(file: &JsonFile) -> Result<i32> {
         .map(|h| h as i32)
         .ok_or_else(|| file.error("missing field `text_config.hidden_size`"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vision_configs_it_cannot_run_are_refused_by_name() {
+        let base = serde_json::json!({
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+            "patch_size": 4, "pooling_kernel_size": 2, "position_embedding_size": 16,
+        });
+        let check = |patch: serde_json::Value| {
+            let mut v = base.clone();
+            for (k, x) in patch.as_object().unwrap() {
+                v[k] = x.clone();
+            }
+            serde_json::from_value::<VisionConfig>(v)
+                .unwrap()
+                .validate()
+                .err()
+        };
+        assert_eq!(check(serde_json::json!({})), None);
+        let e = |p| check(p).unwrap_or_default();
+        assert!(e(serde_json::json!({"head_dim": 18})).contains("multiple of 4"));
+        assert!(e(serde_json::json!({"num_key_value_heads": 3})).contains("not a multiple"));
+        assert!(
+            e(serde_json::json!({"rope_parameters": {"rope_type": "default"}}))
+                .contains("only \"axial\"")
+        );
+        assert!(e(serde_json::json!({"hidden_activation": "relu"})).contains("gelu_pytorch_tanh"));
+        assert!(e(serde_json::json!({"patch_size": 0})).contains("`patch_size` must be positive"));
+    }
+}
