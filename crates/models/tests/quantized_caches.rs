@@ -75,7 +75,14 @@ fn widened_glm(dir: &Path) -> PathBuf {
     cfg["qk_rope_head_dim"] = new.into();
     cfg["qk_head_dim"] = (nope + new).into();
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-    let tensors = mlx::io::load_safetensors_mlx(from.join("model.safetensors")).unwrap();
+    // In name order: the map's own order changes from run to run, and with it which salt each
+    // widened tensor's filler gets (the drift this test bounds came out different every run).
+    let mut tensors: Vec<(String, Array)> =
+        mlx::io::load_safetensors_mlx(from.join("model.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let mut out: Vec<(String, Array)> = Vec::new();
     for (i, (name, a)) in tensors.into_iter().enumerate() {
         let salt = i as u32;
