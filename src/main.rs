@@ -933,7 +933,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         model: &*loaded.model,
         sampler: &mut sampler,
         draft: draft.as_deref().map(|d| (d, &mut controller)),
-        vision: None,
+        towers: None,
     };
     let mut g = Generation::new(&mut ctx, 0, params)?;
     let mut text = TextStream::new(&req.options.stop);

@@ -61,6 +61,10 @@ fn official_python_clients_work_against_serve() {
         "vis",
         &format!("FROM {}\n", fixture("gemma4_vision_like").display()),
     );
+    s.create(
+        "aud",
+        &format!("FROM {}\n", fixture("gemma4_audio_like").display()),
+    );
     let out = Command::new(&python)
         .arg(format!("{root}/tests/clients/test_clients.py"))
         .env("MLX_SERVE_URL", format!("http://127.0.0.1:{}", s.port))
@@ -70,6 +74,7 @@ fn official_python_clients_work_against_serve() {
             "MLX_IMAGES_DIR",
             fixture("gemma4_vision_like").join("images"),
         )
+        .env("MLX_AUDIO_DIR", fixture("gemma4_audio_like").join("audio"))
         .env("NO_PROXY", "127.0.0.1,localhost")
         .output()
         .unwrap();

@@ -1,9 +1,10 @@
 """The official `ollama`, `openai` and `anthropic` Python clients against `mlx-runner serve`.
 
 Run by tests/clients.rs, which starts `serve` over a store holding the fixture models `gem`
-(gemma4), `glm` (GLM4-MoE-Lite) and `vis` (gemma4 with a vision tower) and passes its address
-(MLX_SERVE_URL), its pid (MLX_SERVE_PID), a checkpoint directory to upload (MLX_FIXTURE_DIR) and
-a directory of images (MLX_IMAGES_DIR). Every check prints one line; the first failure raises.
+(gemma4), `glm` (GLM4-MoE-Lite), `vis` (gemma4 with a vision tower) and `aud` (gemma4 with audio
+and vision towers) and passes its address (MLX_SERVE_URL), its pid (MLX_SERVE_PID), a checkpoint
+directory to upload (MLX_FIXTURE_DIR), a directory of images (MLX_IMAGES_DIR) and one of audio
+clips (MLX_AUDIO_DIR). Every check prints one line; the first failure raises.
 """
 
 import asyncio
@@ -21,6 +22,7 @@ URL = os.environ["MLX_SERVE_URL"]
 SERVE_PID = int(os.environ["MLX_SERVE_PID"])
 FIXTURE = os.environ["MLX_FIXTURE_DIR"]
 IMAGES = os.environ["MLX_IMAGES_DIR"]
+AUDIO = os.environ["MLX_AUDIO_DIR"]
 
 client = ollama.Client(host=URL)
 oai = openai.OpenAI(base_url=URL + "/v1", api_key="unused")
@@ -62,7 +64,7 @@ def runners():
 @check("ollama: list and show")
 def _():
     names = sorted(m.model for m in client.list().models)
-    assert names == ["gem:latest", "glm:latest", "vis:latest"], names
+    assert names == ["aud:latest", "gem:latest", "glm:latest", "vis:latest"], names
     info = client.show("gem")
     assert "completion" in info.capabilities, info.capabilities
     assert "<|turn>" in info.template
@@ -233,7 +235,7 @@ def _():
 @check("openai: models, chat (streaming with usage), completions")
 def _():
     ids = sorted(m.id for m in oai.models.list().data)
-    assert ids == ["gem:latest", "glm:latest", "vis:latest"], ids
+    assert ids == ["aud:latest", "gem:latest", "glm:latest", "vis:latest"], ids
     assert oai.models.retrieve("glm:latest").id == "glm:latest"
     kw = dict(model="gem", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0, reasoning_effort="none")
     whole = oai.chat.completions.create(**kw)
@@ -488,6 +490,44 @@ def _():
         raise AssertionError("an image accepted by a model without vision")
     except ollama.ResponseError as e:
         assert "does not support images" in str(e), e
+
+
+@check("ollama, openai: audio in chats, prompts and transcriptions")
+def _():
+    import base64
+
+    caps = client.show("aud").capabilities
+    assert "audio" in caps and "vision" in caps, caps
+    wav = os.path.join(AUDIO, "speechlike.wav")
+    # ollama sends clips as images (their bytes); the second time from the prefix cache.
+    msgs = [{"role": "user", "content": "What is said?", "images": [wav]}]
+    first = client.chat(model="aud", messages=msgs, options=GREEDY)
+    again = client.chat(model="aud", messages=msgs, options=GREEDY)
+    assert first.message.content == again.message.content
+    assert first.prompt_eval_count > 27, first.prompt_eval_count  # 25 soft tokens, boa, eoa
+    # A raw prompt with a clip and an image: the runner's expansion of exactly this prompt.
+    r = client.generate(model="aud", prompt="Hear [img-0] and see [img-1] now.", raw=True,
+                        images=[wav, os.path.join(AUDIO, "wide.png")],
+                        options={"temperature": 0, "num_predict": 4})
+    assert r.prompt_eval_count == 104, r.prompt_eval_count
+    data = base64.b64encode(open(wav, "rb").read()).decode()
+    o = oai.chat.completions.create(model="aud", max_tokens=4, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is said?"},
+                                     {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}]}])
+    assert o.usage.prompt_tokens > 27, o.usage
+    # OpenAI's transcription endpoint, as the client uploads a file.
+    with open(wav, "rb") as f:
+        t = oai.audio.transcriptions.create(model="aud", file=f)
+    assert isinstance(t.text, str), t
+    with open(wav, "rb") as f:
+        text = oai.audio.transcriptions.create(model="aud", file=f, response_format="text")
+    assert isinstance(text, str) and text == text.strip(), repr(text)
+    # A model without audio says so.
+    try:
+        client.chat(model="vis", messages=msgs)
+        raise AssertionError("a clip accepted by a model without audio")
+    except ollama.ResponseError as e:
+        assert "does not support audio" in str(e), e
 
 
 print("all client checks passed")

@@ -36,6 +36,18 @@ pub struct MediaItem {
     pub data: Vec<u8>,
 }
 
+/// The audio format `data` is in, by its first bytes (ollama's parent sends audio as media
+/// too): WAV, MP3 (an ID3 tag or a frame header), FLAC or Ogg.
+pub fn audio_kind(data: &[u8]) -> Option<&'static str> {
+    match data {
+        [b'R', b'I', b'F', b'F', _, _, _, _, b'W', b'A', b'V', b'E', ..] => Some("WAV"),
+        [b'I', b'D', b'3', ..] | [0xFF, 0xE0..=0xFF, ..] => Some("MP3"),
+        [b'f', b'L', b'a', b'C', ..] => Some("FLAC"),
+        [b'O', b'g', b'g', b'S', ..] => Some("Ogg"),
+        _ => None,
+    }
+}
+
 /// The `Options` object. Unknown keys are ignored; a known key of the wrong type fails to parse.
 /// Every default is Go's zero value (see [`CompletionRequest`]).
 #[derive(Debug, Clone, Deserialize)]
@@ -328,4 +340,20 @@ pub struct StreamErrorBody {
     #[serde(rename = "StatusCode")]
     pub status_code: u16,
     pub error: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn audio_is_told_apart_from_images() {
+        assert_eq!(audio_kind(b"RIFF\x24\0\0\0WAVEfmt "), Some("WAV"));
+        assert_eq!(audio_kind(b"ID3\x04\0"), Some("MP3"));
+        assert_eq!(audio_kind(&[0xFF, 0xFB, 0x90, 0x00]), Some("MP3"));
+        assert_eq!(audio_kind(b"fLaC\0"), Some("FLAC"));
+        // JPEG starts 0xFF 0xD8: an image.
+        assert_eq!(audio_kind(&[0xFF, 0xD8, 0xFF, 0xE0]), None);
+        assert_eq!(audio_kind(b"\x89PNG\r\n"), None);
+    }
 }

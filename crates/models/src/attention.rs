@@ -59,8 +59,8 @@ pub(crate) struct Rows {
 
 impl Rows {
     /// The rows of a pass over `rows` (each row's position is that of its first cache) through
-    /// a model of `layers` layers; with `media_both_ways`, each media item's tokens see each
-    /// other both ways in windowed layers.
+    /// a model of `layers` layers; with `media_both_ways`, each image's tokens see each other
+    /// both ways in windowed layers.
     pub fn new(rows: &[PackedRow<'_>], layers: usize, media_both_ways: bool) -> Result<Rows> {
         let offsets: Vec<usize> = rows
             .iter()
@@ -75,6 +75,7 @@ impl Rows {
             out.blocks[r] = row
                 .media
                 .iter()
+                .filter(|m| m.kind == crate::MediaKind::Image)
                 .map(|m| ((at + m.at) as i32, (at + m.at + m.len()) as i32))
                 .collect();
         }

@@ -6,7 +6,7 @@
 //! the same arithmetic as leaving it out.
 
 use crate::config::JsonFile;
-use crate::nn::{gelu_tanh, norm, Linear};
+use crate::nn::{gelu_tanh, norm, ClippedLinear, Linear};
 use crate::weights::{Vb, Weights};
 use crate::{ModelError, Result};
 use mlx::{Array, Dtype};
@@ -128,44 +128,6 @@ impl VisionConfig {
     }
 }
 
-/// A linear layer whose input and output may be clamped to stored bounds
-/// (`use_clipped_linears`: `<m>.input_min/max`, `<m>.output_min/max`, the weight under
-/// `<m>.linear`).
-struct ClippedLinear {
-    linear: Linear,
-    input: Option<(Array, Array)>,
-    output: Option<(Array, Array)>,
-}
-
-impl ClippedLinear {
-    fn load(vb: &Vb, cfg: &VisionConfig, out: i32, inp: i32) -> Result<ClippedLinear> {
-        let linear = vb.pp("linear").linear(out, inp)?;
-        if !cfg.use_clipped_linears {
-            return Ok(ClippedLinear {
-                linear,
-                input: None,
-                output: None,
-            });
-        }
-        let bound = |leaf: &str| vb.get_f32(leaf, &[]);
-        Ok(ClippedLinear {
-            linear,
-            input: Some((bound("input_min")?, bound("input_max")?)),
-            output: Some((bound("output_min")?, bound("output_max")?)),
-        })
-    }
-
-    fn forward(&self, x: &Array) -> Result<Array> {
-        let clip = |x: &Array, b: &Option<(Array, Array)>| -> Result<Array> {
-            Ok(match b {
-                Some((lo, hi)) => x.clip(Some(lo), Some(hi))?.astype(x.dtype())?,
-                None => x.clone(),
-            })
-        };
-        clip(&self.linear.forward(&clip(x, &self.input)?)?, &self.output)
-    }
-}
-
 /// Queries per attention block in the tower.
 const ATTENTION_BLOCK: i32 = 256;
 
@@ -191,7 +153,7 @@ impl VisionLayer {
         let (hq, hkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let attn = vb.pp("self_attn");
         let mlp = vb.pp("mlp");
-        let lin = |vb: Vb, out, inp| ClippedLinear::load(&vb, cfg, out, inp);
+        let lin = |vb: Vb, out, inp| ClippedLinear::load(&vb, cfg.use_clipped_linears, out, inp);
         Ok(VisionLayer {
             input_norm: vb.pp("input_layernorm").get("weight", &[h])?,
             post_attention_norm: vb.pp("post_attention_layernorm").get("weight", &[h])?,

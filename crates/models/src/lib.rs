@@ -13,10 +13,13 @@ pub mod draft;
 mod error;
 pub mod gemma4;
 pub mod gemma4_assistant;
+pub mod gemma4_audio;
+pub mod gemma4_audio_features;
 pub mod gemma4_image;
 pub mod gemma4_vision;
 pub mod glm4_moe_lite;
 pub mod glm4_mtp;
+pub mod media;
 pub mod nn;
 mod packed;
 mod prequant;
@@ -28,7 +31,7 @@ pub use cache::{LayerCache, RotatingKvCache};
 pub use config::JsonFile;
 pub use draft::{DraftOptions, Drafter};
 pub use error::{ModelError, Result};
-pub use packed::{MediaSpan, PackedRow};
+pub use packed::{MediaKind, MediaSpan, PackedRow};
 pub use tokenizer::{StreamDecoder, Tokenizer};
 
 use mlx::{Array, Dtype};
@@ -293,6 +296,38 @@ pub fn load_vision_files(
     let vision = gemma4_vision::Gemma4Vision::new(cfg, text_hidden, &weights)?;
     weights.materialize()?;
     Ok(Some((vision, prompt)))
+}
+
+/// The audio tower among a model's files and what a prompt needs to hold a clip; `None` where
+/// the checkpoint has no audio tower or no feature extractor config.
+pub fn load_audio_files(
+    files: &ModelFiles,
+    dtype: DtypeChoice,
+) -> Result<Option<(gemma4_audio::Gemma4Audio, gemma4_audio::AudioPrompt)>> {
+    let file = JsonFile::read(files.config()?)?;
+    let Some(cfg) = gemma4_audio::AudioConfig::from_file(&file)? else {
+        return Ok(None);
+    };
+    let Some(features) = gemma4_audio_features::AudioFeatureConfig::load_files(files)? else {
+        return Ok(None);
+    };
+    // The processor's cap on one clip's soft tokens (750: 30 s).
+    let max_tokens = match files.file("processor_config.json") {
+        Some(path) => JsonFile::read(path)?
+            .value
+            .get("audio_seq_length")
+            .and_then(serde_json::Value::as_u64)
+            .unwrap_or(750) as usize,
+        None => 750,
+    };
+    let prompt = gemma4_audio::AudioPrompt::new(&file, features, max_tokens)?;
+    let text_hidden = gemma4_vision::text_hidden(&file)?;
+    let dtype = resolve_dtype(dtype, &file.value);
+    let weights = Weights::load_files(files, dtype, quant_config(&file)?)?;
+    let mel = prompt.features.feature_size as i32;
+    let audio = gemma4_audio::Gemma4Audio::new(cfg, text_hidden, mel, &weights)?;
+    weights.materialize()?;
+    Ok(Some((audio, prompt)))
 }
 
 /// Loads the model in `dir`: config, tokenizer, then weights (lazily read, cast once).

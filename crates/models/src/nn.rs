@@ -1,7 +1,7 @@
 //! The building blocks both model families share: linear layers and embeddings (dense or
 //! mlx-lm quantized), stacked experts for mixture-of-experts layers, activations, RoPE.
 
-use crate::weights::Weights;
+use crate::weights::{Vb, Weights};
 use crate::Result;
 use mlx::fast::{rms_norm, rope, QkvNorms, RopeFreqs, Rotation};
 use mlx::{Array, Quantized};
@@ -509,5 +509,43 @@ impl Rope {
     /// Rotates `x: [B, H, L, D]` for positions `offset..offset+L`.
     pub fn apply(&self, x: &Array, offset: usize) -> Result<Array> {
         Ok(rope(x, self.rotation(), offset as i32)?)
+    }
+}
+
+/// A linear layer whose input and output may be clamped to stored bounds
+/// (`use_clipped_linears`: `<m>.input_min/max`, `<m>.output_min/max`, the weight under
+/// `<m>.linear`).
+pub(crate) struct ClippedLinear {
+    linear: Linear,
+    input: Option<(Array, Array)>,
+    output: Option<(Array, Array)>,
+}
+
+impl ClippedLinear {
+    pub(crate) fn load(vb: &Vb, clipped: bool, out: i32, inp: i32) -> Result<ClippedLinear> {
+        let linear = vb.pp("linear").linear(out, inp)?;
+        if !clipped {
+            return Ok(ClippedLinear {
+                linear,
+                input: None,
+                output: None,
+            });
+        }
+        let bound = |leaf: &str| vb.get_f32(leaf, &[]);
+        Ok(ClippedLinear {
+            linear,
+            input: Some((bound("input_min")?, bound("input_max")?)),
+            output: Some((bound("output_min")?, bound("output_max")?)),
+        })
+    }
+
+    pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
+        let clip = |x: &Array, b: &Option<(Array, Array)>| -> Result<Array> {
+            Ok(match b {
+                Some((lo, hi)) => x.clip(Some(lo), Some(hi))?.astype(x.dtype())?,
+                None => x.clone(),
+            })
+        };
+        clip(&self.linear.forward(&clip(x, &self.input)?)?, &self.output)
     }
 }

@@ -29,15 +29,23 @@ impl<'a> PackedRow<'a> {
     }
 }
 
-/// Soft tokens of one media item (an image's encoded patches) inside a packed row: `embeds`
-/// (`[n, hidden]`) replace the embeddings of the row's tokens `at..at + n` of this pass (the
-/// placeholder tokens the prompt holds for it). Where the model's media tokens see each other
-/// both ways (gemma4's `use_bidirectional_attention: "vision"`), an item must be whole in one
-/// pass: a pass cannot know about keys a later pass brings.
+/// Soft tokens of one media item (an image's encoded patches, a clip's encoded frames) inside a
+/// packed row: `embeds` (`[n, hidden]`) replace the embeddings of the row's tokens `at..at + n`
+/// of this pass (the placeholder tokens the prompt holds for it). Where the model's image tokens
+/// see each other both ways (gemma4's `use_bidirectional_attention: "vision"`), an image must be
+/// whole in one pass: a pass cannot know about keys a later pass brings. Audio is causal.
 #[derive(Clone)]
 pub struct MediaSpan {
     pub at: usize,
     pub embeds: Array,
+    pub kind: MediaKind,
+}
+
+/// What a media item is: the model's attention rule over its tokens depends on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MediaKind {
+    Image,
+    Audio,
 }
 
 impl MediaSpan {

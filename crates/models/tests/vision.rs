@@ -4,7 +4,7 @@
 
 use mlx::{Array, Dtype};
 use models::gemma4_vision::{Gemma4Vision, ImagePatches};
-use models::{load_vision, DtypeChoice, MediaSpan, PackedRow};
+use models::{load_vision, DtypeChoice, MediaKind, MediaSpan, PackedRow};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -195,6 +195,7 @@ fn mm_logits(dir: &std::path::Path, ids: &[i32], images: &[Array], passes: &[usi
                 MediaSpan {
                     at: s - at,
                     embeds: e.clone(),
+                    kind: MediaKind::Image,
                 }
             })
             .collect();
@@ -301,16 +302,19 @@ fn media_that_does_not_fit_its_row_is_refused() {
             vec![MediaSpan {
                 at,
                 embeds: embeds.clone(),
+                kind: MediaKind::Image,
             }]
         } else {
             vec![
                 MediaSpan {
                     at: 0,
                     embeds: embeds.clone(),
+                    kind: MediaKind::Image,
                 },
                 MediaSpan {
                     at: 2,
                     embeds: embeds.slice_axis(0, 0, Some(2)).unwrap(),
+                    kind: MediaKind::Image,
                 },
             ]
         };
@@ -338,6 +342,7 @@ fn media_that_does_not_fit_its_row_is_refused() {
     let media = [MediaSpan {
         at: 0,
         embeds: Array::zeros(&[1, 8], Dtype::F32).unwrap(),
+        kind: MediaKind::Image,
     }];
     let e = glm
         .model

@@ -136,8 +136,9 @@ pub struct Shared {
     pub disk: OnceLock<(Arc<DiskStats>, u64)>,
     pub metrics: Metrics,
     pub architecture: OnceLock<&'static str>,
-    /// What a prompt needs to hold images, for a model that takes them (set at load).
-    pub images: OnceLock<Option<models::gemma4_vision::ImagePrompt>>,
+    /// What a prompt needs to hold images and audio, for a model that takes them (set at
+    /// load).
+    pub media: OnceLock<models::media::MediaPrompt>,
 }
 
 impl Shared {
@@ -196,18 +197,14 @@ fn engine_main(
         }
     };
     // Before the memory plan, which counts what the weights took.
-    let vision = match models::load_vision_files(&cfg.model, cfg.dtype) {
+    let (towers, media) = match models::media::Towers::load(&cfg.model, cfg.dtype) {
         Ok(v) => v,
         Err(e) => {
-            let _ = loaded.send(Err(format!("vision tower: {e}")));
+            let _ = loaded.send(Err(format!("media towers: {e}")));
             return;
         }
     };
-    let (vision, images) = match vision {
-        Some((v, p)) => (Some(v), Some(p)),
-        None => (None, None),
-    };
-    let _ = shared.images.set(images);
+    let _ = shared.media.set(media);
     if let Some(d) = &draft {
         tracing::info!(drafter = d.name(), "speculative decoding on");
     }
@@ -239,7 +236,7 @@ fn engine_main(
         let _ = shared.disk.set((Arc::clone(d.stats()), d.budget()));
     }
     let mut engine = Engine {
-        vision,
+        towers,
         disk,
         draft,
         controllers,
@@ -395,8 +392,8 @@ impl Active {
 
 struct Engine {
     model: LoadedModel,
-    /// The vision tower, for a model that takes images.
-    vision: Option<models::gemma4_vision::Gemma4Vision>,
+    /// The media towers (vision, audio), for a model that takes them.
+    towers: models::media::Towers,
     sampler: Sampler,
     draft: Option<Box<dyn Drafter>>,
     /// Depth controllers by how many sequences decode or draft in a step ([`bucket`]): what a
@@ -531,15 +528,14 @@ impl Engine {
                     };
                 }
             }
-            // Every image the restored prefix does not hold runs through the tower once.
-            let encoded = job
-                .params
-                .media
-                .iter()
-                .filter(|i| i.at >= restored.cached)
-                .count();
-            m.images_encoded
-                .fetch_add(encoded as u64, Ordering::Relaxed);
+            // Every item the restored prefix does not hold runs through its tower once.
+            for item in job.params.media.iter().filter(|i| i.at >= restored.cached) {
+                match item.input.kind() {
+                    models::MediaKind::Image => &m.images_encoded,
+                    models::MediaKind::Audio => &m.audio_encoded,
+                }
+                .fetch_add(1, Ordering::Relaxed);
+            }
             if restored.cached > 0 {
                 m.cache_hits.fetch_add(1, Ordering::Relaxed);
                 m.cached_tokens
@@ -640,14 +636,14 @@ impl Engine {
             draft,
             controllers,
             cfg,
-            vision,
+            towers,
             ..
         } = self;
         let mut ctx = Ctx {
             model: &*model.model,
             sampler,
             draft: draft.as_deref().map(|d| (d, &mut controllers[bucket])),
-            vision: vision.as_ref(),
+            towers: Some(towers),
         };
         f(&mut ctx, active, cfg)
     }

@@ -69,9 +69,9 @@ pub struct GenerationParams {
     pub snapshot_every: Option<usize>,
     /// Structured output: the grammar every generated token must keep to.
     pub constraint: Option<Box<grammar::Constraint>>,
-    /// The images in the prompt, in order: each one's soft tokens replace its run of image
-    /// tokens.
-    pub media: Vec<PromptImage>,
+    /// The media in the prompt (images, clips), in order: each one's soft tokens replace its
+    /// run of placeholder tokens.
+    pub media: Vec<PromptMedia>,
 }
 
 impl GenerationParams {
@@ -89,8 +89,8 @@ impl GenerationParams {
         key
     }
 
-    /// Where a restored prefix of `cached` tokens must stop so as not to end inside an image
-    /// (an image is encoded whole, in one chunk).
+    /// Where a restored prefix of `cached` tokens must stop so as not to end inside a media
+    /// item (an item is encoded whole, in one chunk).
     pub fn restorable(&self, cached: usize) -> usize {
         self.media
             .iter()
@@ -99,14 +99,14 @@ impl GenerationParams {
     }
 }
 
-/// An image in a prompt: its patches, where its soft tokens go (`at..at + len`), and what the
-/// prefix cache keys its positions by: a hash of its bytes and patch grid with bit 31 set, so
-/// that it is never a token id.
+/// A media item in a prompt: what its tower takes, where its soft tokens go
+/// (`at..at + len`), and what the prefix cache keys its positions by: a hash of its bytes and
+/// prepared shape with bit 31 set, so that it is never a token id.
 #[derive(Debug, Clone)]
-pub struct PromptImage {
+pub struct PromptMedia {
     pub at: usize,
     pub len: usize,
-    pub patches: std::sync::Arc<models::gemma4_vision::ImagePatches>,
+    pub input: std::sync::Arc<models::media::MediaInput>,
     pub fold: u32,
 }
 
@@ -116,8 +116,8 @@ pub struct Ctx<'a> {
     pub sampler: &'a mut Sampler,
     /// The drafter and its depth controller, when speculation is on.
     pub draft: Option<(&'a dyn Drafter, &'a mut DepthController)>,
-    /// The vision tower, for a model that takes images.
-    pub vision: Option<&'a models::gemma4_vision::Gemma4Vision>,
+    /// The media towers, for a model that takes images or audio.
+    pub towers: Option<&'a models::media::Towers>,
 }
 
 impl<'a> Ctx<'a> {
@@ -126,7 +126,7 @@ impl<'a> Ctx<'a> {
             model,
             sampler,
             draft: None,
-            vision: None,
+            towers: None,
         }
     }
 
@@ -256,10 +256,17 @@ impl Generation {
             return Err(internal("fewer caches than the target has layers"));
         }
         let own = caches.split_off(targets);
-        if !params.media.is_empty() && ctx.vision.is_none() {
-            return Err(GenerateError::BadRequest(
-                "this model does not support images".into(),
-            ));
+        for m in &params.media {
+            let kind = m.input.kind();
+            if !ctx.towers.is_some_and(|t| t.takes(kind)) {
+                return Err(GenerateError::BadRequest(format!(
+                    "this model does not support {}",
+                    match kind {
+                        models::MediaKind::Image => "images",
+                        models::MediaKind::Audio => "audio",
+                    }
+                )));
+            }
         }
         let draft = ctx.drafter().map(|_| DraftState::new(own, cached));
         let own_depth = match &ctx.draft {
@@ -427,16 +434,16 @@ impl Generation {
         (at, end)
     }
 
-    /// Whether the prompt holds images.
+    /// Whether the prompt holds media.
     pub(crate) fn has_media(&self) -> bool {
         !self.params.media.is_empty()
     }
 
-    /// The images whose soft tokens lie in the prompt chunk `start..end`, encoded, placed
-    /// relative to the chunk (images are never cut by a chunk).
+    /// The media whose soft tokens lie in the prompt chunk `start..end`, encoded, placed
+    /// relative to the chunk (items are never cut by a chunk).
     pub(crate) fn media_spans(
         &self,
-        vision: Option<&models::gemma4_vision::Gemma4Vision>,
+        towers: Option<&models::media::Towers>,
         start: usize,
         end: usize,
     ) -> Result<Vec<models::MediaSpan>> {
@@ -446,13 +453,19 @@ impl Generation {
                 continue;
             }
             if m.at < start || m.at + m.len > end {
-                return Err(internal("a prefill chunk cuts an image"));
+                return Err(internal("a prefill chunk cuts a media item"));
             }
-            let vision = vision.ok_or_else(|| internal("an image without a vision tower"))?;
-            let embeds = vision.encode(&m.patches)?;
+            let towers = towers.ok_or_else(|| internal("media without a tower"))?;
+            let embeds = towers.encode(&m.input)?;
+            if embeds.dim(0)? as usize != m.len {
+                return Err(internal(
+                    "a tower's soft tokens do not fill their placeholders",
+                ));
+            }
             spans.push(models::MediaSpan {
                 at: m.at - start,
                 embeds,
+                kind: m.input.kind(),
             });
         }
         Ok(spans)

@@ -1,17 +1,19 @@
-//! Images in a prompt, prepared on the HTTP side (off the engine thread): the `[img-N]` tags
-//! ollama's parent writes into the prompt are matched with the request's media items, each image
-//! is decoded and cut into patches by the model's image processor, and the prompt becomes token
-//! ids with each tag replaced by `boi`, one image token per soft token, `eoi`
-//! (docs/PROTOCOL.md, "Media").
+//! Media in a prompt, prepared on the HTTP side (off the engine thread): the `[img-N]` tags
+//! ollama's parent writes into the prompt (for images and audio alike) are matched with the
+//! request's media items; each image is decoded and cut into patches by the model's image
+//! processor, each clip decoded, resampled and turned into log-mel frames by its feature
+//! extractor; the prompt becomes token ids with each tag replaced by the item's begin token, one
+//! placeholder per soft token, its end token (docs/PROTOCOL.md, "Media").
 
-use crate::generation::PromptImage;
-use base::protocol::MediaItem;
-use models::gemma4_vision::ImagePrompt;
+use crate::generation::PromptMedia;
+use base::protocol::{audio_kind, MediaItem};
+use models::gemma4_audio_features::prepare_audio;
+use models::media::{MediaInput, MediaPrompt};
 use models::Tokenizer;
 use std::sync::Arc;
 
-/// The most images one prompt may hold.
-pub const MAX_IMAGES: usize = 16;
+/// The most media items (images and clips) one prompt may hold.
+pub const MAX_MEDIA: usize = 16;
 
 /// A piece of a prompt: text, or the id an `[img-N]` tag names.
 #[derive(Debug, PartialEq)]
@@ -46,23 +48,23 @@ fn pieces(prompt: &str) -> Vec<Piece<'_>> {
     out
 }
 
-/// The prompt's token ids and its images, for a model that takes images (`images`). Every tag
-/// must name an item and every item must be named; each image is decoded and cut into patches
-/// here (the expensive part: call it off the async threads).
+/// The prompt's token ids and its media, for a model that takes media (`media`). Every tag
+/// must name an item and every item must be named; each item is decoded and prepared for its
+/// tower here (the expensive part: call it off the async threads).
 pub fn prepare(
     tok: &Tokenizer,
-    images: &ImagePrompt,
+    media: &MediaPrompt,
     prompt: &str,
     items: &[MediaItem],
-) -> Result<(Vec<u32>, Vec<PromptImage>), String> {
+) -> Result<(Vec<u32>, Vec<PromptMedia>), String> {
     let pieces = pieces(prompt);
     let tags = pieces
         .iter()
         .filter(|p| matches!(p, Piece::Image(_)))
         .count();
-    if tags > MAX_IMAGES {
+    if tags > MAX_MEDIA {
         return Err(format!(
-            "the prompt holds {tags} images, more than the {MAX_IMAGES} a prompt may hold"
+            "the prompt holds {tags} media items, more than the {MAX_MEDIA} a prompt may hold"
         ));
     }
     for item in items {
@@ -74,8 +76,9 @@ pub fn prepare(
         }
     }
     let mut ids = Vec::new();
-    let mut media = Vec::new();
-    let mut patches: Vec<(i64, Arc<models::gemma4_vision::ImagePatches>)> = Vec::new();
+    let mut out = Vec::new();
+    // An item named twice is prepared once.
+    let mut prepared: Vec<(i64, Arc<MediaInput>, u32)> = Vec::new();
     for (i, piece) in pieces.iter().enumerate() {
         match *piece {
             Piece::Text(t) if i == 0 => ids.extend(tok.encode(t).map_err(|e| e.to_string())?),
@@ -84,63 +87,94 @@ pub fn prepare(
                 let item = items.iter().find(|m| m.id == id).ok_or_else(|| {
                     format!("the prompt names [img-{id}], but no media item has the id {id}")
                 })?;
-                if let Some(kind) = audio_kind(&item.data) {
-                    return Err(format!(
-                        "media item {id} is {kind} audio: this runner does not take audio yet"
-                    ));
-                }
-                let p = match patches.iter().find(|(k, _)| *k == id) {
-                    Some((_, p)) => Arc::clone(p),
+                let (input, fold) = match prepared.iter().find(|(k, ..)| *k == id) {
+                    Some((_, p, f)) => (Arc::clone(p), *f),
                     None => {
-                        let p = images
-                            .processor
-                            .preprocess(&item.data)
-                            .map_err(|e| format!("media item {id}: {e}"))?;
+                        let (p, f) = prepare_item(media, id, &item.data)?;
                         let p = Arc::new(p);
-                        patches.push((id, Arc::clone(&p)));
-                        p
+                        prepared.push((id, Arc::clone(&p), f));
+                        (p, f)
                     }
                 };
-                let k = images.processor.pooling_kernel_size;
-                let len = ((p.grid.0 / k) * (p.grid.1 / k)) as usize;
-                ids.push(images.boi);
-                media.push(PromptImage {
+                let (open, token, close, len) = match &*input {
+                    MediaInput::Image(p) => {
+                        let images = media.images.as_ref().expect("prepared as an image");
+                        let k = images.processor.pooling_kernel_size;
+                        let len = ((p.grid.0 / k) * (p.grid.1 / k)) as usize;
+                        (images.boi, images.image_token, images.eoi, len)
+                    }
+                    MediaInput::Audio(f) => {
+                        let audio = media.audio.as_ref().expect("prepared as audio");
+                        (
+                            audio.boa,
+                            audio.audio_token,
+                            audio.eoa,
+                            audio.soft_tokens(f.frames),
+                        )
+                    }
+                };
+                ids.push(open);
+                out.push(PromptMedia {
                     at: ids.len(),
                     len,
-                    fold: fold(&item.data, &p),
-                    patches: p,
+                    fold,
+                    input,
                 });
-                ids.extend(std::iter::repeat_n(images.image_token, len));
-                ids.push(images.eoi);
+                ids.extend(std::iter::repeat_n(token, len));
+                ids.push(close);
             }
         }
     }
-    Ok((ids, media))
+    Ok((ids, out))
 }
 
-/// The audio format `data` is in, by its first bytes (ollama's parent sends audio as media
-/// too): WAV, MP3 (an ID3 tag or a frame header), FLAC or Ogg.
-fn audio_kind(data: &[u8]) -> Option<&'static str> {
-    match data {
-        [b'R', b'I', b'F', b'F', _, _, _, _, b'W', b'A', b'V', b'E', ..] => Some("WAV"),
-        [b'I', b'D', b'3', ..] | [0xFF, 0xE0..=0xFF, ..] => Some("MP3"),
-        [b'f', b'L', b'a', b'C', ..] => Some("FLAC"),
-        [b'O', b'g', b'g', b'S', ..] => Some("Ogg"),
-        _ => None,
+/// One item decoded and prepared for its tower, and its fold value; `Err` says what is wrong
+/// with it, naming it.
+fn prepare_item(media: &MediaPrompt, id: i64, data: &[u8]) -> Result<(MediaInput, u32), String> {
+    if let Some(kind) = audio_kind(data) {
+        let Some(audio) = &media.audio else {
+            return Err(format!(
+                "media item {id} is {kind} audio: this model does not take audio"
+            ));
+        };
+        let fx = audio.features.extractor();
+        let (features, _) =
+            prepare_audio(data, &fx).map_err(|e| format!("media item {id}: {e}"))?;
+        let tokens = models::gemma4_audio::AudioConfig::soft_tokens(features.frames);
+        if tokens > audio.max_tokens {
+            return Err(format!(
+                "media item {id}: the clip makes {tokens} audio tokens, more than the {} one clip may take",
+                audio.max_tokens
+            ));
+        }
+        let fold = fold(data, &[features.frames as i32, features.mel as i32]);
+        return Ok((MediaInput::Audio(features), fold));
     }
+    let Some(images) = &media.images else {
+        return Err(format!(
+            "media item {id} is not audio, and this model does not take images"
+        ));
+    };
+    let p = images
+        .processor
+        .preprocess(data)
+        .map_err(|e| format!("media item {id}: {e}"))?;
+    let fold = fold(data, &[p.grid.0, p.grid.1]);
+    Ok((MediaInput::Image(p), fold))
 }
 
-/// What the prefix cache keys an image's positions by: FNV-1a (64-bit) over its bytes and its
-/// patch grid (which fixes its soft tokens for given bytes), folded to 32 bits, with bit 31 set
-/// so that it is never a token id (ollama's runner keys its media the same way).
-fn fold(data: &[u8], p: &models::gemma4_vision::ImagePatches) -> u32 {
+/// What the prefix cache keys an item's positions by: FNV-1a (64-bit) over its bytes and its
+/// prepared dimensions (an image's patch grid, a clip's frames and bins: they fix its soft
+/// tokens for given bytes), folded to 32 bits, with bit 31 set so that it is never a token id
+/// (ollama's runner keys its media the same way).
+fn fold(data: &[u8], dims: &[i32]) -> u32 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     let mut eat = |b: u8| {
         h ^= u64::from(b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     };
     data.iter().copied().for_each(&mut eat);
-    for d in [p.grid.0, p.grid.1] {
+    for &d in dims {
         (d as u64).to_le_bytes().into_iter().for_each(&mut eat);
     }
     ((h >> 32) as u32 ^ h as u32) | 1 << 31
@@ -149,17 +183,6 @@ fn fold(data: &[u8], p: &models::gemma4_vision::ImagePatches) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn audio_is_told_apart_from_images() {
-        assert_eq!(audio_kind(b"RIFF\x24\0\0\0WAVEfmt "), Some("WAV"));
-        assert_eq!(audio_kind(b"ID3\x04\0"), Some("MP3"));
-        assert_eq!(audio_kind(&[0xFF, 0xFB, 0x90, 0x00]), Some("MP3"));
-        assert_eq!(audio_kind(b"fLaC\0"), Some("FLAC"));
-        // JPEG starts 0xFF 0xD8: an image.
-        assert_eq!(audio_kind(&[0xFF, 0xD8, 0xFF, 0xE0]), None);
-        assert_eq!(audio_kind(b"\x89PNG\r\n"), None);
-    }
 
     #[test]
     fn tags_split_the_prompt() {

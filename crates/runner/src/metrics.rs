@@ -74,6 +74,8 @@ pub struct Metrics {
     pub disk_tokens: AtomicU64,
     /// Images run through the vision tower (an image the prefix cache restored is not).
     pub images_encoded: AtomicU64,
+    /// Clips run through the audio tower (likewise).
+    pub audio_encoded: AtomicU64,
     pub draft_tokens: AtomicU64,
     pub draft_accepted: AtomicU64,
     pub drafted_at: Vec<AtomicU64>,
@@ -104,6 +106,7 @@ impl Default for Metrics {
             disk_hits: AtomicU64::new(0),
             disk_tokens: AtomicU64::new(0),
             images_encoded: AtomicU64::new(0),
+            audio_encoded: AtomicU64::new(0),
             draft_tokens: AtomicU64::new(0),
             draft_accepted: AtomicU64::new(0),
             drafted_at: (0..DRAFT_POSITIONS).map(|_| AtomicU64::new(0)).collect(),
@@ -199,6 +202,12 @@ impl Metrics {
             "mlx_runner_images_encoded_total",
             "Images run through the vision tower (not those the prefix cache restored).",
             &self.images_encoded,
+        );
+        counter(
+            &mut o,
+            "mlx_runner_audio_encoded_total",
+            "Clips run through the audio tower (not those the prefix cache restored).",
+            &self.audio_encoded,
         );
         counter(
             &mut o,

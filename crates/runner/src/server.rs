@@ -3,7 +3,7 @@
 //! every failure to a status and a `{"error": "..."}` body.
 
 use crate::engine::{CompletionJob, Job, Shared};
-use crate::generation::{Event, GenerationParams, PromptImage};
+use crate::generation::{Event, GenerationParams, PromptMedia};
 use crate::text::{TextPiece, TextStream};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -357,19 +357,20 @@ async fn constrain(
 struct Prepared {
     req: CompletionRequest,
     prompt: Vec<u32>,
-    media: Vec<PromptImage>,
+    media: Vec<PromptMedia>,
     num_ctx: usize,
     tok: Arc<Tokenizer>,
 }
 
-/// The prompt of a request with media: its images prepared (decoded, cut into patches) and its
-/// tags expanded, off the async threads and within the tokenization budget.
+/// The prompt of a request with media: its images and clips prepared (decoded, cut into
+/// patches or log-mel frames) and its tags expanded, off the async threads and within the
+/// tokenization budget.
 async fn prepare_media(
     app: &AppState,
     req: &CompletionRequest,
     tok: &Arc<Tokenizer>,
-) -> Result<(Vec<u32>, Vec<PromptImage>), ApiError> {
-    let Some(images) = app.shared.images.get().cloned().flatten() else {
+) -> Result<(Vec<u32>, Vec<PromptMedia>), ApiError> {
+    let Some(media) = app.shared.media.get().filter(|m| m.any()).cloned() else {
         return Err(ApiError::bad_request(format!(
             "this model does not support images or audio, but the request carries {} media item(s)",
             req.media.len()
@@ -382,7 +383,7 @@ async fn prepare_media(
         .await
         .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting down"))?;
     let (tok, prompt) = (Arc::clone(tok), req.prompt.clone());
-    tokio::task::spawn_blocking(move || crate::media::prepare(&tok, &images, &prompt, &items))
+    tokio::task::spawn_blocking(move || crate::media::prepare(&tok, &media, &prompt, &items))
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
         .map_err(ApiError::bad_request)

@@ -122,7 +122,7 @@ fn run(s: &mut Setup, prompt: &[u32], options: Options, n: Option<usize>, num_ct
         model: &*s.target.model,
         sampler: &mut sampler,
         draft: s.draft.as_deref().map(|d| (d, &mut s.controller)),
-        vision: None,
+        towers: None,
     };
     let params = GenerationParams {
         prompt: prompt.to_vec(),

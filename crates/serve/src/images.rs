@@ -1,7 +1,7 @@
-//! Images as the client APIs carry them, turned into what ollama's API takes (base64 strings in a
-//! message's `images`): OpenAI's and the Responses API's data URLs, Anthropic's base64 sources.
-//! Links to images elsewhere are refused, as ollama refuses them (no fetching on a client's
-//! behalf).
+//! Images and audio as the client APIs carry them, turned into what ollama's API takes (base64
+//! strings in a message's `images`, clips included): OpenAI's and the Responses API's data URLs,
+//! OpenAI's `input_audio` parts, Anthropic's base64 sources. Links to images elsewhere are
+//! refused, as ollama refuses them (no fetching on a client's behalf).
 
 use crate::pipeline::ApiError;
 use base64::Engine;
@@ -40,6 +40,22 @@ pub fn openai_part(part: &serde_json::Value, what: &str) -> Result<String, ApiEr
         .or(part["image_url"].as_str())
         .ok_or_else(|| ApiError::bad("invalid message format"))?;
     from_data_url(url, what)
+}
+
+/// An OpenAI `input_audio` part (`{"input_audio": {"data": base64, "format": "wav"}}`) as
+/// base64; the format is told from the bytes, as ollama tells it.
+pub fn openai_audio(part: &serde_json::Value) -> Result<String, ApiError> {
+    let audio = part["input_audio"]
+        .as_object()
+        .ok_or_else(|| ApiError::bad("invalid input_audio format"))?;
+    let data = audio
+        .get("data")
+        .and_then(serde_json::Value::as_str)
+        .ok_or_else(|| ApiError::bad("invalid input_audio format: missing data"))?;
+    base64::engine::general_purpose::STANDARD
+        .decode(data)
+        .map(|_| data.to_string())
+        .map_err(|e| ApiError::bad(format!("invalid input_audio base64 data: {e}")))
 }
 
 /// An Anthropic image block's source as base64: `{"type": "base64", "media_type": ..., "data":

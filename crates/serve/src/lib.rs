@@ -21,6 +21,7 @@ pub mod sched;
 mod security;
 mod sse;
 pub mod template;
+mod transcribe;
 mod unserved;
 
 use axum::routing::{get, post};
@@ -146,6 +147,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/models", get(openai_api::models))
         .route("/v1/models/{*name}", get(openai_api::model))
         .route("/v1/responses", post(responses_api::responses))
+        .route("/v1/audio/transcriptions", post(transcribe::transcriptions))
         .route("/v1/messages", post(anthropic_api::messages_route))
         .route(
             "/v1/messages/count_tokens",

@@ -194,11 +194,7 @@ fn messages(v: &Value) -> Result<Vec<Value>, ApiError> {
                         Some("image_url") => {
                             images.push(crate::images::openai_part(p, "image_url")?)
                         }
-                        Some("input_audio") => {
-                            return Err(ApiError::bad(
-                                "audio is not supported: no model served here takes audio",
-                            ))
-                        }
+                        Some("input_audio") => images.push(crate::images::openai_audio(p)?),
                         _ => return Err(ApiError::bad("invalid message format")),
                     }
                 }

@@ -81,7 +81,9 @@ pub struct Input {
 
 /// A message's or a raw prompt's images as the runner takes them, numbered in order across the
 /// messages; each message's content gets their `[img-N]` tags, in place of its `[img]` markers
-/// or before its text (ollama's `imageTaggedMessages`). Refused for a model without vision.
+/// or before its text (ollama's `imageTaggedMessages`). Audio rides the same way (ollama sends
+/// clips as images); an image is refused for a model without vision, a clip (WAV, MP3, FLAC,
+/// Ogg by its first bytes) for one without audio.
 fn tag_images(m: &Model, input: &Input) -> Result<(Vec<Value>, Vec<Value>), ApiError> {
     let mut media = Vec::new();
     let mut messages = input.messages.clone();
@@ -111,13 +113,32 @@ fn tag_images(m: &Model, input: &Input) -> Result<(Vec<Value>, Vec<Value>), ApiE
             }
         }
     }
-    if !media.is_empty() && !m.capabilities().iter().any(|c| c == "vision") {
-        return Err(ApiError::bad(format!(
-            "{} does not support images",
-            m.display()
-        )));
+    let caps = m.capabilities();
+    for item in &media {
+        let (needs, what) = if media_is_audio(item["data"].as_str().unwrap_or_default()) {
+            ("audio", "audio")
+        } else {
+            ("vision", "images")
+        };
+        if !caps.iter().any(|c| c == needs) {
+            return Err(ApiError::bad(format!(
+                "{} does not support {what}",
+                m.display()
+            )));
+        }
     }
     Ok((messages, media))
+}
+
+/// Whether base64 `data` is an audio clip, by its first bytes (the 12 that 16 characters hold).
+fn media_is_audio(data: &str) -> bool {
+    use base64::Engine;
+    let head = data.get(..16.min(data.len())).unwrap_or_default();
+    base64::engine::general_purpose::STANDARD
+        .decode(head)
+        .ok()
+        .and_then(|b| base::protocol::audio_kind(&b))
+        .is_some()
 }
 
 /// A running completion.

@@ -50,12 +50,12 @@ pub(crate) fn run(
 ) -> Result<Forwarded> {
     let mut tokens: Vec<Array> = Vec::new();
     let mut lens: Vec<Option<usize>> = Vec::with_capacity(gens.len());
-    // The images in each row's prefill chunk, encoded (the tower runs here, in the step).
+    // The media in each row's prefill chunk, encoded (the towers run here, in the step).
     let mut media: Vec<Vec<models::MediaSpan>> = Vec::with_capacity(gens.len());
     for (g, p) in gens.iter().zip(pieces) {
         media.push(match p {
             Piece::Prefill { start, end } if g.has_media() => {
-                g.media_spans(ctx.vision, *start, *end)?
+                g.media_spans(ctx.towers, *start, *end)?
             }
             _ => Vec::new(),
         });

@@ -1,0 +1,230 @@
+//! Audio through the runner, sent as ollama's parent sends it (an `[img-N]` tag in the prompt
+//! and a `Media` item holding the file's bytes, WAV or MP3 or FLAC or Ogg): the greedy
+//! continuation of a prompt with a clip and an image equals transformers' on the same prompt
+//! (tests/fixtures/models/gemma4_audio_like), the prefix cache keeps the encoded clip (the tower
+//! does not run again), drafting and batching leave the output alone, and bad clips get a 400
+//! naming what is wrong while the runner keeps serving.
+
+mod common;
+
+use base64::Engine;
+use common::{done_of, fixture, golden, Runner};
+use serde_json::{json, Value};
+
+const MODEL: &str = "gemma4_audio_like";
+const PROMPT: &str = "Hear [img-0] and see [img-1] now.";
+
+fn greedy(n: i64) -> Value {
+    json!({"num_predict": n, "temperature": 0, "repeat_penalty": 1.0})
+}
+
+fn b64(bytes: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+fn file(name: &str) -> Vec<u8> {
+    std::fs::read(fixture(MODEL).join("audio").join(name)).unwrap()
+}
+
+fn media(items: &[(&str, i64)]) -> Value {
+    items
+        .iter()
+        .map(|&(name, id)| json!({"data": b64(&file(name)), "id": id}))
+        .collect()
+}
+
+fn counter(r: &Runner, name: &str) -> u64 {
+    let text = ureq::get(&r.url("/metrics"))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {name}"))
+}
+
+fn tokens(lines: &[Value]) -> Vec<String> {
+    lines
+        .iter()
+        .filter_map(|l| l["Logprobs"].as_array())
+        .flatten()
+        .map(|e| e["token"].as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
+fn expected() -> (Vec<String>, u64) {
+    let g = golden(MODEL);
+    let tok = models::Tokenizer::load(&fixture(MODEL)).unwrap();
+    let want = g["runner.greedy"]
+        .to_vec::<i32>()
+        .unwrap()
+        .into_iter()
+        .map(|t| tok.token_text(t as u32))
+        .collect();
+    (want, g["runner.input_ids"].shape()[0] as u64)
+}
+
+#[test]
+fn a_prompt_with_a_clip_continues_as_transformers_does() {
+    let (want, prompt_len) = expected();
+    let r = Runner::start(MODEL, &[]);
+    let body = json!({
+        "Prompt": PROMPT,
+        "Media": media(&[("speechlike.wav", 0), ("wide.png", 1)]),
+        "Options": greedy(want.len() as i64),
+        "Logprobs": true,
+    });
+    // Twice: the second time from the prefix cache (the clip and the image keyed by their
+    // contents), so neither tower runs again.
+    for round in 0..2 {
+        let lines = r.complete(&body);
+        assert_eq!(tokens(&lines), want, "round {round}");
+        let done = done_of(&lines);
+        assert_eq!(done["PromptEvalCount"], prompt_len, "round {round}");
+        if round == 1 {
+            assert!(done["CachedTokens"].as_u64().unwrap() >= prompt_len - 4);
+        }
+        assert_eq!(counter(&r, "mlx_runner_audio_encoded_total"), 1);
+        assert_eq!(counter(&r, "mlx_runner_images_encoded_total"), 1);
+    }
+    // The same speech through a lossy codec is other bytes: a new clip, encoded.
+    let lines = r.complete(&json!({
+        "Prompt": "[img-0]",
+        "Media": media(&[("speech.ogg", 0)]),
+        "Options": greedy(2),
+    }));
+    assert_eq!(done_of(&lines)["EvalCount"], 2);
+    assert_eq!(counter(&r, "mlx_runner_audio_encoded_total"), 2);
+}
+
+/// Drafting (prompt lookup) over a prompt with a clip: the same greedy tokens.
+#[test]
+fn drafting_over_audio_keeps_the_greedy_output() {
+    let (want, _) = expected();
+    let r = Runner::start(MODEL, &["--draft", "ngram"]);
+    let lines = r.complete(&json!({
+        "Prompt": PROMPT,
+        "Media": media(&[("speechlike.wav", 0), ("wide.png", 1)]),
+        "Options": greedy(want.len() as i64),
+        "Logprobs": true,
+    }));
+    assert_eq!(tokens(&lines), want);
+}
+
+/// What a request's answer was: its text and its tokens' logprobs.
+fn outcome(lines: &[Value]) -> (String, Vec<f64>) {
+    let text = lines.iter().filter_map(|l| l["Content"].as_str()).collect();
+    let lps = lines
+        .iter()
+        .filter_map(|l| l["Logprobs"].as_array())
+        .flatten()
+        .filter_map(|e| e["logprob"].as_f64())
+        .collect();
+    (text, lps)
+}
+
+/// Requests with clips batch with each other and with text, in small prefill chunks, and a
+/// grammar applies after a clip: each gets what it gets alone.
+#[test]
+fn audio_requests_batch_and_take_grammars() {
+    let schema = json!({"type": "object", "properties": {"said": {"type": "string", "maxLength": 6}},
+        "required": ["said"]});
+    let requests = [
+        json!({"Prompt": PROMPT, "Media": media(&[("speechlike.wav", 0), ("wide.png", 1)]),
+            "Options": greedy(6), "Logprobs": true}),
+        json!({"Prompt": "The quick brown fox", "Options": greedy(6), "Logprobs": true}),
+        json!({"Prompt": "What is said in [img-0]?", "Media": media(&[("odd.wav", 0)]),
+            "Options": greedy(24), "Format": schema, "Logprobs": true}),
+        json!({"Prompt": "[img-0][img-1]", "Media": media(&[("short.wav", 0), ("stereo.flac", 1)]),
+            "Options": greedy(6), "Logprobs": true}),
+    ];
+    let solo = Runner::start(MODEL, &["--parallel", "1"]);
+    let alone: Vec<_> = requests
+        .iter()
+        .map(|b| outcome(&solo.complete(b)))
+        .collect();
+    drop(solo);
+    let v: Value =
+        serde_json::from_str(&alone[2].0).unwrap_or_else(|e| panic!("{e}: {:?}", alone[2].0));
+    assert!(v["said"].is_string(), "{v}");
+    let together = std::sync::Arc::new(Runner::start(
+        MODEL,
+        &["--parallel", "4", "--prefill-chunk", "8"],
+    ));
+    let handles: Vec<_> = requests
+        .iter()
+        .cloned()
+        .map(|b| {
+            let r = std::sync::Arc::clone(&together);
+            std::thread::spawn(move || outcome(&r.complete(&b)))
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let (text, lps) = h.join().unwrap();
+        assert_eq!(text, alone[i].0, "request {i}");
+        assert_eq!(lps.len(), alone[i].1.len(), "request {i}");
+        for (a, b) in lps.iter().zip(&alone[i].1) {
+            assert!((a - b).abs() < 1e-4, "request {i}: {a} vs {b}");
+        }
+    }
+}
+
+fn wav_header(samples: u32) -> Vec<u8> {
+    let mut h = b"RIFF".to_vec();
+    h.extend((36 + 2 * samples).to_le_bytes());
+    h.extend(b"WAVEfmt ");
+    h.extend(16u32.to_le_bytes());
+    h.extend(1u16.to_le_bytes());
+    h.extend(1u16.to_le_bytes());
+    h.extend(16_000u32.to_le_bytes());
+    h.extend(32_000u32.to_le_bytes());
+    h.extend(2u16.to_le_bytes());
+    h.extend(16u16.to_le_bytes());
+    h.extend(b"data");
+    h.extend((2 * samples).to_le_bytes());
+    h
+}
+
+#[test]
+fn bad_clips_are_refused_by_name() {
+    let r = Runner::start(MODEL, &[]);
+    let wav = file("speechlike.wav");
+    let mut long = wav_header(31 * 16_000);
+    long.resize(long.len() + 2 * 31 * 16_000, 0);
+    let mut tiny = wav_header(100);
+    tiny.resize(tiny.len() + 200, 0);
+    let cases = [
+        (b64(&wav[..30]), "could not be read"),
+        (b64(b"RIFF\x24\0\0\0WAVEjunkjunkjunk"), "could not be read"),
+        (b64(&long), "longer than 30 s"),
+        (b64(&tiny), "shorter than one"),
+    ];
+    for (data, needle) in cases {
+        let body = json!({"Prompt": "[img-0]", "Media": [{"data": data, "id": 0}]});
+        let (code, e) = r.post_raw("/v1/completions", &body.to_string());
+        let msg = e.as_str().unwrap_or_default().to_string();
+        assert_eq!(code, 400, "{needle}: {e}");
+        assert!(
+            msg.contains("media item 0") && msg.contains(needle),
+            "{needle}: {msg}"
+        );
+    }
+    // A text-only model refuses media.
+    let text = Runner::start("gemma4_e2b_like", &[]);
+    let (code, e) = text.post_raw(
+        "/v1/completions",
+        &json!({"Prompt": "[img-0]", "Media": [{"data": b64(&wav), "id": 0}]}).to_string(),
+    );
+    assert_eq!(code, 400, "{e}");
+    assert!(
+        e.as_str().unwrap_or_default().contains("does not support"),
+        "{e}"
+    );
+    // Still serving.
+    let lines = r.complete(
+        &json!({"Prompt": "[img-0]", "Media": media(&[("odd.wav", 0)]), "Options": greedy(2)}),
+    );
+    assert_eq!(done_of(&lines)["EvalCount"], 2);
+}
