@@ -99,18 +99,65 @@ fn a_prompt_with_a_clip_continues_as_transformers_does() {
     assert_eq!(counter(&r, "mlx_runner_audio_encoded_total"), 2);
 }
 
-/// Drafting (prompt lookup) over a prompt with a clip: the same greedy tokens.
+/// Drafting over a prompt with a clip and an image, by prompt lookup and by the gemma4
+/// assistant (it drafts from the target's hidden state and its KV over the media positions):
+/// the same greedy tokens, and drafts were made.
 #[test]
 fn drafting_over_audio_keeps_the_greedy_output() {
     let (want, _) = expected();
-    let r = Runner::start(MODEL, &["--draft", "ngram"]);
-    let lines = r.complete(&json!({
-        "Prompt": PROMPT,
-        "Media": media(&[("speechlike.wav", 0), ("wide.png", 1)]),
-        "Options": greedy(want.len() as i64),
-        "Logprobs": true,
-    }));
-    assert_eq!(tokens(&lines), want);
+    let assistant = fixture("gemma4_assistant");
+    for draft in ["ngram", assistant.to_str().unwrap()] {
+        let r = Runner::start(MODEL, &["--draft", draft]);
+        let lines = r.complete(&json!({
+            "Prompt": PROMPT,
+            "Media": media(&[("speechlike.wav", 0), ("wide.png", 1)]),
+            "Options": greedy(want.len() as i64),
+            "Logprobs": true,
+        }));
+        assert_eq!(tokens(&lines), want, "{draft}");
+        if draft != "ngram" {
+            assert!(counter(&r, "mlx_runner_draft_tokens_total") > 0, "{draft}");
+        }
+    }
+}
+
+/// A clip that arrives while another sequence decodes is encoded a few layers per step beside
+/// it (`mlx_runner_encode_steps_total`), not in one stall; both answers are what they are alone.
+#[test]
+fn a_clip_encodes_beside_a_decoding_sequence() {
+    use std::io::BufRead;
+    let (want, _) = expected();
+    let text = json!({"Prompt": "The quick brown fox", "Options": greedy(200), "Logprobs": true});
+    let solo = Runner::start(MODEL, &["--parallel", "1"]);
+    let text_alone = outcome(&solo.complete(&text));
+    drop(solo);
+    let r = std::sync::Arc::new(Runner::start(MODEL, &["--parallel", "2"]));
+    let resp = ureq::post(&r.url("/v1/completions"))
+        .send_string(&text.to_string())
+        .unwrap();
+    let mut lines = std::io::BufReader::new(resp.into_reader()).lines();
+    // The text sequence is decoding once its first token is out.
+    let first: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    let clip = {
+        let r = std::sync::Arc::clone(&r);
+        std::thread::spawn(move || {
+            r.complete(&json!({
+                "Prompt": PROMPT,
+                "Media": media(&[("speechlike.wav", 0), ("wide.png", 1)]),
+                "Options": greedy(want.len() as i64),
+                "Logprobs": true,
+            }))
+        })
+    };
+    let mut text_lines = vec![first];
+    text_lines.extend(lines.map(|l| serde_json::from_str(&l.unwrap()).unwrap()));
+    assert_eq!(tokens(&clip.join().unwrap()), expected().0);
+    let (got, lps) = outcome(&text_lines);
+    assert_eq!(got, text_alone.0);
+    for (a, b) in lps.iter().zip(&text_alone.1) {
+        assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+    }
+    assert!(counter(&r, "mlx_runner_encode_steps_total") >= 1);
 }
 
 /// What a request's answer was: its text and its tokens' logprobs.

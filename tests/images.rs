@@ -105,27 +105,32 @@ fn a_prompt_with_images_continues_as_transformers_does() {
     );
 }
 
-/// Drafting (prompt lookup) over a prompt with images: the same greedy tokens.
+/// Drafting over a prompt with images, by prompt lookup and by the gemma4 assistant (it drafts
+/// from the target's hidden state and its KV over the images' bidirectional positions): the
+/// same greedy tokens.
 #[test]
 fn drafting_over_images_keeps_the_greedy_output() {
     let g = golden("gemma4_vision_like");
     let want = g["runner.greedy"].to_vec::<i32>().unwrap();
     let tok = models::Tokenizer::load(&fixture("gemma4_vision_like")).unwrap();
-    let r = Runner::start("gemma4_vision_like", &["--draft", "ngram"]);
-    let lines = r.complete(&json!({
-        "Prompt": PROMPT,
-        "Media": media(&[("wide.png", 0), ("small.png", 1)]),
-        "Options": greedy(want.len() as i64),
-        "Logprobs": true,
-    }));
-    let got: Vec<String> = lines
-        .iter()
-        .filter_map(|l| l["Logprobs"].as_array())
-        .flatten()
-        .map(|e| e["token"].as_str().unwrap_or_default().to_string())
-        .collect();
-    let expected: Vec<String> = want.iter().map(|&t| tok.token_text(t as u32)).collect();
-    assert_eq!(got, expected);
+    let assistant = fixture("gemma4_assistant");
+    for draft in ["ngram", assistant.to_str().unwrap()] {
+        let r = Runner::start("gemma4_vision_like", &["--draft", draft]);
+        let lines = r.complete(&json!({
+            "Prompt": PROMPT,
+            "Media": media(&[("wide.png", 0), ("small.png", 1)]),
+            "Options": greedy(want.len() as i64),
+            "Logprobs": true,
+        }));
+        let got: Vec<String> = lines
+            .iter()
+            .filter_map(|l| l["Logprobs"].as_array())
+            .flatten()
+            .map(|e| e["token"].as_str().unwrap_or_default().to_string())
+            .collect();
+        let expected: Vec<String> = want.iter().map(|&t| tok.token_text(t as u32)).collect();
+        assert_eq!(got, expected, "{draft}");
+    }
 }
 
 #[test]

@@ -503,13 +503,23 @@ impl Gemma4Audio {
 
     /// The soft tokens of one clip, `[soft_tokens, text hidden]` in the compute dtype.
     pub fn encode(&self, clip: &AudioFeatures) -> Result<Array> {
-        let x = self.tower(clip)?;
-        let normed = norm(&x, None, self.cfg.rms_norm_eps)?;
-        self.embed_proj.forward(&normed)
+        self.finish(self.begin(clip)?)
     }
 
     /// The tower's output for one clip, `[soft_tokens, output_proj_dims]`.
     pub fn tower(&self, clip: &AudioFeatures) -> Result<Array> {
+        let mut e = self.begin(clip)?;
+        while self.advance(&mut e)? {}
+        Ok(self.output_proj.forward(&e.x)?.add(&self.output_bias)?)
+    }
+
+    /// Conformer layers: [`Gemma4Audio::advance`] runs one at a time.
+    pub fn layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// An encoding of one clip begun: its frames checked and subsampled (nothing evaluated).
+    pub fn begin(&self, clip: &AudioFeatures) -> Result<AudioEncoding> {
         let cfg = &self.cfg;
         if clip.frames == 0 || clip.mel as i32 != self.mel_bins {
             return Err(ModelError::Invalid(format!(
@@ -531,12 +541,40 @@ impl Gemma4Audio {
         let x = self.layer0.forward(&x, cfg.rms_norm_eps)?;
         let x = self.layer1.forward(&x, cfg.rms_norm_eps)?;
         let t = x.dim(0)?;
-        let mut x = self.input_proj.forward(&x.reshape(&[t, -1])?)?;
-        for layer in &self.layers {
-            x = layer.forward(&x, cfg)?;
-        }
-        Ok(self.output_proj.forward(&x)?.add(&self.output_bias)?)
+        Ok(AudioEncoding {
+            x: self.input_proj.forward(&x.reshape(&[t, -1])?)?,
+            next: 0,
+        })
     }
+
+    /// Runs the next conformer layer (lazily); `false` once every layer has run.
+    pub fn advance(&self, e: &mut AudioEncoding) -> Result<bool> {
+        let Some(layer) = self.layers.get(e.next) else {
+            return Ok(false);
+        };
+        e.x = layer.forward(&e.x, &self.cfg)?;
+        e.next += 1;
+        Ok(true)
+    }
+
+    /// The soft tokens of a finished encoding (its remaining layers run first).
+    pub fn finish(&self, mut e: AudioEncoding) -> Result<Array> {
+        while self.advance(&mut e)? {}
+        let x = self.output_proj.forward(&e.x)?.add(&self.output_bias)?;
+        let normed = norm(&x, None, self.cfg.rms_norm_eps)?;
+        self.embed_proj.forward(&normed)
+    }
+
+    /// The activations an encoding holds, to evaluate between layers.
+    pub fn state(e: &AudioEncoding) -> &Array {
+        &e.x
+    }
+}
+
+/// One clip's encoding part-way through the tower: what [`Gemma4Audio::advance`] resumes.
+pub struct AudioEncoding {
+    x: Array,
+    next: usize,
 }
 
 /// What the HTTP side needs to put a clip into a prompt: the feature extractor, the tokens a

@@ -354,16 +354,26 @@ impl Gemma4Vision {
     /// The soft tokens of one image, `[soft_tokens, text hidden]` in the compute dtype: the
     /// rows that replace the image's tokens in the text model's input.
     pub fn encode(&self, image: &ImagePatches) -> Result<Array> {
-        let pooled = self.tower(image)?;
-        let normed = norm(&pooled, None, self.cfg.rms_norm_eps)?;
-        let out = self.embed_proj.forward(&normed)?;
-        debug_assert_eq!(out.dim(1).ok(), Some(self.text_hidden));
-        Ok(out)
+        let mut e = self.begin(image)?;
+        while self.advance(&mut e)? {}
+        self.finish(e)
     }
 
     /// The tower's output for one image, `[soft_tokens, vision hidden]`: patches encoded,
     /// pooled, scaled and standardized (transformers' `Gemma4VisionModel`).
     pub fn tower(&self, image: &ImagePatches) -> Result<Array> {
+        let mut e = self.begin(image)?;
+        while self.advance(&mut e)? {}
+        self.pooled(e)
+    }
+
+    /// Encoder layers: [`Gemma4Vision::advance`] runs one at a time.
+    pub fn layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// An encoding of one image begun: its patches checked and embedded (nothing evaluated).
+    pub fn begin(&self, image: &ImagePatches) -> Result<VisionEncoding> {
         let cfg = &self.cfg;
         let n = image.positions.len() as i32;
         let (gw, gh) = image.grid;
@@ -404,26 +414,67 @@ impl Gemma4Vision {
         let pos = table(0)?
             .take(&ids(0)?, 0)?
             .add(&table(1)?.take(&ids(1)?, 0)?)?;
-        let mut x = self.patch_proj.forward(&pixels)?.add(&pos)?;
-        let rot = Axial::new(&image.positions, cfg)?;
-        for layer in &self.layers {
-            x = layer.forward(&x, &rot, cfg)?;
-        }
-        // Average each k×k block of the patch grid (patches are row by row), in float32, then
-        // scale by √hidden.
+        Ok(VisionEncoding {
+            x: self.patch_proj.forward(&pixels)?.add(&pos)?,
+            rot: Axial::new(&image.positions, cfg)?,
+            grid: image.grid,
+            next: 0,
+        })
+    }
+
+    /// Runs the next encoder layer (lazily); `false` once every layer has run.
+    pub fn advance(&self, e: &mut VisionEncoding) -> Result<bool> {
+        let Some(layer) = self.layers.get(e.next) else {
+            return Ok(false);
+        };
+        e.x = layer.forward(&e.x, &e.rot, &self.cfg)?;
+        e.next += 1;
+        Ok(true)
+    }
+
+    /// The soft tokens of a finished encoding (its remaining layers run first).
+    pub fn finish(&self, mut e: VisionEncoding) -> Result<Array> {
+        while self.advance(&mut e)? {}
+        let pooled = self.pooled(e)?;
+        let normed = norm(&pooled, None, self.cfg.rms_norm_eps)?;
+        let out = self.embed_proj.forward(&normed)?;
+        debug_assert_eq!(out.dim(1).ok(), Some(self.text_hidden));
+        Ok(out)
+    }
+
+    /// Average each k×k block of the patch grid (patches are row by row), in float32, then
+    /// scale by √hidden and standardize.
+    fn pooled(&self, e: VisionEncoding) -> Result<Array> {
+        let cfg = &self.cfg;
+        let (gw, gh) = e.grid;
+        let k = cfg.pooling_kernel_size;
+        let dtype = self.positions.dtype();
         let h = cfg.hidden_size;
-        let pooled = x
-            .astype(Dtype::F32)?
-            .reshape(&[gh / k, k, gw / k, k, h])?
-            .mean(&[1, 3], false)?
-            .reshape(&[(gh / k) * (gw / k), h])?
-            .multiply_scalar((h as f64).sqrt())?;
+        let pooled =
+            e.x.astype(Dtype::F32)?
+                .reshape(&[gh / k, k, gw / k, k, h])?
+                .mean(&[1, 3], false)?
+                .reshape(&[(gh / k) * (gw / k), h])?
+                .multiply_scalar((h as f64).sqrt())?;
         let pooled = match &self.standardize {
             Some((bias, scale)) => pooled.subtract(bias)?.multiply(scale)?,
             None => pooled,
         };
         Ok(pooled.astype(dtype)?)
     }
+
+    /// The activations an encoding holds, to evaluate between layers.
+    pub fn state(e: &VisionEncoding) -> &Array {
+        &e.x
+    }
+}
+
+/// One image's encoding part-way through the tower: what [`Gemma4Vision::advance`] resumes.
+pub struct VisionEncoding {
+    x: Array,
+    rot: Axial,
+    grid: (i32, i32),
+    next: usize,
 }
 
 /// What the HTTP side needs to put an image into a prompt: the processor, and the tokens an

@@ -2,9 +2,9 @@
 //! clip's log-mel frames), the towers that turn them into soft tokens on the engine thread, and
 //! what a prompt needs to hold each kind.
 
-use crate::gemma4_audio::{AudioPrompt, Gemma4Audio};
+use crate::gemma4_audio::{AudioEncoding, AudioPrompt, Gemma4Audio};
 use crate::gemma4_audio_features::AudioFeatures;
-use crate::gemma4_vision::{Gemma4Vision, ImagePatches, ImagePrompt};
+use crate::gemma4_vision::{Gemma4Vision, ImagePatches, ImagePrompt, VisionEncoding};
 use crate::{DtypeChoice, MediaKind, ModelError, ModelFiles, Result};
 use mlx::Array;
 
@@ -54,17 +54,55 @@ impl Towers {
 
     /// The soft tokens of one item, `[soft_tokens, text hidden]`.
     pub fn encode(&self, input: &MediaInput) -> Result<Array> {
-        match input {
-            MediaInput::Image(p) => match &self.vision {
-                Some(v) => v.encode(p),
-                None => Err(ModelError::Invalid(
-                    "an image without a vision tower".into(),
-                )),
-            },
-            MediaInput::Audio(f) => match &self.audio {
-                Some(a) => a.encode(f),
-                None => Err(ModelError::Invalid("audio without an audio tower".into())),
-            },
+        self.finish(self.begin(input)?)
+    }
+
+    fn vision(&self) -> Result<&Gemma4Vision> {
+        self.vision
+            .as_ref()
+            .ok_or_else(|| ModelError::Invalid("an image without a vision tower".into()))
+    }
+
+    fn audio(&self) -> Result<&Gemma4Audio> {
+        self.audio
+            .as_ref()
+            .ok_or_else(|| ModelError::Invalid("audio without an audio tower".into()))
+    }
+
+    /// An item's encoding begun (its input embedded, nothing evaluated): the engine runs a
+    /// tower a layer at a time ([`Towers::advance`]) so that a long encoding shares the steps
+    /// with other sequences' work rather than stalling them.
+    pub fn begin(&self, input: &MediaInput) -> Result<Encoding> {
+        Ok(match input {
+            MediaInput::Image(p) => Encoding::Image(self.vision()?.begin(p)?),
+            MediaInput::Audio(f) => Encoding::Audio(self.audio()?.begin(f)?),
+        })
+    }
+
+    /// Runs the next layer of `e` and evaluates it; `false` (and nothing run) once every layer
+    /// has run.
+    pub fn advance(&self, e: &mut Encoding) -> Result<bool> {
+        let (ran, state) = match e {
+            Encoding::Image(v) => {
+                let ran = self.vision()?.advance(v)?;
+                (ran, Gemma4Vision::state(v))
+            }
+            Encoding::Audio(a) => {
+                let ran = self.audio()?.advance(a)?;
+                (ran, Gemma4Audio::state(a))
+            }
+        };
+        if ran {
+            state.eval()?;
+        }
+        Ok(ran)
+    }
+
+    /// The soft tokens of an encoding, its remaining layers run first.
+    pub fn finish(&self, e: Encoding) -> Result<Array> {
+        match e {
+            Encoding::Image(v) => self.vision()?.finish(v),
+            Encoding::Audio(a) => self.audio()?.finish(a),
         }
     }
 
@@ -75,6 +113,12 @@ impl Towers {
             MediaKind::Audio => self.audio.is_some(),
         }
     }
+}
+
+/// One item's encoding part-way through its tower.
+pub enum Encoding {
+    Image(VisionEncoding),
+    Audio(AudioEncoding),
 }
 
 /// What the HTTP side needs to put media into a prompt, per kind the model takes. Plain data.

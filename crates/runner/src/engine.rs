@@ -20,7 +20,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, TryRecvError};
 use std::sync::{Arc, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc::UnboundedSender, oneshot};
 
 #[derive(Debug, Clone)]
@@ -248,6 +248,7 @@ fn engine_main(
         active: Vec::new(),
         queue: VecDeque::new(),
         next_slot: 0,
+        chunk_seconds: None,
     };
     engine.publish_memory();
     // The tokenizer going public is what makes the runner ready.
@@ -410,6 +411,9 @@ struct Engine {
     active: Vec<Active>,
     queue: VecDeque<CompletionJob>,
     next_slot: usize,
+    /// What a step with a prefill chunk takes (a moving average, seconds): the time a media
+    /// encoder may take in a step that other sequences share.
+    chunk_seconds: Option<f64>,
 }
 
 impl Engine {
@@ -654,6 +658,9 @@ impl Engine {
             .iter()
             .filter(|&&i| !self.active[i].gen.prefilling())
             .count();
+        // Until a chunk has been timed, a quarter second.
+        let encode_budget = Duration::from_secs_f64(self.chunk_seconds.unwrap_or(0.25));
+        let started = Instant::now();
         let result = self.with_ctx(bucket(decoding), |ctx, active, cfg| {
             let mut gens: Vec<&mut Generation> = active
                 .iter_mut()
@@ -661,12 +668,23 @@ impl Engine {
                 .filter(|(i, _)| batch.contains(i))
                 .map(|(_, a)| &mut a.gen)
                 .collect();
-            crate::step::run(ctx, &mut gens, cfg.prefill_chunk)
+            crate::step::run(ctx, &mut gens, cfg.prefill_chunk, encode_budget)
         });
         let mut ended = Vec::new();
         match result {
             Ok(step) => {
                 let m = &self.shared.metrics;
+                let work =
+                    |f: fn(&crate::step::Work) -> bool| step.plan.rows.iter().any(|r| f(&r.work));
+                if work(|w| matches!(w, crate::step::Work::Encode { .. })) {
+                    m.encode_steps.fetch_add(1, Ordering::Relaxed);
+                } else if work(|w| matches!(w, crate::step::Work::Prefill { .. })) {
+                    let t = started.elapsed().as_secs_f64();
+                    self.chunk_seconds = Some(match self.chunk_seconds {
+                        Some(c) => 0.8 * c + 0.2 * t,
+                        None => t,
+                    });
+                }
                 if step.rows > 0 {
                     m.batch_rows.observe(step.rows as f64);
                     m.batch_tokens.observe(step.tokens as f64);

@@ -209,6 +209,10 @@ pub struct Generation {
     /// A seeded sampling request's own depth controller (reproducible depths); `None`: the
     /// engine's shared one.
     own_depth: Option<DepthController>,
+    /// Media items encoded ahead of their chunk, a layer per step (by index in `params.media`),
+    /// and the one being encoded.
+    encoded: Vec<Option<Array>>,
+    encoding: Option<(usize, models::media::Encoding)>,
 }
 
 pub(crate) fn tokens_array(ids: &[u32]) -> Result<Array> {
@@ -294,6 +298,8 @@ impl Generation {
             finished: false,
             taken: Vec::new(),
             rounds: Vec::new(),
+            encoded: vec![None; params.media.len()],
+            encoding: None,
             params,
         })
     }
@@ -372,7 +378,8 @@ impl Generation {
         }
         // One sequence is a batch of one: the same step the engine runs for many.
         let budget = self.params.prefill_chunk;
-        let step = crate::step::run(ctx, &mut [self], budget)?;
+        // Alone, a sequence encodes its media inside its chunk's step (no one waits).
+        let step = crate::step::run(ctx, &mut [self], budget, std::time::Duration::ZERO)?;
         step.events.into_iter().next().unwrap_or(Ok(None))
     }
 
@@ -439,24 +446,66 @@ impl Generation {
         !self.params.media.is_empty()
     }
 
-    /// The media whose soft tokens lie in the prompt chunk `start..end`, encoded, placed
-    /// relative to the chunk (items are never cut by a chunk).
+    /// The first media item in the prompt chunk `start..end` whose soft tokens are not
+    /// encoded yet.
+    pub(crate) fn unencoded(&self, start: usize, end: usize) -> Option<usize> {
+        self.params
+            .media
+            .iter()
+            .enumerate()
+            .find(|(i, m)| m.at < end && m.at + m.len > start && self.encoded[*i].is_none())
+            .map(|(i, _)| i)
+    }
+
+    /// Encodes item `item` a layer at a time, evaluating each, until `budget` has passed (at
+    /// least one layer runs) or the item is done.
+    pub(crate) fn encode_some(
+        &mut self,
+        towers: &models::media::Towers,
+        item: usize,
+        budget: std::time::Duration,
+    ) -> Result<()> {
+        let started = Instant::now();
+        let mut e = match self.encoding.take() {
+            Some((i, e)) if i == item => e,
+            _ => towers.begin(&self.params.media[item].input)?,
+        };
+        loop {
+            if !towers.advance(&mut e)? {
+                let embeds = towers.finish(e)?;
+                embeds.eval()?;
+                self.encoded[item] = Some(embeds);
+                return Ok(());
+            }
+            if started.elapsed() >= budget {
+                self.encoding = Some((item, e));
+                return Ok(());
+            }
+        }
+    }
+
+    /// The media whose soft tokens lie in the prompt chunk `start..end`, encoded (here, unless
+    /// earlier steps did), placed relative to the chunk (items are never cut by a chunk).
     pub(crate) fn media_spans(
-        &self,
+        &mut self,
         towers: Option<&models::media::Towers>,
         start: usize,
         end: usize,
     ) -> Result<Vec<models::MediaSpan>> {
         let mut spans = Vec::new();
-        for m in &self.params.media {
+        for (i, m) in self.params.media.iter().enumerate() {
             if m.at + m.len <= start || m.at >= end {
                 continue;
             }
             if m.at < start || m.at + m.len > end {
                 return Err(internal("a prefill chunk cuts a media item"));
             }
-            let towers = towers.ok_or_else(|| internal("media without a tower"))?;
-            let embeds = towers.encode(&m.input)?;
+            let embeds = match self.encoded[i].take() {
+                Some(e) => e,
+                None => towers
+                    .ok_or_else(|| internal("media without a tower"))?
+                    .encode(&m.input)?,
+            };
             if embeds.dim(0)? as usize != m.len {
                 return Err(internal(
                     "a tower's soft tokens do not fill their placeholders",

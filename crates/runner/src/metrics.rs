@@ -76,6 +76,8 @@ pub struct Metrics {
     pub images_encoded: AtomicU64,
     /// Clips run through the audio tower (likewise).
     pub audio_encoded: AtomicU64,
+    /// Steps in which a media encoder ran ahead of its chunk beside other sequences' work.
+    pub encode_steps: AtomicU64,
     pub draft_tokens: AtomicU64,
     pub draft_accepted: AtomicU64,
     pub drafted_at: Vec<AtomicU64>,
@@ -107,6 +109,7 @@ impl Default for Metrics {
             disk_tokens: AtomicU64::new(0),
             images_encoded: AtomicU64::new(0),
             audio_encoded: AtomicU64::new(0),
+            encode_steps: AtomicU64::new(0),
             draft_tokens: AtomicU64::new(0),
             draft_accepted: AtomicU64::new(0),
             drafted_at: (0..DRAFT_POSITIONS).map(|_| AtomicU64::new(0)).collect(),
@@ -208,6 +211,12 @@ impl Metrics {
             "mlx_runner_audio_encoded_total",
             "Clips run through the audio tower (not those the prefix cache restored).",
             &self.audio_encoded,
+        );
+        counter(
+            &mut o,
+            "mlx_runner_encode_steps_total",
+            "Steps in which a media encoder ran a few layers ahead of its chunk, beside other sequences' work.",
+            &self.encode_steps,
         );
         counter(
             &mut o,

@@ -52,7 +52,7 @@ pub(crate) fn run(
     let mut lens: Vec<Option<usize>> = Vec::with_capacity(gens.len());
     // The media in each row's prefill chunk, encoded (the towers run here, in the step).
     let mut media: Vec<Vec<models::MediaSpan>> = Vec::with_capacity(gens.len());
-    for (g, p) in gens.iter().zip(pieces) {
+    for (g, p) in gens.iter_mut().zip(pieces) {
         media.push(match p {
             Piece::Prefill { start, end } if g.has_media() => {
                 g.media_spans(ctx.towers, *start, *end)?

@@ -1,8 +1,9 @@
 //! One step of several sequences: a plan, then phases.
 //!
 //! 1. [`plan`]: decide, as plain data ([`StepPlan`]), what each sequence does: a prefill chunk
-//!    within the step's prompt budget, a plain decode step, or a speculative round of a depth
-//!    its depth controller chose.
+//!    within the step's prompt budget, some layers of a media encoder ahead of the chunk that
+//!    holds the item, a plain decode step, or a speculative round of a depth its depth
+//!    controller chose.
 //! 2. [`draft`]: every round row drafts, all in one call of the drafter.
 //! 3. [`forward`]: every row's tokens in one packed forward pass of the target.
 //! 4. [`sample`]: rows that continue draw their next token in one sampler call (dispatched,
@@ -40,15 +41,29 @@ pub struct StepOutcome {
 }
 
 /// Steps `gens` (each [`Generation::batchable`]) together, prefill chunks taking at most
-/// `prefill_budget` prompt tokens in all. Depth controllers are told the whole step's time, so
-/// a slower, larger batch makes drafting look dearer.
+/// `prefill_budget` prompt tokens in all, a media encoder about `encode_budget` of time. Depth
+/// controllers are told the whole step's time, so a slower, larger batch makes drafting look
+/// dearer.
 pub fn run(
     ctx: &mut Ctx<'_>,
     gens: &mut [&mut Generation],
     prefill_budget: usize,
+    encode_budget: std::time::Duration,
 ) -> Result<StepOutcome> {
     let started = Instant::now();
     let plan = StepPlan::make(ctx, gens, prefill_budget);
+    let mut encode_errors: Vec<Option<GenerateError>> = gens.iter().map(|_| None).collect();
+    for (i, (g, r)) in gens.iter_mut().zip(&plan.rows).enumerate() {
+        if let Work::Encode { item } = r.work {
+            // An item that does not encode fails its own sequence only.
+            let towers = ctx
+                .towers
+                .ok_or_else(|| internal("media without a tower"))?;
+            if let Err(e) = g.encode_some(towers, item, encode_budget) {
+                encode_errors[i] = Some(e);
+            }
+        }
+    }
 
     let rounds: Vec<(usize, usize)> = plan
         .rows
@@ -86,7 +101,7 @@ pub fn run(
                     planned: *depth,
                 },
             },
-            Work::Skip => Piece::Skip,
+            Work::Encode { .. } | Work::Skip => Piece::Skip,
         });
     }
 
@@ -124,7 +139,7 @@ pub fn run(
     // From here on each sequence's work is its own: an error fails that sequence only.
     let mut events = Vec::with_capacity(gens.len());
     for (i, ((g, p), verdict)) in gens.iter_mut().zip(pieces).zip(verdicts).enumerate() {
-        if let Some(e) = row_errors[i].take() {
+        if let Some(e) = encode_errors[i].take().or_else(|| row_errors[i].take()) {
             events.push(Err(e));
             continue;
         }

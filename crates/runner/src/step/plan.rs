@@ -43,6 +43,11 @@ pub enum Work {
     /// Drafts up to `depth` tokens, then feeds the pending token and the drafts to verify them
     /// (a drafter may find fewer; one that finds none decodes plainly).
     Round { depth: usize },
+    /// Runs the towers over media item `item` (by index in the prompt's media) for about a
+    /// prefill chunk's time instead of feeding tokens: the next chunk holds it, and other
+    /// sequences share the step, so a long encoding is spread over steps rather than stalling
+    /// theirs.
+    Encode { item: usize },
     /// Sits this step out: the prefill budget is spent.
     Skip,
 }
@@ -100,6 +105,7 @@ impl StepPlan {
         let mut budget = prefill_budget.max(1);
         let mut price = Price::default();
         let mut rows = Vec::with_capacity(gens.len());
+        let shared_step = gens.len() > 1;
         for (g, &limit) in gens.iter_mut().zip(&limits) {
             let work = if g.prefilling() {
                 price.unpriced = true;
@@ -107,12 +113,21 @@ impl StepPlan {
                     Work::Skip
                 } else {
                     let (start, end) = g.chunk(budget);
-                    // A chunk may pass the budget by the rest of an image it holds whole.
-                    budget = budget.saturating_sub(end - start);
-                    Work::Prefill {
-                        start,
-                        end,
-                        tokens: g.prompt(start, end).to_vec(),
+                    match g.unencoded(start, end).filter(|_| shared_step) {
+                        // An encoding step costs about a chunk: it takes the budget.
+                        Some(item) => {
+                            budget = 0;
+                            Work::Encode { item }
+                        }
+                        None => {
+                            // A chunk may pass the budget by the rest of an item it holds whole.
+                            budget = budget.saturating_sub(end - start);
+                            Work::Prefill {
+                                start,
+                                end,
+                                tokens: g.prompt(start, end).to_vec(),
+                            }
+                        }
                     }
                 }
             } else {

@@ -1,0 +1,80 @@
+//! gemma4's audio tower at E2B's shape (random weights, benches/audio_peer.py), one 30 s clip
+//! (750 soft tokens, the most one item may hold) decoded, turned into log-mel frames and
+//! encoded: ours (`models::gemma4_audio_features` + `Gemma4Audio::encode`) against
+//! transformers' float32 CPU pipeline (`Gemma4AudioFeatureExtractor`, then
+//! `get_audio_features`), side by side on this machine, medians of several runs.
+//!
+//!     cargo bench --bench audio            (needs .venv-golden: tests/fixtures/requirements.txt)
+
+mod common;
+
+use common::{median, root};
+use std::process::Command;
+use std::time::Instant;
+
+const RUNS: usize = 3;
+
+fn main() {
+    let python = root().join(".venv-golden/bin/python");
+    if !python.exists() {
+        eprintln!("no .venv-golden (tests/fixtures/requirements.txt): skipping");
+        return;
+    }
+    let dir = root().join("target/bench-audio");
+    let script = root().join("benches/audio_peer.py");
+    if !dir.join("model.safetensors").exists() {
+        let ok = Command::new(&python)
+            .arg(&script)
+            .args(["make"])
+            .arg(&dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "could not write the audio benchmark model");
+    }
+    let bytes = std::fs::read(dir.join("clip.wav")).unwrap();
+    let (tower, prompt) = models::load_audio_files(
+        &models::ModelFiles::dir(&dir).unwrap(),
+        models::DtypeChoice::Fixed(mlx::Dtype::F32),
+    )
+    .unwrap()
+    .expect("an audio tower");
+    let fx = prompt.features.extractor();
+    let mut ours = Vec::new();
+    let mut features_s = Vec::new();
+    let (mut tokens, mut frames) = (0, 0);
+    for i in 0..=RUNS {
+        let t0 = Instant::now();
+        let (features, _) = models::gemma4_audio_features::prepare_audio(&bytes, &fx).unwrap();
+        let t1 = Instant::now();
+        frames = features.frames;
+        let soft = tower.encode(&features).unwrap();
+        soft.eval().unwrap();
+        tokens = soft.dim(0).unwrap();
+        if i > 0 {
+            ours.push(t0.elapsed().as_secs_f64());
+            features_s.push((t1 - t0).as_secs_f64());
+        }
+    }
+    let out = Command::new(&python)
+        .arg(&script)
+        .arg("time")
+        .arg(&dir)
+        .arg(RUNS.to_string())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let theirs: Vec<f64> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.trim().parse().ok())
+        .collect();
+    let (a, f, b) = (median(ours), median(features_s), median(theirs));
+    println!("gemma4 audio tower, E2B shape, 30 s clip -> {frames} frames, {tokens} soft tokens");
+    println!("  ours (MLX CPU, float32):           {a:.3} s (decode + log-mel {f:.3} s)");
+    println!("  transformers (torch CPU, float32): {b:.3} s");
+    println!("  ratio (transformers / ours):       {:.2}x", b / a);
+}

@@ -1,0 +1,80 @@
+"""The audio benchmark's model and peer (benches/audio.rs).
+
+`make DIR`: a gemma4 checkpoint whose audio tower has gemma4 E2B's shape (hidden 1024, 12
+conformer layers, 8 heads, subsampling channels 128 and 32, output 1536) with random weights, a
+tiny text model (the tower is what is measured), the feature extractor's config and a 30 s
+16-bit WAV at 16 kHz (DIR/clip.wav: the longest clip one prompt item may hold, 750 soft tokens).
+
+`time DIR RUNS`: transformers' float32 CPU time to extract the log-mel features and encode the
+clip (`Gemma4AudioFeatureExtractor` then `get_audio_features`), one line per run, in seconds
+(the first is a warm-up).
+
+Needs torch and transformers (tests/fixtures/requirements.txt: .venv-golden).
+"""
+import json
+import os
+import sys
+import time
+import wave
+
+import numpy as np
+import torch
+from transformers import (Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration,
+                          Gemma4TextConfig)
+from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+
+torch.set_grad_enabled(False)
+torch.set_num_threads(os.cpu_count() or 1)
+SECONDS = 30
+
+
+def make(out):
+    audio = Gemma4AudioConfig(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8,
+                              subsampling_conv_channels=[128, 32], output_proj_dims=1536)
+    text = Gemma4TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                            head_dim=32, global_head_dim=32, sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention"],
+                            hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
+    config = Gemma4Config(text_config=text, vision_config=None, audio_config=audio,
+                          boa_token_id=506, eoa_token_index=507, audio_token_id=508)
+    torch.manual_seed(0)
+    m = Gemma4ForConditionalGeneration(config).eval()
+    for name, p in m.named_parameters():
+        if p.ndim >= 2:
+            p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    m.save_pretrained(out)
+    fe = Gemma4AudioFeatureExtractor()
+    json.dump({"processor_class": "Gemma4Processor", "audio_seq_length": 750,
+               "feature_extractor": json.loads(fe.to_json_string())},
+              open(os.path.join(out, "processor_config.json"), "w"), indent=2)
+    g = np.random.default_rng(0)
+    t = np.arange(SECONDS * 16000) / 16000
+    x = 0.3 * np.sin(2 * np.pi * 180 * t) + g.normal(0, 0.05, t.shape)
+    pcm = np.clip(np.round(x * 20000), -32768, 32767).astype("<i2")
+    with wave.open(os.path.join(out, "clip.wav"), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(pcm.tobytes())
+
+
+def timing(out, runs):
+    m = Gemma4ForConditionalGeneration.from_pretrained(out).eval()
+    fe = Gemma4AudioFeatureExtractor()
+    with wave.open(os.path.join(out, "clip.wav"), "rb") as w:
+        pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    for _ in range(runs + 1):
+        t0 = time.perf_counter()
+        wav = pcm.astype(np.float32) / 32768.0
+        b = fe([wav], return_tensors="pt")
+        m.model.get_audio_features(b["input_features"], b["input_features_mask"],
+                                   return_dict=True)
+        print(time.perf_counter() - t0, flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "make":
+        make(sys.argv[2])
+    else:
+        timing(sys.argv[2], int(sys.argv[3]))
