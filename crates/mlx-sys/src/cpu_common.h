@@ -261,28 +261,33 @@ __attribute__((target("avx2,fma"))) inline void gelu_avx(const float* x, float* 
 }
 
 // silu(g) ⊙ u = g / (1 + exp(-g)) · u, a SwiGLU's gate times its up projection, with the same
-// exponential as the GELU and, like it, every element through the vector code.
-__attribute__((target("avx2,fma"))) inline __m256 silu_mul_v(__m256 g, __m256 u) {
+// exponential as the GELU and, like it, every element through the vector code; without the
+// gate's own factor (`Silu` false), σ(g) ⊙ u = u / (1 + exp(-g)), a GLU's.
+template <bool Silu>
+__attribute__((target("avx2,fma"))) inline __m256 gate_mul_v(__m256 g, __m256 u) {
   const __m256 e = exp_avx(_mm256_sub_ps(_mm256_setzero_ps(), g));
-  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+  const __m256 num = Silu ? _mm256_mul_ps(g, u) : u;
+  return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
-__attribute__((target("avx2,fma"))) inline void silu_mul_avx(
+template <bool Silu>
+__attribute__((target("avx2,fma"))) inline void gate_mul_avx(
     const float* g, const float* u, float* o, size_t i0, size_t i1) {
   size_t i = i0;
   for (; i + 8 <= i1; i += 8)
-    _mm256_storeu_ps(o + i, silu_mul_v(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+    _mm256_storeu_ps(o + i, gate_mul_v<Silu>(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
   if (i < i1) {
     float gi[8] = {}, ui[8] = {}, res[8];
     std::copy(g + i, g + i1, gi);
     std::copy(u + i, u + i1, ui);
-    _mm256_storeu_ps(res, silu_mul_v(_mm256_loadu_ps(gi), _mm256_loadu_ps(ui)));
+    _mm256_storeu_ps(res, gate_mul_v<Silu>(_mm256_loadu_ps(gi), _mm256_loadu_ps(ui)));
     std::copy(res, res + (i1 - i), o + i);
   }
 }
 
-inline void silu_mul_scalar(const float* g, const float* u, float* o, size_t i0, size_t i1) {
-  for (size_t i = i0; i < i1; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+template <bool Silu>
+inline void gate_mul_scalar(const float* g, const float* u, float* o, size_t i0, size_t i1) {
+  for (size_t i = i0; i < i1; ++i) o[i] = (Silu ? g[i] * u[i] : u[i]) / (1.0f + std::exp(-g[i]));
 }
 
 // GELU and silu(g) ⊙ u over [i0, i1), with AVX2 where the CPU has it.
@@ -294,12 +299,17 @@ inline void gelu_range(const float* x, float* o, size_t i0, size_t i1) {
   }
 }
 
-inline void silu_mul_range(const float* g, const float* u, float* o, size_t i0, size_t i1) {
+template <bool Silu>
+inline void gate_mul_range(const float* g, const float* u, float* o, size_t i0, size_t i1) {
   if (has_avx2()) {
-    silu_mul_avx(g, u, o, i0, i1);
+    gate_mul_avx<Silu>(g, u, o, i0, i1);
   } else {
-    silu_mul_scalar(g, u, o, i0, i1);
+    gate_mul_scalar<Silu>(g, u, o, i0, i1);
   }
+}
+
+inline void silu_mul_range(const float* g, const float* u, float* o, size_t i0, size_t i1) {
+  gate_mul_range<true>(g, u, o, i0, i1);
 }
 
 // What a kernel reads of an array: its data pointer, dtype, shape, strides and layout flags,

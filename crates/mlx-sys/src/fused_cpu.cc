@@ -1172,17 +1172,25 @@ struct SoftcapOp {
 
 struct SiluMulOp {
   struct Params {
+    // silu(g) ⊙ u; false: σ(g) ⊙ u.
+    bool silu;
     bool operator==(const Params&) const = default;
   };
   static constexpr const char* name = "MlxrCpuSiluMul";
   static constexpr FusedKind kind = FusedKind::SiluMul;
 
-  static void run(const Params&, std::vector<View>& in, View& out) {
+  static void run(const Params& p, std::vector<View>& in, View& out) {
     std::vector<float> gt, ut;
     const float* g = dense(in[0], gt);
     const float* u = dense(in[1], ut);
     float* o = out.data<float>();
-    for_rows(in[0].size(), 1 << 14, [&](size_t i0, size_t i1) { silu_mul_range(g, u, o, i0, i1); });
+    for_rows(in[0].size(), 1 << 14, [&](size_t i0, size_t i1) {
+      if (p.silu) {
+        gate_mul_range<true>(g, u, o, i0, i1);
+      } else {
+        gate_mul_range<false>(g, u, o, i0, i1);
+      }
+    });
   }
 };
 
@@ -1710,11 +1718,11 @@ std::optional<mx::array> cpu_softmax(const mx::array& x) {
   return fused<SoftmaxOp>(x.shape(), {}, {x});
 }
 
-std::optional<mx::array> cpu_silu_mul(const mx::array& g, const mx::array& u) {
+std::optional<mx::array> cpu_silu_mul(const mx::array& g, const mx::array& u, bool silu) {
   if (!on_cpu() || !is_f32(g) || !is_f32(u) || g.size() == 0 || g.shape() != u.shape()) {
     return std::nullopt;
   }
-  return fused<SiluMulOp>(g.shape(), {}, {g, u});
+  return fused<SiluMulOp>(g.shape(), {silu}, {g, u});
 }
 
 std::optional<mx::array> cpu_softcap(const mx::array& x, float cap) {

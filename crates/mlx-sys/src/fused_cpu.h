@@ -162,7 +162,8 @@ std::optional<mlx::core::array> cpu_softmax(const mlx::core::array& x);
 std::optional<mlx::core::array> cpu_softcap(const mlx::core::array& x, float cap);
 
 // silu(g) ⊙ u for g and u of one shape.
-std::optional<mlx::core::array> cpu_silu_mul(const mlx::core::array& g, const mlx::core::array& u);
+std::optional<mlx::core::array> cpu_silu_mul(
+    const mlx::core::array& g, const mlx::core::array& u, bool silu = true);
 
 // x [..., K] @ w [K, N] for a few rows of x and a loaded (evaluated, row-major) float32 w.
 std::optional<mlx::core::array> cpu_matmul(const mlx::core::array& x, const mlx::core::array& w);

@@ -431,6 +431,7 @@ pub mod ffi {
         fn softcap(x: &Arr, cap: f32) -> Result<UniquePtr<Arr>>;
         /// `silu(g) * u`.
         fn silu_mul(g: &Arr, u: &Arr) -> Result<UniquePtr<Arr>>;
+        fn sigmoid_mul(g: &Arr, u: &Arr) -> Result<UniquePtr<Arr>>;
         /// Turns mlx-runner's fused CPU kernels (RMS norm, RoPE, attention, GELU) on or off.
         fn set_fused_kernels(on: bool);
         /// Evaluations of one fused kernel: 0 RMS norm, 1 RoPE, 2 attention, 3 GELU, 4 few-row matmul,

@@ -608,6 +608,11 @@ ArrPtr silu_mul(const Arr& g, const Arr& u) {
   return wrap(mx::multiply(mx::multiply(g.a, mx::sigmoid(g.a)), u.a));
 }
 
+ArrPtr sigmoid_mul(const Arr& g, const Arr& u) {
+  if (auto out = cpu_silu_mul(g.a, u.a, false)) return wrap(std::move(*out));
+  return wrap(mx::multiply(mx::sigmoid(g.a), u.a));
+}
+
 ArrPtr quantized_glu(
     const Arr& x,
     const Arr& gate_w,

@@ -290,6 +290,7 @@ ArrPtr gelu_tanh(const Arr& x);
 ArrPtr softmax_last(const Arr& x);
 ArrPtr softcap(const Arr& x, float cap);
 ArrPtr silu_mul(const Arr& g, const Arr& u);
+ArrPtr sigmoid_mul(const Arr& g, const Arr& u);
 void set_fused_kernels(bool on);
 uint64_t fused_kernel_count(uint8_t kind);
 

@@ -534,6 +534,11 @@ pub fn silu_mul(g: &Array, u: &Array) -> Result<Array> {
     Ok(Array::from_raw(ffi::silu_mul(g.arr(), u.arr())?))
 }
 
+/// `σ(g) · u` (a GLU's gate), one vectorized op on the CPU (MLX's sigmoid calls libm per value).
+pub fn sigmoid_mul(g: &Array, u: &Array) -> Result<Array> {
+    Ok(Array::from_raw(ffi::sigmoid_mul(g.arr(), u.arr())?))
+}
+
 /// Turns mlx-runner's fused CPU kernels on (the default) or off: off, RMS norm, RoPE, attention
 /// and GELU are MLX's op graphs and few-row matmuls MLX's own (for comparisons and the kernels'
 /// exactness tests). Applies to graphs built after the call.

@@ -1311,6 +1311,35 @@ fn softcap_matches_mlx() {
 }
 
 #[test]
+fn sigmoid_mul_matches_mlx() {
+    let _one = serial();
+    for (case, shape) in [vec![1, 1, 3072], vec![2, 3, 4, 1, 37], vec![5000]]
+        .into_iter()
+        .enumerate()
+    {
+        let g = normal(&shape, 280 + case as u64)
+            .multiply_scalar(4.0)
+            .unwrap();
+        let u = normal(&shape, 290 + case as u64);
+        let (ours, theirs, got, ran) = both(|| fast::sigmoid_mul(&g, &u).unwrap());
+        assert_eq!(got, shape);
+        assert_close(&ours, &theirs, 1e-6, &format!("sigmoid_mul {shape:?}"));
+        assert_eq!(ran.silu_mul, 1);
+    }
+    // The tails: σ(g) → 0 for very negative g, → 1 for large g.
+    let g = Array::from_slice(&[-1e4f32, -100.0, -88.0, 0.0, 88.0, 100.0, 1e4], &[7]).unwrap();
+    let u = Array::from_slice(&[2.0f32; 7], &[7]).unwrap();
+    let (ours, theirs, _, _) = both(|| fast::sigmoid_mul(&g, &u).unwrap());
+    assert_close(&ours, &theirs, 1e-6, "sigmoid_mul tails");
+    // Views (a GLU's halves) are read through their strides.
+    let x = normal(&[6, 74], 300);
+    let halves = x.split(2, 1).unwrap();
+    let (ours, theirs, _, ran) = both(|| fast::sigmoid_mul(&halves[1], &halves[0]).unwrap());
+    assert_close(&ours, &theirs, 1e-6, "halves");
+    assert_eq!(ran.silu_mul, 1);
+}
+
+#[test]
 fn silu_mul_matches_mlx() {
     let _one = serial();
     for (case, shape) in [vec![1, 1, 3072], vec![2, 3, 4, 1, 37], vec![5000]]

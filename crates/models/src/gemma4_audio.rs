@@ -163,8 +163,14 @@ impl AudioConfig {
 
 /// A 3×3 stride-2 convolution with padding 1 (no bias), LayerNorm over channels (no bias) and
 /// ReLU, on channels-last `[T, F, C]`.
+///
+/// The LayerNorm's mean is taken out of the weights: the mean over output channels of a
+/// convolution is the convolution by the mean of its filters, so convolving by the centred
+/// filters gives centred outputs, and what is left of the LayerNorm is an RMS norm (one fused
+/// op where MLX's LayerNorm was the layer's slowest part).
 struct SubsampleLayer {
-    /// `[9 · C_in, C_out]`, rows in (kernel row, kernel column, input channel) order.
+    /// `[9 · C_in, C_out]`, rows in (kernel row, kernel column, input channel) order, each row
+    /// less its mean.
     weight: Array,
     norm: Array,
 }
@@ -172,12 +178,10 @@ struct SubsampleLayer {
 impl SubsampleLayer {
     fn load(vb: &Vb, cin: i32, cout: i32) -> Result<SubsampleLayer> {
         let w = vb.pp("conv").get("weight", &[cout, cin, 3, 3])?;
+        let w = w.transpose(&[2, 3, 1, 0])?.reshape(&[9 * cin, cout])?;
+        let centred = w.subtract(&w.mean(&[1], true)?)?.contiguous()?;
         Ok(SubsampleLayer {
-            weight: vb.weights().keep(
-                w.transpose(&[2, 3, 1, 0])?
-                    .reshape(&[9 * cin, cout])?
-                    .contiguous()?,
-            ),
+            weight: vb.weights().keep(centred),
             norm: vb.pp("norm").get("weight", &[cout])?,
         })
     }
@@ -200,7 +204,7 @@ impl SubsampleLayer {
         let refs: Vec<&Array> = taps.iter().collect();
         let cols = mlx::stack(&refs, 2)?.reshape(&[t2 * f2, 9 * c])?;
         let y = cols.matmul(&self.weight)?.reshape(&[t2, f2, -1])?;
-        let y = mlx::fast::layer_norm(&y, Some(&self.norm), None, eps)?;
+        let y = norm(&y, Some(&self.norm), eps)?;
         Ok(y.maximum_scalar(0.0)?)
     }
 }
@@ -240,8 +244,8 @@ struct Attention {
     k: ClippedLinear,
     v: ClippedLinear,
     post: ClippedLinear,
-    /// `[window, heads, head_dim]`, float32: the relative keys for distances 0..window, already
-    /// projected (they do not depend on the input).
+    /// `[heads, head_dim, window]`, float32: the relative keys, already projected (they do not
+    /// depend on the input), by band index `j` (distance `window − 1 − j`).
     relative: Array,
     /// `[head_dim]`: the query scale `head_dim^-½ / ln 2 · softplus(per_dim_scale)`.
     q_scale: Array,
@@ -259,7 +263,10 @@ impl Attention {
         let q_scale = softplus.multiply_scalar((d as f64).powf(-0.5) / std::f64::consts::LN_2)?;
         let relative = relative_keys(cfg, &rel_proj, vb.weights().dtype())?
             .astype(Dtype::F32)?
-            .reshape(&[cfg.window(), heads, d])?;
+            .reshape(&[cfg.window(), heads, d])?
+            .flip(0)?
+            .transpose(&[1, 2, 0])?
+            .contiguous()?;
         Ok(Attention {
             q: ClippedLinear::load(&vb.pp("q_proj"), c, h, h)?,
             k: ClippedLinear::load(&vb.pp("k_proj"), c, h, h)?,
@@ -270,48 +277,79 @@ impl Attention {
         })
     }
 
-    /// `x`: `[T, hidden]`.
+    /// `x`: `[T, hidden]`. Queries go in blocks of `C = attention_chunk_size`, each against
+    /// the `C + W − 1` keys its frames can see, as batched matmuls; the band of distances
+    /// 0..W is cut out of each block's scores with a skew (a row of `C + W` scores read with a
+    /// stride one longer than it), and put back the same way for the values.
     fn forward(&self, x: &Array, cfg: &AudioConfig) -> Result<Array> {
         let t = x.dim(0)?;
         let (heads, d, w) = (cfg.num_attention_heads, cfg.head_dim(), cfg.window());
+        let c = cfg.attention_chunk_size;
+        let blocks = (t + c - 1) / c;
+        let span = c + w - 1;
         let dtype = x.dtype();
-        let split = |a: Array| a.astype(Dtype::F32)?.reshape(&[t, heads, d]);
+        // [T, H, D] → [H, T, D], float32.
+        let split = |a: Array| -> Result<Array> {
+            Ok(a.astype(Dtype::F32)?
+                .reshape(&[t, heads, d])?
+                .transpose(&[1, 0, 2])?)
+        };
         let q = split(self.q.forward(x)?)?.multiply(&self.q_scale)?;
         let k_scale = (1.0 + std::f64::consts::E).ln() / std::f64::consts::LN_2;
         let k = split(self.k.forward(x)?)?.multiply_scalar(k_scale)?;
         let v = split(self.v.forward(x)?)?;
-        // [T, W, H, D]: at distance j, the key and value of frame t - j (zeros before the clip).
-        let behind = |a: &Array| -> Result<Array> {
-            let padded = a.pad(&[0], &[w - 1], &[0], 0.0)?;
-            let views = (0..w)
-                .map(|j| padded.slice_axis(0, w - 1 - j, Some(w - 1 - j + t)))
+        // Block u's queries [H, C, D] and the keys (values) frames u·C − (W − 1) .. u·C + C − 1
+        // [H, C + W − 1, D], zeros outside the clip.
+        let q_blocks = q
+            .pad(&[1], &[0], &[blocks * c - t], 0.0)?
+            .reshape(&[heads, blocks, c, d])?
+            .transpose(&[1, 0, 2, 3])?;
+        let windows = |a: &Array| -> Result<Array> {
+            let padded = a.pad(&[1], &[w - 1], &[blocks * c - t], 0.0)?;
+            let views = (0..blocks)
+                .map(|u| padded.slice_axis(1, u * c, Some(u * c + span)))
                 .collect::<std::result::Result<Vec<_>, _>>()?;
             let refs: Vec<&Array> = views.iter().collect();
-            Ok(mlx::stack(&refs, 1)?)
+            Ok(mlx::stack(&refs, 0)?)
         };
-        let keys = behind(&k)?.add(&self.relative)?;
-        let values = behind(&v)?;
-        let cap = cfg.attention_logit_cap;
-        // [T, W, H]
-        let logits = q
-            .expand_dims(1)?
-            .multiply(&keys)?
-            .sum(&[3], false)?
-            .divide_scalar(cap)?
-            .tanh()?
-            .multiply_scalar(cap)?;
-        // Distances past the clip's start see nothing.
+        let (k_win, v_win) = (windows(&k)?, windows(&v)?);
+        // [U, H, C, C + W − 1] → the band: entry (i, j) is frame u·C + i against frame
+        // u·C + i − (W − 1) + j, distance W − 1 − j.
+        let scores = q_blocks.matmul(&k_win.transpose(&[0, 1, 3, 2])?)?;
+        let band = scores
+            .reshape(&[blocks, heads, c * span])?
+            .pad(&[2], &[0], &[c], 0.0)?
+            .reshape(&[blocks, heads, c, span + 1])?
+            .slice_axis(3, 0, Some(w))?;
+        // [H, T, W] with the relative term, whose keys are stored by band index.
+        let band = band
+            .transpose(&[1, 0, 2, 3])?
+            .reshape(&[heads, blocks * c, w])?
+            .slice_axis(1, 0, Some(t))?;
+        let relative = q.matmul(&self.relative)?;
+        let logits = mlx::fast::softcap(&band.add(&relative)?, cfg.attention_logit_cap as f32)?;
+        // Band entries before the clip's start see nothing.
         let ts: Vec<i32> = (0..t).collect();
         let js: Vec<i32> = (0..w).collect();
-        let valid = Array::from_slice(&ts, &[t, 1, 1])?
-            .greater_equal(&Array::from_slice(&js, &[1, w, 1])?)?;
+        let valid = Array::from_slice(&ts, &[1, t, 1])?
+            .add(&Array::from_slice(&js, &[1, 1, w])?)?
+            .greater_equal_scalar((w - 1) as f64)?;
         let logits = mlx::where_(&valid, &logits, &Array::scalar_as(-1e9, Dtype::F32)?)?;
-        let probs = logits.softmax(&[1], true)?;
+        let probs = mlx::fast::softmax(&logits)?;
+        // Back into each block's rows of C + W − 1 keys, then onto the values.
+        let probs = probs
+            .pad(&[1], &[0], &[blocks * c - t], 0.0)?
+            .reshape(&[heads, blocks, c, w])?
+            .transpose(&[1, 0, 2, 3])?
+            .pad(&[3], &[0], &[span + 1 - w], 0.0)?
+            .reshape(&[blocks, heads, c * (span + 1)])?
+            .slice_axis(2, 0, Some(c * span))?
+            .reshape(&[blocks, heads, c, span])?;
         let out = probs
-            .expand_dims(3)?
-            .multiply(&values)?
-            .sum(&[1], false)?
-            .reshape(&[t, heads * d])?
+            .matmul(&v_win)?
+            .transpose(&[0, 2, 1, 3])?
+            .reshape(&[blocks * c, heads * d])?
+            .slice_axis(0, 0, Some(t))?
             .astype(dtype)?;
         self.post.forward(&out)
     }
@@ -381,7 +419,7 @@ impl LightConv {
             .start
             .forward(&norm(x, Some(&self.pre_norm), cfg.rms_norm_eps)?)?;
         let halves = h.split(2, 1)?;
-        let h = halves[0].multiply(&halves[1].sigmoid()?)?;
+        let h = mlx::fast::sigmoid_mul(&halves[1], &halves[0])?;
         let padded = h.pad(&[0], &[kernel - 1], &[0], 0.0)?;
         let mut acc: Option<Array> = None;
         for i in 0..kernel {
@@ -440,8 +478,9 @@ fn clamp(x: &Array, cfg: &AudioConfig) -> Result<Array> {
     Ok(x.clip(Some(&lo), Some(&hi))?)
 }
 
+/// `x · σ(x)`, one vectorized op on the CPU.
 fn silu(x: &Array) -> Result<Array> {
-    Ok(x.multiply(&x.sigmoid()?)?)
+    Ok(mlx::fast::sigmoid_mul(x, x)?)
 }
 
 /// gemma4's audio tower and the embedder that projects its output into the text model.
