@@ -41,18 +41,42 @@ pub fn release_after(resp: axum::response::Response) -> axum::response::Response
     crate::listen::holding(resp, ReleaseOnDrop)
 }
 
-/// Resolves with the name of the first SIGTERM or SIGINT; never, when the handlers cannot be
-/// installed (the runner then still stops when its parent dies).
-pub async fn termination() -> &'static str {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => "SIGTERM",
-        _ = int.recv() => "SIGINT",
+/// SIGTERM and SIGINT, caught from the moment this is made: a listener hears only the signals
+/// sent after it exists (tokio's), so a process makes one before it tells anyone it is up and
+/// keeps it to the end.
+pub struct Termination {
+    signals: Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>,
+}
+
+impl Termination {
+    /// Installs the handlers now (inside a tokio runtime).
+    pub fn new() -> Termination {
+        use tokio::signal::unix::{signal, SignalKind};
+        let signals = match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            (Ok(term), Ok(int)) => Some((term, int)),
+            _ => None,
+        };
+        Termination { signals }
+    }
+
+    /// Resolves with the name of the first SIGTERM or SIGINT; never, when the handlers could not
+    /// be installed (the runner then still stops when its parent dies).
+    pub async fn wait(&mut self) -> &'static str {
+        let Some((term, int)) = &mut self.signals else {
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        }
+    }
+}
+
+impl Default for Termination {
+    fn default() -> Self {
+        Self::new()
     }
 }

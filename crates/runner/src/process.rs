@@ -21,10 +21,6 @@ enum Exit {
     ParentGone,
 }
 
-async fn signals() -> Exit {
-    Exit::Signal(base::signals::termination().await)
-}
-
 /// The process that started us, read once at start: a parent that dies while the model loads
 /// has already re-parented us by the time loading ends.
 fn parent_pid() -> libc::pid_t {
@@ -46,6 +42,9 @@ async fn parent_gone(parent: libc::pid_t) -> Exit {
 /// Runs the runner to completion. An `Err` is the one line to print before exiting non-zero.
 pub async fn run(opts: RunnerOptions) -> Result<(), String> {
     let parent = parent_pid();
+    // One listener for the signals from before the port is bound to the end: one made after
+    // loading would miss a SIGTERM sent as the runner became ready, and it would not exit.
+    let mut signals = base::signals::Termination::new();
     let addr: SocketAddr = format!("{}:{}", opts.host, opts.port)
         .parse()
         .map_err(|e| format!("invalid listen address {}:{}: {e}", opts.host, opts.port))?;
@@ -79,7 +78,7 @@ pub async fn run(opts: RunnerOptions) -> Result<(), String> {
     // Serve 503 while loading; a model that cannot load ends the process with its reason.
     let load = tokio::select! {
         r = loaded => r.unwrap_or_else(|_| Err("the engine thread died while loading".into())),
-        e = signals() => { let _ = stop_tx.send(()); return Err(format!("interrupted by {} while loading", match e { Exit::Signal(s) => s, Exit::ParentGone => "the parent's exit" })); }
+        e = signals.wait() => { let _ = stop_tx.send(()); return Err(format!("interrupted by {e} while loading")); }
         _ = parent_gone(parent) => { let _ = stop_tx.send(()); return Err("the parent process exited while the model was loading".into()); }
     };
     if let Err(e) = load {
@@ -94,7 +93,7 @@ pub async fn run(opts: RunnerOptions) -> Result<(), String> {
         "runner ready"
     );
     let why = tokio::select! {
-        e = signals() => e,
+        e = signals.wait() => Exit::Signal(e),
         e = parent_gone(parent) => e,
     };
     match why {

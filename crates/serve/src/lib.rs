@@ -192,6 +192,8 @@ pub async fn run(cfg: ServeConfig) -> anyhow::Result<()> {
         parallel: cfg.parallel,
         memory_limit: cfg.memory_limit,
     });
+    // Signals are caught from before anyone can know serve is up.
+    let mut signals = base::signals::Termination::new();
     let listener = tokio::net::TcpListener::bind(cfg.addr)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", cfg.addr))?;
@@ -214,7 +216,7 @@ pub async fn run(cfg: ServeConfig) -> anyhow::Result<()> {
     let server = tokio::spawn(base::listen::serve(listener, router(app), limits, async {
         let _ = stop_rx.await;
     }));
-    let why = base::signals::termination().await;
+    let why = signals.wait().await;
     tracing::info!("{why}: stopping, unloading models");
     sched.shutdown().await;
     let _ = stop_tx.send(());
