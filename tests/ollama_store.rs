@@ -648,6 +648,60 @@ fn models_ollama_created_load_by_name_and_serve_what_their_checkpoints_serve() {
     }
 }
 
+/// A gemma4 with vision and audio towers that ollama created (every `*.json` of the checkpoint
+/// kept, `processor_config.json` among them; with `--quantize int4` the towers stay in float,
+/// as ollama's policy keeps them) loads from ollama's store and takes a clip and an image: the
+/// unquantized one answers exactly as the checkpoint folder does.
+#[test]
+fn multimodal_models_ollama_created_take_images_and_audio() {
+    use base64::Engine;
+    let ollama = tempfile::tempdir().unwrap();
+    let ours = tempfile::tempdir().unwrap();
+    let dir = fixture("gemma4_audio_like");
+    ollama_create(ollama.path(), "gemma4-av:latest", &dir, None, None, None);
+    ollama_create(
+        ollama.path(),
+        "gemma4-av:int4",
+        &dir,
+        None,
+        Some("int4"),
+        None,
+    );
+    let b64 = |f: &str| {
+        base64::engine::general_purpose::STANDARD
+            .encode(std::fs::read(dir.join("audio").join(f)).unwrap())
+    };
+    let body = json!({
+        "Prompt": "Hear [img-0] and see [img-1] now.",
+        "Media": [{"data": b64("speechlike.wav"), "id": 0}, {"data": b64("wide.png"), "id": 1}],
+        "Options": {"num_predict": 8, "temperature": 0},
+        "Logprobs": true,
+    });
+    let answer = |r: &Runner| {
+        let lines = r.complete(&body);
+        let tokens: Vec<String> = lines
+            .iter()
+            .filter_map(|l| l["Logprobs"].as_array())
+            .flatten()
+            .map(|e| e["token"].as_str().unwrap_or_default().to_string())
+            .collect();
+        (tokens, done_of(&lines)["PromptEvalCount"].as_u64().unwrap())
+    };
+    let env = [
+        ("OLLAMA_MODELS", ollama.path().as_os_str()),
+        ("MLX_RUNNER_MODELS", ours.path().as_os_str()),
+    ];
+    let direct = answer(&Runner::start("gemma4_audio_like", &[]));
+    let stored = answer(&Runner::start_with(
+        OsStr::new("gemma4-av:latest"),
+        &[],
+        &env,
+    ));
+    assert_eq!(stored, direct);
+    let (tokens, prompt) = answer(&Runner::start_with(OsStr::new("gemma4-av:int4"), &[], &env));
+    assert_eq!((tokens.len(), prompt), (8, direct.1));
+}
+
 /// A name in neither store is an error naming both.
 #[test]
 fn a_missing_model_names_both_stores() {
