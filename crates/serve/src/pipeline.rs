@@ -96,20 +96,15 @@ fn tag_images(m: &Model, input: &Input) -> Result<(Vec<Value>, Vec<Value>), ApiE
             let Some(images) = msg.get("images").and_then(Value::as_array).cloned() else {
                 continue;
             };
-            let mut content = msg["content"].as_str().unwrap_or_default().to_string();
-            let mut prefix = String::new();
-            for data in images {
-                let tag = format!("[img-{}]", media.len());
+            let offset = media.len();
+            for data in images.iter() {
                 media.push(serde_json::json!({"data": data, "id": media.len()}));
-                if content.contains("[img]") {
-                    content = content.replacen("[img]", &tag, 1);
-                } else {
-                    prefix.push_str(&tag);
-                }
             }
+            let content = msg["content"].as_str().unwrap_or_default();
+            let content = tagged_content(content, offset, images.len());
             if let Some(o) = msg.as_object_mut() {
                 o.remove("images");
-                o.insert("content".into(), Value::from(prefix + &content));
+                o.insert("content".into(), Value::from(content));
             }
         }
     }
@@ -128,6 +123,30 @@ fn tag_images(m: &Model, input: &Input) -> Result<(Vec<Value>, Vec<Value>), ApiE
         }
     }
     Ok((messages, media))
+}
+
+/// A message's content with `[img-N]` tags for its `count` media items numbered from `offset`
+/// (ollama's `renderContentWithImageTags`): content that already names tags is left as it is;
+/// else each `[img]` marker takes the next tag and the rest go in front, a space between them
+/// and content that starts with a non-space character.
+fn tagged_content(content: &str, offset: usize, count: usize) -> String {
+    if count == 0 || content.contains("[img-") {
+        return content.to_string();
+    }
+    let mut content = content.to_string();
+    let mut prefix = String::new();
+    for i in 0..count {
+        let tag = format!("[img-{}]", offset + i);
+        if content.contains("[img]") {
+            content = content.replacen("[img]", &tag, 1);
+        } else {
+            prefix.push_str(&tag);
+        }
+    }
+    if !prefix.is_empty() && content.chars().next().is_some_and(|c| !c.is_whitespace()) {
+        prefix.push(' ');
+    }
+    prefix + &content
 }
 
 /// Whether base64 `data` is an audio clip, by its first bytes (the 12 that 16 characters hold).
@@ -681,6 +700,18 @@ pub fn go_duration(s: &str) -> Option<f64> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn media_tags_go_where_ollamas_renderer_puts_them() {
+        use super::tagged_content as t;
+        assert_eq!(t("What is this?", 0, 1), "[img-0] What is this?");
+        assert_eq!(t(" spaced", 2, 2), "[img-2][img-3] spaced");
+        assert_eq!(t("", 0, 1), "[img-0]");
+        assert_eq!(t("a [img] b [img]", 1, 2), "a [img-1] b [img-2]");
+        assert_eq!(t("one [img] marker", 0, 2), "[img-1] one [img-0] marker");
+        // Tags already there: left alone.
+        assert_eq!(t("see [img-7]", 0, 1), "see [img-7]");
+        assert_eq!(t("x", 0, 0), "x");
+    }
     use super::*;
     use serde_json::json;
 
