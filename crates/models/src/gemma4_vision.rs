@@ -185,7 +185,9 @@ impl VisionLayer {
         let k = rot.apply(&norm(&k, Some(&self.k_norm), eps)?)?;
         let v = norm(&v, None, eps)?;
         // [N, H, D] → [1, H, N, D]; every patch sees every patch, unscaled (the norms did it).
-        let bhnd = |t: &Array| t.transpose(&[1, 0, 2])?.expand_dims(0);
+        // Laid out head by head once: every block's products read them, and a strided view
+        // would be copied by each.
+        let bhnd = |t: &Array| t.transpose(&[1, 0, 2])?.expand_dims(0)?.contiguous();
         let (q, mut k, mut v) = (bhnd(&q)?, bhnd(&k)?, bhnd(&v)?);
         let group = cfg.num_attention_heads / cfg.num_key_value_heads;
         if group > 1 {
@@ -234,8 +236,11 @@ impl VisionLayer {
 
 /// The axial rotation of one image's patches: a head's first half turns with the patch's x,
 /// its second half with its y, each half as `rotate_half` pairs over `head_dim / 4` frequencies
-/// `θ^(-2j / (head_dim / 2))`.
+/// `θ^(-2j / (head_dim / 2))`. Applied as `x · cos + swap(x) · sin±` (swap: each half's two
+/// quarters exchanged; sin± negative on the first quarter), transformers' arithmetic in three
+/// passes over the heads.
 struct Axial {
+    /// `[N, 1 (heads), 2 (axis), 2 (quarter), quarter]`.
     cos: Array,
     sin: Array,
 }
@@ -248,20 +253,19 @@ impl Axial {
             .map(|j| 1.0 / cfg.theta().powf((2 * j) as f32 / half))
             .collect();
         let n = positions.len();
-        let (mut cos, mut sin) = (Vec::with_capacity(n * 2 * quarter), Vec::new());
-        sin.reserve(n * 2 * quarter);
+        let (mut cos, mut sin) = (Vec::with_capacity(n * 4 * quarter), Vec::new());
+        sin.reserve(n * 4 * quarter);
         for p in positions {
             for &coord in p {
-                for f in &inv {
-                    // float32 throughout, as transformers computes the angles.
-                    let angle = coord as f32 * f;
-                    cos.push(angle.cos());
-                    sin.push(angle.sin());
+                // float32 throughout, as transformers computes the angles.
+                let angles: Vec<f32> = inv.iter().map(|f| coord as f32 * f).collect();
+                for sign in [-1.0f32, 1.0] {
+                    cos.extend(angles.iter().map(|a| a.cos()));
+                    sin.extend(angles.iter().map(|a| sign * a.sin()));
                 }
             }
         }
-        // [N, 1 (heads), 2 (axis), 1 (pair half), quarter]
-        let shape = [n as i32, 1, 2, 1, quarter as i32];
+        let shape = [n as i32, 1, 2, 2, quarter as i32];
         Ok(Axial {
             cos: Array::from_slice(&cos, &shape)?,
             sin: Array::from_slice(&sin, &shape)?,
@@ -273,13 +277,10 @@ impl Axial {
         let s = x.shape();
         let quarter = s[2] / 4;
         let parts = x.reshape(&[s[0], s[1], 2, 2, quarter])?;
-        let a = parts.slice_axis(3, 0, Some(1))?;
-        let b = parts.slice_axis(3, 1, Some(2))?;
         let cos = self.cos.astype(x.dtype())?;
         let sin = self.sin.astype(x.dtype())?;
-        let first = a.multiply(&cos)?.subtract(&b.multiply(&sin)?)?;
-        let second = b.multiply(&cos)?.add(&a.multiply(&sin)?)?;
-        Ok(mlx::concatenate(&[&first, &second], 3)?.reshape(&s)?)
+        let turned = parts.multiply(&cos)?.add(&parts.flip(3)?.multiply(&sin)?)?;
+        Ok(turned.reshape(&s)?)
     }
 }
 
