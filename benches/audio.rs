@@ -8,29 +8,15 @@
 
 mod common;
 
-use common::{median, root};
-use std::process::Command;
+use common::{median, tower_peer, tower_peer_times};
 use std::time::Instant;
 
 const RUNS: usize = 3;
 
 fn main() {
-    let python = root().join(".venv-golden/bin/python");
-    if !python.exists() {
-        eprintln!("no .venv-golden (tests/fixtures/requirements.txt): skipping");
+    let Some((python, dir)) = tower_peer("audio_peer.py", "target/bench-audio") else {
         return;
-    }
-    let dir = root().join("target/bench-audio");
-    let script = root().join("benches/audio_peer.py");
-    if !dir.join("model.safetensors").exists() {
-        let ok = Command::new(&python)
-            .arg(&script)
-            .args(["make"])
-            .arg(&dir)
-            .status()
-            .is_ok_and(|s| s.success());
-        assert!(ok, "could not write the audio benchmark model");
-    }
+    };
     let bytes = std::fs::read(dir.join("clip.wav")).unwrap();
     let (tower, prompt) = models::load_audio_files(
         &models::ModelFiles::dir(&dir).unwrap(),
@@ -55,23 +41,7 @@ fn main() {
             features_s.push((t1 - t0).as_secs_f64());
         }
     }
-    let out = Command::new(&python)
-        .arg(&script)
-        .arg("time")
-        .arg(&dir)
-        .arg(RUNS.to_string())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let theirs: Vec<f64> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .skip(1)
-        .filter_map(|l| l.trim().parse().ok())
-        .collect();
+    let theirs = tower_peer_times(&python, "audio_peer.py", &dir, RUNS);
     let (a, f, b) = (median(ours), median(features_s), median(theirs));
     println!("gemma4 audio tower, E2B shape, 30 s clip -> {frames} frames, {tokens} soft tokens");
     println!("  ours (MLX CPU, float32):           {a:.3} s (decode + log-mel {f:.3} s)");

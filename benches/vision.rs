@@ -7,29 +7,15 @@
 
 mod common;
 
-use common::{median, root};
-use std::process::Command;
+use common::{median, tower_peer, tower_peer_times};
 use std::time::Instant;
 
 const RUNS: usize = 3;
 
 fn main() {
-    let python = root().join(".venv-golden/bin/python");
-    if !python.exists() {
-        eprintln!("no .venv-golden (tests/fixtures/requirements.txt): skipping");
+    let Some((python, dir)) = tower_peer("vision_peer.py", "target/bench-vision") else {
         return;
-    }
-    let dir = root().join("target/bench-vision");
-    let script = root().join("benches/vision_peer.py");
-    if !dir.join("model.safetensors").exists() {
-        let ok = Command::new(&python)
-            .arg(&script)
-            .args(["make"])
-            .arg(&dir)
-            .status()
-            .is_ok_and(|s| s.success());
-        assert!(ok, "could not write the vision benchmark model");
-    }
+    };
     let bytes = std::fs::read(dir.join("image.png")).unwrap();
     let (tower, prompt) = models::load_vision_files(
         &models::ModelFiles::dir(&dir).unwrap(),
@@ -50,23 +36,7 @@ fn main() {
             ours.push(t0.elapsed().as_secs_f64());
         }
     }
-    let out = Command::new(&python)
-        .arg(&script)
-        .arg("time")
-        .arg(&dir)
-        .arg(RUNS.to_string())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let theirs: Vec<f64> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .skip(1)
-        .filter_map(|l| l.trim().parse().ok())
-        .collect();
+    let theirs = tower_peer_times(&python, "vision_peer.py", &dir, RUNS);
     let (a, b) = (median(ours), median(theirs));
     println!(
         "gemma4 vision tower, E2B shape, 640x480 image -> {patches_n} patches, {tokens} soft tokens"

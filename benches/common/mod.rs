@@ -42,6 +42,49 @@ pub fn bench_model(python: &std::path::Path) -> Option<PathBuf> {
     Some(model)
 }
 
+/// A tower benchmark's transformers peer: .venv-golden's Python (tests/fixtures/requirements.txt)
+/// and the benchmark's checkpoint, written by `benches/<script> make DIR` on first use. `None`
+/// (said why) without the environment.
+pub fn tower_peer(script: &str, dir: &str) -> Option<(PathBuf, PathBuf)> {
+    let python = root().join(".venv-golden/bin/python");
+    if !python.exists() {
+        eprintln!("no .venv-golden (tests/fixtures/requirements.txt): skipping");
+        return None;
+    }
+    let dir = root().join(dir);
+    if !dir.join("model.safetensors").exists() {
+        let ok = Command::new(&python)
+            .arg(root().join("benches").join(script))
+            .arg("make")
+            .arg(&dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "could not write the {script} benchmark model");
+    }
+    Some((python, dir))
+}
+
+/// `benches/<script> time DIR RUNS`: the peer's seconds per run, after its warm-up line.
+pub fn tower_peer_times(python: &Path, script: &str, dir: &Path, runs: usize) -> Vec<f64> {
+    let out = Command::new(python)
+        .arg(root().join("benches").join(script))
+        .arg("time")
+        .arg(dir)
+        .arg(runs.to_string())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
 /// A free port on loopback.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

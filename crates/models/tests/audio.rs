@@ -10,9 +10,12 @@ use models::gemma4_audio_features::{
     decode_audio, prepare_audio, AudioFeatureConfig, AudioFeatures, FeatureExtractor,
 };
 use models::media::{MediaInput, Towers};
-use models::{DtypeChoice, MediaKind, MediaSpan, ModelFiles, PackedRow};
+use models::{DtypeChoice, MediaKind, ModelFiles};
 use std::collections::HashMap;
 use std::path::PathBuf;
+
+mod common;
+use common::{argmax_rows, mm_logits};
 
 const CLIPS: [&str; 3] = ["speechlike", "odd", "short"];
 
@@ -157,59 +160,6 @@ fn clips_encode_as_transformers_encodes_them() {
     }
 }
 
-/// Logits `[T, V]` of `ids` in passes of the given lengths, each run of audio or image tokens
-/// replaced by the next item's soft tokens.
-fn mm_logits(ids: &[i32], items: &[(Array, MediaKind)], passes: &[usize]) -> Vec<f32> {
-    let m = models::load(&fixture(), DtypeChoice::Fixed(Dtype::F32)).unwrap();
-    let placeholder = |t: i32| t == 508 || t == 511;
-    let mut runs = Vec::new();
-    let mut i = 0;
-    while i < ids.len() {
-        if placeholder(ids[i]) {
-            let s = i;
-            while i < ids.len() && ids[i] == ids[s] {
-                i += 1;
-            }
-            runs.push((s, i - s));
-        } else {
-            i += 1;
-        }
-    }
-    assert_eq!(runs.len(), items.len());
-    let mut caches = m.model.make_caches();
-    let (mut out, mut at) = (Vec::new(), 0);
-    for &n in passes {
-        let media: Vec<MediaSpan> = runs
-            .iter()
-            .zip(items)
-            .filter(|((s, l), _)| *s >= at && s + l <= at + n)
-            .map(|((s, l), (e, kind))| {
-                assert_eq!(e.dim(0).unwrap() as usize, *l);
-                MediaSpan {
-                    at: s - at,
-                    embeds: e.clone(),
-                    kind: *kind,
-                }
-            })
-            .collect();
-        let tokens = Array::from_slice(&ids[at..at + n], &[1, n as i32]).unwrap();
-        let h = m
-            .model
-            .forward_packed(
-                &tokens,
-                &mut [PackedRow {
-                    len: n,
-                    caches: &mut caches,
-                    media: &media,
-                }],
-            )
-            .unwrap();
-        out.extend(f32s(&m.model.logits(&h).unwrap()));
-        at += n;
-    }
-    out
-}
-
 /// A prompt with a clip, then an image, through the whole model against transformers'
 /// `Gemma4ForConditionalGeneration`, in one pass and in passes cut between the items, from our
 /// own soft tokens.
@@ -242,21 +192,14 @@ fn a_prompt_with_a_clip_and_an_image_gives_transformers_logits() {
     let vocab = want.len() / n;
     // Whole; cut after the clip; cut before the image.
     for passes in [vec![n], vec![30, n - 30], vec![4, 28, n - 32]] {
-        let got = mm_logits(&ids, &items, &passes);
+        let got = mm_logits(&fixture(), &ids, &items, &passes, |t| t == 508 || t == 511);
         let e = worst(&got, &want);
         assert!(e <= 1e-4, "passes {passes:?}: logits differ by {e}");
-        let argmax = |v: &[f32]| -> Vec<usize> {
-            v.chunks(vocab)
-                .map(|r| {
-                    r.iter()
-                        .enumerate()
-                        .max_by(|a, b| a.1.total_cmp(b.1))
-                        .unwrap()
-                        .0
-                })
-                .collect()
-        };
-        assert_eq!(argmax(&got), argmax(&want), "passes {passes:?}");
+        assert_eq!(
+            argmax_rows(&got, vocab),
+            argmax_rows(&want, vocab),
+            "passes {passes:?}"
+        );
     }
 }
 

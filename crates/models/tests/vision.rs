@@ -8,6 +8,9 @@ use models::{load_vision, DtypeChoice, MediaKind, MediaSpan, PackedRow};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+mod common;
+use common::{argmax_rows, mm_logits};
+
 const IMAGES: [&str; 4] = ["wide", "tall", "small", "large"];
 
 fn fixture() -> PathBuf {
@@ -158,78 +161,6 @@ fn causal_copy() -> tempfile::TempDir {
     dir
 }
 
-/// Logits `[T, V]` of `ids` fed in passes of the given lengths, each image's soft tokens in
-/// place of its run of image tokens.
-fn mm_logits(dir: &std::path::Path, ids: &[i32], images: &[Array], passes: &[usize]) -> Vec<f32> {
-    let m = models::load(dir, DtypeChoice::Fixed(Dtype::F32)).unwrap();
-    let image_token = serde_json::from_slice::<serde_json::Value>(
-        &std::fs::read(dir.join("config.json")).unwrap(),
-    )
-    .unwrap()["image_token_id"]
-        .as_i64()
-        .unwrap() as i32;
-    // Each run of image tokens, in order: (start, len).
-    let mut runs = Vec::new();
-    let mut i = 0;
-    while i < ids.len() {
-        if ids[i] == image_token {
-            let s = i;
-            while i < ids.len() && ids[i] == image_token {
-                i += 1;
-            }
-            runs.push((s, i - s));
-        } else {
-            i += 1;
-        }
-    }
-    assert_eq!(runs.len(), images.len());
-    let mut caches = m.model.make_caches();
-    let (mut out, mut at) = (Vec::new(), 0);
-    for &n in passes {
-        let media: Vec<MediaSpan> = runs
-            .iter()
-            .zip(images)
-            .filter(|((s, l), _)| *s >= at && s + l <= at + n)
-            .map(|((s, l), e)| {
-                assert_eq!(e.dim(0).unwrap() as usize, *l);
-                MediaSpan {
-                    at: s - at,
-                    embeds: e.clone(),
-                    kind: MediaKind::Image,
-                }
-            })
-            .collect();
-        let tokens = Array::from_slice(&ids[at..at + n], &[1, n as i32]).unwrap();
-        let h = m
-            .model
-            .forward_packed(
-                &tokens,
-                &mut [PackedRow {
-                    len: n,
-                    caches: &mut caches,
-                    media: &media,
-                }],
-            )
-            .unwrap();
-        out.extend(m.model.logits(&h).unwrap().to_vec::<f32>().unwrap());
-        at += n;
-    }
-    assert_eq!(at, ids.len());
-    out
-}
-
-fn argmax_rows(v: &[f32], vocab: usize) -> Vec<usize> {
-    v.chunks(vocab)
-        .map(|r| {
-            r.iter()
-                .enumerate()
-                .max_by(|a, b| a.1.total_cmp(b.1))
-                .unwrap()
-                .0
-        })
-        .collect()
-}
-
 /// A prompt with two images through the whole model against transformers'
 /// `Gemma4ForConditionalGeneration`: with the larger gemma4s' rule (an image's tokens see each
 /// other both ways in the sliding layers, within the window) and the smaller ones' (causal),
@@ -252,6 +183,12 @@ fn a_prompt_with_two_images_gives_transformers_logits() {
     let ids = g["mm.input_ids"].to_vec::<i32>().unwrap();
     let t = ids.len();
     let causal = causal_copy();
+    let image_token = serde_json::from_slice::<serde_json::Value>(
+        &std::fs::read(fixture().join("config.json")).unwrap(),
+    )
+    .unwrap()["image_token_id"]
+        .as_i64()
+        .unwrap() as i32;
     let worst = |a: &[f32], b: &[f32]| {
         a.iter()
             .zip(b)
@@ -272,7 +209,11 @@ fn a_prompt_with_two_images_gives_transformers_logits() {
         // Whole; cut after the first image; cut before each image.
         for passes in [vec![t], vec![70, t - 70], vec![5, 65, t - 70]] {
             for (images, whose) in [(&theirs, "theirs"), (&ours, "ours")] {
-                let got = mm_logits(&dir, &ids, images, &passes);
+                let items: Vec<(Array, MediaKind)> = images
+                    .iter()
+                    .map(|e| (e.clone(), MediaKind::Image))
+                    .collect();
+                let got = mm_logits(&dir, &ids, &items, &passes, |t| t == image_token);
                 let what = format!("{key}, passes {passes:?}, {whose} soft tokens");
                 let d = worst(&got, &exact);
                 assert!(
