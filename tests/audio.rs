@@ -8,7 +8,7 @@
 mod common;
 
 use base64::Engine;
-use common::{done_of, fixture, golden, Runner};
+use common::{answers_alone_and_together, done_of, fixture, golden, outcome, Runner};
 use serde_json::{json, Value};
 
 const MODEL: &str = "gemma4_audio_like";
@@ -160,18 +160,6 @@ fn a_clip_encodes_beside_a_decoding_sequence() {
     assert!(counter(&r, "mlx_runner_encode_steps_total") >= 1);
 }
 
-/// What a request's answer was: its text and its tokens' logprobs.
-fn outcome(lines: &[Value]) -> (String, Vec<f64>) {
-    let text = lines.iter().filter_map(|l| l["Content"].as_str()).collect();
-    let lps = lines
-        .iter()
-        .filter_map(|l| l["Logprobs"].as_array())
-        .flatten()
-        .filter_map(|e| e["logprob"].as_f64())
-        .collect();
-    (text, lps)
-}
-
 /// Requests with clips batch with each other and with text, in small prefill chunks, and a
 /// grammar applies after a clip: each gets what it gets alone.
 #[test]
@@ -187,35 +175,10 @@ fn audio_requests_batch_and_take_grammars() {
         json!({"Prompt": "[img-0][img-1]", "Media": media(&[("short.wav", 0), ("stereo.flac", 1)]),
             "Options": greedy(6), "Logprobs": true}),
     ];
-    let solo = Runner::start(MODEL, &["--parallel", "1"]);
-    let alone: Vec<_> = requests
-        .iter()
-        .map(|b| outcome(&solo.complete(b)))
-        .collect();
-    drop(solo);
+    let alone = answers_alone_and_together(MODEL, &requests);
     let v: Value =
         serde_json::from_str(&alone[2].0).unwrap_or_else(|e| panic!("{e}: {:?}", alone[2].0));
     assert!(v["said"].is_string(), "{v}");
-    let together = std::sync::Arc::new(Runner::start(
-        MODEL,
-        &["--parallel", "4", "--prefill-chunk", "8"],
-    ));
-    let handles: Vec<_> = requests
-        .iter()
-        .cloned()
-        .map(|b| {
-            let r = std::sync::Arc::clone(&together);
-            std::thread::spawn(move || outcome(&r.complete(&b)))
-        })
-        .collect();
-    for (i, h) in handles.into_iter().enumerate() {
-        let (text, lps) = h.join().unwrap();
-        assert_eq!(text, alone[i].0, "request {i}");
-        assert_eq!(lps.len(), alone[i].1.len(), "request {i}");
-        for (a, b) in lps.iter().zip(&alone[i].1) {
-            assert!((a - b).abs() < 1e-4, "request {i}: {a} vs {b}");
-        }
-    }
 }
 
 fn wav_header(samples: u32) -> Vec<u8> {

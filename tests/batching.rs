@@ -40,17 +40,6 @@ fn request(i: usize, logprobs: bool) -> Value {
     })
 }
 
-/// Text and per-token logprobs of a completion.
-fn outcome(lines: &[Value]) -> (String, Vec<f64>) {
-    let lps = lines
-        .iter()
-        .filter_map(|l| l["Logprobs"].as_array())
-        .flatten()
-        .map(|e| e["logprob"].as_f64().unwrap())
-        .collect();
-    (text_of(lines), lps)
-}
-
 /// `(le, count)` of each bucket of a histogram in the `/metrics` text.
 fn histogram(metrics: &str, name: &str) -> Vec<(String, u64)> {
     metrics

@@ -7,7 +7,7 @@
 mod common;
 
 use base64::Engine;
-use common::{done_of, fixture, golden, Runner};
+use common::{answers_alone_and_together, done_of, fixture, golden, Runner};
 use serde_json::{json, Value};
 
 fn greedy(n: i64) -> Value {
@@ -223,21 +223,6 @@ fn bad_media_is_refused_by_name() {
     assert_eq!(done_of(&lines)["EvalCount"], 2);
 }
 
-/// What a request's answer was: its text and its tokens' logprobs.
-fn outcome(lines: &[Value]) -> (String, Vec<f64>) {
-    let text = lines
-        .iter()
-        .filter_map(|l| l["Content"].as_str())
-        .collect::<String>();
-    let lps = lines
-        .iter()
-        .filter_map(|l| l["Logprobs"].as_array())
-        .flatten()
-        .filter_map(|e| e["logprob"].as_f64())
-        .collect();
-    (text, lps)
-}
-
 /// Requests with images batch with text requests and with each other, a grammar applies after
 /// an image: each gets what it gets alone, with small prefill chunks (an image's 60-odd soft
 /// tokens go in one chunk past the chunk size; other rows' chunks share its passes).
@@ -254,34 +239,9 @@ fn image_requests_batch_and_take_grammars() {
         json!({"Prompt": "[img-0] [img-0] twice", "Media": media(&[("small.png", 0)]),
             "Options": greedy(6), "Logprobs": true}),
     ];
-    let solo = Runner::start("gemma4_vision_like", &["--parallel", "1"]);
-    let alone: Vec<(String, Vec<f64>)> = requests
-        .iter()
-        .map(|b| outcome(&solo.complete(b)))
-        .collect();
-    drop(solo);
+    let alone = answers_alone_and_together("gemma4_vision_like", &requests);
     // The grammar held after the image.
     let v: Value =
         serde_json::from_str(&alone[2].0).unwrap_or_else(|e| panic!("{e}: {:?}", alone[2].0));
     assert!(v["color"].is_string(), "{v}");
-    let together = std::sync::Arc::new(Runner::start(
-        "gemma4_vision_like",
-        &["--parallel", "4", "--prefill-chunk", "8"],
-    ));
-    let handles: Vec<_> = requests
-        .iter()
-        .cloned()
-        .map(|b| {
-            let r = std::sync::Arc::clone(&together);
-            std::thread::spawn(move || outcome(&r.complete(&b)))
-        })
-        .collect();
-    for (i, h) in handles.into_iter().enumerate() {
-        let (text, lps) = h.join().unwrap();
-        assert_eq!(text, alone[i].0, "request {i}");
-        assert_eq!(lps.len(), alone[i].1.len(), "request {i}");
-        for (a, b) in lps.iter().zip(&alone[i].1) {
-            assert!((a - b).abs() < 1e-4, "request {i}: {a} vs {b}");
-        }
-    }
 }

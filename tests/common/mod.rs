@@ -249,3 +249,47 @@ pub fn done_of(lines: &[Value]) -> &Value {
     assert_eq!(last["Done"], true, "last line is not final: {last}");
     last
 }
+
+/// What a request's answer was: its text and its tokens' logprobs.
+pub fn outcome(lines: &[Value]) -> (String, Vec<f64>) {
+    let lps = lines
+        .iter()
+        .filter_map(|l| l["Logprobs"].as_array())
+        .flatten()
+        .map(|e| e["logprob"].as_f64().unwrap())
+        .collect();
+    (text_of(lines), lps)
+}
+
+/// `requests` answered one at a time by a runner of `model` (`--parallel 1`), then all at once
+/// by one that batches them in small prefill chunks (`--parallel 4 --prefill-chunk 8`): each
+/// gets the same text and logprobs within 1e-4 both ways. Returns the answers alone.
+pub fn answers_alone_and_together(model: &str, requests: &[Value]) -> Vec<(String, Vec<f64>)> {
+    let solo = Runner::start(model, &["--parallel", "1"]);
+    let alone: Vec<(String, Vec<f64>)> = requests
+        .iter()
+        .map(|b| outcome(&solo.complete(b)))
+        .collect();
+    drop(solo);
+    let together = std::sync::Arc::new(Runner::start(
+        model,
+        &["--parallel", "4", "--prefill-chunk", "8"],
+    ));
+    let handles: Vec<_> = requests
+        .iter()
+        .cloned()
+        .map(|b| {
+            let r = std::sync::Arc::clone(&together);
+            std::thread::spawn(move || outcome(&r.complete(&b)))
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let (text, lps) = h.join().unwrap();
+        assert_eq!(text, alone[i].0, "request {i}");
+        assert_eq!(lps.len(), alone[i].1.len(), "request {i}");
+        for (a, b) in lps.iter().zip(&alone[i].1) {
+            assert!((a - b).abs() < 1e-4, "request {i}: {a} vs {b}");
+        }
+    }
+    alone
+}
