@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{median, tower_peer, tower_peer_times};
+use common::{median, rss_peak, rss_reset, tower_peer, tower_peer_times};
 use std::time::Instant;
 
 const RUNS: usize = 3;
@@ -28,7 +28,10 @@ fn main() {
     let mut ours = Vec::new();
     let mut features_s = Vec::new();
     let (mut tokens, mut frames) = (0, 0);
+    let mut grew = 0;
     for i in 0..=RUNS {
+        // The first (cold) run's growth of resident memory: what an encode takes.
+        let base = rss_reset();
         let t0 = Instant::now();
         let (features, _) = models::gemma4_audio_features::prepare_audio(&bytes, &fx).unwrap();
         let t1 = Instant::now();
@@ -36,15 +39,23 @@ fn main() {
         let soft = tower.encode(&features).unwrap();
         soft.eval().unwrap();
         tokens = soft.dim(0).unwrap();
+        if i == 0 {
+            grew = rss_peak().saturating_sub(base);
+        }
         if i > 0 {
             ours.push(t0.elapsed().as_secs_f64());
             features_s.push((t1 - t0).as_secs_f64());
         }
     }
-    let theirs = tower_peer_times(&python, "audio_peer.py", &dir, RUNS);
+    let (theirs, their_grew) = tower_peer_times(&python, "audio_peer.py", &dir, RUNS);
     let (a, f, b) = (median(ours), median(features_s), median(theirs));
     println!("gemma4 audio tower, E2B shape, 30 s clip -> {frames} frames, {tokens} soft tokens");
     println!("  ours (MLX CPU, float32):           {a:.3} s (decode + log-mel {f:.3} s)");
     println!("  transformers (torch CPU, float32): {b:.3} s");
     println!("  ratio (transformers / ours):       {:.2}x", b / a);
+    println!(
+        "  resident memory grown by the first encode: ours {:.0} MB, transformers {:.0} MB",
+        grew as f64 / 1e6,
+        their_grew as f64 / 1e6
+    );
 }

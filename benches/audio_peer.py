@@ -7,7 +7,7 @@ tiny text model (the tower is what is measured), the feature extractor's config 
 
 `time DIR RUNS`: transformers' float32 CPU time to extract the log-mel features and encode the
 clip (`Gemma4AudioFeatureExtractor` then `get_audio_features`), one line per run, in seconds
-(the first is a warm-up).
+(the first is a warm-up), then `peak BYTES`: how much resident memory the warm-up run grew.
 
 Needs torch and transformers (tests/fixtures/requirements.txt: .venv-golden).
 """
@@ -22,6 +22,9 @@ import torch
 from transformers import (Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration,
                           Gemma4TextConfig)
 from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peer_memory import rss_peak, rss_reset  # noqa: E402
 
 torch.set_grad_enabled(False)
 torch.set_num_threads(os.cpu_count() or 1)
@@ -61,16 +64,24 @@ def make(out):
 
 def timing(out, runs):
     m = Gemma4ForConditionalGeneration.from_pretrained(out).eval()
+    # Every weight read in before measuring (from_pretrained maps them lazily), as ours are.
+    for p in m.parameters():
+        p.sum()
     fe = Gemma4AudioFeatureExtractor()
     with wave.open(os.path.join(out, "clip.wav"), "rb") as w:
         pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
-    for _ in range(runs + 1):
+    peak = 0
+    for i in range(runs + 1):
+        base = rss_reset() if i == 0 else 0
         t0 = time.perf_counter()
         wav = pcm.astype(np.float32) / 32768.0
         b = fe([wav], return_tensors="pt")
         m.model.get_audio_features(b["input_features"], b["input_features_mask"],
                                    return_dict=True)
         print(time.perf_counter() - t0, flush=True)
+        if i == 0:
+            peak = rss_peak() - base
+    print(f"peak {peak}", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{median, tower_peer, tower_peer_times};
+use common::{median, rss_peak, rss_reset, tower_peer, tower_peer_times};
 use std::time::Instant;
 
 const RUNS: usize = 3;
@@ -25,18 +25,24 @@ fn main() {
     .expect("a vision tower");
     let mut ours = Vec::new();
     let (mut tokens, mut patches_n) = (0, 0);
+    let mut grew = 0;
     for i in 0..=RUNS {
+        // The first (cold) run's growth of resident memory: what an encode takes.
+        let base = rss_reset();
         let t0 = Instant::now();
         let patches = prompt.processor.preprocess(&bytes).unwrap();
         patches_n = patches.positions.len();
         let soft = tower.encode(&patches).unwrap();
         soft.eval().unwrap();
         tokens = soft.dim(0).unwrap();
+        if i == 0 {
+            grew = rss_peak().saturating_sub(base);
+        }
         if i > 0 {
             ours.push(t0.elapsed().as_secs_f64());
         }
     }
-    let theirs = tower_peer_times(&python, "vision_peer.py", &dir, RUNS);
+    let (theirs, their_grew) = tower_peer_times(&python, "vision_peer.py", &dir, RUNS);
     let (a, b) = (median(ours), median(theirs));
     println!(
         "gemma4 vision tower, E2B shape, 640x480 image -> {patches_n} patches, {tokens} soft tokens"
@@ -44,4 +50,9 @@ fn main() {
     println!("  ours (MLX CPU, float32):         {a:.3} s");
     println!("  transformers (torch CPU, float32): {b:.3} s");
     println!("  ratio (transformers / ours):     {:.2}x", b / a);
+    println!(
+        "  resident memory grown by the first encode: ours {:.0} MB, transformers {:.0} MB",
+        grew as f64 / 1e6,
+        their_grew as f64 / 1e6
+    );
 }

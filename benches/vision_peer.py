@@ -6,7 +6,8 @@ with random weights, a tiny text model (the tower is what is measured), the imag
 config and a 640x480 test image (DIR/image.png).
 
 `time DIR RUNS`: transformers' float32 CPU time to preprocess and encode the image
-(`Gemma4ImageProcessorPil` then `get_image_features`), one line per run, in seconds.
+(`Gemma4ImageProcessorPil` then `get_image_features`), one line per run, in seconds (the
+first is a warm-up), then `peak BYTES`: how much resident memory the warm-up run grew.
 
 Needs torch, transformers and Pillow (tests/fixtures/requirements.txt: .venv-golden).
 """
@@ -20,6 +21,9 @@ from PIL import Image
 from transformers import (Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig,
                           Gemma4VisionConfig)
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peer_memory import rss_peak, rss_reset  # noqa: E402
 
 torch.set_grad_enabled(False)
 torch.set_num_threads(os.cpu_count() or 1)
@@ -54,13 +58,21 @@ def make(out):
 
 def timing(out, runs):
     m = Gemma4ForConditionalGeneration.from_pretrained(out).eval()
+    # Every weight read in before measuring (from_pretrained maps them lazily), as ours are.
+    for p in m.parameters():
+        p.sum()
     proc = processor()
     img = Image.open(os.path.join(out, "image.png"))
-    for _ in range(runs + 1):
+    peak = 0
+    for i in range(runs + 1):
+        base = rss_reset() if i == 0 else 0
         t0 = time.perf_counter()
         b = proc(images=[img], return_tensors="pt")
         m.model.get_image_features(b["pixel_values"], b["image_position_ids"], return_dict=True)
         print(time.perf_counter() - t0, flush=True)
+        if i == 0:
+            peak = rss_peak() - base
+    print(f"peak {peak}", flush=True)
 
 
 if __name__ == "__main__":

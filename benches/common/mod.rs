@@ -64,8 +64,29 @@ pub fn tower_peer(script: &str, dir: &str) -> Option<(PathBuf, PathBuf)> {
     Some((python, dir))
 }
 
-/// `benches/<script> time DIR RUNS`: the peer's seconds per run, after its warm-up line.
-pub fn tower_peer_times(python: &Path, script: &str, dir: &Path, runs: usize) -> Vec<f64> {
+/// Resident memory now, with the peak reset to it (Linux: `/proc/self/clear_refs`), in bytes.
+pub fn rss_reset() -> u64 {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+    proc_status("VmRSS")
+}
+
+/// The resident peak since [`rss_reset`], in bytes.
+pub fn rss_peak() -> u64 {
+    proc_status("VmHWM")
+}
+
+fn proc_status(key: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// `benches/<script> time DIR RUNS`: the peer's seconds per run after its warm-up line, and the
+/// growth of its resident memory during the warm-up run (its `peak` line), in bytes.
+pub fn tower_peer_times(python: &Path, script: &str, dir: &Path, runs: usize) -> (Vec<f64>, u64) {
     let out = Command::new(python)
         .arg(root().join("benches").join(script))
         .arg("time")
@@ -78,11 +99,17 @@ pub fn tower_peer_times(python: &Path, script: &str, dir: &Path, runs: usize) ->
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8_lossy(&out.stdout)
+    let text = String::from_utf8_lossy(&out.stdout);
+    let peak = text
+        .lines()
+        .find_map(|l| l.strip_prefix("peak ")?.trim().parse().ok())
+        .unwrap_or(0);
+    let times = text
         .lines()
         .skip(1)
         .filter_map(|l| l.trim().parse().ok())
-        .collect()
+        .collect();
+    (times, peak)
 }
 
 /// A free port on loopback.
