@@ -502,9 +502,18 @@ impl Generation {
             }
             let embeds = match self.encoded[i].take() {
                 Some(e) => e,
-                None => towers
-                    .ok_or_else(|| internal("media without a tower"))?
-                    .encode(&m.input)?,
+                None => {
+                    let towers = towers.ok_or_else(|| internal("media without a tower"))?;
+                    // An encoding begun in earlier steps (the row shared them then) is
+                    // finished rather than started again.
+                    match self.encoding.take() {
+                        Some((j, e)) if j == i => towers.finish(e)?,
+                        other => {
+                            self.encoding = other;
+                            towers.encode(&m.input)?
+                        }
+                    }
+                }
             };
             if embeds.dim(0)? as usize != m.len {
                 return Err(internal(
