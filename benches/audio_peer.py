@@ -19,12 +19,11 @@ import wave
 
 import numpy as np
 import torch
-from transformers import (Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration,
-                          Gemma4TextConfig)
+from transformers import Gemma4AudioConfig, Gemma4ForConditionalGeneration
 from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peer_memory import rss_peak, rss_reset  # noqa: E402
+from tower_peer import rss_peak, rss_reset, save_random_model  # noqa: E402
 
 torch.set_grad_enabled(False)
 torch.set_num_threads(os.cpu_count() or 1)
@@ -34,19 +33,8 @@ SECONDS = 30
 def make(out):
     audio = Gemma4AudioConfig(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8,
                               subsampling_conv_channels=[128, 32], output_proj_dims=1536)
-    text = Gemma4TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
-                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                            head_dim=32, global_head_dim=32, sliding_window=8,
-                            layer_types=["sliding_attention", "full_attention"],
-                            hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
-    config = Gemma4Config(text_config=text, vision_config=None, audio_config=audio,
-                          boa_token_id=506, eoa_token_index=507, audio_token_id=508)
-    torch.manual_seed(0)
-    m = Gemma4ForConditionalGeneration(config).eval()
-    for name, p in m.named_parameters():
-        if p.ndim >= 2:
-            p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
-    m.save_pretrained(out)
+    save_random_model(out, vision_config=None, audio_config=audio, boa_token_id=506,
+                      eoa_token_index=507, audio_token_id=508)
     fe = Gemma4AudioFeatureExtractor()
     json.dump({"processor_class": "Gemma4Processor", "audio_seq_length": 750,
                "feature_extractor": json.loads(fe.to_json_string())},

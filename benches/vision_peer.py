@@ -18,12 +18,11 @@ import time
 import numpy as np
 import torch
 from PIL import Image
-from transformers import (Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig,
-                          Gemma4VisionConfig)
+from transformers import Gemma4ForConditionalGeneration, Gemma4VisionConfig
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peer_memory import rss_peak, rss_reset  # noqa: E402
+from tower_peer import rss_peak, rss_reset, save_random_model  # noqa: E402
 
 torch.set_grad_enabled(False)
 torch.set_num_threads(os.cpu_count() or 1)
@@ -37,19 +36,8 @@ def make(out):
     vision = Gemma4VisionConfig(hidden_size=768, intermediate_size=3072, num_hidden_layers=16,
                                 num_attention_heads=12, num_key_value_heads=12, head_dim=64,
                                 patch_size=16, pooling_kernel_size=3)
-    text = Gemma4TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
-                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                            head_dim=32, global_head_dim=32, sliding_window=8,
-                            layer_types=["sliding_attention", "full_attention"],
-                            hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
-    config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
-                          boi_token_id=509, eoi_token_id=510, image_token_id=511)
-    torch.manual_seed(0)
-    m = Gemma4ForConditionalGeneration(config).eval()
-    for name, p in m.named_parameters():
-        if p.ndim >= 2:
-            p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
-    m.save_pretrained(out)
+    save_random_model(out, vision_config=vision, audio_config=None, boi_token_id=509,
+                      eoi_token_id=510, image_token_id=511)
     processor().save_pretrained(out)
     g = np.random.default_rng(0)
     img = g.integers(0, 256, (480, 640, 3), dtype=np.uint8)

@@ -547,9 +547,7 @@ impl Gemma4Audio {
 
     /// The tower's output for one clip, `[soft_tokens, output_proj_dims]`.
     pub fn tower(&self, clip: &AudioFeatures) -> Result<Array> {
-        let mut e = self.begin(clip)?;
-        while self.advance(&mut e)? {}
-        Ok(self.output_proj.forward(&e.x)?.add(&self.output_bias)?)
+        self.projected(self.begin(clip)?)
     }
 
     /// Conformer layers: [`Gemma4Audio::advance`] runs one at a time.
@@ -597,11 +595,16 @@ impl Gemma4Audio {
     }
 
     /// The soft tokens of a finished encoding (its remaining layers run first).
-    pub fn finish(&self, mut e: AudioEncoding) -> Result<Array> {
-        while self.advance(&mut e)? {}
-        let x = self.output_proj.forward(&e.x)?.add(&self.output_bias)?;
+    pub fn finish(&self, e: AudioEncoding) -> Result<Array> {
+        let x = self.projected(e)?;
         let normed = norm(&x, None, self.cfg.rms_norm_eps)?;
         self.embed_proj.forward(&normed)
+    }
+
+    /// The tower's output of an encoding, its remaining layers run first.
+    fn projected(&self, mut e: AudioEncoding) -> Result<Array> {
+        while self.advance(&mut e)? {}
+        Ok(self.output_proj.forward(&e.x)?.add(&self.output_bias)?)
     }
 
     /// The activations an encoding holds, to evaluate between layers.

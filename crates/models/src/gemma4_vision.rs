@@ -359,9 +359,7 @@ impl Gemma4Vision {
     /// The soft tokens of one image, `[soft_tokens, text hidden]` in the compute dtype: the
     /// rows that replace the image's tokens in the text model's input.
     pub fn encode(&self, image: &ImagePatches) -> Result<Array> {
-        let mut e = self.begin(image)?;
-        while self.advance(&mut e)? {}
-        self.finish(e)
+        self.finish(self.begin(image)?)
     }
 
     /// The tower's output for one image, `[soft_tokens, vision hidden]`: patches encoded,
