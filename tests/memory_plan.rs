@@ -241,3 +241,39 @@ fn serve_places_models_within_its_memory_limit() {
     assert_eq!(s.runners().len(), 1);
     eprintln!("gem {gem} B, glm {glm} B ({glm_on_disk} on disk), limit {limit} B: one at a time");
 }
+
+/// A float model holds its weights once. On the CPU a tied head is kept transposed (the layout
+/// the head multiplies fastest) and that copy replaces the stored table: before, both were
+/// evaluated at load and kept, and float models held twice their weights. The fixture's table
+/// is widened to 32,768 rows (8 MiB, most of the checkpoint) so that a second copy shows.
+#[test]
+fn a_float_model_holds_its_weights_once() {
+    let dir = common::fixture_without_weights(MODEL);
+    let mut tensors = mlx::io::load_safetensors(fixture(MODEL).join("model.safetensors"))
+        .unwrap()
+        .arrays;
+    let vocab = 32768;
+    let table = mlx::random::normal(&[vocab, 64], mlx::Dtype::F32, 0.0, 0.02, None).unwrap();
+    tensors.insert("model.embed_tokens.weight".into(), table);
+    let named: Vec<(&str, &mlx::Array)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let file = dir.path().join("model.safetensors");
+    mlx::io::save_safetensors(&file, &named).unwrap();
+    let config = dir.path().join("config.json");
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    c["vocab_size"] = json!(vocab);
+    std::fs::write(&config, c.to_string()).unwrap();
+
+    let r = Runner::start_with(dir.path().as_os_str(), &[], &[]);
+    let held = status(&r)["Memory"].as_u64().unwrap();
+    let stored = std::fs::metadata(&file).unwrap().len();
+    // The weights moved into huge pages sit in one region rounded up to 2 MiB, plus 2 MiB to
+    // align it.
+    assert!(
+        held <= stored + (4 << 20),
+        "holds {held} bytes for a checkpoint of {stored}"
+    );
+    assert!(
+        held >= stored / 2,
+        "holds {held} bytes for a checkpoint of {stored}"
+    );
+}

@@ -144,6 +144,7 @@ pub mod ffi {
         fn ndim(a: &Arr) -> usize;
         fn size(a: &Arr) -> usize;
         fn nbytes(a: &Arr) -> usize;
+        fn id(a: &Arr) -> usize;
         fn eval(a: &Arr) -> Result<()>;
         fn eval_all(v: &ArrVec) -> Result<()>;
         fn async_eval_all(v: &ArrVec) -> Result<()>;

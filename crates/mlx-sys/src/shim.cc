@@ -264,6 +264,7 @@ uint8_t dtype(const Arr& a) {
 size_t ndim(const Arr& a) { return a.a.ndim(); }
 size_t size(const Arr& a) { return a.a.size(); }
 size_t nbytes(const Arr& a) { return a.a.nbytes(); }
+size_t id(const Arr& a) { return a.a.id(); }
 
 void eval(const Arr& a) {
   mx::eval({a.a});

@@ -79,6 +79,7 @@ uint8_t dtype(const Arr& a);
 size_t ndim(const Arr& a);
 size_t size(const Arr& a);
 size_t nbytes(const Arr& a);
+size_t id(const Arr& a);
 void eval(const Arr& a);
 void eval_all(const ArrVec& v);
 void async_eval_all(const ArrVec& v);

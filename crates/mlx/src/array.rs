@@ -115,6 +115,12 @@ impl Array {
         ffi::nbytes(self.arr())
     }
 
+    /// Which array this is: equal for every handle of one array (clones share it), different
+    /// for any other array, even one made from it.
+    pub fn id(&self) -> usize {
+        ffi::id(self.arr())
+    }
+
     /// Computes this array now.
     pub fn eval(&self) -> Result<()> {
         Ok(ffi::eval(self.arr())?)

@@ -544,10 +544,12 @@ impl Moe {
             // transformers' fused layout: rows 0..I are the gate, I..2I the up projection.
             let gu = ex.get("gate_up_proj", &[e, 2 * i, h])?;
             let parts = gu.split(2, 1)?;
-            (
+            let halves = (
                 Experts::dense(vb.weights(), parts[0].clone())?,
                 Experts::dense(vb.weights(), parts[1].clone())?,
-            )
+            );
+            vb.weights().withdraw(&gu);
+            halves
         } else {
             let sg = ex.pp("switch_glu");
             (

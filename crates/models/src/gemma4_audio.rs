@@ -177,11 +177,11 @@ struct SubsampleLayer {
 
 impl SubsampleLayer {
     fn load(vb: &Vb, cin: i32, cout: i32) -> Result<SubsampleLayer> {
-        let w = vb.pp("conv").get("weight", &[cout, cin, 3, 3])?;
-        let w = w.transpose(&[2, 3, 1, 0])?.reshape(&[9 * cin, cout])?;
+        let stored = vb.pp("conv").get("weight", &[cout, cin, 3, 3])?;
+        let w = stored.transpose(&[2, 3, 1, 0])?.reshape(&[9 * cin, cout])?;
         let centred = w.subtract(&w.mean(&[1], true)?)?.contiguous()?;
         Ok(SubsampleLayer {
-            weight: vb.weights().keep(centred),
+            weight: vb.weights().keep_instead(&stored, centred),
             norm: vb.pp("norm").get("weight", &[cout])?,
         })
     }
@@ -267,6 +267,7 @@ impl Attention {
             .flip(0)?
             .transpose(&[1, 2, 0])?
             .contiguous()?;
+        rel_proj.withdraw(vb.weights());
         Ok(Attention {
             q: ClippedLinear::load(&vb.pp("q_proj"), c, h, h)?,
             k: ClippedLinear::load(&vb.pp("k_proj"), c, h, h)?,
@@ -401,14 +402,13 @@ impl LightConv {
         let w = vb
             .pp("depthwise_conv1d")
             .get("weight", &[h, 1, cfg.conv_kernel_size])?;
+        let taps = w.squeeze_axes(&[1])?.transpose(&[1, 0])?.contiguous()?;
         Ok(LightConv {
             pre_norm: vb.pp("pre_layer_norm").get("weight", &[h])?,
             conv_norm: vb.pp("conv_norm").get("weight", &[h])?,
             start: ClippedLinear::load(&vb.pp("linear_start"), c, 2 * h, h)?,
             end: ClippedLinear::load(&vb.pp("linear_end"), c, h, h)?,
-            taps: vb
-                .weights()
-                .keep(w.squeeze_axes(&[1])?.transpose(&[1, 0])?.contiguous()?),
+            taps: vb.weights().keep_instead(&w, taps),
         })
     }
 

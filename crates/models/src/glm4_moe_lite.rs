@@ -434,7 +434,9 @@ fn experts(vb: &Vb, which: &str, e: i32, out: i32, inp: i32) -> Result<Experts> 
         } else {
             &parts[1]
         };
-        return Experts::dense(vb.weights(), part.clone());
+        let experts = Experts::dense(vb.weights(), part.clone());
+        vb.weights().withdraw(&gu);
+        return experts;
     }
     if ex.has(which) {
         return Experts::dense(vb.weights(), ex.get(which, &[e, out, inp])?);
@@ -447,7 +449,11 @@ fn experts(vb: &Vb, which: &str, e: i32, out: i32, inp: i32) -> Result<Experts> 
         .map(|i| ex.pp(i).pp(which).get("weight", &[out, inp]))
         .collect::<Result<_>>()?;
     let refs: Vec<&Array> = per.iter().collect();
-    Experts::dense(vb.weights(), mlx::stack(&refs, 0)?)
+    let experts = Experts::dense(vb.weights(), mlx::stack(&refs, 0)?);
+    for w in &per {
+        vb.weights().withdraw(w);
+    }
+    experts
 }
 
 impl Moe {

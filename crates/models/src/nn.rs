@@ -49,7 +49,7 @@ fn times_global(y: Array, global: &Array) -> Result<Array> {
 pub fn weight_layout(weights: &Weights, w: &Array) -> Result<Array> {
     let t = w.t()?;
     Ok(if mlx::default_device() == mlx::Device::Cpu {
-        weights.keep(t.contiguous()?)
+        weights.keep_instead(w, t.contiguous()?)
     } else {
         t
     })
@@ -60,6 +60,22 @@ impl Linear {
         Ok(Linear::Dense {
             wt: weight_layout(weights, &w)?,
         })
+    }
+
+    /// Withdraws this layer's tensors from those evaluated at load ([`Weights::withdraw`]):
+    /// for a layer used only to make other tensors at load.
+    pub(crate) fn withdraw(&self, weights: &Weights) {
+        let (q, global) = match self {
+            Linear::Dense { wt } => return weights.withdraw(wt),
+            Linear::Quantized(q) => (q, None),
+            Linear::Scaled { q, global } => (q, Some(global)),
+        };
+        for part in [Some(&q.weight), Some(&q.scales), q.biases.as_ref(), global]
+            .into_iter()
+            .flatten()
+        {
+            weights.withdraw(part);
+        }
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
@@ -165,7 +181,7 @@ pub enum Experts {
 
 impl Experts {
     pub fn dense(weights: &Weights, w: Array) -> Result<Experts> {
-        let wt = weights.keep(w.swapaxes(-1, -2)?.contiguous()?);
+        let wt = weights.keep_instead(&w, w.swapaxes(-1, -2)?.contiguous()?);
         Ok(Experts::Dense { wt })
     }
 

@@ -222,7 +222,11 @@ impl QuantConfig {
 /// All tensors of a checkpoint.
 pub struct Weights {
     dir: PathBuf,
-    tensors: HashMap<String, Array>,
+    /// The checkpoint's tensors until [`Weights::materialize`] lets them go (a tensor the model
+    /// holds stays alive through the model's handle; one it only transformed is then freed).
+    tensors: RefCell<HashMap<String, Array>>,
+    /// Every tensor's name, kept after the tensors are let go.
+    names: HashSet<String>,
     dtype: Dtype,
     quant: Option<QuantConfig>,
     used: RefCell<HashSet<String>>,
@@ -398,7 +402,8 @@ impl Weights {
         let quant = QuantConfig::with_modules(quant, per_module);
         Ok(Weights {
             dir: files.origin.clone(),
-            tensors,
+            names: tensors.keys().cloned().collect(),
+            tensors: RefCell::new(tensors),
             dtype,
             quant,
             used: RefCell::new(HashSet::new()),
@@ -414,7 +419,8 @@ impl Weights {
     ) -> Weights {
         Weights {
             dir: PathBuf::from("<memory>"),
-            tensors,
+            names: tensors.keys().cloned().collect(),
+            tensors: RefCell::new(tensors),
             dtype,
             quant,
             used: RefCell::new(HashSet::new()),
@@ -435,17 +441,21 @@ impl Weights {
 
     /// Whether any tensor name starts with `prefix`.
     pub fn has_prefix(&self, prefix: &str) -> bool {
-        self.tensors.keys().any(|k| k.starts_with(prefix))
+        self.names.iter().any(|k| k.starts_with(prefix))
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
+        self.names.contains(name)
     }
 
     /// Evaluates every tensor handed out (casts, stacks, transposes), so that forward passes
     /// start from materialised weights, and moves them into huge pages, where a decode step
-    /// streams them faster ([`mlx::memory::move_to_huge_pages`]).
+    /// streams them faster ([`mlx::memory::move_to_huge_pages`]). The checkpoint's own handles
+    /// are let go first: a tensor the model holds only in another form (a transposed copy) is
+    /// then freed as soon as that form is computed, and its memory serves the next ones, rather
+    /// than both forms staying resident (float models held twice their weights).
     pub fn materialize(&self) -> Result<()> {
+        self.tensors.borrow_mut().clear();
         let arrays = self.handed_out.borrow();
         for chunk in arrays.chunks(256) {
             let refs: Vec<&Array> = chunk.iter().collect();
@@ -459,8 +469,8 @@ impl Weights {
     pub fn unused(&self) -> Vec<String> {
         let used = self.used.borrow();
         let mut v: Vec<String> = self
-            .tensors
-            .keys()
+            .names
+            .iter()
             .filter(|k| !used.contains(*k))
             .cloned()
             .collect();
@@ -469,20 +479,39 @@ impl Weights {
     }
 
     fn raw(&self, name: &str) -> Result<Array> {
-        let a = self
-            .tensors
-            .get(name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                name: name.to_string(),
-                dir: self.dir.clone(),
-            })?;
+        let a =
+            self.tensors
+                .borrow()
+                .get(name)
+                .cloned()
+                .ok_or_else(|| ModelError::MissingTensor {
+                    name: name.to_string(),
+                    dir: self.dir.clone(),
+                })?;
         self.used.borrow_mut().insert(name.to_string());
-        Ok(a.clone())
+        Ok(a)
     }
 
     pub(crate) fn keep(&self, a: Array) -> Array {
         self.handed_out.borrow_mut().push(a.clone());
         a
+    }
+
+    /// [`Weights::keep`] for `a`, made from `source`, which the model holds only as `a` (a
+    /// transposed copy): `source` is [withdrawn](Weights::withdraw).
+    pub(crate) fn keep_instead(&self, source: &Array, a: Array) -> Array {
+        self.withdraw(source);
+        self.keep(a)
+    }
+
+    /// Withdraws one handing out of `source`, which the model holds only in forms made from it
+    /// (a transposed copy, a stack, the halves of a fused tensor), so that it is not evaluated
+    /// and kept beside them; any other handing out of it still stands.
+    pub(crate) fn withdraw(&self, source: &Array) {
+        let mut kept = self.handed_out.borrow_mut();
+        if let Some(i) = kept.iter().rposition(|k| k.id() == source.id()) {
+            kept.remove(i);
+        }
     }
 }
 
@@ -700,14 +729,24 @@ impl<'a> Vb<'a> {
 
     /// The weight `[..lead, rows, cols]` at this path as values in the compute dtype: a
     /// quantized one dequantized (times its global scale), for the few matrices a model
-    /// reshapes rather than multiplies as stored (MLA's `kv_b_proj`).
+    /// reshapes rather than multiplies as stored (MLA's `kv_b_proj`). Nothing of it stays
+    /// handed out: the model keeps the tensors it makes from the values.
     pub fn weight_values(&self, lead: &[i32], rows: i32, cols: i32) -> Result<Array> {
         if !self.is_quantized() {
             let mut shape = lead.to_vec();
             shape.extend([rows, cols]);
-            return self.get("weight", &shape);
+            let w = self.get("weight", &shape)?;
+            self.w.withdraw(&w);
+            return Ok(w);
         }
-        let values = self.quantized(lead, rows, cols)?.dequantize()?;
+        let q = self.quantized(lead, rows, cols)?;
+        for part in [Some(&q.weight), Some(&q.scales), q.biases.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            self.w.withdraw(part);
+        }
+        let values = q.dequantize()?;
         let per = if lead.is_empty() { rows } else { lead[0] };
         let values = match self.global_scale(per)? {
             // One value, one per row ([rows] → [rows, 1]) or one per leading entry.
