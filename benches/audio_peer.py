@@ -5,9 +5,10 @@ conformer layers, 8 heads, subsampling channels 128 and 32, output 1536) with ra
 tiny text model (the tower is what is measured), the feature extractor's config and a 30 s
 16-bit WAV at 16 kHz (DIR/clip.wav: the longest clip one prompt item may hold, 750 soft tokens).
 
-`time DIR RUNS`: transformers' float32 CPU time to extract the log-mel features and encode the
-clip (`Gemma4AudioFeatureExtractor` then `get_audio_features`), one line per run, in seconds
-(the first is a warm-up), then `peak BYTES`: how much resident memory the warm-up run grew.
+`time DIR RUNS [SECONDS]`: transformers' float32 CPU time to extract the log-mel features and
+encode the clip or its first SECONDS (`Gemma4AudioFeatureExtractor` then `get_audio_features`),
+a `warmup SECONDS` line, then one line per run in seconds, then `peak BYTES`: how much resident
+memory the warm-up run grew.
 
 Needs torch and transformers (tests/fixtures/requirements.txt: .venv-golden).
 """
@@ -50,7 +51,7 @@ def make(out):
         w.writeframes(pcm.tobytes())
 
 
-def timing(out, runs):
+def timing(out, runs, seconds):
     m = Gemma4ForConditionalGeneration.from_pretrained(out).eval()
     # Every weight read in before measuring (from_pretrained maps them lazily), as ours are.
     for p in m.parameters():
@@ -58,6 +59,7 @@ def timing(out, runs):
     fe = Gemma4AudioFeatureExtractor()
     with wave.open(os.path.join(out, "clip.wav"), "rb") as w:
         pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+    pcm = pcm[: int(seconds * 16000)]
     peak = 0
     for i in range(runs + 1):
         base = rss_reset() if i == 0 else 0
@@ -66,7 +68,8 @@ def timing(out, runs):
         b = fe([wav], return_tensors="pt")
         m.model.get_audio_features(b["input_features"], b["input_features_mask"],
                                    return_dict=True)
-        print(time.perf_counter() - t0, flush=True)
+        dt = time.perf_counter() - t0
+        print(f"warmup {dt}" if i == 0 else dt, flush=True)
         if i == 0:
             peak = rss_peak() - base
     print(f"peak {peak}", flush=True)
@@ -76,4 +79,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "make":
         make(sys.argv[2])
     else:
-        timing(sys.argv[2], int(sys.argv[3]))
+        seconds = float(sys.argv[4]) if len(sys.argv) > 4 else SECONDS
+        timing(sys.argv[2], int(sys.argv[3]), seconds)

@@ -1,13 +1,15 @@
 """What the tower benchmarks' Python peers share (benches/vision_peer.py, benches/audio_peer.py):
 a checkpoint of random weights around the tower measured, and this process's resident memory
-(Linux /proc)."""
-import torch
-from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig
+(Linux /proc). torch is imported only to write a checkpoint, so the mlx-vlm peer
+(benches/vlm_peer.py) shares the memory readings without it."""
 
 
 def save_random_model(out, **towers):
     """A gemma4 checkpoint in `out` with the given towers (`vision_config`, `audio_config` and
     their token ids) and a tiny text model (the tower is what is measured), random weights."""
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig
+
     text = Gemma4TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                             head_dim=32, global_head_dim=32, sliding_window=8,

@@ -6,8 +6,8 @@ with random weights, a tiny text model (the tower is what is measured), the imag
 config and a 640x480 test image (DIR/image.png).
 
 `time DIR RUNS`: transformers' float32 CPU time to preprocess and encode the image
-(`Gemma4ImageProcessorPil` then `get_image_features`), one line per run, in seconds (the
-first is a warm-up), then `peak BYTES`: how much resident memory the warm-up run grew.
+(`Gemma4ImageProcessorPil` then `get_image_features`), a `warmup SECONDS` line, then one line
+per run in seconds, then `peak BYTES`: how much resident memory the warm-up run grew.
 
 Needs torch, transformers and Pillow (tests/fixtures/requirements.txt: .venv-golden).
 """
@@ -57,7 +57,8 @@ def timing(out, runs):
         t0 = time.perf_counter()
         b = proc(images=[img], return_tensors="pt")
         m.model.get_image_features(b["pixel_values"], b["image_position_ids"], return_dict=True)
-        print(time.perf_counter() - t0, flush=True)
+        dt = time.perf_counter() - t0
+        print(f"warmup {dt}" if i == 0 else dt, flush=True)
         if i == 0:
             peak = rss_peak() - base
     print(f"peak {peak}", flush=True)

@@ -84,14 +84,13 @@ fn proc_status(key: &str) -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-/// `benches/<script> time DIR RUNS`: the peer's seconds per run after its warm-up line, and the
-/// growth of its resident memory during the warm-up run (its `peak` line), in bytes.
-pub fn tower_peer_times(python: &Path, script: &str, dir: &Path, runs: usize) -> (Vec<f64>, u64) {
+/// `python benches/<script> ARGS…`, a tower peer: its seconds per measured run (lines holding
+/// a number; a warm-up is printed as `warmup SECONDS` and left out), and the growth of its
+/// resident memory during its first run (its `peak BYTES` line).
+pub fn tower_peer_times(python: &Path, script: &str, args: &[String]) -> (Vec<f64>, u64) {
     let out = Command::new(python)
         .arg(root().join("benches").join(script))
-        .arg("time")
-        .arg(dir)
-        .arg(runs.to_string())
+        .args(args)
         .output()
         .unwrap();
     assert!(
@@ -104,12 +103,23 @@ pub fn tower_peer_times(python: &Path, script: &str, dir: &Path, runs: usize) ->
         .lines()
         .find_map(|l| l.strip_prefix("peak ")?.trim().parse().ok())
         .unwrap_or(0);
-    let times = text
-        .lines()
-        .skip(1)
-        .filter_map(|l| l.trim().parse().ok())
-        .collect();
+    let times = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
     (times, peak)
+}
+
+/// mlx-vlm, the tower benchmarks' MLX peer (benches/vlm_peer.py): the peer environment's Python
+/// when it has mlx-vlm (benches/peer-venv.sh), else `None` (said why).
+pub fn vlm_peer() -> Option<PathBuf> {
+    let python = peer_python()?;
+    let ok = Command::new(&python)
+        .args(["-c", "import mlx_vlm"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!("the peer environment has no mlx-vlm: run benches/peer-venv.sh");
+        return None;
+    }
+    Some(python)
 }
 
 /// A free port on loopback.

@@ -457,8 +457,11 @@ impl Generation {
             .map(|(i, _)| i)
     }
 
-    /// Encodes item `item` a layer at a time, evaluating each, until `budget` has passed (at
-    /// least one layer runs) or the item is done.
+    /// Encodes item `item` a layer at a time, evaluating each, within `budget` or until the
+    /// item is done. At least one layer runs; after it, a layer starts only if it would end
+    /// within the budget, taking as long as the longest before it (a tower's layers are alike),
+    /// so that a step beside other rows' decoding lasts about the budget, not the budget and a
+    /// layer more.
     pub(crate) fn encode_some(
         &mut self,
         towers: &models::media::Towers,
@@ -470,14 +473,17 @@ impl Generation {
             Some((i, e)) if i == item => e,
             _ => towers.begin(&self.params.media[item].input)?,
         };
+        let mut longest = std::time::Duration::ZERO;
         loop {
+            let layer = Instant::now();
             if !towers.advance(&mut e)? {
                 let embeds = towers.finish(e)?;
                 embeds.eval()?;
                 self.encoded[item] = Some(embeds);
                 return Ok(());
             }
-            if started.elapsed() >= budget {
+            longest = longest.max(layer.elapsed());
+            if started.elapsed() + longest > budget {
                 self.encoding = Some((item, e));
                 return Ok(());
             }
