@@ -11,8 +11,12 @@
 //! `SOAK_THROUGH=serve` soaks `mlx-runner serve` instead, over a temporary store holding the
 //! gemma4 and GLM fixtures: clients alternate models and APIs (ollama's `/api/chat`, OpenAI's
 //! `/v1/chat/completions`, both streamed), 30% of streams are cancelled, and it reports serve's
-//! and each runner's resident memory over time. It exits non-zero on a failed request, a dead
-//! runner, or serve's memory growing past its start plus a fixed margin.
+//! and each runner's resident memory over time. Serve runs with `--memory-limit` of
+//! `SOAK_MEMORY_LIMIT` bytes (512 MiB), so each runner's prefix cache gets a budget it fills
+//! within a few minutes. It exits non-zero on a failed request, a dead runner, serve's memory
+//! growing past its start plus a fixed margin, or a runner's past its resident memory after
+//! loading plus its prefix-cache budget plus a fixed margin (what a runner holds beyond its
+//! cache: MLX's buffers for live sequences, the allocator's slack).
 //!
 //! `SOAK_MODEL` (default: the gemma4 E2B-like fixture, drafting with its assistant),
 //! `SOAK_CTX` (256) and `SOAK_BUDGET` (prefix cache bytes, 64 MiB) shape the run. It exits
@@ -324,6 +328,17 @@ fn main() {
 }
 
 /// The runner children of `serve`, by the model each serves (`--model NAME`).
+/// The port a runner process was told to listen on.
+fn runner_port(pid: u32) -> Option<u16> {
+    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let args: Vec<String> = cmd
+        .split(|&b| b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let i = args.iter().position(|a| a == "--port")?;
+    args.get(i + 1)?.parse().ok()
+}
+
 fn runners_of(serve: u32) -> Vec<(String, u32)> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
@@ -444,6 +459,7 @@ fn soak_serve() {
     };
     let seconds = env("SOAK_SECONDS", 60);
     let clients = env("SOAK_CLIENTS", 16);
+    let memory_limit = env("SOAK_MEMORY_LIMIT", 512 << 20);
     let exe = env!("CARGO_BIN_EXE_mlx-runner");
     let root = common::root();
     let dir = tempfile::tempdir().unwrap();
@@ -477,6 +493,7 @@ fn soak_serve() {
             .env("MLX_RUNNER_MODELS", &models)
             .env("MLX_RUNNER_HOST", format!("127.0.0.1:{port}"))
             .env("MLX_RUNNER_KEEP_ALIVE", "-1")
+            .env("MLX_RUNNER_MEMORY_LIMIT", memory_limit.to_string())
             .env("OLLAMA_MODELS", "/nonexistent")
             .arg("serve")
             .stderr(std::process::Stdio::null())
@@ -498,9 +515,33 @@ fn soak_serve() {
     }
     let serve_start = rss_kib(pid).unwrap_or(0);
     println!(
-        "soak through serve: {clients} clients for {seconds} s over gem (with its assistant) and glm, both APIs, 30% cancelled (serve {} MiB at start)",
-        serve_start / 1024
+        "soak through serve: {clients} clients for {seconds} s over gem (with its assistant) and glm, both APIs, 30% cancelled (serve {} MiB at start, --memory-limit {} MiB)",
+        serve_start / 1024,
+        memory_limit >> 20
     );
+    // Each runner's resident memory after loading and its prefix-cache budget (its status).
+    let runners_start: Vec<(String, u64, u64)> = runners_of(pid)
+        .into_iter()
+        .map(|(name, p)| {
+            let status = runner_port(p)
+                .and_then(|port| {
+                    ureq::get(&format!("http://127.0.0.1:{port}/v1/status"))
+                        .call()
+                        .ok()?
+                        .into_string()
+                        .ok()
+                        .and_then(|b| serde_json::from_str::<Value>(&b).ok())
+                })
+                .unwrap_or(Value::Null);
+            let budget = status["CacheBudget"].as_u64().unwrap_or(0);
+            println!(
+                "  runner {name}: {} MiB resident after loading, prefix-cache budget {} MiB",
+                rss_kib(p).unwrap_or(0) / 1024,
+                budget >> 20
+            );
+            (name, rss_kib(p).unwrap_or(0), budget / 1024)
+        })
+        .collect();
     let tally = Arc::new(Mutex::new(Tally::default()));
     let stop = Arc::new(AtomicBool::new(false));
     // (seconds, serve, gem's runner, glm's runner), KiB.
@@ -597,6 +638,26 @@ fn soak_serve() {
     if runners_of(pid).len() != 2 {
         println!("a runner died: {:?}", runners_of(pid));
         failed = true;
+    }
+    // A runner holds its model, its prefix cache within the budget, and a bounded rest.
+    let runner_margin_kib = 256 * 1024;
+    for (name, start, budget) in &runners_start {
+        let col: fn(&(f64, u64, u64, u64)) -> u64 = if name.starts_with("gem") {
+            |s| s.2
+        } else {
+            |s| s.3
+        };
+        let bound = start + budget + runner_margin_kib;
+        if peak(col) > bound {
+            println!(
+                "runner {name}'s memory peaked at {:.1} MiB, past {:.1} after loading + {:.1} budget + {} MiB",
+                mib(peak(col)),
+                mib(*start),
+                mib(*budget),
+                runner_margin_kib / 1024
+            );
+            failed = true;
+        }
     }
     // Serve holds requests' buffers, not models: its memory stays near where it started.
     let margin_kib = 200 * 1024;
