@@ -192,27 +192,14 @@ fn serve_places_models_within_its_memory_limit() {
     );
     let (gem, glm) = (both[0].1, both[1].1);
     // Each runner was given its share: the first the whole limit, the second what the first
-    // left of it.
-    let shares: Vec<u64> = s
-        .runners()
-        .iter()
-        .map(|&pid| {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
-            let args: Vec<String> = cmdline
-                .split(|&b| b == 0)
-                .map(|a| String::from_utf8_lossy(a).into_owned())
-                .collect();
-            let at = args.iter().position(|a| a == "--memory-limit").unwrap();
-            args[at + 1].parse().unwrap()
-        })
-        .collect();
-    assert_eq!(shares.len(), 2);
-    assert!(shares.contains(&(1 << 30)), "{shares:?}");
+    // may grow to (its memory once loaded and its prefix-cache budget) leaves of it.
+    let (first, second) = (runner_of(&s, "gem"), runner_of(&s, "glm"));
+    assert_eq!(first.share, Some(1 << 30));
+    let budget = first.status["CacheBudget"].as_u64().unwrap();
+    let share = second.share.expect("the second runner has a share");
     assert!(
-        shares
-            .iter()
-            .any(|&b| b < 1 << 30 && b >= (1 << 30) - 2 * gem.max(glm)),
-        "{shares:?}"
+        share <= (1 << 30) - budget && share + budget + 2 * gem.max(glm) >= 1 << 30,
+        "share {share}, the first runner's budget {budget}"
     );
     let glm_on_disk = s.get("/api/tags")["models"]
         .as_array()
@@ -240,6 +227,67 @@ fn serve_places_models_within_its_memory_limit() {
     );
     assert_eq!(s.runners().len(), 1);
     eprintln!("gem {gem} B, glm {glm} B ({glm_on_disk} on disk), limit {limit} B: one at a time");
+}
+
+/// A runner serve started: its `--memory-limit` share, if it was given one, and its status.
+struct Started {
+    share: Option<u64>,
+    status: Value,
+}
+
+fn runner_of(s: &Serve, model: &str) -> Started {
+    for pid in s.runners() {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+        let args: Vec<String> = cmdline
+            .split(|&b| b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let value = |flag: &str| Some(args[args.iter().position(|a| a == flag)? + 1].clone());
+        if !value("--model").is_some_and(|m| m.starts_with(model)) {
+            continue;
+        }
+        let port = value("--port").unwrap();
+        let body = ureq::get(&format!("http://127.0.0.1:{port}/v1/status"))
+            .call()
+            .unwrap()
+            .into_string()
+            .unwrap();
+        return Started {
+            share: value("--memory-limit").map(|v| v.parse().unwrap()),
+            status: serde_json::from_str(&body).unwrap(),
+        };
+    }
+    panic!("no runner for {model}");
+}
+
+/// Without `--memory-limit` serve still counts what a loaded runner may grow to: the next
+/// runner is started with a share, the machine's available memory less the first's prefix-cache
+/// budget it has not filled, so that the two caches are not both planned on the same memory
+/// (each runner planned a quarter of what the machine had, and several filling their caches
+/// overcommitted it).
+#[test]
+fn without_a_limit_serve_counts_what_loaded_runners_may_grow_to() {
+    let s = Serve::start(&[]);
+    generate(&s, "gem");
+    generate(&s, "glm");
+    let (first, second) = (runner_of(&s, "gem"), runner_of(&s, "glm"));
+    assert_eq!(
+        first.share, None,
+        "the first runner plans against the machine"
+    );
+    let share = second.share.expect("the second runner has a share");
+    let available = first.status["MemoryAvailable"].as_u64().unwrap();
+    let budget = first.status["CacheBudget"].as_u64().unwrap();
+    // The machine's available memory moves with other tests' processes: within a GiB.
+    assert!(
+        share + budget <= available + (1 << 30),
+        "share {share}, the first runner's budget {budget} of {available} available"
+    );
+    assert!(
+        second.status["CacheBudget"].as_u64().unwrap() < share,
+        "{}",
+        second.status
+    );
 }
 
 /// A float model holds its weights once. On the CPU a tied head is kept transposed (the layout

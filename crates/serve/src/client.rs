@@ -130,6 +130,9 @@ pub struct Status {
     pub context_length: u64,
     #[serde(rename = "Memory")]
     pub memory: u64,
+    /// Ours: what the runner's prefix cache may grow to hold.
+    #[serde(rename = "CacheBudget")]
+    pub cache_budget: u64,
     /// Ours: the runner's process id.
     #[serde(rename = "Pid")]
     pub pid: Option<u32>,

@@ -72,6 +72,10 @@ pub struct Runner {
     pub port: u16,
     pub context_length: AtomicU64,
     pub memory: AtomicU64,
+    /// What it may grow to: its memory once loaded plus its prefix cache's budget. A runner
+    /// reports what it uses now; its cache fills its budget later, so placing the next model
+    /// by use alone would overcommit once the caches fill.
+    committed: AtomicU64,
     pub loaded_at: SystemTime,
     pid: u32,
     active: AtomicUsize,
@@ -470,21 +474,24 @@ impl Scheduler {
         *n = (*n).max(memory);
     }
 
-    /// The memory free for one more runner beside `others`: within `--memory-limit`, what
-    /// the others (asked now) leave of it; else what the machine has available.
+    /// The memory free for one more runner beside `others`, each counted at the most it may
+    /// hold (what it uses now, asked now, or what it is committed to: its memory once loaded
+    /// plus its prefix-cache budget): within `--memory-limit`, what they leave of it; else what
+    /// the machine has available less what they may still grow by.
     async fn room(&self, others: &[Arc<Runner>]) -> Option<u64> {
-        match self.cfg.memory_limit {
-            Some(limit) => {
-                let mut used = 0u64;
-                for r in others {
-                    if let Ok((200, st)) = client::status(&self.client, r.port).await {
-                        self.noted(r, st.memory);
-                    }
-                    used = used.saturating_add(r.memory.load(Ordering::SeqCst));
-                }
-                Some(limit.saturating_sub(used))
+        let (mut most, mut growth) = (0u64, 0u64);
+        for r in others {
+            if let Ok((200, st)) = client::status(&self.client, r.port).await {
+                self.noted(r, st.memory);
             }
-            None => base::machine::machine_available().map(|b| b as u64),
+            let now = r.memory.load(Ordering::SeqCst);
+            let committed = r.committed.load(Ordering::SeqCst);
+            most = most.saturating_add(now.max(committed));
+            growth = growth.saturating_add(committed.saturating_sub(now));
+        }
+        match self.cfg.memory_limit {
+            Some(limit) => Some(limit.saturating_sub(most)),
+            None => base::machine::machine_available().map(|b| (b as u64).saturating_sub(growth)),
         }
     }
 
@@ -492,8 +499,10 @@ impl Scheduler {
     /// (what `target` is expected to take against [`Scheduler::room`]): the least recently
     /// used idle one first; when all are busy, waits for one to become idle (up to the load
     /// timeout). A model that does not fit even alone is still started, and its runner's own
-    /// plan decides (it refuses a context it cannot hold). Returns the new runner's share
-    /// under `--memory-limit`: what the runners left loaded leave of it.
+    /// plan decides (it refuses a context it cannot hold). Returns the new runner's share when
+    /// others stay loaded or there is a `--memory-limit`: what they leave
+    /// ([`Scheduler::room`]), so that its plan (context, prefix-cache budget) does not count on
+    /// memory they may still fill.
     async fn make_room(&self, target: &Target) -> Result<Option<u64>, LoadError> {
         let deadline = Instant::now() + self.cfg.load_timeout;
         let need = self.need(target);
@@ -513,7 +522,7 @@ impl Scheduler {
             };
             let short = !others.is_empty() && room.is_some_and(|r| need > r);
             if !crowded && !short {
-                return Ok(self.cfg.memory_limit.and(room));
+                return Ok(room);
             }
             let mut idle: Vec<_> = others
                 .iter()
@@ -592,7 +601,7 @@ impl Scheduler {
         self.changed.notify_waiters();
     }
 
-    /// Starts a runner for `target`, with `--memory-limit share` when there is one.
+    /// Starts a runner for `target`, with `--memory-limit share` when it has one.
     async fn spawn(&self, target: &Target, share: Option<u64>) -> Result<Arc<Runner>, LoadError> {
         let started = Instant::now();
         let port = free_port().map_err(|e| LoadError::Failed(format!("no free port: {e}")))?;
@@ -653,6 +662,7 @@ impl Scheduler {
             port,
             context_length: AtomicU64::new(0),
             memory: AtomicU64::new(0),
+            committed: AtomicU64::new(0),
             loaded_at: SystemTime::now(),
             pid,
             active: AtomicUsize::new(0),
@@ -689,6 +699,9 @@ impl Scheduler {
                         .context_length
                         .store(s.context_length, Ordering::SeqCst);
                     self.noted(&runner, s.memory);
+                    runner
+                        .committed
+                        .store(s.memory.saturating_add(s.cache_budget), Ordering::SeqCst);
                     tracing::info!(
                         model = %target.name,
                         port,
