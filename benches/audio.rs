@@ -10,8 +10,7 @@
 
 mod common;
 
-use common::{median, rss_peak, rss_reset, tower_peer, tower_peer_times, vlm_peer};
-use std::time::Instant;
+use common::{print_tower_peer, tower_peer, tower_peer_times, tower_runs, vlm_peer};
 
 const RUNS: usize = 3;
 const VLM_RUNS: usize = 2;
@@ -32,28 +31,15 @@ fn main() {
     let d = dir.display().to_string();
     for seconds in [10, 30] {
         let bytes = wav_prefix(&wav, seconds);
-        let mut ours = Vec::new();
-        let mut features_s = Vec::new();
-        let (mut tokens, mut frames) = (0, 0);
-        let mut grew = 0;
-        for i in 0..=RUNS {
-            // The first (cold) run's growth of resident memory: what an encode takes.
-            let base = rss_reset();
-            let t0 = Instant::now();
-            let (features, _) = models::gemma4_audio_features::prepare_audio(&bytes, &fx).unwrap();
-            let t1 = Instant::now();
-            frames = features.frames;
-            let soft = tower.encode(&features).unwrap();
-            soft.eval().unwrap();
-            tokens = soft.dim(0).unwrap();
-            if i == 0 {
-                grew = rss_peak().saturating_sub(base);
-            }
-            if i > 0 {
-                ours.push(t0.elapsed().as_secs_f64());
-                features_s.push((t1 - t0).as_secs_f64());
-            }
-        }
+        let ours = tower_runs(
+            RUNS,
+            || {
+                models::gemma4_audio_features::prepare_audio(&bytes, &fx)
+                    .unwrap()
+                    .0
+            },
+            |features| tower.encode(features).unwrap(),
+        );
         let args = |runs: usize| vec![d.clone(), runs.to_string(), seconds.to_string()];
         let hf = tower_peer_times(
             &python,
@@ -67,24 +53,17 @@ fn main() {
                 &[&["audio".into()], &args(VLM_RUNS)[..]].concat(),
             )
         });
-        let (a, f) = (median(ours), median(features_s));
         println!(
-            "gemma4 audio tower, E2B shape, {seconds} s clip -> {frames} frames, {tokens} soft tokens"
+            "gemma4 audio tower, E2B shape, {seconds} s clip -> {} frames, {} soft tokens",
+            ours.prepared.frames, ours.tokens
         );
-        println!("  ours (MLX CPU, float32):   {a:.3} s (decode + log-mel {f:.3} s)");
-        let peer = |name: &str, (times, peak): (Vec<f64>, u64)| {
-            let b = median(times);
-            println!(
-                "  {name:<25} {b:.3} s: ours takes {:.3}x its time; resident memory grown by the \
-                 first encode {:.0} MB (ours {:.0} MB)",
-                a / b,
-                peak as f64 / 1e6,
-                grew as f64 / 1e6
-            );
-        };
-        peer("transformers (torch CPU):", hf);
+        println!(
+            "  ours (MLX CPU, float32):   {:.3} s (decode + log-mel {:.3} s)",
+            ours.total, ours.prepare
+        );
+        print_tower_peer("transformers (torch CPU):", &ours, hf);
         if let Some(m) = mlx_vlm {
-            peer("mlx-vlm (pip MLX CPU):", m);
+            print_tower_peer("mlx-vlm (pip MLX CPU):", &ours, m);
         }
     }
 }

@@ -107,6 +107,63 @@ pub fn tower_peer_times(python: &Path, script: &str, args: &[String]) -> (Vec<f6
     (times, peak)
 }
 
+/// Our side of a tower benchmark, medians over the measured runs: the whole (prepare and
+/// encode, evaluated), the preparing alone (decoding and preprocessing), the growth of resident
+/// memory in the first (cold, unmeasured) run, the last prepared input and the soft tokens made.
+pub struct TowerRuns<P> {
+    pub total: f64,
+    pub prepare: f64,
+    pub grew: u64,
+    pub prepared: P,
+    pub tokens: i32,
+}
+
+pub fn tower_runs<P>(
+    runs: usize,
+    prepare: impl Fn() -> P,
+    encode: impl Fn(&P) -> mlx::Array,
+) -> TowerRuns<P> {
+    let (mut total, mut prepared_s) = (Vec::new(), Vec::new());
+    let mut grew = 0;
+    let mut last = None;
+    for i in 0..=runs {
+        let base = rss_reset();
+        let t0 = std::time::Instant::now();
+        let prepared = prepare();
+        let t1 = std::time::Instant::now();
+        let soft = encode(&prepared);
+        soft.eval().unwrap();
+        if i == 0 {
+            grew = rss_peak().saturating_sub(base);
+        } else {
+            total.push(t0.elapsed().as_secs_f64());
+            prepared_s.push((t1 - t0).as_secs_f64());
+        }
+        last = Some((prepared, soft.dim(0).unwrap()));
+    }
+    let (prepared, tokens) = last.unwrap();
+    TowerRuns {
+        total: median(total),
+        prepare: median(prepared_s),
+        grew,
+        prepared,
+        tokens,
+    }
+}
+
+/// One peer's line in a tower benchmark: its median time against ours and the resident memory
+/// its first encode grew.
+pub fn print_tower_peer<P>(name: &str, ours: &TowerRuns<P>, (times, peak): (Vec<f64>, u64)) {
+    let theirs = median(times);
+    println!(
+        "  {name:<25} {theirs:.3} s: ours takes {:.3}x its time; resident memory grown by the \
+         first encode {:.0} MB (ours {:.0} MB)",
+        ours.total / theirs,
+        peak as f64 / 1e6,
+        ours.grew as f64 / 1e6
+    );
+}
+
 /// mlx-vlm, the tower benchmarks' MLX peer (benches/vlm_peer.py): the peer environment's Python
 /// when it has mlx-vlm (benches/peer-venv.sh), else `None` (said why).
 pub fn vlm_peer() -> Option<PathBuf> {
