@@ -65,16 +65,13 @@ impl Linear {
     /// Withdraws this layer's tensors from those evaluated at load ([`Weights::withdraw`]):
     /// for a layer used only to make other tensors at load.
     pub(crate) fn withdraw(&self, weights: &Weights) {
-        let (q, global) = match self {
-            Linear::Dense { wt } => return weights.withdraw(wt),
-            Linear::Quantized(q) => (q, None),
-            Linear::Scaled { q, global } => (q, Some(global)),
-        };
-        for part in [Some(&q.weight), Some(&q.scales), q.biases.as_ref(), global]
-            .into_iter()
-            .flatten()
-        {
-            weights.withdraw(part);
+        match self {
+            Linear::Dense { wt } => weights.withdraw(wt),
+            Linear::Quantized(q) => weights.withdraw_quantized(q),
+            Linear::Scaled { q, global } => {
+                weights.withdraw_quantized(q);
+                weights.withdraw(global);
+            }
         }
     }
 

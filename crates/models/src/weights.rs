@@ -513,6 +513,16 @@ impl Weights {
             kept.remove(i);
         }
     }
+
+    /// [`Weights::withdraw`] for each part of a quantized matrix.
+    pub(crate) fn withdraw_quantized(&self, q: &mlx::Quantized) {
+        for part in [Some(&q.weight), Some(&q.scales), q.biases.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            self.withdraw(part);
+        }
+    }
 }
 
 /// A view of [`Weights`] under a path prefix (`model.layers.3.self_attn`).
@@ -740,12 +750,7 @@ impl<'a> Vb<'a> {
             return Ok(w);
         }
         let q = self.quantized(lead, rows, cols)?;
-        for part in [Some(&q.weight), Some(&q.scales), q.biases.as_ref()]
-            .into_iter()
-            .flatten()
-        {
-            self.w.withdraw(part);
-        }
+        self.w.withdraw_quantized(&q);
         let values = q.dequantize()?;
         let per = if lead.is_empty() { rows } else { lead[0] };
         let values = match self.global_scale(per)? {
