@@ -729,13 +729,7 @@ fn greedy_with_logprobs(r: &Runner) -> (String, Vec<f64>) {
         "Options": {"num_predict": 16},
         "Logprobs": true,
     }));
-    let lps = lines
-        .iter()
-        .filter_map(|l| l["Logprobs"].as_array())
-        .flatten()
-        .map(|e| e["logprob"].as_f64().unwrap())
-        .collect();
-    (text_of(&lines), lps)
+    outcome(&lines)
 }
 
 /// int4 and int8 models as ollama's importer writes them (mixed precision: an int4 model holds

@@ -3,6 +3,9 @@
 //! float32 logits within 1e-4 and the same argmax at every position, for the full sequence,
 //! for prefill + one-token decode past the sliding window, and for chunked prefill.
 
+mod common;
+
+use common::argmax_rows;
 use mlx::{Array, Dtype, Ix};
 use models::{load, CausalLm, DtypeChoice, LayerCache, LoadedModel};
 use std::collections::HashMap;
@@ -41,18 +44,6 @@ fn run(m: &dyn CausalLm, ids: &[i32], pieces: &[usize]) -> Vec<f32> {
     }
     assert_eq!(at, ids.len());
     out
-}
-
-fn argmax_rows(v: &[f32], vocab: usize) -> Vec<usize> {
-    v.chunks(vocab)
-        .map(|r| {
-            r.iter()
-                .enumerate()
-                .max_by(|a, b| a.1.total_cmp(b.1))
-                .unwrap()
-                .0
-        })
-        .collect()
 }
 
 fn compare(what: &str, got: &[f32], want: &[f32], vocab: usize, tol: f32) {
