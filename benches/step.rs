@@ -35,15 +35,19 @@ enum Mat {
     Heads(mlx::Quantized),
 }
 
+/// The input width of a packed matrix: its rows are bit streams of `bits`-bit values, so 3-,
+/// 5- and 6-bit rows hold a fraction of a value per word (K·bits/32 words).
+fn in_width(q: &mlx::Quantized) -> i32 {
+    q.weight.shape()[q.weight.ndim() - 1] * 32 / q.bits
+}
+
 impl Mat {
     fn input(&self) -> Array {
         let normal =
             |shape: &[i32]| mlx::random::normal(shape, mlx::Dtype::F32, 0.0, 1.0, None).unwrap();
         match self {
-            Mat::Quantized(q) | Mat::Experts(q, _) => {
-                normal(&[1, q.weight.shape()[q.weight.ndim() - 1] * (32 / q.bits)])
-            }
-            Mat::Heads(q) => normal(&[q.weight.shape()[0], 1, q.weight.shape()[2] * (32 / q.bits)]),
+            Mat::Quantized(q) | Mat::Experts(q, _) => normal(&[1, in_width(q)]),
+            Mat::Heads(q) => normal(&[q.weight.shape()[0], 1, in_width(q)]),
             Mat::Dense(wt) => normal(&[1, wt.shape()[0]]),
         }
     }

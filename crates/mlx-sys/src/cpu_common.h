@@ -195,6 +195,15 @@ inline bool has_avx512bw() {
   return yes;
 }
 
+// AVX-512's integer dot products (VNNI: vpdpbusd) and byte permutes (VBMI: vpermb,
+// vpmultishiftqb), where has_avx512bw(); MLXR_NO_VNNI set in the environment turns them off
+// (the float word-lane kernels then take those widths, as on CPUs without them).
+inline bool has_vnni() {
+  static const bool yes = has_avx512bw() && __builtin_cpu_supports("avx512vnni") &&
+                          __builtin_cpu_supports("avx512vbmi") && std::getenv("MLXR_NO_VNNI") == nullptr;
+  return yes;
+}
+
 __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
   lo = _mm_add_ps(lo, hi);

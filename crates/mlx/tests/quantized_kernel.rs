@@ -1275,3 +1275,110 @@ fn every_microscaling_code_decodes_as_mlx_does() {
         );
     }
 }
+
+/// The integer kernel (2, 3, 5 and 6 bits with VNNI) writes each block of 64 activations as
+/// integers under the block's largest magnitude: activations far apart in size within a block
+/// (an outlier channel), blocks far apart in size, zeros, huge and tiny values stay within
+/// float32's own error of MLX's product, and a NaN comes out as MLX's does.
+#[test]
+fn the_integer_kernel_keeps_float_accuracy_on_uneven_activations() {
+    let _one = serial();
+    mlx::set_quantized_kernel(true);
+    let mut case = 900u64;
+    for bits in [2, 3, 5, 6] {
+        for group in [32, 64, 128] {
+            for k in [320, 768] {
+                if k % group != 0 {
+                    continue;
+                }
+                let n = 24usize;
+                let base = normal(&[4, k], 1.0, case).to_vec::<f32>().unwrap();
+                let w = normal(&[n as i32, k], 0.05, case + 1);
+                case += 2;
+                let ku = k as usize;
+                let mut x = base.clone();
+                for (i, v) in x.iter_mut().enumerate() {
+                    let (row, col) = (i / ku, i % ku);
+                    *v = match row {
+                        // One outlier channel a block, at a different place in each.
+                        0 if col % 64 == (col / 64 * 7) % 64 => *v * 3e4,
+                        0 => *v,
+                        // Blocks of 1e-30 between blocks of 1.
+                        1 if (col / 64) % 2 == 1 => *v * 1e-30,
+                        1 => *v,
+                        2 => 0.0,
+                        _ => *v * 1e20,
+                    };
+                }
+                let x = Array::from_slice(&x, &[4, k]).unwrap();
+                let q = w.quantize(group, bits).unwrap();
+                let ours = x
+                    .quantized_matmul(&q, true)
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap();
+                mlx::set_quantized_kernel(false);
+                let theirs = x
+                    .quantized_matmul(&q, true)
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap();
+                // Σ |x_k| · (|s| q_k + |b|): the scale float32's own rounding works at in a
+                // product formed as s · Σ x·q + b · Σ x, as every kernel here forms it.
+                let magnitudes = mlx::Quantized {
+                    scales: q.scales.abs().unwrap(),
+                    biases: Some(b(&q).abs().unwrap()),
+                    ..q.clone()
+                };
+                let bound = x
+                    .abs()
+                    .unwrap()
+                    .matmul(&magnitudes.dequantize().unwrap().t().unwrap())
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap();
+                mlx::set_quantized_kernel(true);
+                for (i, ((a, b), s)) in ours.iter().zip(&theirs).zip(&bound).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * s,
+                        "bits {bits} group {group} K {k}, row {} col {}: ours {a} MLX {b} (Σ|x|·(|s|q+|b|) {s})",
+                        i / n,
+                        i % n
+                    );
+                }
+                assert!(
+                    ours[2 * n..3 * n].iter().all(|&v| v == 0.0),
+                    "a zero row is zero"
+                );
+
+                // A NaN in x: the rows take the float kernel and the NaN reaches the outputs, as
+                // in MLX's product. (An infinity becomes NaN in every kernel here, as the product
+                // is formed as scale · Σ x·q + bias · Σ x, where MLX gives ±inf.)
+                for bad in [f32::NAN] {
+                    let mut y = base.clone();
+                    y[ku + 5] = bad;
+                    let y = Array::from_slice(&y, &[4, k]).unwrap();
+                    let ours = y
+                        .quantized_matmul(&q, true)
+                        .unwrap()
+                        .to_vec::<f32>()
+                        .unwrap();
+                    mlx::set_quantized_kernel(false);
+                    let theirs = y
+                        .quantized_matmul(&q, true)
+                        .unwrap()
+                        .to_vec::<f32>()
+                        .unwrap();
+                    mlx::set_quantized_kernel(true);
+                    for (a, b) in ours.iter().zip(&theirs) {
+                        assert!(
+                            (a.is_nan() && b.is_nan())
+                                || (a - b).abs() <= 2e-5 * b.abs().max(1.0) * (k as f32).sqrt(),
+                            "bits {bits} group {group} K {k} with {bad} in x: ours {a} MLX {b}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
