@@ -13,8 +13,8 @@
 //! Then, in-process, where a batched decode step goes at 1, 2, 4 and 8 rows (each row 64
 //! tokens into its sequence): the whole step (packed forward, head, greedy pick, evaluation),
 //! the part of it spent building the graph on the host, and the floor set by the model's
-//! matrix products alone (every 2-D weight, the tied head included, times a `[B, in]` input,
-//! evaluated together). The rest is attention, norms, elementwise work and per-row overhead.
+//! matrix products alone (every 2-D weight, the tied head included, as `Wᵀ` the way the model
+//! holds it, times a `[B, in]` input, evaluated together). The rest is attention, norms, elementwise work and per-row overhead.
 //!
 //! Last, batched decoding with and without a drafter (the constructed pair of
 //! benches/speculative.rs). `BATCH_ONLY_BREAKDOWN` / `BATCH_ONLY_DRAFTING` run one part alone.
@@ -109,8 +109,8 @@ fn step_costs(m: &models::LoadedModel, weights: &[mlx::Array], b: usize) -> (f64
         let outs: Vec<mlx::Array> = weights
             .iter()
             .map(|w| {
-                let inp = x.broadcast_to(&[b as i32, w.shape()[1]]).unwrap();
-                inp.matmul(&w.transpose(&[1, 0]).unwrap()).unwrap()
+                let inp = x.broadcast_to(&[b as i32, w.shape()[0]]).unwrap();
+                inp.matmul(w).unwrap()
             })
             .collect();
         mlx::eval(&outs.iter().collect::<Vec<_>>()).unwrap();
@@ -133,13 +133,26 @@ fn breakdown(model_dir: &Path) {
         .arrays
         .into_values()
         .filter(|a| a.ndim() == 2 && a.dtype().is_float())
-        .map(|a| a.astype(m.dtype).unwrap())
+        // `Wᵀ` as the model holds it on the CPU (models::nn::weight_layout), so the floor is
+        // the same products through the same kernel.
+        .map(|a| {
+            a.astype(m.dtype)
+                .unwrap()
+                .t()
+                .unwrap()
+                .contiguous()
+                .unwrap()
+        })
         .collect();
     mlx::eval(&weights.iter().collect::<Vec<_>>()).unwrap();
     println!("\nWhere a batched decode step goes (in-process, medians of 10 steps)\n");
     println!("| rows | step ms | per row ms | graph build ms | matmul floor ms | step / floor |");
     println!("|---|---|---|---|---|---|");
-    for b in [1, 2, 4, 8] {
+    let counts: Vec<usize> = std::env::var("BATCH_BREAKDOWN_ROWS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|c| c.trim().parse().ok()).collect())
+        .unwrap_or(vec![1, 2, 4, 8]);
+    for b in counts {
         let (step, build, floor) = step_costs(&m, &weights, b);
         println!(
             "| {b} | {step:.1} | {:.1} | {build:.1} | {floor:.1} | {:.2} |",

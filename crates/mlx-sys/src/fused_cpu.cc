@@ -1250,16 +1250,17 @@ template <int R, int G>
 __attribute__((target("avx512f"))) inline void gemv_pass512(
     const float* x, int K, const float* w, int N, float* y, int n0, int n1, int k0) {
   const float* wk = w + (size_t)k0 * N;
-  __m512 b[R][G];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < G; ++j) b[r][j] = _mm512_set1_ps(x[(size_t)r * K + k0 + j]);
   for (int n = n0; n < n1; n += 16) {
     __m512 v[G];
+    #pragma GCC unroll 16
     for (int j = 0; j < G; ++j) v[j] = _mm512_loadu_ps(wk + (size_t)j * N + n);
+    #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       float* yr = y + (size_t)r * N + n;
+      const float* xr = x + (size_t)r * K + k0;
       __m512 acc = _mm512_loadu_ps(yr);
-      for (int j = 0; j < G; ++j) acc = _mm512_fmadd_ps(b[r][j], v[j], acc);
+      #pragma GCC unroll 16
+      for (int j = 0; j < G; ++j) acc = _mm512_fmadd_ps(_mm512_set1_ps(xr[j]), v[j], acc);
       _mm512_storeu_ps(yr, acc);
     }
   }
@@ -1268,7 +1269,12 @@ __attribute__((target("avx512f"))) inline void gemv_pass512(
 // gemv_rows_avx with 16 lanes: every output is the same chain of FMAs over k in order, so the
 // same bits; W's rows stream 12 at a time, which keeps the outputs' loads
 // and stores few (the bench model through the runner, interleaved A/B: 4 clients 1.11x and 8
-// clients 1.22x the aggregate tokens/s of four at a time, one client alike).
+// clients 1.22x the aggregate tokens/s of four at a time, one client alike). The pass is
+// unrolled whole (12 rows of W in registers, each x value broadcast into its FMA): left as
+// loops, GCC kept W's vectors and the broadcasts on the stack, and a decode step of the float32
+// bench model took 32.7 ms at 4 rows and 48.8 at 8, now 28.0 and 38.5 (1 row 20.5; in-process,
+// medians of 5 interleaved runs, `BATCH_ONLY_BREAKDOWN=1 cargo bench --bench batch`); one and two
+// rows take it too (2 rows 24.2 -> 22.6 ms).
 template <int R>
 __attribute__((target("avx512f"))) void gemv_rows_avx512(
     const float* x, int K, const float* w, int N, float* y, int n0, int n1) {
@@ -1296,11 +1302,10 @@ void gemv_rows_scalar(const float* x, int M, int K, const float* w, int N, float
 
 void gemv_rows(const float* x, int M, int K, const float* w, int N, float* y, int n0, int n1) {
   if (!has_avx2()) return gemv_rows_scalar(x, M, K, w, N, y, n0, n1);
-  // Rows in groups of up to eight share each pass over W's columns [n0, n1): for three rows
-  // or more, whole 16-column vectors with AVX-512 where the CPU has it (one or two rows decode
-  // ~10% slower that way on the bench model: AVX2 keeps them), the rest with AVX2. The two give
-  // every column the same FMA chain, so a row's result does not depend on the rows beside it.
-  if (has_avx512() && M >= 3) {
+  // Rows in groups of up to eight share each pass over W's columns [n0, n1): whole 16-column
+  // vectors with AVX-512 where the CPU has it, the rest with AVX2. The two give every column
+  // the same FMA chain, so a row's result does not depend on the rows beside it.
+  if (has_avx512()) {
     const int n16 = n0 + (n1 - n0) / 16 * 16;
     for (int m = 0; m < M;) {
       const int r = std::min(8, M - m);
