@@ -1312,19 +1312,11 @@ fn the_integer_kernel_keeps_float_accuracy_on_uneven_activations() {
                 }
                 let x = Array::from_slice(&x, &[4, k]).unwrap();
                 let q = w.quantize(group, bits).unwrap();
-                let ours = x
-                    .quantized_matmul(&q, true)
-                    .unwrap()
-                    .to_vec::<f32>()
-                    .unwrap();
-                mlx::set_quantized_kernel(false);
-                let theirs = x
-                    .quantized_matmul(&q, true)
-                    .unwrap()
-                    .to_vec::<f32>()
-                    .unwrap();
+                let (ours, theirs) = ours_and_mlx(&x, &q);
                 // Σ |x_k| · (|s| q_k + |b|): the scale float32's own rounding works at in a
-                // product formed as s · Σ x·q + b · Σ x, as every kernel here forms it.
+                // product formed as s · Σ x·q + b · Σ x, as every kernel here forms it (MLX's
+                // own dequantization and product).
+                mlx::set_quantized_kernel(false);
                 let magnitudes = mlx::Quantized {
                     scales: q.scales.abs().unwrap(),
                     biases: Some(b(&q).abs().unwrap()),
@@ -1354,31 +1346,33 @@ fn the_integer_kernel_keeps_float_accuracy_on_uneven_activations() {
                 // A NaN in x: the rows take the float kernel and the NaN reaches the outputs, as
                 // in MLX's product. (An infinity becomes NaN in every kernel here, as the product
                 // is formed as scale · Σ x·q + bias · Σ x, where MLX gives ±inf.)
-                for bad in [f32::NAN] {
-                    let mut y = base.clone();
-                    y[ku + 5] = bad;
-                    let y = Array::from_slice(&y, &[4, k]).unwrap();
-                    let ours = y
-                        .quantized_matmul(&q, true)
-                        .unwrap()
-                        .to_vec::<f32>()
-                        .unwrap();
-                    mlx::set_quantized_kernel(false);
-                    let theirs = y
-                        .quantized_matmul(&q, true)
-                        .unwrap()
-                        .to_vec::<f32>()
-                        .unwrap();
-                    mlx::set_quantized_kernel(true);
-                    for (a, b) in ours.iter().zip(&theirs) {
-                        assert!(
-                            (a.is_nan() && b.is_nan())
-                                || (a - b).abs() <= 2e-5 * b.abs().max(1.0) * (k as f32).sqrt(),
-                            "bits {bits} group {group} K {k} with {bad} in x: ours {a} MLX {b}"
-                        );
-                    }
+                let mut y = base.clone();
+                y[ku + 5] = f32::NAN;
+                let (ours, theirs) = ours_and_mlx(&Array::from_slice(&y, &[4, k]).unwrap(), &q);
+                for (a, b) in ours.iter().zip(&theirs) {
+                    assert!(
+                        (a.is_nan() && b.is_nan())
+                            || (a - b).abs() <= 2e-5 * b.abs().max(1.0) * (k as f32).sqrt(),
+                        "bits {bits} group {group} K {k} with a NaN in x: ours {a} MLX {b}"
+                    );
                 }
             }
         }
     }
+}
+
+/// `x @ dequantize(q)ᵀ` by the kernel and by MLX's own product, as values.
+fn ours_and_mlx(x: &Array, q: &mlx::Quantized) -> (Vec<f32>, Vec<f32>) {
+    let product = || {
+        x.quantized_matmul(q, true)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    mlx::set_quantized_kernel(true);
+    let ours = product();
+    mlx::set_quantized_kernel(false);
+    let theirs = product();
+    mlx::set_quantized_kernel(true);
+    (ours, theirs)
 }
