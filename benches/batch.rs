@@ -240,6 +240,18 @@ fn main() {
         }
     }
     let mut peer_rows = Vec::new();
+    if std::env::var("BATCH_ONLY_OURS").is_ok() {
+        for (&c, rows) in counts.iter().zip(&ours_rows) {
+            let m = |f: fn(&(f64, f64, f64)) -> f64| median(rows.iter().map(f).collect());
+            println!(
+                "ours, {c} clients: aggregate {:.1} tok/s, TTFT {:.0} ms, per request {:.1} tok/s",
+                m(|r| r.0),
+                m(|r| r.1) * 1e3,
+                m(|r| r.2)
+            );
+        }
+        return;
+    }
     {
         let (_peer, port) = peer_server(
             &python,
