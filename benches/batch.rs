@@ -14,7 +14,8 @@
 //! tokens into its sequence): the whole step (packed forward, head, greedy pick, evaluation),
 //! the part of it spent building the graph on the host, and the floor set by the model's
 //! matrix products alone (every 2-D weight, the tied head included, as `Wᵀ` the way the model
-//! holds it, times a `[B, in]` input, evaluated together). The rest is attention, norms, elementwise work and per-row overhead.
+//! holds it, times a `[B, in]` input, evaluated together). The rest is attention, norms,
+//! elementwise work and per-row overhead.
 //!
 //! Last, batched decoding with and without a drafter (the constructed pair of
 //! benches/speculative.rs). `BATCH_ONLY_BREAKDOWN` / `BATCH_ONLY_DRAFTING` run one part alone.
@@ -26,6 +27,15 @@ use common::{
 
 use std::path::Path;
 use std::time::Instant;
+
+/// A comma-separated list of counts from the environment, or `default`.
+fn env_counts(name: &str, default: &str) -> Vec<usize> {
+    std::env::var(name)
+        .unwrap_or_else(|_| default.into())
+        .split(',')
+        .filter_map(|c| c.trim().parse().ok())
+        .collect()
+}
 
 fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -148,11 +158,7 @@ fn breakdown(model_dir: &Path) {
     println!("\nWhere a batched decode step goes (in-process, medians of 10 steps)\n");
     println!("| rows | step ms | per row ms | graph build ms | matmul floor ms | step / floor |");
     println!("|---|---|---|---|---|---|");
-    let counts: Vec<usize> = std::env::var("BATCH_BREAKDOWN_ROWS")
-        .ok()
-        .map(|v| v.split(',').filter_map(|c| c.trim().parse().ok()).collect())
-        .unwrap_or(vec![1, 2, 4, 8]);
-    for b in counts {
+    for b in env_counts("BATCH_BREAKDOWN_ROWS", "1,2,4,8") {
         let (step, build, floor) = step_costs(&m, &weights, b);
         println!(
             "| {b} | {step:.1} | {:.1} | {build:.1} | {floor:.1} | {:.2} |",
@@ -218,11 +224,7 @@ fn main() {
     }
     let rounds = env_or("BATCH_ROUNDS", 3);
     let n = env_or("BATCH_TOKENS", 48);
-    let counts: Vec<usize> = std::env::var("BATCH_CLIENTS")
-        .unwrap_or_else(|_| "1,2,4,8".into())
-        .split(',')
-        .filter_map(|c| c.trim().parse().ok())
-        .collect();
+    let counts = env_counts("BATCH_CLIENTS", "1,2,4,8");
     if std::env::var("BATCH_ONLY_DRAFTING").is_ok() {
         drafting(rounds, n, &counts);
         return;

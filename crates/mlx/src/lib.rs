@@ -29,7 +29,6 @@ pub use ops::{concatenate, stack, where_, QuantMode, Quantized};
 pub use rows::{RowFormat, Rows};
 pub use runtime::{
     async_eval, blas_library, default_device, eval, gpu_available, graph_ops, init_thread,
-    openblas_config, quantized_integer_kernel, quantized_kernel_counts,
-    quantized_kernel_description, set_default_device, set_quantized_kernel,
-    set_quantized_unpacking, synchronize, version, Device,
+    openblas_config, quantized_kernel_counts, quantized_kernel_description, set_default_device,
+    set_quantized_kernel, set_quantized_unpacking, synchronize, version, Device,
 };

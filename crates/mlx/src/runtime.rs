@@ -105,20 +105,19 @@ pub fn set_quantized_unpacking(subnormal: Option<bool>) {
 }
 
 /// How the quantized kernel unpacks fields on this CPU, in words (`mlx-runner info`).
-pub fn quantized_kernel_description() -> &'static str {
-    match ffi::quantized_unpacking() {
+pub fn quantized_kernel_description() -> String {
+    // The low bits say how fields become floats, bit 2 whether the odd widths take VNNI.
+    let code = ffi::quantized_unpacking();
+    let fields = match code & 3 {
         2 => "AVX2, fields read as subnormal floats (this CPU multiplies them at full speed)",
-        6 => "AVX2, fields read as subnormal floats; 2, 3, 5 and 6 bits by integer dot products (AVX-512 VNNI)",
         1 => "AVX2, fields converted to float",
-        5 => "AVX2, fields converted to float; 2, 3, 5 and 6 bits by integer dot products (AVX-512 VNNI)",
-        _ => "none (no AVX2 and FMA: MLX's own quantized matmul)",
+        _ => return "none (no AVX2 and FMA: MLX's own quantized matmul)".into(),
+    };
+    if code & 4 != 0 {
+        format!("{fields}; 2, 3, 5 and 6 bits by integer dot products (AVX-512 VNNI)")
+    } else {
+        fields.into()
     }
-}
-
-/// Whether 2-, 3-, 5- and 6-bit products of few rows take the integer dot-product kernel
-/// (AVX-512 VNNI and VBMI, and `MLXR_NO_VNNI` unset).
-pub fn quantized_integer_kernel() -> bool {
-    ffi::quantized_unpacking() & 4 != 0
 }
 
 /// Quantized products the kernel has computed in this process: `(packed rows, dequantize +
