@@ -116,7 +116,11 @@ def random_codes(module, key):
 
 def main():
     which, out = sys.argv[1], sys.argv[2]
-    config = {"e2b": E2B, "glm": GLM}[which]
+    config = dict({"e2b": E2B, "glm": GLM}[which])
+    # An optional layer count: deeper models for the distributed bench, whose split by layers
+    # needs enough of them to be even.
+    if len(sys.argv) > 3:
+        config["num_hidden_layers"] = int(sys.argv[3])
     if which == "e2b":
         from mlx_lm.models import gemma4_text as arch
     else:

@@ -3,6 +3,7 @@
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use models::{DtypeChoice, ModelFiles};
+use runner::cluster::{Cluster, Job, JoinOptions};
 use runner::engine::{DraftSource, EngineConfig};
 use runner::process::RunnerOptions;
 use runner::protocol::{CompletionChunk, CompletionRequest};
@@ -55,6 +56,10 @@ enum Command {
     Show(ShowArgs),
     /// Remove models from the store (blobs another model uses stay).
     Rm(RmArgs),
+    /// Join a model split over several processes as one of its ranks: started on each host
+    /// the hostfile names (rank 0 starts the ranks on its own machine itself); the command
+    /// and the model come from rank 0 (docs/DISTRIBUTED.md).
+    Worker(WorkerArgs),
     /// `serve`'s chat-template renderer: JSON lines in, JSON lines out (internal).
     #[command(hide = true)]
     RenderWorker,
@@ -650,6 +655,78 @@ struct GenerateArgs {
     prefill_chunk: usize,
     #[command(flatten)]
     draft: DraftArgs,
+    #[command(flatten)]
+    cluster: ClusterArgs,
+}
+
+/// How a model is split over the ranks of a hostfile.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum ParallelMode {
+    /// Contiguous layers per rank, balanced by their bytes; the hidden states pass from rank
+    /// to rank.
+    Pipeline,
+}
+
+#[derive(clap::Args, Clone)]
+struct ClusterArgs {
+    /// Split the model over the ranks this hostfile names (mlx.launch's JSON: one
+    /// {"ssh": host, "ips": [addresses]} per rank); this process is rank 0 and starts the
+    /// ranks on loopback addresses itself.
+    #[arg(long)]
+    hostfile: Option<PathBuf>,
+    /// How the model is split over the ranks.
+    #[arg(long, value_enum, default_value = "pipeline", requires = "hostfile")]
+    parallel_mode: ParallelMode,
+    /// The first port of the ranks' ring connections, one more per rank and address.
+    #[arg(long, default_value_t = runner::cluster::DEFAULT_RING_PORT)]
+    ring_port: u16,
+    /// Seconds the ranks may take to connect before this one gives up.
+    #[arg(long, default_value_t = 60.0)]
+    join_timeout: f64,
+    /// Seconds a step may wait on the other ranks before this one gives up (a rank that
+    /// stalls ends the run with an error rather than a hang).
+    #[arg(long, default_value_t = 120.0)]
+    rank_timeout: f64,
+}
+
+#[derive(clap::Args)]
+struct WorkerArgs {
+    /// The hostfile rank 0 was given (the same ranks, in the same order).
+    #[arg(long)]
+    hostfile: PathBuf,
+    /// This process's rank in the hostfile (1 and up).
+    #[arg(long)]
+    rank: usize,
+    #[arg(long, default_value_t = runner::cluster::DEFAULT_RING_PORT)]
+    ring_port: u16,
+    #[arg(long, default_value_t = 60.0)]
+    join_timeout: f64,
+}
+
+impl ClusterArgs {
+    fn join_options(&self, hostfile: &std::path::Path, rank: usize) -> Result<JoinOptions> {
+        Ok(JoinOptions {
+            hostfile: hostfile.to_path_buf(),
+            rank,
+            ring_port: self.ring_port,
+            timeout: seconds(self.join_timeout, "--join-timeout")?,
+        })
+    }
+}
+
+/// The command line a rank on this machine runs (rank 0 starts it).
+fn worker_argv(opts: &JoinOptions, rank: usize) -> Vec<String> {
+    vec![
+        "worker".into(),
+        "--hostfile".into(),
+        opts.hostfile.display().to_string(),
+        "--rank".into(),
+        rank.to_string(),
+        "--ring-port".into(),
+        opts.ring_port.to_string(),
+        "--join-timeout".into(),
+        opts.timeout.as_secs_f64().to_string(),
+    ]
 }
 
 /// A stored model is one file per module (hundreds), each held open by MLX's lazy reader until
@@ -700,6 +777,7 @@ fn main() {
     let result = match cli.command {
         Command::Info => info(),
         Command::Generate(args) => generate(args),
+        Command::Worker(args) => worker(args),
         Command::Runner(args) => runner(args),
         Command::Serve(args) => serve(args),
         Command::RenderWorker => serve::template::worker_main().context("rendering"),
@@ -902,9 +980,181 @@ fn generate(a: GenerateArgs) -> Result<()> {
         eprintln!("warning: {w}");
     }
     let (cfg, model) = a.draft.engine(&a.model, a.dtype)?;
+    let Some(hostfile) = a.cluster.hostfile.clone() else {
+        return run_generate(a, cfg, model, None);
+    };
+    if a.draft.draft.is_some() {
+        anyhow::bail!("--draft: drafting on a model split over ranks is not supported yet");
+    }
+    let opts = a.cluster.join_options(&hostfile, 0)?;
+    let job = Job {
+        version: env!("CARGO_PKG_VERSION").into(),
+        argv: std::env::args().skip(1).collect(),
+        model: cfg
+            .model
+            .content_key()
+            .context("reading the model's files")?,
+        seed: random_seed(),
+    };
+    let cluster = Cluster::join(&opts, |r| worker_argv(&opts, r)).map_err(anyhow::Error::msg)?;
+    // Sharing the job and checking it is part of joining.
+    cluster.watch(Some(opts.timeout), "joining");
+    cluster
+        .share(Some(&serde_json::to_vec(&job)?))
+        .map_err(anyhow::Error::msg)?;
+    let run = cluster
+        .agree("joining", Ok(()))
+        .and_then(|()| cluster.agree("checking the model", Ok(())))
+        .map_err(anyhow::Error::msg)
+        .and_then(|()| run_generate(a, cfg, model, Some((&cluster, job.seed))));
+    // Every rank ends with rank 0's last collective; a rank that failed is an error too, and
+    // where both failed, the rank's exit says why the collective did.
+    let finished = cluster.finish(std::time::Duration::from_secs(30));
+    match (run, finished) {
+        (Ok(()), Ok(())) => Ok(()),
+        (Err(e), Err(rank)) if rank.killed => Err(e.context(rank.message)),
+        (Err(e), _) => Err(e),
+        (Ok(()), Err(rank)) => Err(anyhow::Error::msg(rank.message)),
+    }
+}
+
+/// Ends a rank other than 0 after a failure rank 0 reports (as `main` ends on an error).
+fn quiet_exit() -> ! {
+    // SAFETY: ends the process; no Rust state is observed afterwards.
+    unsafe { libc::_exit(1) }
+}
+
+/// A seed for every rank's sampler where a request has none.
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    // Seeds are non-negative i64s.
+    h.finish() >> 1
+}
+
+/// A rank other than 0: joins, takes rank 0's command and runs it beside rank 0, printing
+/// nothing (rank 0 prints).
+fn worker(w: WorkerArgs) -> Result<()> {
+    let opts = JoinOptions {
+        hostfile: w.hostfile,
+        rank: w.rank,
+        ring_port: w.ring_port,
+        timeout: seconds(w.join_timeout, "--join-timeout")?,
+    };
+    if opts.rank == 0 {
+        anyhow::bail!("--rank 0 is the process the hostfile is given to, not a worker");
+    }
+    let cluster = Cluster::join(&opts, |_| Vec::new()).map_err(anyhow::Error::msg)?;
+    cluster.watch(Some(opts.timeout), "joining");
+    let shared = cluster.share(None).map_err(anyhow::Error::msg)?;
+    let job = serde_json::from_slice::<Job>(&shared)
+        .map_err(|e| format!("rank 0 sent a job this rank cannot read: {e}"))
+        .and_then(|job| {
+            let mine = env!("CARGO_PKG_VERSION");
+            if job.version != mine {
+                return Err(format!(
+                    "runs mlx-runner {mine}, rank 0 runs {}",
+                    job.version
+                ));
+            }
+            let argv = std::iter::once("mlx-runner".to_string()).chain(job.argv.clone());
+            match Cli::try_parse_from(argv).map(|c| c.command) {
+                Ok(Command::Generate(a)) => Ok((job, a)),
+                Ok(_) => Err("rank 0 runs a command that ranks do not follow".into()),
+                Err(e) => Err(format!("cannot read rank 0's command line: {e}")),
+            }
+        });
+    // Rank 0 says which rank failed and why; the others end without repeating it.
+    let quietly = |_: String| -> anyhow::Error { quiet_exit() };
+    cluster
+        .agree("joining", job.as_ref().map(|_| ()).map_err(Clone::clone))
+        .map_err(quietly)?;
+    let (job, a) = job.map_err(anyhow::Error::msg)?;
+    let prepared = a.draft.engine(&a.model, a.dtype).and_then(|(cfg, model)| {
+        let key = cfg
+            .model
+            .content_key()
+            .context("reading the model's files")?;
+        anyhow::ensure!(
+            key == job.model,
+            "its copy of {} differs from rank 0's",
+            a.model
+        );
+        Ok((cfg, model))
+    });
+    cluster
+        .agree(
+            "checking the model",
+            prepared.as_ref().map(|_| ()).map_err(|e| format!("{e:#}")),
+        )
+        .map_err(quietly)?;
+    let (cfg, model) = prepared?;
+    run_generate(a, cfg, model, Some((&cluster, job.seed)))
+}
+
+/// `generate`'s work, alone or as one rank of `cluster` (with the seed every rank's sampler
+/// takes where the request has none); only rank 0 prints.
+fn run_generate(
+    a: GenerateArgs,
+    mut cfg: EngineConfig,
+    model: ModelContext,
+    cluster: Option<(&Cluster, u64)>,
+) -> Result<()> {
     let stored = model.parameters;
     let req = a.request(&stored)?;
-    let mut loaded = models::load_files(&cfg.model, a.dtype)?;
+    let loaded = match cluster {
+        None => models::load_files(&cfg.model, a.dtype).map_err(anyhow::Error::from),
+        Some((c, _)) => {
+            // No drafter reads a split target yet: none runs, the model's own included.
+            cfg.draft_depth = Some(0);
+            // Loading takes as long as the slowest rank's disk: not watched.
+            c.watch(None, "loading");
+            let loaded = models::load_files_stage(&cfg.model, a.dtype, c.group.clone());
+            if let Err(e) = c.agree(
+                "loading the model",
+                loaded.as_ref().map(|_| ()).map_err(|e| e.to_string()),
+            ) {
+                // Rank 0 says which rank failed and why; the others end without repeating it.
+                if c.rank() != 0 {
+                    quiet_exit();
+                }
+                anyhow::bail!(e);
+            }
+            loaded.map_err(anyhow::Error::from)
+        }
+    };
+    let mut loaded = loaded?;
+    let quiet = cluster.is_some_and(|(c, _)| c.rank() != 0);
+    if let Some((c, _)) = cluster {
+        c.watch(
+            Some(seconds(a.cluster.rank_timeout, "--rank-timeout")?),
+            "generating",
+        );
+        // Which layers each rank holds and what its weights take.
+        let layers = loaded.layers.clone().unwrap_or(0..0);
+        let mine = [
+            layers.start as i64,
+            layers.end as i64,
+            mlx::memory::active() as i64,
+        ];
+        let all = c.gather(&mine).map_err(anyhow::Error::msg)?;
+        if !quiet {
+            for (rank, r) in all.iter().enumerate() {
+                eprintln!(
+                    "rank {rank}: layers {}..{}, weights {:.1} MB",
+                    r[0],
+                    r[1],
+                    r[2] as f64 / 1e6
+                );
+            }
+        }
+    }
     let draft = runner::engine::load_drafter(&cfg, &mut loaded).map_err(anyhow::Error::msg)?;
     let mut controller = runner::depth::DepthController::new(cfg.max_draft_depth, cfg.draft_depth);
     let max_ctx = loaded.model.max_context();
@@ -915,9 +1165,13 @@ fn generate(a: GenerateArgs) -> Result<()> {
             .min(max_ctx),
     );
     let prompt = loaded.tokenizer.encode(&a.prompt)?;
+    let mut options = req.sampler_options();
+    if let Some((_, seed)) = cluster.filter(|_| options.seed < 0) {
+        options.seed = seed as i64;
+    }
     let params = GenerationParams {
         prompt,
-        options: req.sampler_options(),
+        options,
         num_predict: req.num_predict(),
         num_ctx,
         prefill_chunk: a.prefill_chunk,
@@ -941,7 +1195,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let mut out = stdout.lock();
     let mut stopped = false;
     let print = |out: &mut std::io::StdoutLock, piece: TextPiece| -> Result<()> {
-        if piece.text.is_empty() {
+        if quiet || piece.text.is_empty() {
             return Ok(());
         }
         if a.json {
@@ -954,7 +1208,11 @@ fn generate(a: GenerateArgs) -> Result<()> {
         out.flush().context("writing to stdout")
     };
     while !g.is_finished() {
-        let Some(ev) = g.step(&mut ctx)? else {
+        let ev = g.step(&mut ctx)?;
+        if let Some((c, _)) = cluster {
+            c.progress();
+        }
+        let Some(ev) = ev else {
             continue;
         };
         match ev {
@@ -966,16 +1224,32 @@ fn generate(a: GenerateArgs) -> Result<()> {
                     stopped = true;
                     g.cancel(&mut ctx);
                     let stats = g.stats().clone();
-                    finish(&mut out, &a, runner::protocol::DoneReason::Stop, &stats)?;
+                    if !quiet {
+                        finish(&mut out, &a, runner::protocol::DoneReason::Stop, &stats)?;
+                    }
                 }
             }
             Event::Done { reason, stats } => {
                 if !stopped {
                     print(&mut out, text.finish(tok)?)?;
                 }
-                finish(&mut out, &a, reason, &stats)?;
+                if !quiet {
+                    finish(&mut out, &a, reason, &stats)?;
+                }
             }
             Event::Rejected(m) | Event::Error(m) => anyhow::bail!(m),
+        }
+    }
+    if let Some((c, _)) = cluster {
+        let peaks = c
+            .gather(&[runner::cluster::peak_resident() as i64])
+            .map_err(anyhow::Error::msg)?;
+        if !quiet {
+            let mb: Vec<String> = peaks
+                .iter()
+                .map(|p| format!("{:.1}", p[0] as f64 / 1e6))
+                .collect();
+            eprintln!("peak resident MB by rank: {}", mb.join(" "));
         }
     }
     Ok(())

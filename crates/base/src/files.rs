@@ -129,6 +129,52 @@ impl ModelFiles {
         hex::encode(h.finalize())
     }
 
+    /// A key that equals another machine's for the same model: each file's digest where the
+    /// store gave one; else the content of the small files (configs, tokenizer) and, of each
+    /// weights file, its length, its safetensors header (names, dtypes, shapes, offsets) and
+    /// its first and last MiB of data. Two copies of a checkpoint that differ only inside a
+    /// tensor's middle go unnoticed: hashing every weight at every start of every rank would
+    /// cost a full read of the model. What the ranks of a split model compare.
+    pub fn content_key(&self) -> std::io::Result<String> {
+        use std::io::{Seek, SeekFrom};
+        let digest = |p: &Path| self.digests.iter().find(|(d, _)| d == p).map(|(_, h)| h);
+        let mut h = Sha256::new();
+        let mut names: Vec<(&String, &PathBuf)> = self.files.iter().collect();
+        names.sort();
+        let named = names
+            .into_iter()
+            .map(|(n, p)| (n.as_str(), p, false))
+            .chain(self.tensors.iter().map(|p| ("tensors", p, true)));
+        for (name, path, weights) in named {
+            h.update(name.as_bytes());
+            h.update([0]);
+            if let Some(d) = digest(path) {
+                h.update(d.as_bytes());
+                continue;
+            }
+            let mut f = std::fs::File::open(path)?;
+            let len = f.metadata()?.len();
+            h.update(len.to_le_bytes());
+            const PART: u64 = 1 << 20;
+            if !weights {
+                std::io::copy(&mut f, &mut h)?;
+                continue;
+            }
+            let mut n = [0u8; 8];
+            f.read_exact(&mut n)?;
+            let head = (8 + u64::from_le_bytes(n)).min(len);
+            f.seek(SeekFrom::Start(0))?;
+            std::io::copy(&mut (&mut f).take(head.saturating_add(PART)), &mut h)?;
+            if len > head + 2 * PART {
+                f.seek(SeekFrom::Start(len - PART))?;
+                std::io::copy(&mut (&mut f).take(PART), &mut h)?;
+            }
+            h.update([0]);
+        }
+        h.update(self.tensor_prefix.as_bytes());
+        Ok(hex::encode(h.finalize()))
+    }
+
     /// Checks every file with a digest, reading them on as many threads as there are cores.
     pub fn verify(&self) -> Result<()> {
         if self.digests.is_empty() {

@@ -101,6 +101,7 @@ pub mod ffi {
 
         type Arr;
         type ArrVec;
+        type DistGroup;
 
         // library
         fn version() -> String;
@@ -483,6 +484,16 @@ pub mod ffi {
         ) -> Result<UniquePtr<Arr>>;
 
         // io
+        // distributed
+        fn distributed_available(backend: &str) -> bool;
+        fn distributed_init(backend: &str) -> Result<UniquePtr<DistGroup>>;
+        fn group_rank(g: &DistGroup) -> i32;
+        fn group_size(g: &DistGroup) -> i32;
+        fn dist_all_sum(x: &Arr, g: &DistGroup) -> Result<UniquePtr<Arr>>;
+        fn dist_all_gather(x: &Arr, g: &DistGroup) -> Result<UniquePtr<Arr>>;
+        fn dist_send(x: &Arr, dst: i32, g: &DistGroup) -> Result<UniquePtr<Arr>>;
+        fn dist_recv(shape: &[i32], dtype: u8, src: i32, g: &DistGroup) -> Result<UniquePtr<Arr>>;
+
         fn load_safetensors(path: &str, names: &mut Vec<String>) -> Result<UniquePtr<ArrVec>>;
         fn save_safetensors(path: &str, names: &[String], arrays: &ArrVec) -> Result<()>;
     }

@@ -1027,4 +1027,30 @@ void save_safetensors(
   mx::save_safetensors(std::string(path), std::move(m));
 }
 
+// --- distributed -------------------------------------------------------------------------------
+
+namespace dist = mx::distributed;
+
+bool distributed_available(rust::Str backend) {
+  return dist::is_available(std::string(backend));
+}
+
+std::unique_ptr<DistGroup> distributed_init(rust::Str backend) {
+  return std::make_unique<DistGroup>(dist::init(true, std::string(backend)));
+}
+
+int32_t group_rank(const DistGroup& g) { return g.g.rank(); }
+int32_t group_size(const DistGroup& g) { return g.g.size(); }
+
+ArrPtr dist_all_sum(const Arr& x, const DistGroup& g) { return wrap(dist::all_sum(x.a, g.g)); }
+ArrPtr dist_all_gather(const Arr& x, const DistGroup& g) {
+  return wrap(dist::all_gather(x.a, g.g));
+}
+ArrPtr dist_send(const Arr& x, int32_t dst, const DistGroup& g) {
+  return wrap(dist::send(x.a, dst, g.g));
+}
+ArrPtr dist_recv(I32s shape, uint8_t dtype, int32_t src, const DistGroup& g) {
+  return wrap(dist::recv(to_shape(shape), to_dtype(dtype), src, g.g));
+}
+
 }  // namespace mlxr

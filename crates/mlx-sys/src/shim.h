@@ -305,6 +305,22 @@ ArrPtr random_categorical(const Arr& logits, int32_t axis, int32_t num_samples, 
 ArrPtr random_bernoulli(const Arr& p, I32s shape, bool has_shape, const Arr* key);
 ArrPtr random_gumbel(I32s shape, uint8_t dtype, const Arr* key);
 
+// --- distributed (MLX's backends; docs/DISTRIBUTED.md) -----------------------------------------
+struct DistGroup {
+  mlx::core::distributed::Group g;
+  explicit DistGroup(mlx::core::distributed::Group x) : g(std::move(x)) {}
+};
+bool distributed_available(rust::Str backend);
+// Joins the group `backend` describes (the ring backend: MLX_HOSTFILE and MLX_RANK in the
+// environment); blocks until every rank has connected.
+std::unique_ptr<DistGroup> distributed_init(rust::Str backend);
+int32_t group_rank(const DistGroup& g);
+int32_t group_size(const DistGroup& g);
+ArrPtr dist_all_sum(const Arr& x, const DistGroup& g);
+ArrPtr dist_all_gather(const Arr& x, const DistGroup& g);
+ArrPtr dist_send(const Arr& x, int32_t dst, const DistGroup& g);
+ArrPtr dist_recv(I32s shape, uint8_t dtype, int32_t src, const DistGroup& g);
+
 // --- io ----------------------------------------------------------------------------------------
 std::unique_ptr<ArrVec> load_safetensors(rust::Str path, rust::Vec<rust::String>& names);
 void save_safetensors(rust::Str path, rust::Slice<const rust::String> names, const ArrVec& arrays);

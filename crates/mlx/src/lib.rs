@@ -9,6 +9,7 @@
 //! (docs/ARCHITECTURE.md, D3). A thread other than the one that first touched MLX calls [`init_thread`] once.
 
 mod array;
+pub mod distributed;
 mod dtype;
 mod error;
 pub mod fast;

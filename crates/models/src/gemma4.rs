@@ -11,6 +11,7 @@ use crate::nn::{
     Embedding, Experts, GatedMlp, Linear, Rope,
 };
 use crate::packed::{check_rows, single_row};
+use crate::parallel::{self, Stage};
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
 use cache::{AttnMask, KvCache, LayerCache, RotatingKvCache};
@@ -19,6 +20,7 @@ use mlx::{Array, Ix, Quantized};
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::HashMap;
+use std::ops::Range;
 
 // ------------------------------------------------------------------------------------------
 // Config
@@ -739,9 +741,20 @@ struct Ple {
 
 pub struct Gemma4 {
     cfg: Gemma4Config,
-    embed: Embedding,
+    /// The token embedding, where this process embeds tokens, its head is tied to it or its
+    /// layers read per-layer inputs (a model split over ranks needs it on the first stage, on
+    /// the last for a tied head, and everywhere with per-layer embeddings).
+    embed: Option<Embedding>,
     ple: Option<Ple>,
+    /// Every layer's shape, whether or not this process holds the layer.
+    specs: Vec<LayerSpec>,
+    /// The layers this process holds: all of them, or its stage's (`first..first + len`).
     layers: Vec<DecoderLayer>,
+    first: usize,
+    /// Split by layers over ranks: this rank's part, and the input norm of the layer after
+    /// its last, whose input its last layer's update normalises (it is not discarded work: the
+    /// fused update computes the norm with the sum).
+    stage: Option<(Stage, Option<Array>)>,
     norm: Array,
     lm_head: Option<Linear>,
     rope_sliding: Rope,
@@ -814,7 +827,50 @@ fn text_prefix(w: &Weights) -> Result<&'static str> {
 
 impl Gemma4 {
     pub fn new(cfg: Gemma4Config, w: &Weights) -> Result<Gemma4> {
+        Self::with_stage(cfg, w, None)
+    }
+
+    /// Layer ranges for `ranks` stages, balanced by the layers' bytes in `w`. KV-shared layers
+    /// read caches their source layers write in the same pass, so no stage may begin between
+    /// a source and the last layer.
+    pub fn split(cfg: &Gemma4Config, w: &Weights, ranks: usize) -> Result<Vec<Range<usize>>> {
         let specs = cfg.layer_specs().map_err(ModelError::Invalid)?;
+        let prefix = format!("{}.layers", text_prefix(w)?);
+        let bytes = parallel::layer_bytes(
+            w.tensor_bytes().iter().map(|(n, b)| (n.as_str(), *b)),
+            &prefix,
+            specs.len(),
+        );
+        let first_source = specs.iter().filter_map(|s| s.shared_from).min();
+        parallel::split_layers(&bytes, ranks, |b| first_source.is_none_or(|src| b <= src)).map_err(
+            |e| match first_source {
+                Some(src) => ModelError::Invalid(format!(
+                    "{e} (layers {src}.. stay together: the KV-shared layers read layer {src}'s cache)"
+                )),
+                None => e,
+            },
+        )
+    }
+
+    /// The model, or with `stage` only that stage's layers (and their caches).
+    pub fn with_stage(cfg: Gemma4Config, w: &Weights, stage: Option<Stage>) -> Result<Gemma4> {
+        let specs = cfg.layer_specs().map_err(ModelError::Invalid)?;
+        let held = stage.as_ref().map_or(0..specs.len(), Stage::layers);
+        if held.end > specs.len() || held.is_empty() {
+            return Err(ModelError::Invalid(format!(
+                "a stage of layers {held:?} in a model of {} layers",
+                specs.len()
+            )));
+        }
+        if let Some(src) = specs[held.clone()]
+            .iter()
+            .filter_map(|s| s.shared_from)
+            .find(|s| !held.contains(s))
+        {
+            return Err(ModelError::Invalid(format!(
+                "layers {held:?} share the K/V of layer {src}, which another stage holds"
+            )));
+        }
         let root = w.root().pp(text_prefix(w)?);
         let h = cfg.hidden_size;
         let l = cfg.num_hidden_layers;
@@ -832,33 +888,68 @@ impl Gemma4 {
         };
         let mut cache_slot = Vec::with_capacity(specs.len());
         let mut next = 0;
-        let mut layers = Vec::with_capacity(specs.len());
-        for (i, spec) in specs.into_iter().enumerate() {
-            cache_slot.push(spec.shared_from.is_none().then(|| {
+        let mut layers = Vec::with_capacity(held.len());
+        for (i, spec) in specs.iter().enumerate() {
+            let holds = held.contains(&i);
+            cache_slot.push((holds && spec.shared_from.is_none()).then(|| {
                 next += 1;
                 next - 1
             }));
-            layers.push(DecoderLayer::new(&root.pp("layers").pp(i), &cfg, spec)?);
+            if holds {
+                layers.push(DecoderLayer::new(
+                    &root.pp("layers").pp(i),
+                    &cfg,
+                    spec.clone(),
+                )?);
+            }
         }
+        let stage = match stage {
+            Some(st) => {
+                let boundary = (held.end < specs.len())
+                    .then(|| {
+                        root.pp("layers")
+                            .pp(held.end)
+                            .pp("input_layernorm")
+                            .get("weight", &[h])
+                    })
+                    .transpose()?;
+                Some((st, boundary))
+            }
+            None => None,
+        };
         let sliding_dim = cfg.head_dim;
         let full_dim = cfg.global_head_dim.unwrap_or(cfg.head_dim);
-        let full_dim = layers
+        let full_dim = specs
             .iter()
-            .find(|l| l.spec.kind == LayerKind::Full)
-            .map_or(full_dim, |l| l.spec.head_dim);
-        let embed = root.pp("embed_tokens").embedding(cfg.vocab_size, h)?;
-        let (embed, lm_head) = if cfg.tie_word_embeddings {
-            (embed.for_tied_head(w)?, None)
-        } else {
-            (
-                embed,
-                Some(w.root().pp("lm_head").linear(cfg.vocab_size, h)?),
-            )
+            .find(|s| s.kind == LayerKind::Full)
+            .map_or(full_dim, |s| s.head_dim);
+        let tied = cfg.tie_word_embeddings;
+        let (embeds, heads) = match &stage {
+            None => (true, true),
+            Some((st, _)) => (
+                st.is_first() || ple.is_some() || (tied && st.is_last()),
+                st.is_last(),
+            ),
+        };
+        let embed = embeds
+            .then(|| root.pp("embed_tokens").embedding(cfg.vocab_size, h))
+            .transpose()?;
+        let (embed, lm_head) = match embed {
+            Some(e) if tied && heads => (Some(e.for_tied_head(w)?), None),
+            e => (
+                e,
+                (heads && !tied)
+                    .then(|| w.root().pp("lm_head").linear(cfg.vocab_size, h))
+                    .transpose()?,
+            ),
         };
         Ok(Gemma4 {
             embed,
             ple,
+            specs,
             layers,
+            first: held.start,
+            stage,
             norm: root.pp("norm").get("weight", &[h])?,
             lm_head,
             rope_sliding: cfg.rope(LayerKind::Sliding, sliding_dim)?,
@@ -874,9 +965,15 @@ impl Gemma4 {
         &self.cfg
     }
 
+    fn embedding(&self) -> Result<&Embedding> {
+        self.embed
+            .as_ref()
+            .ok_or_else(|| ModelError::Invalid("this rank's stage holds no token embedding".into()))
+    }
+
     /// `E[ids] · √H`, the scale cast to the compute dtype first (as transformers does).
     pub fn embed_scaled(&self, tokens: &Array) -> Result<Array> {
-        self.embed.lookup_scaled(tokens, self.embed_scale())
+        self.embedding()?.lookup_scaled(tokens, self.embed_scale())
     }
 
     /// √H rounded to float32, as a float32 array times a weak scalar multiplies by it.
@@ -886,8 +983,8 @@ impl Gemma4 {
 
     /// The token embedding and the scale [`Gemma4::embed_scaled`] applies (the assistant embeds
     /// its input tokens with the target's table).
-    pub fn scaled_embedding(&self) -> (Embedding, f32) {
-        (self.embed.clone(), self.embed_scale())
+    pub fn scaled_embedding(&self) -> Result<(Embedding, f32)> {
+        Ok((self.embedding()?.clone(), self.embed_scale()))
     }
 
     /// Whether an image's soft tokens attend to each other both ways in the sliding layers.
@@ -957,7 +1054,7 @@ impl Gemma4 {
         let last = |kind: LayerKind| {
             (0..first_shared)
                 .rev()
-                .find(|&i| self.layers[i].spec.kind == kind)
+                .find(|&i| self.specs[i].kind == kind)
                 .and_then(|i| self.cache_slot[i])
         };
         StoreSlots {
@@ -1004,19 +1101,42 @@ impl CausalLm for Gemma4 {
         let eps = self.cfg.rms_norm_eps;
         let expected = self.cache_slot.iter().flatten().count();
         check_rows(tokens, rows, expected, "gemma4")?;
-        let (mut h, ple_tokens) = self.embed_rows(tokens, rows)?;
-        let ple = match &self.ple {
-            Some(p) => Some(self.per_layer_inputs(p, &ple_tokens, &h)?),
-            None => None,
+        // A later stage without per-layer inputs needs no embeddings: the residual stream
+        // arrives from the previous rank.
+        let embeds = match &self.stage {
+            Some((stage, _)) => stage.is_first() || self.ple.is_some(),
+            None => true,
         };
-        let mut batch = Rows::new(rows, self.layers.len(), self.bidirectional_vision())?;
+        let (h0, ple_tokens) = if embeds {
+            let (h, ids) = self.embed_rows(tokens, rows)?;
+            (Some(h), ids)
+        } else {
+            (None, tokens.clone())
+        };
+        let ple = match (&self.ple, &h0) {
+            (Some(p), Some(h0)) => Some(self.per_layer_inputs(p, &ple_tokens, h0)?),
+            _ => None,
+        };
+        let embedded = || {
+            h0.clone()
+                .ok_or_else(|| ModelError::Invalid("no embeddings".into()))
+        };
+        let mut h = match &self.stage {
+            Some((stage, _)) => {
+                let shape = [1, tokens.dim(1)?, self.cfg.hidden_size];
+                stage.enter(&shape, embedded)?
+            }
+            None => embedded()?,
+        };
+        let mut batch = Rows::new(rows, self.specs.len(), self.bidirectional_vision())?;
         let n = batch.len() as i32;
         // One new token per row (a decode step, of one sequence or several): each layer's
         // queries, keys and values come out of one op each, every row at its own position.
         let decode = batch.decode();
         // A layer's input norm, from the previous layer's last op (its residual update).
         let mut normed: Option<Array> = None;
-        for (i, layer) in self.layers.iter().enumerate() {
+        for (j, layer) in self.layers.iter().enumerate() {
+            let i = self.first + j;
             let rope = self.rope(layer.spec.kind);
             let x = match normed.take() {
                 Some(x) => x,
@@ -1068,7 +1188,11 @@ impl CausalLm for Gemma4 {
                 None,
                 &layer.pre_ffn_norm,
             )?;
-            let next = self.layers.get(i + 1).map_or(&self.norm, |l| &l.input_norm);
+            let next = match (self.layers.get(j + 1), &self.stage) {
+                (Some(l), _) => &l.input_norm,
+                (None, Some((_, Some(boundary)))) => boundary,
+                (None, _) => &self.norm,
+            };
             // The layer scalar rides on the layer's last residual update.
             let scalar = &layer.layer_scalar;
             let (h_out, x_next) = match (&layer.ple, &ple) {
@@ -1096,22 +1220,35 @@ impl CausalLm for Gemma4 {
             h = h_out;
             normed = Some(x_next);
         }
-        // The last layer's last op normalised its result with the final norm.
-        match normed {
-            Some(x) => Ok(x),
-            None => norm(&h, Some(&self.norm), eps),
+        // The last layer's last op normalised its result with the final norm (on a stage
+        // that ends before the last layer, with the next stage's input norm).
+        let last = self.first + self.layers.len() == self.specs.len();
+        let out = match normed {
+            Some(x) if last => Some(x),
+            _ if last => Some(norm(&h, Some(&self.norm), eps)?),
+            _ => None,
+        };
+        match &self.stage {
+            Some((stage, _)) => stage.leave(&h, out),
+            None => out.ok_or_else(|| ModelError::Invalid("a model without its last layer".into())),
         }
     }
 
     fn logits(&self, hidden: &Array) -> Result<Array> {
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(hidden)?,
-            None => self.embed.as_linear(hidden)?,
+        let head = || {
+            let logits = match &self.lm_head {
+                Some(head) => head.forward(hidden)?,
+                None => self.embedding()?.as_linear(hidden)?,
+            };
+            Ok(match self.cfg.final_logit_softcapping {
+                Some(c) if c > 0.0 => mlx::fast::softcap(&logits, c)?,
+                _ => logits,
+            })
         };
-        Ok(match self.cfg.final_logit_softcapping {
-            Some(c) if c > 0.0 => mlx::fast::softcap(&logits, c)?,
-            _ => logits,
-        })
+        match &self.stage {
+            Some((stage, _)) => stage.logits(hidden, self.vocab_size(), head),
+            None => head(),
+        }
     }
 
     fn vocab_size(&self) -> usize {

@@ -183,7 +183,7 @@ impl Gemma4Assistant {
             None
         };
         let full_dim = cfg.global_head_dim.unwrap_or(cfg.head_dim);
-        let (target_embed, target_scale) = target.scaled_embedding();
+        let (target_embed, target_scale) = target.scaled_embedding()?;
         Ok(Gemma4Assistant {
             target_embed,
             target_scale,

@@ -11,6 +11,7 @@ use crate::draft::Drafter;
 use crate::glm4_mtp::{GlmMtp, MtpDrafter};
 use crate::nn::{forward_all, norm, Activation, Embedding, Experts, GatedMlp, Linear, Rope};
 use crate::packed::{check_rows, single_row};
+use crate::parallel::{self, Stage};
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
 use cache::{LatentCache, LayerCache};
@@ -18,6 +19,7 @@ use mlx::fast::{scaled_dot_product_attention, sdpa_slots, Attention, KvSlots};
 use mlx::{Array, Dtype, Ix};
 use serde::Deserialize;
 use serde_json::Value;
+use std::ops::Range;
 use std::rc::Rc;
 
 // ------------------------------------------------------------------------------------------
@@ -601,8 +603,13 @@ pub struct Glm4MoeLite {
     cfg: GlmConfig,
     /// Present when the checkpoint carries the MTP layer (`model.layers.{L}.*`).
     mtp: Option<Rc<GlmMtp>>,
-    embed: Embedding,
+    /// The token embedding, where this process embeds tokens or its head is tied to it (a
+    /// model split over ranks holds it on the first stage and the head on the last).
+    embed: Option<Embedding>,
+    /// The layers this process holds: all of them, or its stage's (`first..first + len`).
     layers: Vec<DecoderLayer>,
+    first: usize,
+    stage: Option<Stage>,
     norm: Array,
     lm_head: Option<Linear>,
     rope: Rope,
@@ -612,21 +619,52 @@ pub struct Glm4MoeLite {
 
 impl Glm4MoeLite {
     pub fn new(cfg: GlmConfig, w: &Weights) -> Result<Glm4MoeLite> {
+        Self::with_stage(cfg, w, None)
+    }
+
+    /// Layer ranges for `ranks` stages, balanced by the layers' bytes in `w`.
+    pub fn split(cfg: &GlmConfig, w: &Weights, ranks: usize) -> Result<Vec<Range<usize>>> {
+        let n = cfg.num_hidden_layers as usize;
+        let sizes = w.tensor_bytes();
+        let bytes = parallel::layer_bytes(
+            sizes.iter().map(|(k, b)| (k.as_str(), *b)),
+            "model.layers",
+            n,
+        );
+        parallel::split_layers(&bytes, ranks, |_| true)
+    }
+
+    /// The model, or with `stage` only that stage's layers (and their caches). A stage has no
+    /// MTP drafter: the drafter reads the last layer's hidden states, on the last rank.
+    pub fn with_stage(cfg: GlmConfig, w: &Weights, stage: Option<Stage>) -> Result<Glm4MoeLite> {
         let root = w.root();
         let model = root.pp("model");
         let h = cfg.hidden_size;
-        let layers = (0..cfg.num_hidden_layers as usize)
+        let n = cfg.num_hidden_layers as usize;
+        let held = stage.as_ref().map_or(0..n, Stage::layers);
+        if held.end > n || held.is_empty() {
+            return Err(ModelError::Invalid(format!(
+                "a stage of layers {held:?} in a model of {n} layers"
+            )));
+        }
+        let layers = held
+            .clone()
             .map(|i| DecoderLayer::new(&model.pp("layers").pp(i), &cfg, i))
             .collect::<Result<Vec<_>>>()?;
-        let lm_head = if cfg.tie_word_embeddings {
-            None
-        } else {
-            Some(root.pp("lm_head").linear(cfg.vocab_size, h)?)
+        let tied = cfg.tie_word_embeddings;
+        let (embeds, heads) = match &stage {
+            None => (true, true),
+            Some(st) => (st.is_first() || (tied && st.is_last()), st.is_last()),
         };
-        let embed = model.pp("embed_tokens").embedding(cfg.vocab_size, h)?;
+        let lm_head = (heads && !tied)
+            .then(|| root.pp("lm_head").linear(cfg.vocab_size, h))
+            .transpose()?;
+        let embed = embeds
+            .then(|| model.pp("embed_tokens").embedding(cfg.vocab_size, h))
+            .transpose()?;
         let rope = cfg.rope()?;
-        let n = cfg.num_hidden_layers as usize;
-        let mtp = if cfg.num_nextn_predict_layers > 0
+        let mtp = if stage.is_none()
+            && cfg.num_nextn_predict_layers > 0
             && w.contains(&format!("model.layers.{n}.eh_proj.weight"))
         {
             let head = match &lm_head {
@@ -637,10 +675,13 @@ impl Glm4MoeLite {
                     ))
                 }
             };
+            let embed = embed
+                .clone()
+                .ok_or_else(|| ModelError::Invalid("an MTP layer without the embedding".into()))?;
             Some(Rc::new(GlmMtp::new(
                 &model.pp("layers").pp(n),
                 &cfg,
-                embed.clone(),
+                embed,
                 head,
                 rope.clone(),
                 n,
@@ -651,6 +692,8 @@ impl Glm4MoeLite {
         Ok(Glm4MoeLite {
             embed,
             layers,
+            first: held.start,
+            stage,
             norm: model.pp("norm").get("weight", &[h])?,
             lm_head,
             rope,
@@ -658,6 +701,12 @@ impl Glm4MoeLite {
             cfg,
             cache_format: mlx::RowFormat::AsComputed,
         })
+    }
+
+    fn embedding(&self) -> Result<&Embedding> {
+        self.embed
+            .as_ref()
+            .ok_or_else(|| ModelError::Invalid("this rank's stage holds no token embedding".into()))
     }
 
     /// The checkpoint's own MTP drafter, if it has one.
@@ -703,8 +752,12 @@ impl CausalLm for Glm4MoeLite {
             ));
         }
         let eps = self.cfg.rms_norm_eps;
-        let batch = Rows::new(rows, self.layers.len(), false)?;
-        let mut h = self.embed.lookup(tokens)?;
+        let batch = Rows::new(rows, self.first + self.layers.len(), false)?;
+        let embed = || self.embedding()?.lookup(tokens);
+        let mut h = match &self.stage {
+            None => embed()?,
+            Some(stage) => stage.enter(&[1, tokens.dim(1)?, self.cfg.hidden_size], embed)?,
+        };
         for (i, layer) in self.layers.iter().enumerate() {
             let mut caches = rows
                 .iter_mut()
@@ -717,13 +770,24 @@ impl CausalLm for Glm4MoeLite {
                 .collect::<Result<Vec<&mut LatentCache>>>()?;
             h = layer.forward(&h, &mut caches, &batch, &self.rope, eps)?;
         }
-        norm(&h, Some(&self.norm), eps)
+        match &self.stage {
+            Some(stage) => {
+                let last = self.first + self.layers.len() == self.cfg.num_hidden_layers as usize;
+                let out = last.then(|| norm(&h, Some(&self.norm), eps)).transpose()?;
+                stage.leave(&h, out)
+            }
+            None => norm(&h, Some(&self.norm), eps),
+        }
     }
 
     fn logits(&self, hidden: &Array) -> Result<Array> {
-        match &self.lm_head {
+        let head = || match &self.lm_head {
             Some(head) => head.forward(hidden),
-            None => self.embed.as_linear(hidden),
+            None => self.embedding()?.as_linear(hidden),
+        };
+        match &self.stage {
+            Some(stage) => stage.logits(hidden, self.vocab_size(), head),
+            None => head(),
         }
     }
 

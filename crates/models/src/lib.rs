@@ -22,6 +22,7 @@ pub mod glm4_mtp;
 pub mod media;
 pub mod nn;
 mod packed;
+pub mod parallel;
 mod prequant;
 mod tokenizer;
 pub mod weights;
@@ -131,6 +132,8 @@ impl std::str::FromStr for KvCacheType {
 
 /// A loaded model.
 pub struct LoadedModel {
+    /// The layers this process holds where the model is split over ranks.
+    pub layers: Option<std::ops::Range<usize>>,
     pub model: Box<dyn CausalLm>,
     pub tokenizer: std::sync::Arc<Tokenizer>,
     /// Its directory, or its store name.
@@ -254,7 +257,7 @@ fn draft_impl(
         }
         return Ok(Draft::Assistant(Box::new(a)));
     }
-    let draft = load_impl(files, dtype, materialize)?;
+    let draft = load_impl(files, dtype, materialize, None)?;
     if draft.model.vocab_size() != target.model.vocab_size() {
         return Err(file.error(format!(
             "the draft's vocabulary has {} tokens, the target's {}",
@@ -338,7 +341,18 @@ pub fn load(dir: &Path, dtype: DtypeChoice) -> Result<LoadedModel> {
 /// [`load`] from a model's files wherever they are, verifying the digests they carry first.
 pub fn load_files(files: &ModelFiles, dtype: DtypeChoice) -> Result<LoadedModel> {
     files.verify()?;
-    load_impl(files, dtype, true)
+    load_impl(files, dtype, true, None)
+}
+
+/// [`load_files`] for one rank of `group`: only the layers of its stage of a split by layers
+/// ([`parallel`]), balanced by bytes; every rank computes the same split from the same files.
+pub fn load_files_stage(
+    files: &ModelFiles,
+    dtype: DtypeChoice,
+    group: std::rc::Rc<mlx::distributed::Group>,
+) -> Result<LoadedModel> {
+    files.verify()?;
+    load_impl(files, dtype, true, Some(group))
 }
 
 /// Builds the model in `files` without reading any weights: every tensor the architecture needs
@@ -349,10 +363,16 @@ pub fn inspect(files: &ModelFiles) -> Result<LoadedModel> {
         files,
         DtypeChoice::Fixed(checkpoint_dtype(&cfg.value)),
         false,
+        None,
     )
 }
 
-fn load_impl(files: &ModelFiles, dtype: DtypeChoice, materialize: bool) -> Result<LoadedModel> {
+fn load_impl(
+    files: &ModelFiles,
+    dtype: DtypeChoice,
+    materialize: bool,
+    group: Option<std::rc::Rc<mlx::distributed::Group>>,
+) -> Result<LoadedModel> {
     let file = JsonFile::read(files.config()?)?;
     let model_type = file.model_type()?;
     let arch = match model_type.as_str() {
@@ -369,9 +389,23 @@ fn load_impl(files: &ModelFiles, dtype: DtypeChoice, materialize: bool) -> Resul
     let tokenizer = Tokenizer::load_files(files)?;
     let dtype = resolve_dtype(dtype, &file.value);
     let weights = Weights::load_files(files, dtype, quant)?;
+    let ranks = group.as_ref().map_or(1, |g| g.size());
+    let stage = match group {
+        Some(g) if ranks > 1 => {
+            let ranges = match &arch {
+                Arch::Gemma4(cfg) => gemma4::Gemma4::split(cfg, &weights, ranks)?,
+                Arch::Glm(cfg) => glm4_moe_lite::Glm4MoeLite::split(cfg, &weights, ranks)?,
+            };
+            Some(parallel::Stage::new(g, &ranges, dtype)?)
+        }
+        _ => None,
+    };
+    let layers = stage.as_ref().map(parallel::Stage::layers);
     let model: Box<dyn CausalLm> = match arch {
-        Arch::Gemma4(cfg) => Box::new(gemma4::Gemma4::new(cfg, &weights)?),
-        Arch::Glm(cfg) => Box::new(glm4_moe_lite::Glm4MoeLite::new(cfg, &weights)?),
+        Arch::Gemma4(cfg) => Box::new(gemma4::Gemma4::with_stage(cfg, &weights, stage)?),
+        Arch::Glm(cfg) => Box::new(glm4_moe_lite::Glm4MoeLite::with_stage(
+            cfg, &weights, stage,
+        )?),
     };
     if tokenizer.vocab_size() > model.vocab_size() {
         return Err(ModelError::Tokenizer {
@@ -392,5 +426,6 @@ fn load_impl(files: &ModelFiles, dtype: DtypeChoice, materialize: bool) -> Resul
         origin: files.origin.clone(),
         dtype,
         unused_tensors: weights.unused(),
+        layers,
     })
 }

@@ -465,6 +465,16 @@ impl Weights {
         Ok(())
     }
 
+    /// Every checkpoint tensor's name and size in bytes as stored (nothing is read), until
+    /// [`Weights::materialize`].
+    pub fn tensor_bytes(&self) -> Vec<(String, u64)> {
+        self.tensors
+            .borrow()
+            .iter()
+            .map(|(n, a)| (n.clone(), a.nbytes() as u64))
+            .collect()
+    }
+
     /// Names no model code asked for (multimodal towers, MTP layers, ...), sorted.
     pub fn unused(&self) -> Vec<String> {
         let used = self.used.borrow();

@@ -1,6 +1,7 @@
 //! The runner: the generation pipeline, the engine thread that owns MLX (docs/ARCHITECTURE.md, D3), and the
 //! ollama-compatible HTTP server (docs/PROTOCOL.md).
 
+pub mod cluster;
 pub mod depth;
 pub mod engine;
 pub mod generation;

@@ -1,0 +1,461 @@
+//! A model split over ranks (MLX's ring backend over loopback), run through the real binary
+//! as a user runs it: rank 0 given a hostfile starts the other ranks itself.
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// The runs take ring ports; one at a time keeps them from racing for the same ones.
+static RUNS: Mutex<()> = Mutex::new(());
+
+fn mlx_runner() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_mlx-runner"));
+    c.env_remove("LD_LIBRARY_PATH");
+    c
+}
+
+fn fixture(name: &str) -> String {
+    format!(
+        "{}/tests/fixtures/models/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+/// A hostfile of `ips` (one rank each), in its own directory: the path also names the run's
+/// processes, which the tests look for.
+fn hostfile(ips: &[&str]) -> (tempfile::TempDir, PathBuf) {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("hosts.json");
+    let hosts: Vec<serde_json::Value> = ips
+        .iter()
+        .map(|ip| serde_json::json!({"ssh": "localhost", "ips": [ip]}))
+        .collect();
+    std::fs::write(&p, serde_json::to_vec(&hosts).unwrap()).unwrap();
+    (d, p)
+}
+
+fn local(ranks: usize) -> (tempfile::TempDir, PathBuf) {
+    hostfile(&vec!["127.0.0.1"; ranks])
+}
+
+/// A first port with `n` free ones from it.
+fn ring_port(n: u16) -> u16 {
+    for _ in 0..200 {
+        let base = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if base > u16::MAX - n {
+            continue;
+        }
+        let free = (base..base + n).all(|p| TcpListener::bind(("127.0.0.1", p)).is_ok());
+        if free {
+            return base;
+        }
+    }
+    panic!("no {n} consecutive free ports");
+}
+
+fn generate(model: &str, extra: &[&str], hosts: Option<&Path>) -> Command {
+    let mut c = mlx_runner();
+    c.args([
+        "generate",
+        "--model",
+        &fixture(model),
+        "--prompt",
+        "The quick brown fox",
+    ]);
+    c.args(extra);
+    match hosts {
+        // A split model drafts with nothing (GLM's own MTP layer included); one process does
+        // the same, for the same numbers.
+        None => {
+            c.arg("--no-draft");
+        }
+        Some(h) => {
+            let ranks =
+                serde_json::from_slice::<Vec<serde_json::Value>>(&std::fs::read(h).unwrap())
+                    .unwrap()
+                    .len();
+            c.arg("--hostfile").arg(h);
+            c.args(["--ring-port", &ring_port(ranks as u16).to_string()]);
+        }
+    }
+    c
+}
+
+/// The chunks `generate --json` printed, without the final one (its timings differ).
+fn chunks(out: &Output) -> Vec<String> {
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<String> = text
+        .lines()
+        .filter(|l| !l.contains("\"Done\":true"))
+        .map(String::from)
+        .collect();
+    assert!(!lines.is_empty(), "{text}");
+    lines
+}
+
+/// Text models among the fixtures: every architecture and quantization.
+const FIXTURES: &[&str] = &[
+    "gemma4_31b_like",
+    "gemma4_26b_a4b_like",
+    "gemma4_26b_a4b_like_q4",
+    "gemma4_26b_a4b_like_mixed",
+    "gemma4_26b_a4b_like_mxfp4",
+    "gemma4_26b_a4b_like_mxfp8",
+    "gemma4_26b_a4b_like_q8_fp_router",
+    "gemma4_e2b_like",
+    "gemma4_vision_like",
+    "gemma4_audio_like",
+    "glm4_moe_lite",
+    "glm4_moe_lite_q3",
+    "glm4_moe_lite_q4",
+    "glm4_moe_lite_fp8",
+    "glm4_moe_lite_grouped",
+    "glm4_moe_lite_nvfp4",
+    "glm4_moe_lite_nvfp4_ct",
+    "glm4_moe_lite_nvfp4_modelopt",
+];
+
+/// Split by layers, every rank runs each layer exactly as one process does and hands the
+/// hidden states on unchanged: tokens and logprobs are the same bits as one process's.
+#[test]
+fn pipeline_output_is_one_process_output_on_every_fixture() {
+    let _one = RUNS.lock().unwrap_or_else(|e| e.into_inner());
+    let args = ["-n", "24", "--json", "--top-logprobs", "3"];
+    for model in FIXTURES {
+        let alone = chunks(&generate(model, &args, None).output().unwrap());
+        for ranks in [2, 3] {
+            let (_d, hosts) = local(ranks);
+            let out = generate(model, &args, Some(&hosts)).output().unwrap();
+            let kv_shared = ["gemma4_e2b_like", "gemma4_vision_like", "gemma4_audio_like"];
+            if kv_shared.contains(model) && ranks == 3 {
+                // Their KV-shared layers read layer 1's cache: one cut only.
+                let err = String::from_utf8_lossy(&out.stderr);
+                assert!(!out.status.success());
+                assert_eq!(err.lines().count(), 1, "{err}");
+                assert!(
+                    err.contains("cannot split 6 layers over 3 ranks")
+                        && err.contains("KV-shared layers read layer 1's cache"),
+                    "{err}"
+                );
+                continue;
+            }
+            assert_eq!(chunks(&out), alone, "{model} over {ranks} ranks");
+        }
+    }
+}
+
+/// Every rank samples from the same logits with the same seed: a seeded run is one process's
+/// run, and an unseeded one (rank 0 picks the seed) ends on every rank together.
+#[test]
+fn ranks_sample_together() {
+    let _one = RUNS.lock().unwrap_or_else(|e| e.into_inner());
+    let seeded = ["-n", "40", "--json", "--temperature", "1.0", "--seed", "7"];
+    let alone = chunks(&generate("glm4_moe_lite", &seeded, None).output().unwrap());
+    let (_d, hosts) = local(2);
+    let split = generate("glm4_moe_lite", &seeded, Some(&hosts))
+        .output()
+        .unwrap();
+    assert_eq!(chunks(&split), alone);
+    let unseeded = [
+        "-n",
+        "40",
+        "--json",
+        "--temperature",
+        "1.0",
+        "--rank-timeout",
+        "20",
+    ];
+    let out = generate("gemma4_31b_like", &unseeded, Some(&hosts))
+        .output()
+        .unwrap();
+    chunks(&out);
+}
+
+/// Rank 1 on an address nobody answers: one line within the join timeout, naming how to start
+/// a rank on another host.
+#[test]
+fn a_rank_that_never_joins_is_one_line_within_the_timeout() {
+    let _one = RUNS.lock().unwrap_or_else(|e| e.into_inner());
+    let (_d, hosts) = hostfile(&["127.0.0.1", "203.0.113.1"]);
+    let started = Instant::now();
+    let out = generate("gemma4_31b_like", &["--join-timeout", "2"], Some(&hosts))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(20));
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("rank 0: the ring of 2 ranks did not form within 2 s")
+            && err.contains("1 (203.0.113.1)")
+            && err.contains("mlx-runner worker --hostfile"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bad_cluster_arguments_are_clear_errors() {
+    let (_d, hosts) = hostfile(&[]);
+    let out = generate("gemma4_31b_like", &[], Some(&hosts))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("names no ranks"),
+        "{err}"
+    );
+    let (_d, hosts) = local(2);
+    let out = generate("gemma4_31b_like", &["--draft", "ngram"], Some(&hosts))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("drafting on a model split over ranks"),
+        "{err}"
+    );
+    let out = mlx_runner()
+        .args(["worker", "--rank", "0", "--hostfile"])
+        .arg(&hosts)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--rank 0 is the process"),
+        "{err}"
+    );
+}
+
+/// The processes whose command line names `hostfile`: the run's ranks.
+fn ranks_of(hostfile: &Path) -> Vec<u32> {
+    let needle = hostfile.to_string_lossy().into_owned();
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        // Not a zombie: a process that has exited and awaits its parent's wait.
+        let state = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        let zombie = state
+            .rsplit(')')
+            .next()
+            .is_some_and(|s| s.trim_start().starts_with('Z'));
+        if cmd.contains(&needle) && !zombie {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+fn signal(pid: u32, sig: libc::c_int) {
+    // SAFETY: a plain syscall.
+    unsafe { libc::kill(pid as libc::pid_t, sig) };
+}
+
+/// Starts a long split run and waits for its first token; returns rank 0 and the other
+/// ranks' pids.
+fn started_run(hosts: &Path, extra: &[&str]) -> (Reaped, Vec<u32>) {
+    let mut args = vec!["-n", "480"];
+    args.extend(extra);
+    let mut rank0 = Reaped(
+        generate("gemma4_31b_like", &args, Some(hosts))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut first = [0u8; 1];
+    rank0
+        .0
+        .stdout
+        .as_mut()
+        .unwrap()
+        .read_exact(&mut first)
+        .unwrap();
+    let others: Vec<u32> = ranks_of(hosts)
+        .into_iter()
+        .filter(|&p| p != rank0.0.id())
+        .collect();
+    assert_eq!(others.len(), 1, "{others:?}");
+    (rank0, others)
+}
+
+/// A rank 0 that a failing test does not leave running.
+struct Reaped(Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_within(child: &mut Child, limit: Duration) -> (std::process::ExitStatus, String) {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
+            return (status, err);
+        }
+        assert!(started.elapsed() < limit, "still running after {limit:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn none_left(hosts: &Path) {
+    let started = Instant::now();
+    while !ranks_of(hosts).is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "ranks left running: {:?}",
+            ranks_of(hosts)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A rank killed mid-stream: rank 0's next collective fails, and it exits non-zero saying
+/// which rank died. Rank 0 is held still meanwhile, so the kill lands mid-stream however fast
+/// the run is.
+#[test]
+fn a_rank_killed_mid_stream_ends_the_run_with_an_error() {
+    let _one = RUNS.lock().unwrap_or_else(|e| e.into_inner());
+    let (_d, hosts) = local(2);
+    let (mut rank0, others) = started_run(&hosts, &[]);
+    signal(rank0.0.id(), libc::SIGSTOP);
+    signal(others[0], libc::SIGKILL);
+    std::thread::sleep(Duration::from_millis(100));
+    signal(rank0.0.id(), libc::SIGCONT);
+    let (status, err) = wait_within(&mut rank0.0, Duration::from_secs(20));
+    assert!(!status.success(), "{err}");
+    let last = err.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("rank 1 exited with signal: 9") && last.contains("connection to a peer"),
+        "{err}"
+    );
+    none_left(&hosts);
+}
+
+/// A rank that stops answering (stopped, not dead: its sockets stay open) ends the run within
+/// --rank-timeout, and takes no rank with it left running.
+#[test]
+fn a_stalled_rank_ends_the_run_within_the_rank_timeout() {
+    let _one = RUNS.lock().unwrap_or_else(|e| e.into_inner());
+    let (_d, hosts) = local(2);
+    let (mut rank0, others) = started_run(&hosts, &["--rank-timeout", "2"]);
+    signal(others[0], libc::SIGSTOP);
+    let (status, err) = wait_within(&mut rank0.0, Duration::from_secs(30));
+    assert!(!status.success(), "{err}");
+    assert!(
+        err.contains("rank 0: generating: no answer from the other ranks within 2 s"),
+        "{err}"
+    );
+    none_left(&hosts);
+}
+
+/// Rank 0 killed: the ranks it started die with it.
+#[test]
+fn ranks_die_with_rank_0() {
+    let _one = RUNS.lock().unwrap_or_else(|e| e.into_inner());
+    let (_d, hosts) = local(3);
+    let mut args = vec!["-n", "480"];
+    args.push("--json");
+    let mut rank0 = generate("gemma4_31b_like", &args, Some(&hosts))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 1];
+    rank0
+        .stdout
+        .as_mut()
+        .unwrap()
+        .read_exact(&mut first)
+        .unwrap();
+    signal(rank0.id(), libc::SIGKILL);
+    rank0.wait().unwrap();
+    none_left(&hosts);
+}
+
+/// This machine's address on its outbound interface (no packet is sent), if it has one.
+fn own_address() -> Option<String> {
+    let s = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    s.connect("203.0.113.1:9").ok()?;
+    let ip = s.local_addr().ok()?.ip();
+    (!ip.is_loopback() && !ip.is_unspecified()).then(|| ip.to_string())
+}
+
+/// A rank whose copy of the model differs: rank 0 names it, no one loads, every rank ends.
+/// Rank 1 sits on this machine's own non-loopback address, so rank 0 leaves it to be started
+/// by hand, as on another host, from a directory where the model's path names another model.
+#[test]
+fn a_rank_with_another_model_is_named_before_loading() {
+    let Some(ip) = own_address() else {
+        eprintln!("skipped: this machine has no address besides loopback");
+        return;
+    };
+    let _one = RUNS.lock().unwrap_or_else(|e| e.into_inner());
+    let (d, hosts) = hostfile(&["127.0.0.1", &ip]);
+    let (here, there) = (d.path().join("here"), d.path().join("there"));
+    for (dir, model) in [(&here, "gemma4_31b_like"), (&there, "gemma4_26b_a4b_like")] {
+        std::fs::create_dir(dir).unwrap();
+        std::os::unix::fs::symlink(fixture(model), dir.join("m")).unwrap();
+    }
+    let port = ring_port(2).to_string();
+    let mut rank0 = mlx_runner()
+        .current_dir(&here)
+        .args([
+            "generate",
+            "--model",
+            "m",
+            "--prompt",
+            "hi",
+            "--ring-port",
+            &port,
+        ])
+        .args(["--join-timeout", "20", "--hostfile"])
+        .arg(&hosts)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let worker = mlx_runner()
+        .current_dir(&there)
+        .args(["worker", "--rank", "1", "--ring-port", &port, "--hostfile"])
+        .arg(&hosts)
+        .output()
+        .unwrap();
+    let (status, err) = wait_within(&mut rank0, Duration::from_secs(30));
+    assert!(!status.success(), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("checking the model: rank 1: its copy of m differs from rank 0's"),
+        "{err}"
+    );
+    assert!(!worker.status.success());
+    assert!(
+        worker.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&worker.stderr)
+    );
+}
