@@ -168,6 +168,7 @@ impl DraftArgs {
             },
             max_draft_depth: capped_depth(self.max_draft_depth, "--max-draft-depth"),
             draft_position: self.draft_position,
+            cluster: None,
         };
         Ok((
             cfg,
@@ -534,6 +535,8 @@ fn serve(a: ServeArgs) -> Result<()> {
 struct RunnerArgs {
     #[command(flatten)]
     draft: DraftArgs,
+    #[command(flatten)]
+    cluster: ClusterArgs,
     /// A model directory, or the name of a model in the store.
     #[arg(long)]
     model: String,
@@ -714,21 +717,6 @@ impl ClusterArgs {
     }
 }
 
-/// The command line a rank on this machine runs (rank 0 starts it).
-fn worker_argv(opts: &JoinOptions, rank: usize) -> Vec<String> {
-    vec![
-        "worker".into(),
-        "--hostfile".into(),
-        opts.hostfile.display().to_string(),
-        "--rank".into(),
-        rank.to_string(),
-        "--ring-port".into(),
-        opts.ring_port.to_string(),
-        "--join-timeout".into(),
-        opts.timeout.as_secs_f64().to_string(),
-    ]
-}
-
 /// A stored model is one file per module (hundreds), each held open by MLX's lazy reader until
 /// loaded; raise the soft open-file limit to the hard one, as Go's runtime does for ollama.
 fn raise_open_file_limit() {
@@ -870,6 +858,19 @@ fn runner(a: RunnerArgs) -> Result<()> {
         tracing::warn!("{w}");
     }
     let (engine, model) = a.draft.engine(&a.model, a.dtype)?;
+    let cluster = match &a.cluster.hostfile {
+        None => None,
+        Some(hostfile) => {
+            if a.draft.draft.is_some() {
+                anyhow::bail!("--draft: drafting on a model split over ranks is not supported yet");
+            }
+            Some(runner::replica::LeadConfig {
+                join: a.cluster.join_options(hostfile, 0)?,
+                argv: std::env::args().skip(1).collect(),
+                rank_timeout: seconds(a.cluster.rank_timeout, "--rank-timeout")?,
+            })
+        }
+    };
     let stored = &model.parameters;
     let cache_disk = disk_tier(
         a.cache_dir.clone(),
@@ -890,6 +891,7 @@ fn runner(a: RunnerArgs) -> Result<()> {
             cache_interval: a.cache_interval,
             cache_disk,
             kv_cache: a.kv_cache_type,
+            cluster,
             ..engine
         },
         host: a.host,
@@ -996,7 +998,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             .context("reading the model's files")?,
         seed: random_seed(),
     };
-    let cluster = Cluster::join(&opts, |r| worker_argv(&opts, r)).map_err(anyhow::Error::msg)?;
+    let cluster = Cluster::join(&opts, |r| opts.worker_argv(r)).map_err(anyhow::Error::msg)?;
     // Sharing the job and checking it is part of joining.
     cluster.watch(Some(opts.timeout), "joining");
     cluster
@@ -1065,7 +1067,8 @@ fn worker(w: WorkerArgs) -> Result<()> {
             }
             let argv = std::iter::once("mlx-runner".to_string()).chain(job.argv.clone());
             match Cli::try_parse_from(argv).map(|c| c.command) {
-                Ok(Command::Generate(a)) => Ok((job, a)),
+                Ok(Command::Generate(a)) => Ok((job, Followed::Generate(a))),
+                Ok(Command::Runner(a)) => Ok((job, Followed::Runner(a))),
                 Ok(_) => Err("rank 0 runs a command that ranks do not follow".into()),
                 Err(e) => Err(format!("cannot read rank 0's command line: {e}")),
             }
@@ -1075,16 +1078,19 @@ fn worker(w: WorkerArgs) -> Result<()> {
     cluster
         .agree("joining", job.as_ref().map(|_| ()).map_err(Clone::clone))
         .map_err(quietly)?;
-    let (job, a) = job.map_err(anyhow::Error::msg)?;
-    let prepared = a.draft.engine(&a.model, a.dtype).and_then(|(cfg, model)| {
+    let (job, followed) = job.map_err(anyhow::Error::msg)?;
+    let (model_name, draft, dtype) = match &followed {
+        Followed::Generate(a) => (a.model.clone(), &a.draft, a.dtype),
+        Followed::Runner(a) => (a.model.clone(), &a.draft, a.dtype),
+    };
+    let prepared = draft.engine(&model_name, dtype).and_then(|(cfg, model)| {
         let key = cfg
             .model
             .content_key()
             .context("reading the model's files")?;
         anyhow::ensure!(
             key == job.model,
-            "its copy of {} differs from rank 0's",
-            a.model
+            "its copy of {model_name} differs from rank 0's"
         );
         Ok((cfg, model))
     });
@@ -1095,7 +1101,19 @@ fn worker(w: WorkerArgs) -> Result<()> {
         )
         .map_err(quietly)?;
     let (cfg, model) = prepared?;
-    run_generate(a, cfg, model, Some((&cluster, job.seed)))
+    match followed {
+        Followed::Generate(a) => run_generate(a, cfg, model, Some((&cluster, job.seed))),
+        Followed::Runner(a) => {
+            runner::replica::serve_following(&cluster, &cfg.model, a.dtype, a.kv_cache_type.0)
+                .map_err(anyhow::Error::msg)
+        }
+    }
+}
+
+/// The commands a rank other than 0 follows.
+enum Followed {
+    Generate(GenerateArgs),
+    Runner(RunnerArgs),
 }
 
 /// `generate`'s work, alone or as one rank of `cluster` (with the seed every rank's sampler
@@ -1115,7 +1133,12 @@ fn run_generate(
             cfg.draft_depth = Some(0);
             // Loading takes as long as the slowest rank's disk: not watched.
             c.watch(None, "loading");
-            let loaded = models::load_files_stage(&cfg.model, a.dtype, c.group.clone());
+            let loaded = models::load_files_stage(
+                &cfg.model,
+                a.dtype,
+                c.group.clone(),
+                models::parallel::Ends::Everywhere,
+            );
             if let Err(e) = c.agree(
                 "loading the model",
                 loaded.as_ref().map(|_| ()).map_err(|e| e.to_string()),

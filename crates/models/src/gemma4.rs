@@ -833,23 +833,34 @@ impl Gemma4 {
     /// Layer ranges for `ranks` stages, balanced by the layers' bytes in `w`. KV-shared layers
     /// read caches their source layers write in the same pass, so no stage may begin between
     /// a source and the last layer.
-    pub fn split(cfg: &Gemma4Config, w: &Weights, ranks: usize) -> Result<Vec<Range<usize>>> {
+    pub fn split(
+        cfg: &Gemma4Config,
+        w: &Weights,
+        ranks: usize,
+        ends: parallel::Ends,
+    ) -> Result<Vec<Range<usize>>> {
         let specs = cfg.layer_specs().map_err(ModelError::Invalid)?;
-        let prefix = format!("{}.layers", text_prefix(w)?);
-        let bytes = parallel::layer_bytes(
-            w.tensor_bytes().iter().map(|(n, b)| (n.as_str(), *b)),
-            &prefix,
-            specs.len(),
+        let root = text_prefix(w)?;
+        let sizes = w.tensor_bytes();
+        let tensors = || sizes.iter().map(|(n, b)| (n.as_str(), *b));
+        let bytes = parallel::layer_bytes(tensors(), &format!("{root}.layers"), specs.len());
+        let end_bytes = parallel::end_bytes(
+            ends,
+            parallel::bytes_under(tensors(), &format!("{root}.embed_tokens.")),
+            parallel::bytes_under(tensors(), "lm_head."),
+            cfg.tie_word_embeddings,
+            cfg.ple_dim() > 0,
         );
         let first_source = specs.iter().filter_map(|s| s.shared_from).min();
-        parallel::split_layers(&bytes, ranks, |b| first_source.is_none_or(|src| b <= src)).map_err(
-            |e| match first_source {
-                Some(src) => ModelError::Invalid(format!(
-                    "{e} (layers {src}.. stay together: the KV-shared layers read layer {src}'s cache)"
-                )),
-                None => e,
-            },
-        )
+        parallel::split_layers(&bytes, ranks, end_bytes, |b| {
+            first_source.is_none_or(|src| b <= src)
+        })
+        .map_err(|e| match first_source {
+            Some(src) => ModelError::Invalid(format!(
+                "{e} (layers {src}.. stay together: the KV-shared layers read layer {src}'s cache)"
+            )),
+            None => e,
+        })
     }
 
     /// The model, or with `stage` only that stage's layers (and their caches).
@@ -927,8 +938,8 @@ impl Gemma4 {
         let (embeds, heads) = match &stage {
             None => (true, true),
             Some((st, _)) => (
-                st.is_first() || ple.is_some() || (tied && st.is_last()),
-                st.is_last(),
+                st.is_first() || ple.is_some() || (tied && st.holds_head()),
+                st.holds_head(),
             ),
         };
         let embed = embeds

@@ -623,15 +623,24 @@ impl Glm4MoeLite {
     }
 
     /// Layer ranges for `ranks` stages, balanced by the layers' bytes in `w`.
-    pub fn split(cfg: &GlmConfig, w: &Weights, ranks: usize) -> Result<Vec<Range<usize>>> {
+    pub fn split(
+        cfg: &GlmConfig,
+        w: &Weights,
+        ranks: usize,
+        ends: parallel::Ends,
+    ) -> Result<Vec<Range<usize>>> {
         let n = cfg.num_hidden_layers as usize;
         let sizes = w.tensor_bytes();
-        let bytes = parallel::layer_bytes(
-            sizes.iter().map(|(k, b)| (k.as_str(), *b)),
-            "model.layers",
-            n,
+        let tensors = || sizes.iter().map(|(k, b)| (k.as_str(), *b));
+        let bytes = parallel::layer_bytes(tensors(), "model.layers", n);
+        let end_bytes = parallel::end_bytes(
+            ends,
+            parallel::bytes_under(tensors(), "model.embed_tokens."),
+            parallel::bytes_under(tensors(), "lm_head."),
+            cfg.tie_word_embeddings,
+            false,
         );
-        parallel::split_layers(&bytes, ranks, |_| true)
+        parallel::split_layers(&bytes, ranks, end_bytes, |_| true)
     }
 
     /// The model, or with `stage` only that stage's layers (and their caches). A stage has no
@@ -654,7 +663,7 @@ impl Glm4MoeLite {
         let tied = cfg.tie_word_embeddings;
         let (embeds, heads) = match &stage {
             None => (true, true),
-            Some(st) => (st.is_first() || (tied && st.is_last()), st.is_last()),
+            Some(st) => (st.is_first() || (tied && st.holds_head()), st.holds_head()),
         };
         let lm_head = (heads && !tied)
             .then(|| root.pp("lm_head").linear(cfg.vocab_size, h))

@@ -75,6 +75,9 @@ pub trait CausalLm {
     /// Store keys and values (MLA: latent rows) as `format` says in caches made from now on;
     /// the runner's `--kv-cache-type`.
     fn set_cache_format(&mut self, format: mlx::RowFormat);
+    /// Sequence `seq` (a [`PackedRow::seq`]) has ended: a model whose replicas on other ranks
+    /// keep caches per sequence lets them go.
+    fn release(&self, _seq: u64) {}
     /// The drafter the checkpoint carries for itself (GLM's MTP layer), if any.
     fn builtin_drafter(&self) -> Option<Box<dyn Drafter>> {
         None
@@ -345,14 +348,16 @@ pub fn load_files(files: &ModelFiles, dtype: DtypeChoice) -> Result<LoadedModel>
 }
 
 /// [`load_files`] for one rank of `group`: only the layers of its stage of a split by layers
-/// ([`parallel`]), balanced by bytes; every rank computes the same split from the same files.
+/// ([`parallel`]), balanced by bytes, and the embedding and head where `ends` puts them;
+/// every rank computes the same split from the same files.
 pub fn load_files_stage(
     files: &ModelFiles,
     dtype: DtypeChoice,
     group: std::rc::Rc<mlx::distributed::Group>,
+    ends: parallel::Ends,
 ) -> Result<LoadedModel> {
     files.verify()?;
-    load_impl(files, dtype, true, Some(group))
+    load_impl(files, dtype, true, Some((group, ends)))
 }
 
 /// Builds the model in `files` without reading any weights: every tensor the architecture needs
@@ -371,7 +376,7 @@ fn load_impl(
     files: &ModelFiles,
     dtype: DtypeChoice,
     materialize: bool,
-    group: Option<std::rc::Rc<mlx::distributed::Group>>,
+    group: Option<(std::rc::Rc<mlx::distributed::Group>, parallel::Ends)>,
 ) -> Result<LoadedModel> {
     let file = JsonFile::read(files.config()?)?;
     let model_type = file.model_type()?;
@@ -389,14 +394,14 @@ fn load_impl(
     let tokenizer = Tokenizer::load_files(files)?;
     let dtype = resolve_dtype(dtype, &file.value);
     let weights = Weights::load_files(files, dtype, quant)?;
-    let ranks = group.as_ref().map_or(1, |g| g.size());
+    let ranks = group.as_ref().map_or(1, |(g, _)| g.size());
     let stage = match group {
-        Some(g) if ranks > 1 => {
+        Some((g, ends)) if ranks > 1 => {
             let ranges = match &arch {
-                Arch::Gemma4(cfg) => gemma4::Gemma4::split(cfg, &weights, ranks)?,
-                Arch::Glm(cfg) => glm4_moe_lite::Glm4MoeLite::split(cfg, &weights, ranks)?,
+                Arch::Gemma4(cfg) => gemma4::Gemma4::split(cfg, &weights, ranks, ends)?,
+                Arch::Glm(cfg) => glm4_moe_lite::Glm4MoeLite::split(cfg, &weights, ranks, ends)?,
             };
-            Some(parallel::Stage::new(g, &ranges, dtype)?)
+            Some(parallel::Stage::new(g, &ranges, dtype, ends)?)
         }
         _ => None,
     };

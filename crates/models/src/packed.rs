@@ -13,6 +13,10 @@ use mlx::Array;
 /// One sequence of a packed forward: how many of the packed tokens are its, its caches, and
 /// the media whose soft tokens take the place of some of its tokens.
 pub struct PackedRow<'a> {
+    /// The sequence the row belongs to, unique while it lives (0: a row for this pass only,
+    /// whose caches are not kept): what a replica of the model on another rank keeps the row's
+    /// caches under.
+    pub seq: u64,
     pub len: usize,
     pub caches: &'a mut [LayerCache],
     pub media: &'a [MediaSpan],
@@ -22,6 +26,7 @@ impl<'a> PackedRow<'a> {
     /// A row of text tokens only.
     pub fn text(len: usize, caches: &'a mut [LayerCache]) -> PackedRow<'a> {
         PackedRow {
+            seq: 0,
             len,
             caches,
             media: &[],

@@ -264,6 +264,7 @@ fn media_that_does_not_fit_its_row_is_refused() {
             .forward_packed(
                 &tokens,
                 &mut [PackedRow {
+                    seq: 0,
                     len: 6,
                     caches: &mut caches,
                     media: &media,
@@ -290,6 +291,7 @@ fn media_that_does_not_fit_its_row_is_refused() {
         .forward_packed(
             &Array::from_slice(&[2, 17], &[1, 2]).unwrap(),
             &mut [PackedRow {
+                seq: 0,
                 len: 2,
                 caches: &mut caches,
                 media: &media,

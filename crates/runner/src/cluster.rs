@@ -117,6 +117,23 @@ pub struct JoinOptions {
     pub timeout: Duration,
 }
 
+impl JoinOptions {
+    /// The command line of a rank rank 0 starts on this machine.
+    pub fn worker_argv(&self, rank: usize) -> Vec<String> {
+        vec![
+            "worker".into(),
+            "--hostfile".into(),
+            self.hostfile.display().to_string(),
+            "--rank".into(),
+            rank.to_string(),
+            "--ring-port".into(),
+            self.ring_port.to_string(),
+            "--join-timeout".into(),
+            self.timeout.as_secs_f64().to_string(),
+        ]
+    }
+}
+
 /// What rank 0 tells every rank before anything is loaded.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Job {
@@ -258,6 +275,17 @@ impl Cluster {
             .map_err(e)
     }
 
+    /// Rank 0's `bytes` on every rank (the others pass as many bytes, whose values are
+    /// ignored): one collective, evaluated here.
+    pub fn broadcast_bytes(&self, bytes: &[u8]) -> Result<Vec<u8>, String> {
+        let e = |e: mlx::Error| format!("broadcasting between ranks: {e}");
+        let a = Array::from_slice(bytes, &[bytes.len() as i32]).map_err(e)?;
+        self.group
+            .broadcast(&a, 0)
+            .and_then(|a| a.to_vec::<u8>())
+            .map_err(e)
+    }
+
     /// Every rank's verdict on `what`, on every rank: `Ok` where all are, else an error naming
     /// the first rank that failed and why.
     pub fn agree(&self, what: &str, verdict: Result<(), String>) -> Result<(), String> {
@@ -347,7 +375,12 @@ pub struct RankExit {
 
 impl Drop for Local {
     fn drop(&mut self) {
+        // Ranks told to stop get a moment to end by themselves.
+        let deadline = std::time::Instant::now() + Duration::from_secs(2);
         for (_, child) in &mut self.children {
+            while std::time::Instant::now() < deadline && matches!(child.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
             let _ = child.kill();
             let _ = child.wait();
         }

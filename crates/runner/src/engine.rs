@@ -54,6 +54,9 @@ pub struct EngineConfig {
     /// The deepest round the adaptive controller considers.
     pub max_draft_depth: usize,
     pub draft_position: models::gemma4_assistant::QueryPosition,
+    /// The model split by layers over the ranks of a hostfile, this process leading
+    /// (docs/DISTRIBUTED.md, "Serving").
+    pub cluster: Option<crate::replica::LeadConfig>,
 }
 
 /// Where a drafter comes from.
@@ -139,6 +142,8 @@ pub struct Shared {
     /// What a prompt needs to hold images and audio, for a model that takes them (set at
     /// load).
     pub media: OnceLock<models::media::MediaPrompt>,
+    /// Set when a rank of a split model was lost: the runner must end.
+    pub rank_lost: Arc<AtomicBool>,
 }
 
 impl Shared {
@@ -182,14 +187,29 @@ fn engine_main(
         let _ = loaded.send(Err(e.to_string()));
         return;
     }
-    let mut model = match models::load_files(&cfg.model, cfg.dtype) {
+    let loaded_model = match &cfg.cluster {
+        None => models::load_files(&cfg.model, cfg.dtype).map_err(|e| e.to_string()),
+        Some(lead) => {
+            crate::replica::lead(&cfg.model, cfg.dtype, lead, Arc::clone(&shared.rank_lost))
+        }
+    };
+    let mut model = match loaded_model {
         Ok(m) => m,
         Err(e) => {
-            let _ = loaded.send(Err(e.to_string()));
+            let _ = loaded.send(Err(e));
             return;
         }
     };
-    let draft = match load_drafter(&cfg, &mut model) {
+    // A split model neither drafts nor keeps a prefix cache yet: the other ranks replay rank
+    // 0's forward passes, not the drafter's or the cache's restores.
+    let split = cfg.cluster.is_some();
+    let draft = if split {
+        model.model.set_cache_format(cfg.kv_cache.0);
+        Ok(None)
+    } else {
+        load_drafter(&cfg, &mut model)
+    };
+    let draft = match draft {
         Ok(d) => d,
         Err(e) => {
             let _ = loaded.send(Err(e));
@@ -197,7 +217,18 @@ fn engine_main(
         }
     };
     // Before the memory plan, which counts what the weights took.
-    let (towers, media) = match models::media::Towers::load(&cfg.model, cfg.dtype) {
+    // A split model takes text only (the towers would run on rank 0 beside its stage).
+    let towers = match &cfg.cluster {
+        None => models::media::Towers::load(&cfg.model, cfg.dtype),
+        Some(_) => Ok((
+            models::media::Towers {
+                vision: None,
+                audio: None,
+            },
+            models::media::MediaPrompt::default(),
+        )),
+    };
+    let (towers, media) = match towers {
         Ok(v) => v,
         Err(e) => {
             let _ = loaded.send(Err(format!("media towers: {e}")));
@@ -227,11 +258,13 @@ fn engine_main(
         .vocab_size
         .store(model.model.vocab_size(), Ordering::Relaxed);
     let _ = shared.architecture.set(model.model.architecture());
-    let budget = plan.prefix_budget;
+    let budget = if split { 0 } else { plan.prefix_budget };
     let controllers = (0..BATCH_BUCKETS)
         .map(|_| DepthController::new(cfg.max_draft_depth, cfg.draft_depth))
         .collect();
-    let disk = open_disk(&cfg, &model, draft.as_deref());
+    let disk = (!split)
+        .then(|| open_disk(&cfg, &model, draft.as_deref()))
+        .flatten();
     if let Some(d) = &disk {
         let _ = shared.disk.set((Arc::clone(d.stats()), d.budget()));
     }
@@ -812,6 +845,7 @@ impl Engine {
 
     /// A finished or cancelled sequence leaves what it computed to the prefix cache.
     fn retire(&mut self, a: Active) {
+        self.model.model.release(a.gen.seq());
         if a.failed {
             return;
         }
@@ -842,6 +876,7 @@ impl Engine {
         self.with_ctx(0, |ctx, active, _| {
             for mut a in std::mem::take(active) {
                 let _ = a.gen.cancel(ctx);
+                ctx.model.release(a.gen.seq());
                 let _ = a.job.events.send(Event::Error(
                     "the runner is shutting down: the completion was interrupted".into(),
                 ));

@@ -323,6 +323,12 @@ impl Generation {
         })
     }
 
+    /// The sequence's identity in a packed forward pass ([`models::PackedRow::seq`]): its
+    /// slot, counted from 1 (0 is a row of one pass only).
+    pub fn seq(&self) -> u64 {
+        self.slot as u64 + 1
+    }
+
     pub fn slot(&self) -> usize {
         self.slot
     }

@@ -9,6 +9,7 @@ pub mod media;
 pub mod memory;
 pub mod metrics;
 pub mod process;
+pub mod replica;
 mod round;
 pub mod server;
 pub mod step;

@@ -19,6 +19,18 @@ pub struct RunnerOptions {
 enum Exit {
     Signal(&'static str),
     ParentGone,
+    /// A rank of the split model was lost: streams end with errors, the process non-zero.
+    RankLost,
+}
+
+/// Resolves when a rank of a split model was lost (the engine sets `lost`).
+async fn rank_lost(lost: std::sync::Arc<std::sync::atomic::AtomicBool>) -> Exit {
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if lost.load(std::sync::atomic::Ordering::SeqCst) {
+            return Exit::RankLost;
+        }
+    }
 }
 
 /// The process that started us, read once at start: a parent that dies while the model loads
@@ -95,15 +107,27 @@ pub async fn run(opts: RunnerOptions) -> Result<(), String> {
     let why = tokio::select! {
         e = signals.wait() => Exit::Signal(e),
         e = parent_gone(parent) => e,
+        e = rank_lost(shared.rank_lost.clone()) => e,
     };
-    match why {
-        Exit::Signal(s) => tracing::info!("{s}: finishing in-flight streams and exiting"),
-        Exit::ParentGone => tracing::info!("parent process exited; shutting down"),
-    }
+    let failed = match why {
+        Exit::Signal(s) => {
+            tracing::info!("{s}: finishing in-flight streams and exiting");
+            None
+        }
+        Exit::ParentGone => {
+            tracing::info!("parent process exited; shutting down");
+            None
+        }
+        Exit::RankLost => Some("a rank of the split model was lost".to_string()),
+    };
     // End every stream (each gets its final chunk), then stop serving.
     let _ = jobs.send(Job::Shutdown);
     let _ = stop_tx.send(());
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    if let Some(e) = failed {
+        // The engine's collectives may never return: do not wait for its thread.
+        return Err(e);
+    }
     let _ = tokio::task::spawn_blocking(move || join.join()).await;
     Ok(())
 }

@@ -40,6 +40,7 @@ fn engine(target: &str, draft: Option<&str>, drafting: bool, interval: usize) ->
         draft_depth: if drafting { None } else { Some(0) },
         max_draft_depth: 4,
         draft_position: models::gemma4_assistant::QueryPosition::LastCommitted,
+        cluster: None,
     };
     let mut handle = spawn(cfg).unwrap();
     let loaded = std::mem::replace(&mut handle.loaded, tokio::sync::oneshot::channel().1);

@@ -43,6 +43,7 @@ fn config(
         draft_depth: depth,
         max_draft_depth: 4,
         draft_position: position,
+        cluster: None,
     }
 }
 

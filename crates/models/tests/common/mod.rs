@@ -52,6 +52,7 @@ pub fn mm_logits(
             .forward_packed(
                 &tokens,
                 &mut [PackedRow {
+                    seq: 0,
                     len: n,
                     caches: &mut caches,
                     media: &media,

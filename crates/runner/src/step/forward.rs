@@ -99,6 +99,7 @@ pub(crate) fn run(
         .zip(&media)
         .filter_map(|((g, l), m)| {
             l.map(|len| models::PackedRow {
+                seq: g.seq(),
                 len,
                 caches: g.caches_mut(),
                 media: m,

@@ -1,0 +1,180 @@
+//! The HTTP runner over a model split between ranks (MLX's ring backend over loopback): rank 0
+//! serves and samples, the ranks it starts replay its forward passes.
+
+mod common;
+use common::{outcome, wait_timeout, Runner};
+
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn hostfile(ranks: usize) -> (tempfile::TempDir, PathBuf) {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("hosts.json");
+    let hosts: Vec<Value> = (0..ranks)
+        .map(|_| json!({"ssh": "localhost", "ips": ["127.0.0.1"]}))
+        .collect();
+    std::fs::write(&p, serde_json::to_vec(&hosts).unwrap()).unwrap();
+    (d, p)
+}
+
+/// A first port with `n` free ones from it.
+fn ring_port(n: u16) -> u16 {
+    for _ in 0..200 {
+        let base = common::free_port();
+        if base <= u16::MAX - n
+            && (base..base + n).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
+        {
+            return base;
+        }
+    }
+    panic!("no {n} consecutive free ports");
+}
+
+fn split_runner(model: &str, ranks: usize, hosts: &Path, extra: &[&str]) -> Runner {
+    let port = ring_port(ranks as u16).to_string();
+    let mut args = vec![
+        "--hostfile",
+        hosts.to_str().unwrap(),
+        "--ring-port",
+        port.as_str(),
+    ];
+    args.extend(extra);
+    Runner::start(model, &args)
+}
+
+fn request(prompt: &str) -> Value {
+    json!({
+        "Prompt": prompt,
+        "Options": {"num_predict": 16, "temperature": 0},
+        "Logprobs": true,
+        "TopLogprobs": 2,
+    })
+}
+
+/// One at a time, a split model answers with the same bits as one process; several at once
+/// (batched into packed passes the other ranks replay, sequences starting and ending between
+/// them), the same text and logprobs within 1e-4.
+#[test]
+fn a_split_model_serves_what_one_process_serves() {
+    let prompts = [
+        "The quick brown fox",
+        "Once upon a time, in a land far away",
+        "1, 2, 3, 4,",
+    ];
+    let requests: Vec<Value> = prompts.iter().map(|p| request(p)).collect();
+    for (model, ranks) in [
+        ("glm4_moe_lite", 2),
+        ("gemma4_31b_like", 3),
+        ("gemma4_e2b_like", 2),
+        ("gemma4_26b_a4b_like_q4", 2),
+    ] {
+        let same = ["--prefill-chunk", "8", "--no-draft"];
+        // A split model keeps no prefix cache: neither does the process it is compared with
+        // (a restored prefix changes how the prompt is chunked, and so the last bits).
+        let solo = Runner::start(
+            model,
+            &[&same[..], &["--parallel", "1", "--cache-budget", "0"]].concat(),
+        );
+        let alone: Vec<(String, Vec<f64>)> = requests
+            .iter()
+            .map(|b| outcome(&solo.complete(b)))
+            .collect();
+        drop(solo);
+        let (_d, hosts) = hostfile(ranks);
+        let split = Arc::new(split_runner(
+            model,
+            ranks,
+            &hosts,
+            &[&same[..], &["--parallel", "4"]].concat(),
+        ));
+        for (i, b) in requests.iter().enumerate() {
+            assert_eq!(
+                outcome(&split.complete(b)),
+                alone[i],
+                "{model}: request {i}"
+            );
+        }
+        let handles: Vec<_> = requests
+            .iter()
+            .cloned()
+            .map(|b| {
+                let r = Arc::clone(&split);
+                std::thread::spawn(move || outcome(&r.complete(&b)))
+            })
+            .collect();
+        for (i, h) in handles.into_iter().enumerate() {
+            let (text, lps) = h.join().unwrap();
+            assert_eq!(text, alone[i].0, "{model}: request {i} together");
+            for (a, b) in lps.iter().zip(&alone[i].1) {
+                assert!((a - b).abs() < 1e-4, "{model}: request {i}: {a} vs {b}");
+            }
+        }
+        let split = Arc::try_unwrap(split).ok().unwrap();
+        let (status, err) = split.terminate();
+        assert!(status.success(), "{err}");
+        assert!(err.contains("split model"), "{err}");
+    }
+}
+
+/// The processes whose command line names `hostfile` and `worker`.
+fn workers_of(hostfile: &Path) -> Vec<u32> {
+    let needle = hostfile.to_string_lossy().into_owned();
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmd = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        let state = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        let zombie = state
+            .rsplit(')')
+            .next()
+            .is_some_and(|s| s.trim_start().starts_with('Z'));
+        if cmd.contains(&needle) && cmd.contains(" worker ") && !zombie {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+fn signal(pid: u32, sig: libc::c_int) {
+    // SAFETY: a plain syscall.
+    unsafe { libc::kill(pid as libc::pid_t, sig) };
+}
+
+/// A rank killed mid-stream: the stream ends with an in-stream error, rank 0 exits non-zero
+/// (its parent starts it again) and no rank is left running. Rank 0 is held still while the
+/// rank dies, so the kill lands mid-stream however fast the model is.
+#[test]
+fn a_lost_rank_ends_the_stream_with_an_error_and_the_runner_non_zero() {
+    let (_d, hosts) = hostfile(2);
+    let mut split = split_runner("gemma4_31b_like", 2, &hosts, &["--no-draft"]);
+    let workers = workers_of(&hosts);
+    assert_eq!(workers.len(), 1, "{workers:?}");
+    let body = json!({"Prompt": "hello", "Options": {"num_predict": 400, "temperature": 0}});
+    let resp = ureq::post(&split.url("/v1/completions"))
+        .send_string(&body.to_string())
+        .unwrap();
+    let mut lines = BufReader::new(resp.into_reader()).lines();
+    let first = lines.next().unwrap().unwrap();
+    assert!(first.contains("Content"), "{first}");
+    let rank0 = split.child.id();
+    signal(rank0, libc::SIGSTOP);
+    signal(workers[0], libc::SIGKILL);
+    std::thread::sleep(Duration::from_millis(100));
+    signal(rank0, libc::SIGCONT);
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let last = rest.last().cloned().unwrap_or_default();
+    assert!(
+        last.contains("\"Error\"") && last.contains("ranks failed"),
+        "{last}"
+    );
+    let status = wait_timeout(&mut split.child, Duration::from_secs(20))
+        .expect("rank 0 still running after losing a rank");
+    assert!(!status.success());
+    assert!(workers_of(&hosts).is_empty());
+}
