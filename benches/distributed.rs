@@ -11,7 +11,9 @@
 //! leaves mlx-lm out (it takes minutes a run here).
 
 mod common;
-use common::{free_port, output_with_peak_rss, peer_python, rate, root, system_openblas};
+use common::{
+    free_port, output_with_peak_rss, peer_python, rate, real_shape_model, root, system_openblas,
+};
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -22,20 +24,7 @@ const NEW_TOKENS: &str = "16";
 
 fn model(python: &Path) -> Option<PathBuf> {
     let dir = root().join(format!("target/real-glm-q4-{LAYERS}l"));
-    if !dir.join("config.json").exists() {
-        let ok = Command::new(python)
-            .arg(root().join("benches/make_real_shape_models.py"))
-            .args(["glm"])
-            .arg(&dir)
-            .arg(LAYERS)
-            .status()
-            .is_ok_and(|s| s.success());
-        if !ok {
-            eprintln!("could not write {}", dir.display());
-            return None;
-        }
-    }
-    Some(dir)
+    real_shape_model(python, "glm", dir, Some(LAYERS))
 }
 
 /// A hostfile of `n` ranks on loopback.

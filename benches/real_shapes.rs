@@ -12,10 +12,9 @@
 //! `BENCH_REAL=e2b` or `glm` runs one model; `BENCH_REAL_ROUNDS=n` sets the rounds (3).
 
 mod common;
-use common::{median, ours_run, peer_python, peer_run, root, Generation};
+use common::{median, ours_run, peer_python, peer_run, real_shape_model, root, Generation};
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 const TOKENS: &str = "8";
 const PROMPT: &str =
@@ -25,19 +24,7 @@ const PROMPT: &str =
 
 fn model(python: &Path, which: &str) -> Option<PathBuf> {
     let dir = root().join(format!("target/real-{which}-q4"));
-    if !dir.join("config.json").exists() {
-        let ok = Command::new(python)
-            .arg(root().join("benches/make_real_shape_models.py"))
-            .arg(which)
-            .arg(&dir)
-            .status()
-            .is_ok_and(|s| s.success());
-        if !ok {
-            eprintln!("could not write {}", dir.display());
-            return None;
-        }
-    }
-    Some(dir)
+    real_shape_model(python, which, dir, None)
 }
 
 fn medians(runs: &[Generation]) -> Generation {

@@ -1,9 +1,11 @@
 //! A model split over ranks (MLX's ring backend over loopback), run through the real binary
 //! as a user runs it: rank 0 given a hostfile starts the other ranks itself.
 
+mod common;
+use common::cluster::{hostfile, local, processes, ring_port, signal};
+
 use std::io::Read;
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -22,42 +24,6 @@ fn fixture(name: &str) -> String {
         "{}/tests/fixtures/models/{name}",
         env!("CARGO_MANIFEST_DIR")
     )
-}
-
-/// A hostfile of `ips` (one rank each), in its own directory: the path also names the run's
-/// processes, which the tests look for.
-fn hostfile(ips: &[&str]) -> (tempfile::TempDir, PathBuf) {
-    let d = tempfile::tempdir().unwrap();
-    let p = d.path().join("hosts.json");
-    let hosts: Vec<serde_json::Value> = ips
-        .iter()
-        .map(|ip| serde_json::json!({"ssh": "localhost", "ips": [ip]}))
-        .collect();
-    std::fs::write(&p, serde_json::to_vec(&hosts).unwrap()).unwrap();
-    (d, p)
-}
-
-fn local(ranks: usize) -> (tempfile::TempDir, PathBuf) {
-    hostfile(&vec!["127.0.0.1"; ranks])
-}
-
-/// A first port with `n` free ones from it.
-fn ring_port(n: u16) -> u16 {
-    for _ in 0..200 {
-        let base = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        if base > u16::MAX - n {
-            continue;
-        }
-        let free = (base..base + n).all(|p| TcpListener::bind(("127.0.0.1", p)).is_ok());
-        if free {
-            return base;
-        }
-    }
-    panic!("no {n} consecutive free ports");
 }
 
 fn generate(model: &str, extra: &[&str], hosts: Option<&Path>) -> Command {
@@ -239,32 +205,7 @@ fn bad_cluster_arguments_are_clear_errors() {
 
 /// The processes whose command line names `hostfile`: the run's ranks.
 fn ranks_of(hostfile: &Path) -> Vec<u32> {
-    let needle = hostfile.to_string_lossy().into_owned();
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(cmd) = std::fs::read(entry.path().join("cmdline")) else {
-            continue;
-        };
-        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-        // Not a zombie: a process that has exited and awaits its parent's wait.
-        let state = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-        let zombie = state
-            .rsplit(')')
-            .next()
-            .is_some_and(|s| s.trim_start().starts_with('Z'));
-        if cmd.contains(&needle) && !zombie {
-            pids.push(pid);
-        }
-    }
-    pids
-}
-
-fn signal(pid: u32, sig: libc::c_int) {
-    // SAFETY: a plain syscall.
-    unsafe { libc::kill(pid as libc::pid_t, sig) };
+    processes(hostfile, "")
 }
 
 /// Starts a long split run and waits for its first token; returns rank 0 and the other

@@ -2,36 +2,14 @@
 //! serves and samples, the ranks it starts replay its forward passes.
 
 mod common;
+use common::cluster::{local, processes, ring_port, signal};
 use common::{outcome, wait_timeout, Runner};
 
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
-
-fn hostfile(ranks: usize) -> (tempfile::TempDir, PathBuf) {
-    let d = tempfile::tempdir().unwrap();
-    let p = d.path().join("hosts.json");
-    let hosts: Vec<Value> = (0..ranks)
-        .map(|_| json!({"ssh": "localhost", "ips": ["127.0.0.1"]}))
-        .collect();
-    std::fs::write(&p, serde_json::to_vec(&hosts).unwrap()).unwrap();
-    (d, p)
-}
-
-/// A first port with `n` free ones from it.
-fn ring_port(n: u16) -> u16 {
-    for _ in 0..200 {
-        let base = common::free_port();
-        if base <= u16::MAX - n
-            && (base..base + n).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
-        {
-            return base;
-        }
-    }
-    panic!("no {n} consecutive free ports");
-}
 
 fn split_runner(model: &str, ranks: usize, hosts: &Path, extra: &[&str]) -> Runner {
     let port = ring_port(ranks as u16).to_string();
@@ -83,7 +61,7 @@ fn a_split_model_serves_what_one_process_serves() {
             .map(|b| outcome(&solo.complete(b)))
             .collect();
         drop(solo);
-        let (_d, hosts) = hostfile(ranks);
+        let (_d, hosts) = local(ranks);
         let split = Arc::new(split_runner(
             model,
             ranks,
@@ -119,41 +97,14 @@ fn a_split_model_serves_what_one_process_serves() {
     }
 }
 
-/// The processes whose command line names `hostfile` and `worker`.
-fn workers_of(hostfile: &Path) -> Vec<u32> {
-    let needle = hostfile.to_string_lossy().into_owned();
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let cmd = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-        let state = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-        let zombie = state
-            .rsplit(')')
-            .next()
-            .is_some_and(|s| s.trim_start().starts_with('Z'));
-        if cmd.contains(&needle) && cmd.contains(" worker ") && !zombie {
-            pids.push(pid);
-        }
-    }
-    pids
-}
-
-fn signal(pid: u32, sig: libc::c_int) {
-    // SAFETY: a plain syscall.
-    unsafe { libc::kill(pid as libc::pid_t, sig) };
-}
-
 /// A rank killed mid-stream: the stream ends with an in-stream error, rank 0 exits non-zero
 /// (its parent starts it again) and no rank is left running. Rank 0 is held still while the
 /// rank dies, so the kill lands mid-stream however fast the model is.
 #[test]
 fn a_lost_rank_ends_the_stream_with_an_error_and_the_runner_non_zero() {
-    let (_d, hosts) = hostfile(2);
+    let (_d, hosts) = local(2);
     let mut split = split_runner("gemma4_31b_like", 2, &hosts, &["--no-draft"]);
-    let workers = workers_of(&hosts);
+    let workers = processes(&hosts, " worker ");
     assert_eq!(workers.len(), 1, "{workers:?}");
     let body = json!({"Prompt": "hello", "Options": {"num_predict": 400, "temperature": 0}});
     let resp = ureq::post(&split.url("/v1/completions"))
@@ -176,5 +127,5 @@ fn a_lost_rank_ends_the_stream_with_an_error_and_the_runner_non_zero() {
     let status = wait_timeout(&mut split.child, Duration::from_secs(20))
         .expect("rank 0 still running after losing a rank");
     assert!(!status.success());
-    assert!(workers_of(&hosts).is_empty());
+    assert!(processes(&hosts, " worker ").is_empty());
 }

@@ -561,3 +561,27 @@ pub fn output_with_peak_rss(cmd: &mut Command) -> (String, String, u64) {
     unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
     (stdout, stderr, usage.ru_maxrss as u64 * 1024)
 }
+
+/// A model of real widths with random 4-bit weights (benches/make_real_shape_models.py;
+/// `which`: `e2b` or `glm`, `layers` instead of its default), written into `dir` once.
+pub fn real_shape_model(
+    python: &Path,
+    which: &str,
+    dir: PathBuf,
+    layers: Option<&str>,
+) -> Option<PathBuf> {
+    if !dir.join("config.json").exists() {
+        let ok = Command::new(python)
+            .arg(root().join("benches/make_real_shape_models.py"))
+            .arg(which)
+            .arg(&dir)
+            .args(layers)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("could not write {}", dir.display());
+            return None;
+        }
+    }
+    Some(dir)
+}

@@ -4,6 +4,7 @@
 
 use serde_json::Value;
 
+pub mod cluster;
 pub mod serve;
 pub mod turn;
 use std::io::{BufRead, BufReader, Read};

@@ -91,23 +91,33 @@ impl ModelFiles {
         })
     }
 
+    /// Every file in a fixed order (the named files by name, then the weights), with its name
+    /// (`tensors` for a weights file), the digest the store gave it, and whether it holds
+    /// weights.
+    fn named_files(&self) -> impl Iterator<Item = (&str, &PathBuf, Option<&String>, bool)> {
+        let digest = |p: &Path| self.digests.iter().find(|(d, _)| d == p).map(|(_, h)| h);
+        let mut names: Vec<(&String, &PathBuf)> = self.files.iter().collect();
+        names.sort();
+        names
+            .into_iter()
+            .map(move |(n, p)| (n.as_str(), p, digest(p), false))
+            .chain(
+                self.tensors
+                    .iter()
+                    .map(move |p| ("tensors", p, digest(p), true)),
+            )
+    }
+
     /// A key that changes whenever what the model computes could: each file's digest where the
     /// store gave one, else its canonical path, length and modification time (hashing a
     /// directory's weights at every start would cost a full read of them). What the prefix
     /// cache's disk tier files blocks under.
     pub fn identity(&self) -> String {
-        let digest = |p: &Path| self.digests.iter().find(|(d, _)| d == p).map(|(_, h)| h);
         let mut h = Sha256::new();
-        let mut names: Vec<(&String, &PathBuf)> = self.files.iter().collect();
-        names.sort();
-        let named = names
-            .into_iter()
-            .map(|(n, p)| (n.as_str(), p))
-            .chain(self.tensors.iter().map(|p| ("tensors", p)));
-        for (name, path) in named {
+        for (name, path, digest, _) in self.named_files() {
             h.update(name.as_bytes());
             h.update([0]);
-            match digest(path) {
+            match digest {
                 Some(d) => h.update(d.as_bytes()),
                 None => {
                     let real = path.canonicalize().unwrap_or_else(|_| path.clone());
@@ -137,18 +147,11 @@ impl ModelFiles {
     /// cost a full read of the model. What the ranks of a split model compare.
     pub fn content_key(&self) -> std::io::Result<String> {
         use std::io::{Seek, SeekFrom};
-        let digest = |p: &Path| self.digests.iter().find(|(d, _)| d == p).map(|(_, h)| h);
         let mut h = Sha256::new();
-        let mut names: Vec<(&String, &PathBuf)> = self.files.iter().collect();
-        names.sort();
-        let named = names
-            .into_iter()
-            .map(|(n, p)| (n.as_str(), p, false))
-            .chain(self.tensors.iter().map(|p| ("tensors", p, true)));
-        for (name, path, weights) in named {
+        for (name, path, digest, weights) in self.named_files() {
             h.update(name.as_bytes());
             h.update([0]);
-            if let Some(d) = digest(path) {
+            if let Some(d) = digest {
                 h.update(d.as_bytes());
                 continue;
             }
