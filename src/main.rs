@@ -432,6 +432,14 @@ struct ServeArgs {
     /// [env MLX_RUNNER_MEMORY_LIMIT; default: what the machine has available].
     #[arg(long)]
     memory_limit: Option<String>,
+    /// Split every model over the ranks of this hostfile (mlx.launch's JSON; each runner
+    /// starts the ranks on loopback addresses itself) [env MLX_RUNNER_HOSTFILE].
+    #[arg(long)]
+    hostfile: Option<PathBuf>,
+    /// The ranks' first ring port, for ranks on other hosts started with the same one
+    /// [env MLX_RUNNER_RING_PORT; default: a free block for each runner].
+    #[arg(long)]
+    ring_port: Option<u16>,
     /// Extra allowed browser origins, comma-separated [env MLX_RUNNER_ORIGINS].
     #[arg(long)]
     origins: Option<String>,
@@ -461,6 +469,42 @@ fn duration_setting(
                 std::time::Duration::from_secs(default),
             ))
         })
+}
+
+/// The ranks `serve --hostfile` splits models over, the hostfile checked now rather than at
+/// each runner's start.
+fn serve_ranks(
+    hostfile: Option<PathBuf>,
+    ring_port: Option<u16>,
+) -> Result<Option<serve::sched::Ranks>> {
+    let Some(path) =
+        hostfile.or_else(|| std::env::var_os("MLX_RUNNER_HOSTFILE").map(PathBuf::from))
+    else {
+        return Ok(None);
+    };
+    let h = runner::cluster::Hostfile::read(&path).map_err(anyhow::Error::msg)?;
+    let ring_port = match env_or(ring_port.map(|p| p.to_string()), "MLX_RUNNER_RING_PORT") {
+        None => None,
+        Some(v) => Some(
+            v.trim()
+                .parse::<u16>()
+                .map_err(|_| anyhow::anyhow!("the ring port must be a port number, got {v:?}"))?,
+        ),
+    };
+    if ring_port.is_none() && !h.hosts.iter().all(|r| r.is_local()) {
+        anyhow::bail!(
+            "{}: ranks on other hosts wait on a known ring port: give serve --ring-port (and \
+             those ranks the same)",
+            h.path.display()
+        );
+    }
+    let ports = h.hosts.iter().map(|r| r.ips.len()).sum::<usize>();
+    Ok(Some(serve::sched::Ranks {
+        count: h.hosts.len(),
+        ports: u16::try_from(ports).unwrap_or(u16::MAX),
+        hostfile: h.path,
+        ring_port,
+    }))
 }
 
 fn serve(a: ServeArgs) -> Result<()> {
@@ -510,6 +554,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         memory_limit: env_or(a.memory_limit, "MLX_RUNNER_MEMORY_LIMIT")
             .map(|v| parse_bytes(&v).map_err(|e| anyhow::anyhow!("the memory limit: {e}")))
             .transpose()?,
+        ranks: serve_ranks(a.hostfile, a.ring_port)?,
         origins: env_or(a.origins, "MLX_RUNNER_ORIGINS")
             .map(|o| o.split(',').map(String::from).collect())
             .unwrap_or_default(),

@@ -3,6 +3,7 @@
 
 mod common;
 use common::cluster::{local, processes, ring_port, signal};
+use common::serve::Serve;
 use common::{outcome, wait_timeout, Runner};
 
 use serde_json::{json, Value};
@@ -128,4 +129,29 @@ fn a_lost_rank_ends_the_stream_with_an_error_and_the_runner_non_zero() {
         .expect("rank 0 still running after losing a rank");
     assert!(!status.success());
     assert!(processes(&hosts, " worker ").is_empty());
+}
+
+/// `serve --hostfile`: the runners it starts split their models over the ranks, answer as one
+/// process does, and `/api/ps` says over how many.
+#[test]
+fn serve_splits_its_models_over_the_hostfile_ranks() {
+    let (_d, hosts) = local(2);
+    let body = json!({
+        "model": "gem",
+        "prompt": "The quick brown fox",
+        "raw": true,
+        "stream": false,
+        "options": {"num_predict": 12, "temperature": 0},
+    });
+    let plain = Serve::start(&[]);
+    let (code, alone) = plain.post("/api/generate", &body);
+    assert_eq!(code, 200, "{alone}");
+    drop(plain);
+    let split = Serve::start(&[("MLX_RUNNER_HOSTFILE", hosts.to_str().unwrap())]);
+    let (code, answer) = split.post("/api/generate", &body);
+    assert_eq!(code, 200, "{answer}");
+    assert_eq!(answer["response"], alone["response"]);
+    let ps = split.get("/api/ps");
+    assert_eq!(ps["models"][0]["ranks"], 2, "{ps}");
+    assert_eq!(processes(&hosts, " worker ").len(), 1);
 }

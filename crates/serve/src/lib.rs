@@ -46,6 +46,8 @@ pub struct ServeConfig {
     pub stall_timeout: Duration,
     /// Bytes all runners together may use (`None`: what the machine has available).
     pub memory_limit: Option<u64>,
+    /// Runners split their models over these ranks.
+    pub ranks: Option<sched::Ranks>,
     pub origins: Vec<String>,
     /// The executable spawned as `runner`.
     pub exe: PathBuf,
@@ -191,6 +193,7 @@ pub async fn run(cfg: ServeConfig) -> anyhow::Result<()> {
         stall_timeout: cfg.stall_timeout,
         parallel: cfg.parallel,
         memory_limit: cfg.memory_limit,
+        ranks: cfg.ranks.clone(),
     });
     // Signals are caught from before anyone can know serve is up.
     let mut signals = base::signals::Termination::new();

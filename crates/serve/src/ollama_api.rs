@@ -406,6 +406,8 @@ pub async fn ps(State(app): State<Arc<App>>) -> Response {
             "expires_at": time_of(expires),
             "size_vram": 0,
             "context_length": r.context_length.load(std::sync::atomic::Ordering::SeqCst),
+            // Ours: the processes the model is split over.
+            "ranks": r.ranks,
         }));
     }
     axum::Json(json!({ "models": models })).into_response()

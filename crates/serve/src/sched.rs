@@ -34,10 +34,24 @@ pub struct SchedConfig {
     pub stall_timeout: Duration,
     /// The runner's `--parallel`.
     pub parallel: usize,
+    /// Runners split their models over these ranks (docs/DISTRIBUTED.md).
+    pub ranks: Option<Ranks>,
     /// Bytes every runner together may use; `None`: what the machine has available. Models
     /// are placed within it (see [`Scheduler::make_room`]) and each runner plans its context
     /// and prefix cache within its share (`--memory-limit`).
     pub memory_limit: Option<u64>,
+}
+
+/// The ranks a runner splits its model over: a hostfile, read by the runner.
+#[derive(Debug, Clone)]
+pub struct Ranks {
+    pub hostfile: PathBuf,
+    /// How many ranks it names, and how many ring ports they take (one per rank and address).
+    pub count: usize,
+    pub ports: u16,
+    /// The first ring port, where ranks on other hosts wait on a known one; `None`: a free
+    /// block on this machine for each runner (ranks on loopback only).
+    pub ring_port: Option<u16>,
 }
 
 /// What a runner is started for.
@@ -70,6 +84,8 @@ pub struct Runner {
     pub name: String,
     pub digest: String,
     pub port: u16,
+    /// The ranks its model is split over (1: one process).
+    pub ranks: usize,
     pub context_length: AtomicU64,
     pub memory: AtomicU64,
     /// What it may grow to: its memory once loaded plus its prefix cache's budget. A runner
@@ -619,6 +635,18 @@ impl Scheduler {
         if let Some(share) = share {
             cmd.arg("--memory-limit").arg(share.to_string());
         }
+        if let Some(r) = &self.cfg.ranks {
+            let ring = match r.ring_port {
+                Some(p) => p,
+                None => free_ports(r.ports).map_err(|e| {
+                    LoadError::Failed(format!("no {} free ring ports: {e}", r.ports))
+                })?,
+            };
+            cmd.arg("--hostfile")
+                .arg(&r.hostfile)
+                .arg("--ring-port")
+                .arg(ring.to_string());
+        }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -660,6 +688,7 @@ impl Scheduler {
             name: target.name.clone(),
             digest: target.digest.clone(),
             port,
+            ranks: self.cfg.ranks.as_ref().map_or(1, |r| r.count),
             context_length: AtomicU64::new(0),
             memory: AtomicU64::new(0),
             committed: AtomicU64::new(0),
@@ -764,6 +793,22 @@ fn free_port() -> std::io::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
+}
+
+/// The first of `n` consecutive ports free on this machine now.
+fn free_ports(n: u16) -> std::io::Result<u16> {
+    for _ in 0..100 {
+        let base = free_port()?;
+        let free = base.checked_add(n).is_some()
+            && (base..base + n).all(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok());
+        if free {
+            return Ok(base);
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::AddrInUse,
+        "no block of free ports",
+    ))
 }
 
 /// tracing's colours, if the runner logs with them.
