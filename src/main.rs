@@ -905,16 +905,11 @@ fn runner(a: RunnerArgs) -> Result<()> {
     let (engine, model) = a.draft.engine(&a.model, a.dtype)?;
     let cluster = match &a.cluster.hostfile {
         None => None,
-        Some(hostfile) => {
-            if a.draft.draft.is_some() {
-                anyhow::bail!("--draft: drafting on a model split over ranks is not supported yet");
-            }
-            Some(runner::replica::LeadConfig {
-                join: a.cluster.join_options(hostfile, 0)?,
-                argv: std::env::args().skip(1).collect(),
-                rank_timeout: seconds(a.cluster.rank_timeout, "--rank-timeout")?,
-            })
-        }
+        Some(hostfile) => Some(runner::replica::LeadConfig {
+            join: a.cluster.join_options(hostfile, 0)?,
+            argv: std::env::args().skip(1).collect(),
+            rank_timeout: seconds(a.cluster.rank_timeout, "--rank-timeout")?,
+        }),
     };
     let stored = &model.parameters;
     let cache_disk = disk_tier(

@@ -155,3 +155,93 @@ fn serve_splits_its_models_over_the_hostfile_ranks() {
     assert_eq!(ps["models"][0]["ranks"], 2, "{ps}");
     assert_eq!(processes(&hosts, " worker ").len(), 1);
 }
+
+/// Drafting on a split model: rank 0's drafter (GLM's MTP layer, prompt lookup) proposes, the
+/// verify blocks go through the split target, and the other ranks rewind where rank 0 rejected
+/// drafts: greedy output is the output without drafting, alone and batched. A grammar holds
+/// there too (rank 0 masks and samples).
+#[test]
+fn a_split_model_drafts_and_keeps_to_a_grammar() {
+    let prompt = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3";
+    let body = json!({
+        "Prompt": prompt,
+        "Options": {"num_predict": 48, "temperature": 0},
+    });
+    for (model, draft) in [
+        ("glm4_moe_lite", &[][..]),
+        ("gemma4_31b_like", &["--draft", "ngram"][..]),
+    ] {
+        let solo = Runner::start(model, &["--no-draft", "--cache-budget", "0"]);
+        let want = common::text_of(&solo.complete(&body));
+        drop(solo);
+        let (_d, hosts) = local(2);
+        let split = Arc::new(split_runner(
+            model,
+            2,
+            &hosts,
+            &[draft, &["--parallel", "2"]].concat(),
+        ));
+        let lines = split.complete(&body);
+        assert_eq!(common::text_of(&lines), want, "{model}");
+        let done = common::done_of(&lines);
+        assert!(done["DraftTokens"].as_u64().unwrap() > 0, "{model}: {done}");
+        let handles: Vec<_> = (0..2)
+            .map(|_| {
+                let (r, b) = (Arc::clone(&split), body.clone());
+                std::thread::spawn(move || common::text_of(&r.complete(&b)))
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), want, "{model} batched");
+        }
+    }
+    let (_d, hosts) = local(2);
+    let split = split_runner("glm4_moe_lite", 2, &hosts, &[]);
+    let schema = json!({
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+    });
+    let lines = split.complete(&json!({
+        "Prompt": "A number:",
+        "Format": schema,
+        "Options": {"num_predict": 32, "temperature": 0.8, "seed": 3},
+    }));
+    let text = common::text_of(&lines);
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
+    assert!(v["n"].as_u64().is_some_and(|n| n <= 99), "{text}");
+}
+
+/// The gemma4 assistant reads the target's caches, which a split model spreads over ranks: a
+/// one-line refusal at start, no rank left running.
+#[test]
+fn the_assistant_is_refused_on_a_split_model() {
+    let (_d, hosts) = local(2);
+    let out = common::binary()
+        .args(["runner", "--model"])
+        .arg(common::fixture("gemma4_e2b_like"))
+        .arg("--draft")
+        .arg(common::fixture("gemma4_assistant"))
+        .args(["--port", &common::free_port().to_string()])
+        .args(["--ring-port", &ring_port(2).to_string(), "--hostfile"])
+        .arg(&hosts)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    let last = err.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: ")
+            && last.contains("split over ranks")
+            && last.contains("not supported"),
+        "{err}"
+    );
+    let started = std::time::Instant::now();
+    while !processes(&hosts, "").is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "ranks left running"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -643,8 +643,8 @@ impl Glm4MoeLite {
         parallel::split_layers(&bytes, ranks, end_bytes, |_| true)
     }
 
-    /// The model, or with `stage` only that stage's layers (and their caches). A stage has no
-    /// MTP drafter: the drafter reads the last layer's hidden states, on the last rank.
+    /// The model, or with `stage` only that stage's layers (and their caches). Of a split
+    /// model, only rank 0 leading it has the MTP drafter.
     pub fn with_stage(cfg: GlmConfig, w: &Weights, stage: Option<Stage>) -> Result<Glm4MoeLite> {
         let root = w.root();
         let model = root.pp("model");
@@ -672,7 +672,12 @@ impl Glm4MoeLite {
             .then(|| model.pp("embed_tokens").embedding(cfg.vocab_size, h))
             .transpose()?;
         let rope = cfg.rope()?;
-        let mtp = if stage.is_none()
+        // The MTP layer drafts from the final hidden states with the embedding and the head:
+        // where rank 0 leads a split model, it holds all three.
+        let drafts = stage
+            .as_ref()
+            .is_none_or(|st| st.is_first() && st.holds_head());
+        let mtp = if drafts
             && cfg.num_nextn_predict_layers > 0
             && w.contains(&format!("model.layers.{n}.eh_proj.weight"))
         {

@@ -248,10 +248,16 @@ fn draft_impl(
     let model_type = file.model_type()?;
     if model_type == "gemma4_assistant" {
         let Some(t) = target.model.as_any().downcast_ref::<gemma4::Gemma4>() else {
-            return Err(file.error(format!(
-                "a gemma4_assistant drafts for gemma4 targets; the target is {}",
-                target.model.architecture()
-            )));
+            return Err(file.error(if target.layers.is_some() {
+                "the gemma4 assistant reads the target's own caches, which a model split over \
+                 ranks spreads over several processes: not supported"
+                    .to_string()
+            } else {
+                format!(
+                    "a gemma4_assistant drafts for gemma4 targets; the target is {}",
+                    target.model.architecture()
+                )
+            }));
         };
         let weights = Weights::load_files(files, target.dtype, quant_config(&file)?)?;
         let a = gemma4_assistant::Gemma4Assistant::load(&file, &weights, t)?;

@@ -200,16 +200,11 @@ fn engine_main(
             return;
         }
     };
-    // A split model neither drafts nor keeps a prefix cache yet: the other ranks replay rank
-    // 0's forward passes, not the drafter's or the cache's restores.
+    // A split model keeps no prefix cache yet: the other ranks replay rank 0's forward passes,
+    // not the cache's restores. Its drafter runs on rank 0; verify blocks are forward passes
+    // like any other, and the other ranks rewind where rank 0 did.
     let split = cfg.cluster.is_some();
-    let draft = if split {
-        model.model.set_cache_format(cfg.kv_cache.0);
-        Ok(None)
-    } else {
-        load_drafter(&cfg, &mut model)
-    };
-    let draft = match draft {
+    let draft = match load_drafter(&cfg, &mut model) {
         Ok(d) => d,
         Err(e) => {
             let _ = loaded.send(Err(e));

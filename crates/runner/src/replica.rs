@@ -267,7 +267,7 @@ impl CausalLm for Leader {
     }
 
     fn builtin_drafter(&self) -> Option<Box<dyn Drafter>> {
-        None
+        self.inner.builtin_drafter()
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
