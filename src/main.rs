@@ -1029,26 +1029,14 @@ fn generate(a: GenerateArgs) -> Result<()> {
         anyhow::bail!("--draft: drafting on a model split over ranks is not supported yet");
     }
     let opts = a.cluster.join_options(&hostfile, 0)?;
-    let job = Job {
-        version: env!("CARGO_PKG_VERSION").into(),
-        argv: std::env::args().skip(1).collect(),
-        model: cfg
-            .model
-            .content_key()
-            .context("reading the model's files")?,
-        seed: random_seed(),
-    };
-    let cluster = Cluster::join(&opts, |r| opts.worker_argv(r)).map_err(anyhow::Error::msg)?;
-    // Sharing the job and checking it is part of joining.
-    cluster.watch(Some(opts.timeout), "joining");
-    cluster
-        .share(Some(&serde_json::to_vec(&job)?))
-        .map_err(anyhow::Error::msg)?;
-    let run = cluster
-        .agree("joining", Ok(()))
-        .and_then(|()| cluster.agree("checking the model", Ok(())))
-        .map_err(anyhow::Error::msg)
-        .and_then(|()| run_generate(a, cfg, model, Some((&cluster, job.seed))));
+    let job = Job::of(
+        std::env::args().skip(1).collect(),
+        &cfg.model,
+        random_seed(),
+    )
+    .map_err(anyhow::Error::msg)?;
+    let cluster = Cluster::lead(&opts, &job).map_err(anyhow::Error::msg)?;
+    let run = run_generate(a, cfg, model, Some((&cluster, job.seed)));
     // Every rank ends with rank 0's last collective; a rank that failed is an error too, and
     // where both failed, the rank's exit says why the collective did.
     let finished = cluster.finish(std::time::Duration::from_secs(30));

@@ -148,6 +148,24 @@ pub struct Job {
     pub seed: u64,
 }
 
+impl Job {
+    /// This process's job as rank 0: its version and command line, and `files`' content key.
+    pub fn of(
+        argv: Vec<String>,
+        files: &base::files::ModelFiles,
+        seed: u64,
+    ) -> Result<Job, String> {
+        Ok(Job {
+            version: env!("CARGO_PKG_VERSION").into(),
+            argv,
+            model: files
+                .content_key()
+                .map_err(|e| format!("reading the model's files: {e}"))?,
+            seed,
+        })
+    }
+}
+
 /// This process's place among the ranks.
 pub struct Cluster {
     pub group: Rc<Group>,
@@ -227,6 +245,19 @@ impl Cluster {
             local,
             watchdog,
         })
+    }
+
+    /// Joins as rank 0 (starting the ranks on this machine) and shares `job`; returns once
+    /// every rank has checked its version and its model against it (the other side of
+    /// [`Job`]'s checks is the worker's).
+    pub fn lead(opts: &JoinOptions, job: &Job) -> Result<Cluster, String> {
+        let cluster = Cluster::join(opts, |r| opts.worker_argv(r))?;
+        // Sharing the job and checking it is part of joining.
+        cluster.watch(Some(opts.timeout), "joining");
+        cluster.share(Some(&serde_json::to_vec(job).map_err(|e| e.to_string())?))?;
+        cluster.agree("joining", Ok(()))?;
+        cluster.agree("checking the model", Ok(()))?;
+        Ok(cluster)
     }
 
     pub fn rank(&self) -> usize {

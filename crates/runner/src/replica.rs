@@ -40,19 +40,9 @@ pub fn lead(
     cfg: &LeadConfig,
     broken: Arc<AtomicBool>,
 ) -> Result<LoadedModel, String> {
-    let job = Job {
-        version: env!("CARGO_PKG_VERSION").into(),
-        argv: cfg.argv.clone(),
-        model: files
-            .content_key()
-            .map_err(|e| format!("reading the model's files: {e}"))?,
-        seed: 0,
-    };
-    let cluster = Rc::new(Cluster::join(&cfg.join, |r| cfg.join.worker_argv(r))?);
-    cluster.watch(Some(cfg.join.timeout), "joining");
-    cluster.share(Some(&serde_json::to_vec(&job).map_err(|e| e.to_string())?))?;
-    cluster.agree("joining", Ok(()))?;
-    cluster.agree("checking the model", Ok(()))?;
+    // Rank 0 samples for every sequence: the job's seed is unused.
+    let job = Job::of(cfg.argv.clone(), files, 0)?;
+    let cluster = Rc::new(Cluster::lead(&cfg.join, &job)?);
     let mut loaded = load_stage(&cluster, files, dtype)?;
     loaded.model = Box::new(Leader::new(loaded.model, cluster, cfg.rank_timeout, broken));
     Ok(loaded)
