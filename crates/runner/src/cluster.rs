@@ -173,10 +173,18 @@ pub struct Cluster {
     watchdog: Watchdog,
 }
 
-/// What joining left on this machine: the ranks rank 0 started, MLX's ring file.
+/// The ranks rank 0 started on this machine.
 struct Local {
     children: Vec<(usize, Child)>,
-    ring_file: PathBuf,
+}
+
+/// A file removed when this goes: MLX's ring hostfile, which its init reads once.
+struct TempFile(PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 impl Cluster {
@@ -201,23 +209,22 @@ impl Cluster {
             ));
         }
         let nodes = hostfile.ring_nodes(opts.ring_port)?;
-        let ring_file = std::env::temp_dir().join(format!(
+        let ring_file = TempFile(std::env::temp_dir().join(format!(
             "mlx-runner-ring-{}-{}.json",
             std::process::id(),
             opts.rank
-        ));
+        )));
         std::fs::write(
-            &ring_file,
+            &ring_file.0,
             serde_json::to_vec(&nodes).map_err(|e| e.to_string())?,
         )
-        .map_err(|e| format!("writing {}: {e}", ring_file.display()))?;
-        // MLX's ring backend reads its place from the environment; this runs before any
-        // thread that reads the environment starts.
-        std::env::set_var("MLX_HOSTFILE", &ring_file);
+        .map_err(|e| format!("writing {}: {e}", ring_file.0.display()))?;
+        // MLX's ring backend reads its place from the environment, once, in its init; nothing
+        // else of ours reads these variables.
+        std::env::set_var("MLX_HOSTFILE", &ring_file.0);
         std::env::set_var("MLX_RANK", opts.rank.to_string());
         let mut local = Local {
             children: Vec::new(),
-            ring_file,
         };
         if opts.rank == 0 {
             for (rank, host) in hostfile.hosts.iter().enumerate().skip(1) {
@@ -231,9 +238,11 @@ impl Cluster {
         let watchdog = Watchdog::start(
             opts.timeout,
             join_failure(opts.timeout, opts.rank, &hostfile),
+            Some(ring_file.0.clone()),
         );
         let group = Group::init("ring").map_err(|e| format!("joining the ring: {e}"))?;
         watchdog.send(Tick::Phase(None));
+        drop(ring_file);
         if group.size() != size {
             return Err(format!(
                 "MLX formed a group of {} ranks from a hostfile of {size}",
@@ -415,7 +424,6 @@ impl Drop for Local {
             let _ = child.kill();
             let _ = child.wait();
         }
-        let _ = std::fs::remove_file(&self.ring_file);
     }
 }
 
@@ -476,7 +484,8 @@ enum Tick {
 }
 
 impl Watchdog {
-    fn start(limit: Duration, message: String) -> Watchdog {
+    /// Watches a first phase of `limit`; `leftover` is a file to remove if it ends the process.
+    fn start(limit: Duration, message: String, leftover: Option<PathBuf>) -> Watchdog {
         let (ticks, rx) = mpsc::channel::<Tick>();
         let thread = std::thread::spawn(move || {
             let mut phase = Some((limit, message));
@@ -492,6 +501,9 @@ impl Watchdog {
                     Err(mpsc::RecvTimeoutError::Timeout) => {
                         let message = phase.as_ref().map_or("", |(_, m)| m.as_str());
                         eprintln!("error: {message}");
+                        if let Some(f) = &leftover {
+                            let _ = std::fs::remove_file(f);
+                        }
                         // Children die with us (PR_SET_PDEATHSIG).
                         // SAFETY: ends the process; the MLX thread is blocked on a peer.
                         unsafe { libc::_exit(1) };
