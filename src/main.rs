@@ -1032,7 +1032,8 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let job = Job::of(
         std::env::args().skip(1).collect(),
         &cfg.model,
-        random_seed(),
+        // Seeds are non-negative i64s.
+        sample::fresh_seed() >> 1,
     )
     .map_err(anyhow::Error::msg)?;
     let cluster = Cluster::lead(&opts, &job).map_err(anyhow::Error::msg)?;
@@ -1052,20 +1053,6 @@ fn generate(a: GenerateArgs) -> Result<()> {
 fn quiet_exit() -> ! {
     // SAFETY: ends the process; no Rust state is observed afterwards.
     unsafe { libc::_exit(1) }
-}
-
-/// A seed for every rank's sampler where a request has none.
-fn random_seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos(),
-    );
-    // Seeds are non-negative i64s.
-    h.finish() >> 1
 }
 
 /// A rank other than 0: joins, takes rank 0's command and runs it beside rank 0, printing
@@ -1132,7 +1119,10 @@ fn worker(w: WorkerArgs) -> Result<()> {
     match followed {
         Followed::Generate(a) => run_generate(a, cfg, model, Some((&cluster, job.seed))),
         Followed::Runner(a) => {
-            runner::replica::serve_following(&cluster, &cfg.model, a.dtype, a.kv_cache_type.0)
+            let (loaded, _) = cluster
+                .load_stage(&cfg.model, a.dtype, models::parallel::Ends::First)
+                .map_err(quietly)?;
+            runner::replica::serve_following(&cluster, loaded.model, a.kv_cache_type.0)
                 .map_err(anyhow::Error::msg)
         }
     }
@@ -1159,25 +1149,24 @@ fn run_generate(
         Some((c, _)) => {
             // No drafter reads a split target yet: none runs, the model's own included.
             cfg.draft_depth = Some(0);
-            // Loading takes as long as the slowest rank's disk: not watched.
-            c.watch(None, "loading");
-            let loaded = models::load_files_stage(
-                &cfg.model,
-                a.dtype,
-                c.group.clone(),
-                models::parallel::Ends::Everywhere,
-            );
-            if let Err(e) = c.agree(
-                "loading the model",
-                loaded.as_ref().map(|_| ()).map_err(|e| e.to_string()),
-            ) {
-                // Rank 0 says which rank failed and why; the others end without repeating it.
-                if c.rank() != 0 {
-                    quiet_exit();
+            match c.load_stage(&cfg.model, a.dtype, models::parallel::Ends::Everywhere) {
+                Ok((loaded, held)) => {
+                    if c.rank() == 0 {
+                        for (rank, h) in held.iter().enumerate() {
+                            eprintln!(
+                                "rank {rank}: layers {}..{}, weights {:.1} MB",
+                                h.layers.start,
+                                h.layers.end,
+                                h.weights as f64 / 1e6
+                            );
+                        }
+                    }
+                    Ok(loaded)
                 }
-                anyhow::bail!(e);
+                // Rank 0 says which rank failed and why; the others end without repeating it.
+                Err(_) if c.rank() != 0 => quiet_exit(),
+                Err(e) => Err(anyhow::Error::msg(e)),
             }
-            loaded.map_err(anyhow::Error::from)
         }
     };
     let mut loaded = loaded?;
@@ -1187,24 +1176,6 @@ fn run_generate(
             Some(seconds(a.cluster.rank_timeout, "--rank-timeout")?),
             "generating",
         );
-        // Which layers each rank holds and what its weights take.
-        let layers = loaded.layers.clone().unwrap_or(0..0);
-        let mine = [
-            layers.start as i64,
-            layers.end as i64,
-            mlx::memory::active() as i64,
-        ];
-        let all = c.gather(&mine).map_err(anyhow::Error::msg)?;
-        if !quiet {
-            for (rank, r) in all.iter().enumerate() {
-                eprintln!(
-                    "rank {rank}: layers {}..{}, weights {:.1} MB",
-                    r[0],
-                    r[1],
-                    r[2] as f64 / 1e6
-                );
-            }
-        }
     }
     let draft = runner::engine::load_drafter(&cfg, &mut loaded).map_err(anyhow::Error::msg)?;
     let mut controller = runner::depth::DepthController::new(cfg.max_draft_depth, cfg.draft_depth);

@@ -12,7 +12,7 @@
 //! before anyone loads, and again after loading (docs/DISTRIBUTED.md).
 
 use mlx::distributed::Group;
-use mlx::{Array, Dtype};
+use mlx::Array;
 use serde::{Deserialize, Serialize};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
@@ -305,14 +305,10 @@ impl Cluster {
             .broadcast(&Array::from_slice(&[len], &[1]).map_err(e)?, 0)
             .and_then(|a| a.item())
             .map_err(e)?;
-        let mine = match bytes {
-            Some(b) => Array::from_slice(b, &[len]).map_err(e)?,
-            None => Array::zeros(&[len], Dtype::U8).map_err(e)?,
-        };
-        self.group
-            .broadcast(&mine, 0)
-            .and_then(|a| a.to_vec::<u8>())
-            .map_err(e)
+        match bytes {
+            Some(b) => self.broadcast_bytes(b),
+            None => self.broadcast_bytes(&vec![0u8; len.max(0) as usize]),
+        }
     }
 
     /// Rank 0's `bytes` on every rank (the others pass as many bytes, whose values are
@@ -353,6 +349,39 @@ impl Cluster {
             }
         }
         Ok(())
+    }
+
+    /// This rank's stage of the model in `files` (split as `ends` says), once every rank has
+    /// loaded its own, and what each rank holds. A load error anywhere is an error on every
+    /// rank, naming the rank.
+    pub fn load_stage(
+        &self,
+        files: &base::files::ModelFiles,
+        dtype: models::DtypeChoice,
+        ends: models::parallel::Ends,
+    ) -> Result<(models::LoadedModel, Vec<Held>), String> {
+        // Loading takes as long as the slowest rank's disk: not watched.
+        self.watch(None, "loading");
+        let loaded = models::load_files_stage(files, dtype, self.group.clone(), ends);
+        self.agree(
+            "loading the model",
+            loaded.as_ref().map(|_| ()).map_err(|e| e.to_string()),
+        )?;
+        let loaded = loaded.map_err(|e| e.to_string())?;
+        let layers = loaded.layers.clone().unwrap_or(0..0);
+        let all = self.gather(&[
+            layers.start as i64,
+            layers.end as i64,
+            mlx::memory::active() as i64,
+        ])?;
+        let held = all
+            .iter()
+            .map(|r| Held {
+                layers: r[0].max(0) as usize..r[1].max(0) as usize,
+                weights: r[2].max(0) as usize,
+            })
+            .collect();
+        Ok((loaded, held))
     }
 
     /// Every rank's `values` (the same count on each), by rank, on every rank.
@@ -403,6 +432,14 @@ impl Cluster {
         self.local.children.clear();
         failed.map_or(Ok(()), Err)
     }
+}
+
+/// What a rank of a split model holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Held {
+    pub layers: std::ops::Range<usize>,
+    /// Bytes its weights take.
+    pub weights: usize,
 }
 
 /// How a rank rank 0 started ended, where it did not end cleanly.

@@ -43,56 +43,28 @@ pub fn lead(
     // Rank 0 samples for every sequence: the job's seed is unused.
     let job = Job::of(cfg.argv.clone(), files, 0)?;
     let cluster = Rc::new(Cluster::lead(&cfg.join, &job)?);
-    let mut loaded = load_stage(&cluster, files, dtype)?;
+    let (mut loaded, held) = cluster.load_stage(files, dtype, Ends::First)?;
+    for (rank, h) in held.iter().enumerate() {
+        tracing::info!(
+            rank,
+            layers = format!("{}..{}", h.layers.start, h.layers.end),
+            weights = %crate::memory::Bytes(h.weights),
+            "split model"
+        );
+    }
     loaded.model = Box::new(Leader::new(loaded.model, cluster, cfg.rank_timeout, broken));
     Ok(loaded)
 }
 
-/// A rank other than 0 of a split model served over HTTP, after joining and checking the
-/// model with rank 0: loads its stage and replays rank 0's passes until rank 0 stops.
+/// A rank other than 0 of a split model served over HTTP, its stage loaded: replays rank 0's
+/// passes until rank 0 stops.
 pub fn serve_following(
     cluster: &Cluster,
-    files: &ModelFiles,
-    dtype: DtypeChoice,
+    mut model: Box<dyn CausalLm>,
     kv_cache: mlx::RowFormat,
 ) -> Result<(), String> {
-    let mut loaded = load_stage(cluster, files, dtype)?;
-    loaded.model.set_cache_format(kv_cache);
-    follow(&*loaded.model, cluster)
-}
-
-/// This rank's stage (rank 0 leading), once every rank has loaded its own; rank 0 logs what
-/// each holds.
-fn load_stage(
-    cluster: &Cluster,
-    files: &ModelFiles,
-    dtype: DtypeChoice,
-) -> Result<LoadedModel, String> {
-    // Loading takes as long as the slowest rank's disk: not watched.
-    cluster.watch(None, "loading");
-    let loaded = models::load_files_stage(files, dtype, cluster.group.clone(), Ends::First);
-    cluster.agree(
-        "loading the model",
-        loaded.as_ref().map(|_| ()).map_err(|e| e.to_string()),
-    )?;
-    let loaded = loaded.map_err(|e| e.to_string())?;
-    let layers = loaded.layers.clone().unwrap_or(0..0);
-    let all = cluster.gather(&[
-        layers.start as i64,
-        layers.end as i64,
-        mlx::memory::active() as i64,
-    ])?;
-    if cluster.rank() == 0 {
-        for (rank, r) in all.iter().enumerate() {
-            tracing::info!(
-                rank,
-                layers = format!("{}..{}", r[0], r[1]),
-                weights = %crate::memory::Bytes(r[2].max(0) as usize),
-                "split model"
-            );
-        }
-    }
-    Ok(loaded)
+    model.set_cache_format(kv_cache);
+    follow(&*model, cluster)
 }
 
 /// One pass, as rank 0 describes it to the others.

@@ -16,4 +16,4 @@ pub use base::options::{Options, MAX_TOP_LOGPROBS};
 pub use distribution::Distribution;
 pub use error::{Result, SampleError};
 pub use pipeline::Strategy;
-pub use sampler::{logprobs, Sampled, Sampler, TopLogprobs};
+pub use sampler::{fresh_seed, logprobs, Sampled, Sampler, TopLogprobs};

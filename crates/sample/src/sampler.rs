@@ -26,7 +26,8 @@ fn splitmix(seed: u64, counter: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-fn fresh_seed() -> u64 {
+/// A seed no one chose: each call a different one.
+pub fn fresh_seed() -> u64 {
     std::collections::hash_map::RandomState::new()
         .build_hasher()
         .finish()
