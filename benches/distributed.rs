@@ -1,14 +1,15 @@
-//! A model split by layers over 1, 2 and 3 ranks on this machine's loopback:
-//! `cargo bench --bench distributed`.
+//! A model split by layers (pipeline) and by tensors over 1, 2 and 3 ranks on this machine's
+//! loopback: `cargo bench --bench distributed`.
 //!
 //! GLM4-MoE-Lite at GLM-4.7-Flash's widths with 12 layers (1 dense + 11 MoE), 4-bit random
 //! weights (benches/make_real_shape_models.py writes target/real-glm-q4-12l once). Each rank
-//! count runs `mlx-runner generate --hostfile` and mlx-lm's own pipeline (`mlx.launch --backend
-//! ring -n N -- python -m mlx_lm.benchmark --pipeline`, same MLX, OpenBLAS preloaded) on a prompt
-//! of the same length: prefill and decode tok/s, each rank's weights and peak resident memory,
-//! and the bytes a token sends between ranks. mlx-lm's gemma4 has no pipeline, so GLM is the
-//! model both can split. `BENCH_DIST_RANKS=1,2` picks the rank counts; `BENCH_DIST_PEER=0`
-//! leaves mlx-lm out (it takes minutes a run here).
+//! count and mode runs `mlx-runner generate --hostfile [--parallel-mode tensor]` and mlx-lm's
+//! own split (`mlx.launch --backend ring -n N -- python -m mlx_lm.benchmark [--pipeline]`, same
+//! MLX, OpenBLAS preloaded) on a prompt of the same length: prefill and decode tok/s, each
+//! rank's weights and peak resident memory, and the bytes a token sends between ranks. mlx-lm's
+//! gemma4 has no pipeline, so GLM is the model both can split. `BENCH_DIST_RANKS=1,2` picks the
+//! rank counts, `BENCH_DIST_MODES=tensor` the modes; `BENCH_DIST_PEER=0` leaves mlx-lm out (it
+//! takes minutes a run here).
 
 mod common;
 use common::{
@@ -51,7 +52,7 @@ fn prompt() -> String {
     ["the"; PROMPT_TOKENS].join(" ")
 }
 
-fn ours(model: &Path, ranks: usize) -> Run {
+fn ours(model: &Path, ranks: usize, mode: &str) -> Run {
     let mut c = Command::new(env!("CARGO_BIN_EXE_mlx-runner"));
     c.args(["generate", "--model"]).arg(model).args([
         "--prompt",
@@ -64,7 +65,8 @@ fn ours(model: &Path, ranks: usize) -> Run {
         let (d, p) = hostfile(ranks);
         c.arg("--hostfile")
             .arg(&p)
-            .args(["--ring-port", &free_port().to_string()]);
+            .args(["--ring-port", &free_port().to_string()])
+            .args(["--parallel-mode", mode]);
         d
     });
     let (_, err, rss) = output_with_peak_rss(&mut c);
@@ -93,7 +95,7 @@ fn ours(model: &Path, ranks: usize) -> Run {
     }
 }
 
-fn peer(python: &Path, model: &Path, ranks: usize) -> Run {
+fn peer(python: &Path, model: &Path, ranks: usize, mode: &str) -> Run {
     let bin = python.parent().unwrap();
     let bench = [
         "-m",
@@ -116,8 +118,11 @@ fn peer(python: &Path, model: &Path, ranks: usize) -> Run {
         c.args(["--backend", "ring", "-n", &ranks.to_string()])
             .args(["--starting-port", &free_port().to_string(), "--"])
             .arg(python)
-            .args(bench)
-            .arg("--pipeline");
+            .args(bench);
+        // mlx-lm splits by tensors unless told to pipeline.
+        if mode == "pipeline" {
+            c.arg("--pipeline");
+        }
         c
     };
     if let Some(lib) = system_openblas() {
@@ -166,6 +171,10 @@ fn main() {
         .ok()
         .map(|s| s.split(',').filter_map(|v| v.parse().ok()).collect())
         .unwrap_or_else(|| vec![1, 2, 3]);
+    let modes: Vec<String> = std::env::var("BENCH_DIST_MODES")
+        .ok()
+        .map(|s| s.split(',').map(str::to_string).collect())
+        .unwrap_or_else(|| vec!["pipeline".into(), "tensor".into()]);
     let with_peer = std::env::var("BENCH_DIST_PEER").as_deref() != Ok("0");
     let cfg: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
@@ -173,35 +182,40 @@ fn main() {
     let vocab = cfg["vocab_size"].as_u64().unwrap_or(0) as f64;
     let mut rows = Vec::new();
     for &n in &ranks {
-        let o = ours(&dir, n);
-        eprintln!(
-            "{n} ranks: ours prefill {:.2} decode {:.2} weights {} peaks {}",
-            o.prefill,
-            o.decode,
-            list(&o.weights),
-            list(&o.peaks)
-        );
-        let p = with_peer.then(|| peer(&python, &dir, n));
-        if let Some(p) = &p {
+        // One process is one row, whatever the mode.
+        let modes = if n == 1 { &modes[..1] } else { &modes[..] };
+        for mode in modes {
+            let mode = if n == 1 { "-" } else { mode.as_str() };
+            let o = ours(&dir, n, mode);
             eprintln!(
-                "{n} ranks: mlx-lm prefill {:.2} decode {:.2}",
-                p.prefill, p.decode
+                "{n} ranks {mode}: ours prefill {:.2} decode {:.2} weights {} peaks {}",
+                o.prefill,
+                o.decode,
+                list(&o.weights),
+                list(&o.peaks)
             );
+            let p = with_peer.then(|| peer(&python, &dir, n, mode));
+            if let Some(p) = &p {
+                eprintln!(
+                    "{n} ranks {mode}: mlx-lm prefill {:.2} decode {:.2}",
+                    p.prefill, p.decode
+                );
+            }
+            rows.push((n, mode.to_string(), o, p));
         }
-        rows.push((n, o, p));
     }
     println!(
         "\nGLM4-MoE-Lite widths, {LAYERS} layers, 4-bit random weights; {PROMPT_TOKENS}-token prompt, \
          {NEW_TOKENS} new tokens; ranks on one 2-core machine's loopback\n"
     );
-    println!("| ranks | ours prefill | ours decode | mlx-lm prefill | mlx-lm decode | decode ratio | weights MB by rank | peak RSS MB by rank |");
-    println!("|---|---|---|---|---|---|---|---|");
-    for (n, o, p) in &rows {
+    println!("| ranks | split | ours prefill | ours decode | mlx-lm prefill | mlx-lm decode | decode ratio | weights MB by rank | peak RSS MB by rank |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for (n, mode, o, p) in &rows {
         let (pp, pd) = p
             .as_ref()
             .map_or((f64::NAN, f64::NAN), |p| (p.prefill, p.decode));
         println!(
-            "| {n} | {:.1} | {:.1} | {:.2} | {:.2} | {:.1}x | {} | {} |",
+            "| {n} | {mode} | {:.1} | {:.1} | {:.2} | {:.2} | {:.1}x | {} | {} |",
             o.prefill,
             o.decode,
             pp,
@@ -211,24 +225,35 @@ fn main() {
             list(&o.peaks)
         );
     }
-    // A decode step sends the residual stream (hidden × 4 bytes) down the n - 1 hops, one
-    // after another, and the last rank's float32 logits to every rank: a ring all-sum, whose
-    // busiest link carries 2 (n - 1) / n of them.
-    println!("\nbytes a decoded token crosses links with, and the time they add per token:\n");
-    println!("| ranks | bytes/token | 10 Gb/s | 100 Gb/s |");
-    println!("|---|---|---|---|");
+    // By layers, a decode step sends the residual stream (hidden × 4 bytes) down the n - 1
+    // hops, one after another, and the last rank's float32 logits to every rank: a ring
+    // all-sum, whose busiest link carries 2 (n - 1) / n of them. By tensors, each layer sums
+    // two residual-stream-wide vectors (a ring all-sum each) and the ranks gather the logits
+    // (each link carries (n - 1) / n of them); the sums wait on each other, layer by layer.
+    let layers: f64 = LAYERS.parse().unwrap_or(0.0);
+    println!(
+        "\nbytes a decoded token crosses the busiest link with, and the time they add per token:\n"
+    );
+    println!("| ranks | split | bytes/token | 10 Gb/s | 100 Gb/s |");
+    println!("|---|---|---|---|---|");
     for &n in &ranks {
         if n < 2 {
             continue;
         }
-        let hops = (n - 1) as f64;
-        let bytes = hops * hidden * 4.0 + 2.0 * hops / n as f64 * vocab * 4.0;
-        let at = |gbit: f64| bytes * 8.0 / (gbit * 1e9) * 1e3;
-        println!(
-            "| {n} | {:.0} KB | {:.2} ms | {:.3} ms |",
-            bytes / 1e3,
-            at(10.0),
-            at(100.0)
-        );
+        let share = (n - 1) as f64 / n as f64;
+        for mode in &modes {
+            let bytes = if mode == "tensor" {
+                layers * 2.0 * 2.0 * share * hidden * 4.0 + share * vocab * 4.0
+            } else {
+                (n - 1) as f64 * hidden * 4.0 + 2.0 * share * vocab * 4.0
+            };
+            let at = |gbit: f64| bytes * 8.0 / (gbit * 1e9) * 1e3;
+            println!(
+                "| {n} | {mode} | {:.0} KB | {:.2} ms | {:.3} ms |",
+                bytes / 1e3,
+                at(10.0),
+                at(100.0)
+            );
+        }
     }
 }

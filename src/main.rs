@@ -440,6 +440,10 @@ struct ServeArgs {
     /// [env MLX_RUNNER_RING_PORT; default: a free block for each runner].
     #[arg(long)]
     ring_port: Option<u16>,
+    /// How the runners split models over the hostfile's ranks: pipeline (by layers) or tensor
+    /// [env MLX_RUNNER_PARALLEL_MODE; default pipeline].
+    #[arg(long, value_enum)]
+    parallel_mode: Option<ParallelMode>,
     /// Extra allowed browser origins, comma-separated [env MLX_RUNNER_ORIGINS].
     #[arg(long)]
     origins: Option<String>,
@@ -476,6 +480,7 @@ fn duration_setting(
 fn serve_ranks(
     hostfile: Option<PathBuf>,
     ring_port: Option<u16>,
+    mode: Option<ParallelMode>,
 ) -> Result<Option<serve::sched::Ranks>> {
     let Some(path) =
         hostfile.or_else(|| std::env::var_os("MLX_RUNNER_HOSTFILE").map(PathBuf::from))
@@ -498,12 +503,25 @@ fn serve_ranks(
             h.path.display()
         );
     }
+    let mode = match (mode, std::env::var("MLX_RUNNER_PARALLEL_MODE")) {
+        (Some(m), _) => Some(m),
+        (None, Ok(v)) if !v.trim().is_empty() => Some(
+            <ParallelMode as clap::ValueEnum>::from_str(v.trim(), true).map_err(|_| {
+                anyhow::anyhow!("MLX_RUNNER_PARALLEL_MODE must be pipeline or tensor, got {v:?}")
+            })?,
+        ),
+        _ => None,
+    };
     let ports = h.hosts.iter().map(|r| r.ips.len()).sum::<usize>();
     Ok(Some(serve::sched::Ranks {
         count: h.hosts.len(),
         ports: u16::try_from(ports).unwrap_or(u16::MAX),
         hostfile: h.path,
         ring_port,
+        mode: mode.map(|m| {
+            <ParallelMode as clap::ValueEnum>::to_possible_value(&m)
+                .map_or_else(String::new, |v| v.get_name().to_string())
+        }),
     }))
 }
 
@@ -554,7 +572,7 @@ fn serve(a: ServeArgs) -> Result<()> {
         memory_limit: env_or(a.memory_limit, "MLX_RUNNER_MEMORY_LIMIT")
             .map(|v| parse_bytes(&v).map_err(|e| anyhow::anyhow!("the memory limit: {e}")))
             .transpose()?,
-        ranks: serve_ranks(a.hostfile, a.ring_port)?,
+        ranks: serve_ranks(a.hostfile, a.ring_port, a.parallel_mode)?,
         origins: env_or(a.origins, "MLX_RUNNER_ORIGINS")
             .map(|o| o.split(',').map(String::from).collect())
             .unwrap_or_default(),
@@ -713,6 +731,18 @@ enum ParallelMode {
     /// Contiguous layers per rank, balanced by their bytes; the hidden states pass from rank
     /// to rank.
     Pipeline,
+    /// Every layer on every rank, each holding its share of the heads and hidden units; the
+    /// output projections' partial products are summed over the ranks.
+    Tensor,
+}
+
+impl ParallelMode {
+    fn mode(self) -> models::parallel::Mode {
+        match self {
+            ParallelMode::Pipeline => models::parallel::Mode::Pipeline,
+            ParallelMode::Tensor => models::parallel::Mode::Tensor,
+        }
+    }
 }
 
 #[derive(clap::Args, Clone)]
@@ -909,6 +939,7 @@ fn runner(a: RunnerArgs) -> Result<()> {
             join: a.cluster.join_options(hostfile, 0)?,
             argv: std::env::args().skip(1).collect(),
             rank_timeout: seconds(a.cluster.rank_timeout, "--rank-timeout")?,
+            mode: a.cluster.parallel_mode.mode(),
         }),
     };
     let stored = &model.parameters;
@@ -1120,7 +1151,12 @@ fn worker(w: WorkerArgs) -> Result<()> {
         Followed::Generate(a) => run_generate(a, cfg, model, Some((&cluster, job.seed))),
         Followed::Runner(a) => {
             let (loaded, _) = cluster
-                .load_stage(&cfg.model, a.dtype, models::parallel::Ends::First)
+                .load_stage(
+                    &cfg.model,
+                    a.dtype,
+                    models::parallel::Ends::First,
+                    a.cluster.parallel_mode.mode(),
+                )
                 .map_err(quietly)?;
             runner::replica::serve_following(&cluster, loaded.model, a.kv_cache_type.0)
                 .map_err(anyhow::Error::msg)
@@ -1149,7 +1185,13 @@ fn run_generate(
         Some((c, _)) => {
             // No drafter reads a split target yet: none runs, the model's own included.
             cfg.draft_depth = Some(0);
-            match c.load_stage(&cfg.model, a.dtype, models::parallel::Ends::Everywhere) {
+            let mode = a.cluster.parallel_mode.mode();
+            match c.load_stage(
+                &cfg.model,
+                a.dtype,
+                models::parallel::Ends::Everywhere,
+                mode,
+            ) {
                 Ok((loaded, held)) => {
                     if c.rank() == 0 {
                         for (rank, h) in held.iter().enumerate() {

@@ -122,6 +122,59 @@ fn pipeline_output_is_one_process_output_on_every_fixture() {
     }
 }
 
+/// `a` and `b` alike, numbers within `tol` (logprobs; token ids differ by whole numbers).
+fn alike(a: &serde_json::Value, b: &serde_json::Value, tol: f64, at: &str) {
+    use serde_json::Value as V;
+    match (a, b) {
+        (V::Number(x), V::Number(y)) => {
+            let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+            assert!((x - y).abs() <= tol, "{at}: {x} vs {y}");
+        }
+        (V::Array(x), V::Array(y)) => {
+            assert_eq!(x.len(), y.len(), "{at}");
+            for (i, (x, y)) in x.iter().zip(y).enumerate() {
+                alike(x, y, tol, &format!("{at}[{i}]"));
+            }
+        }
+        (V::Object(x), V::Object(y)) => {
+            assert_eq!(
+                x.keys().collect::<Vec<_>>(),
+                y.keys().collect::<Vec<_>>(),
+                "{at}"
+            );
+            for (k, x) in x {
+                alike(x, &y[k], tol, &format!("{at}.{k}"));
+            }
+        }
+        _ => assert_eq!(a, b, "{at}"),
+    }
+}
+
+/// Split by tensors, every rank holds its share of each layer's heads and hidden units and
+/// the ranks sum the output projections' partial products: the same maths summed in another
+/// order, so the tokens are one process's and the logprobs within 1e-4 of its.
+#[test]
+fn tensor_output_is_one_process_output_on_every_fixture() {
+    let _one = RUNS.lock().unwrap_or_else(|e| e.into_inner());
+    let args = ["-n", "24", "--json", "--top-logprobs", "3"];
+    for model in FIXTURES {
+        let alone = chunks(&generate(model, &args, None).output().unwrap());
+        for ranks in [2, 3] {
+            let (_d, hosts) = local(ranks);
+            let tensor = [&args[..], &["--parallel-mode", "tensor"]].concat();
+            let out = generate(model, &tensor, Some(&hosts)).output().unwrap();
+            let split = chunks(&out);
+            let what = format!("{model} over {ranks} ranks");
+            assert_eq!(split.len(), alone.len(), "{what}");
+            for (i, (a, b)) in split.iter().zip(&alone).enumerate() {
+                let a: serde_json::Value = serde_json::from_str(a).unwrap();
+                let b: serde_json::Value = serde_json::from_str(b).unwrap();
+                alike(&a, &b, 1e-4, &format!("{what}: chunk {i}"));
+            }
+        }
+    }
+}
+
 /// Every rank samples from the same logits with the same seed: a seeded run is one process's
 /// run, and an unseeded one (rank 0 picks the seed) ends on every rank together.
 #[test]
@@ -147,6 +200,14 @@ fn ranks_sample_together() {
         .output()
         .unwrap();
     chunks(&out);
+    // Split by tensors, each rank's hidden states may differ from another's in the last bits
+    // (each sums in its own order); the logits every rank samples from are one gathered
+    // array, so they stay in step all the same.
+    let (_d, hosts) = local(3);
+    let tensor = [&unseeded[..], &["--parallel-mode", "tensor"]].concat();
+    for model in ["gemma4_26b_a4b_like", "glm4_moe_lite"] {
+        chunks(&generate(model, &tensor, Some(&hosts)).output().unwrap());
+    }
 }
 
 /// Rank 1 on an address nobody answers: one line within the join timeout, naming how to start

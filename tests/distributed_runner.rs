@@ -103,8 +103,19 @@ fn a_split_model_serves_what_one_process_serves() {
 /// rank dies, so the kill lands mid-stream however fast the model is.
 #[test]
 fn a_lost_rank_ends_the_stream_with_an_error_and_the_runner_non_zero() {
+    for mode in ["pipeline", "tensor"] {
+        lose_a_rank(mode);
+    }
+}
+
+fn lose_a_rank(mode: &str) {
     let (_d, hosts) = local(2);
-    let mut split = split_runner("gemma4_31b_like", 2, &hosts, &["--no-draft"]);
+    let mut split = split_runner(
+        "gemma4_31b_like",
+        2,
+        &hosts,
+        &["--no-draft", "--parallel-mode", mode],
+    );
     let workers = processes(&hosts, " worker ");
     assert_eq!(workers.len(), 1, "{workers:?}");
     let body = json!({"Prompt": "hello", "Options": {"num_predict": 400, "temperature": 0}});
@@ -197,6 +208,87 @@ fn a_split_model_drafts_and_keeps_to_a_grammar() {
     }
     let (_d, hosts) = local(2);
     let split = split_runner("glm4_moe_lite", 2, &hosts, &[]);
+    let schema = json!({
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+    });
+    let lines = split.complete(&json!({
+        "Prompt": "A number:",
+        "Format": schema,
+        "Options": {"num_predict": 32, "temperature": 0.8, "seed": 3},
+    }));
+    let text = common::text_of(&lines);
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
+    assert!(v["n"].as_u64().is_some_and(|n| n <= 99), "{text}");
+}
+
+/// A model split by tensors serves what one process serves (the same text, logprobs within
+/// 1e-4: the ranks sum the output projections in another order), one request at a time and
+/// several batched, with drafting on (GLM's MTP layer on rank 0, prompt lookup) and the
+/// logprobs coming from the verify passes; a grammar holds.
+#[test]
+fn a_model_split_by_tensors_batches_drafts_and_keeps_to_a_grammar() {
+    let prompts = [
+        "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3",
+        "Once upon a time, in a land far away",
+        "The quick brown fox",
+    ];
+    let requests: Vec<Value> = prompts.iter().map(|p| request(p)).collect();
+    let close = |got: &(String, Vec<f64>), want: &(String, Vec<f64>), what: &str| {
+        assert_eq!(got.0, want.0, "{what}");
+        assert_eq!(got.1.len(), want.1.len(), "{what}");
+        for (a, b) in got.1.iter().zip(&want.1) {
+            assert!((a - b).abs() < 1e-4, "{what}: {a} vs {b}");
+        }
+    };
+    for (model, ranks, draft) in [
+        ("glm4_moe_lite", 2, &[][..]),
+        ("gemma4_31b_like", 3, &["--draft", "ngram"][..]),
+        ("gemma4_26b_a4b_like_q4", 2, &["--draft", "ngram"][..]),
+    ] {
+        let solo = Runner::start(model, &["--no-draft", "--cache-budget", "0"]);
+        let alone: Vec<(String, Vec<f64>)> = requests
+            .iter()
+            .map(|b| outcome(&solo.complete(b)))
+            .collect();
+        drop(solo);
+        let (_d, hosts) = local(ranks);
+        let split = Arc::new(split_runner(
+            model,
+            ranks,
+            &hosts,
+            &[draft, &["--parallel", "4", "--parallel-mode", "tensor"]].concat(),
+        ));
+        let lines = split.complete(&requests[0]);
+        let done = common::done_of(&lines);
+        assert!(done["DraftTokens"].as_u64().unwrap() > 0, "{model}: {done}");
+        close(&outcome(&lines), &alone[0], &format!("{model}: request 0"));
+        for (i, b) in requests.iter().enumerate().skip(1) {
+            close(
+                &outcome(&split.complete(b)),
+                &alone[i],
+                &format!("{model}: request {i}"),
+            );
+        }
+        let handles: Vec<_> = requests
+            .iter()
+            .cloned()
+            .map(|b| {
+                let r = Arc::clone(&split);
+                std::thread::spawn(move || outcome(&r.complete(&b)))
+            })
+            .collect();
+        for (i, h) in handles.into_iter().enumerate() {
+            close(
+                &h.join().unwrap(),
+                &alone[i],
+                &format!("{model}: request {i} together"),
+            );
+        }
+    }
+    let (_d, hosts) = local(3);
+    let split = split_runner("glm4_moe_lite", 3, &hosts, &["--parallel-mode", "tensor"]);
     let schema = json!({
         "type": "object",
         "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},

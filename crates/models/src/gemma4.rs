@@ -11,7 +11,8 @@ use crate::nn::{
     Embedding, Experts, GatedMlp, Linear, Rope,
 };
 use crate::packed::{check_rows, single_row};
-use crate::parallel::{self, Stage};
+use crate::parallel::{self, Ends, Shard, Split, Stage};
+use crate::parts::{self, Part};
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
 use cache::{AttnMask, KvCache, LayerCache, RotatingKvCache};
@@ -401,6 +402,24 @@ impl Attention {
         })
     }
 
+    /// This rank's heads (tensor parallel, [`Shard::heads`]): their query, key and value rows
+    /// and the output projection's columns, summed over the ranks.
+    fn split(self, w: &Weights, shard: &Shard) -> Result<Attention> {
+        let heads = shard.heads(self.heads, self.kv_heads)?;
+        let d = self.head_dim;
+        let rows = |r: &Range<i32>| Part::Rows(r.start * d..r.end * d);
+        let kv = |l: Option<Linear>| l.map(|l| parts::linear(w, l, &rows(&heads.kv))).transpose();
+        Ok(Attention {
+            q_proj: parts::linear(w, self.q_proj, &rows(&heads.q))?,
+            k_proj: kv(self.k_proj)?,
+            v_proj: kv(self.v_proj)?,
+            o_proj: parts::summed(w, self.o_proj, heads.q.start * d..heads.q.end * d, shard)?,
+            heads: heads.q.end - heads.q.start,
+            kv_heads: heads.kv.end - heads.kv.start,
+            ..self
+        })
+    }
+
     /// The raw query projection, and the raw key and value projections of this layer's own
     /// (none in a KV-shared layer), read from `x` in one op where their formats allow. Under
     /// k_eq_v the raw keys, taken before k_norm, double as the values.
@@ -525,6 +544,8 @@ struct Moe {
     down: Experts,
     top_k: i32,
     experts: i32,
+    /// Split by tensors: the experts' partial products are summed over the ranks.
+    shard: Option<Shard>,
 }
 
 impl Moe {
@@ -575,6 +596,20 @@ impl Moe {
             down,
             top_k: cfg.top_k_experts.unwrap_or(1),
             experts: e,
+            shard: None,
+        })
+    }
+
+    /// This rank's hidden units of every expert; the router stays whole.
+    fn split(self, w: &Weights, shard: &Shard, hidden: i32) -> Result<Moe> {
+        let [gate, up, down] =
+            parts::expert_mlp(w, shard, [self.gate, self.up, self.down], hidden)?;
+        Ok(Moe {
+            gate,
+            up,
+            down,
+            shard: Some(shard.clone()),
+            ..self
         })
     }
 
@@ -597,9 +632,14 @@ impl Moe {
         let y = self
             .down
             .forward(&Activation::GeluTanh.gated(&g, &u)?, &idx, false)?; // [B, L, k, 1, H]
-        Ok(y.squeeze(-2)?
+        let out = y
+            .squeeze(-2)?
             .multiply(&w.expand_dims(-1)?)?
-            .sum(&[-2], false)?)
+            .sum(&[-2], false)?;
+        match &self.shard {
+            Some(shard) => shard.sum(&out),
+            None => Ok(out),
+        }
     }
 }
 
@@ -659,6 +699,24 @@ impl DecoderLayer {
             ple,
             layer_scalar: vb.get("layer_scalar", &[1])?,
             spec,
+        })
+    }
+
+    /// This rank's part of the layer, split by tensors ([`Shard`]): its heads, its hidden units
+    /// of the MLP and of every expert; norms, router and per-layer inputs whole.
+    fn split(self, w: &Weights, shard: &Shard, cfg: &Gemma4Config) -> Result<DecoderLayer> {
+        let moe = match self.moe {
+            Some((m, norms)) => Some((
+                m.split(w, shard, cfg.moe_intermediate_size.unwrap_or(0))?,
+                norms,
+            )),
+            None => None,
+        };
+        Ok(DecoderLayer {
+            attn: self.attn.split(w, shard)?,
+            mlp: parts::mlp(w, shard, self.mlp, true)?,
+            moe,
+            ..self
         })
     }
 
@@ -755,7 +813,11 @@ pub struct Gemma4 {
     /// its last, whose input its last layer's update normalises (it is not discarded work: the
     /// fused update computes the norm with the sum).
     stage: Option<(Stage, Option<Array>)>,
+    /// Split by tensors: this rank's share of every layer.
+    shard: Option<Shard>,
     norm: Array,
+    /// The untied head, or (split by tensors, every rank computing logits) this rank's rows
+    /// of the head, tied or not.
     lm_head: Option<Linear>,
     rope_sliding: Rope,
     rope_full: Rope,
@@ -827,7 +889,7 @@ fn text_prefix(w: &Weights) -> Result<&'static str> {
 
 impl Gemma4 {
     pub fn new(cfg: Gemma4Config, w: &Weights) -> Result<Gemma4> {
-        Self::with_stage(cfg, w, None)
+        Self::with_split(cfg, w, None)
     }
 
     /// Layer ranges for `ranks` stages, balanced by the layers' bytes in `w`. KV-shared layers
@@ -863,8 +925,11 @@ impl Gemma4 {
         })
     }
 
-    /// The model, or with `stage` only that stage's layers (and their caches).
-    pub fn with_stage(cfg: Gemma4Config, w: &Weights, stage: Option<Stage>) -> Result<Gemma4> {
+    /// The model, or this rank's part of it: with a [`Stage`] only that stage's layers (and
+    /// their caches), with a [`Shard`] its share of every layer.
+    pub fn with_split(cfg: Gemma4Config, w: &Weights, split: Option<Split>) -> Result<Gemma4> {
+        let stage = split.as_ref().and_then(Split::stage).cloned();
+        let shard = split.as_ref().and_then(Split::shard).cloned();
         let specs = cfg.layer_specs().map_err(ModelError::Invalid)?;
         let held = stage.as_ref().map_or(0..specs.len(), Stage::layers);
         if held.end > specs.len() || held.is_empty() {
@@ -907,11 +972,15 @@ impl Gemma4 {
                 next - 1
             }));
             if holds {
-                layers.push(DecoderLayer::new(
-                    &root.pp("layers").pp(i),
-                    &cfg,
-                    spec.clone(),
-                )?);
+                let layer = DecoderLayer::new(&root.pp("layers").pp(i), &cfg, spec.clone())?;
+                layers.push(match &shard {
+                    Some(shard) => {
+                        let layer = layer.split(w, shard, &cfg)?;
+                        w.forget_under(&format!("{}.", root.pp("layers").pp(i).path()));
+                        layer
+                    }
+                    None => layer,
+                });
             }
         }
         let stage = match stage {
@@ -935,19 +1004,34 @@ impl Gemma4 {
             .find(|s| s.kind == LayerKind::Full)
             .map_or(full_dim, |s| s.head_dim);
         let tied = cfg.tie_word_embeddings;
-        let (embeds, heads) = match &stage {
-            None => (true, true),
-            Some((st, _)) => (
+        // Split by tensors, every rank embeds; where they all compute logits each holds its
+        // rows of the head, else rank 0 holds it whole.
+        let (embeds, heads) = match (&stage, &shard) {
+            (Some((st, _)), _) => (
                 st.is_first() || ple.is_some() || (tied && st.holds_head()),
                 st.holds_head(),
             ),
+            (None, Some(sh)) => (true, sh.holds_head()),
+            (None, None) => (true, true),
         };
         let embed = embeds
             .then(|| root.pp("embed_tokens").embedding(cfg.vocab_size, h))
             .transpose()?;
-        let (embed, lm_head) = match embed {
-            Some(e) if tied && heads => (Some(e.for_tied_head(w)?), None),
-            e => (
+        let head_rows = shard
+            .as_ref()
+            .filter(|sh| sh.ends() == Ends::Everywhere)
+            .map(|sh| sh.vocab_part(cfg.vocab_size));
+        let (embed, lm_head) = match (embed, head_rows) {
+            (Some(e), Some(vocab)) if tied => {
+                let part = parts::head_rows(w, &e, &vocab)?;
+                (Some(e), Some(part))
+            }
+            (e, Some(vocab)) => {
+                let head = w.root().pp("lm_head").linear(cfg.vocab_size, h)?;
+                (e, Some(parts::linear(w, head, &Part::Rows(vocab))?))
+            }
+            (Some(e), None) if tied && heads => (Some(e.for_tied_head(w)?), None),
+            (e, None) => (
                 e,
                 (heads && !tied)
                     .then(|| w.root().pp("lm_head").linear(cfg.vocab_size, h))
@@ -961,6 +1045,7 @@ impl Gemma4 {
             layers,
             first: held.start,
             stage,
+            shard,
             norm: root.pp("norm").get("weight", &[h])?,
             lm_head,
             rope_sliding: cfg.rope(LayerKind::Sliding, sliding_dim)?,
@@ -1239,9 +1324,14 @@ impl CausalLm for Gemma4 {
             _ if last => Some(norm(&h, Some(&self.norm), eps)?),
             _ => None,
         };
-        match &self.stage {
-            Some((stage, _)) => stage.leave(&h, out),
-            None => out.ok_or_else(|| ModelError::Invalid("a model without its last layer".into())),
+        if let Some((stage, _)) = &self.stage {
+            return stage.leave(&h, out);
+        }
+        let out =
+            out.ok_or_else(|| ModelError::Invalid("a model without its last layer".into()))?;
+        match &self.shard {
+            Some(shard) => shard.finish(out),
+            None => Ok(out),
         }
     }
 
@@ -1256,9 +1346,10 @@ impl CausalLm for Gemma4 {
                 _ => logits,
             })
         };
-        match &self.stage {
-            Some((stage, _)) => stage.logits(hidden, self.vocab_size(), head),
-            None => head(),
+        match (&self.stage, &self.shard) {
+            (Some((stage, _)), _) => stage.logits(hidden, self.vocab_size(), head),
+            (None, Some(shard)) => shard.logits(self.cfg.vocab_size, head),
+            (None, None) => head(),
         }
     }
 

@@ -11,7 +11,8 @@ use crate::draft::Drafter;
 use crate::glm4_mtp::{GlmMtp, MtpDrafter};
 use crate::nn::{forward_all, norm, Activation, Embedding, Experts, GatedMlp, Linear, Rope};
 use crate::packed::{check_rows, single_row};
-use crate::parallel::{self, Stage};
+use crate::parallel::{self, Ends, Shard, Split, Stage};
+use crate::parts::{self, Part};
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
 use cache::{LatentCache, LayerCache};
@@ -277,6 +278,33 @@ impl Mla {
         })
     }
 
+    /// This rank's heads of the attention (tensor parallel): their query rows, key and value
+    /// up-projections and output columns. The compressed projection and the latent cache stay
+    /// whole: every head reads the same latents, so a rank holds all of them (splitting the
+    /// latent dimension instead would need a sum inside every attention score).
+    fn split(self, w: &Weights, shard: &Shard) -> Result<Mla> {
+        let heads = shard.heads(self.heads, self.heads)?.q;
+        let (dq, dv) = (self.nope + self.rope_dim, self.v_dim);
+        let rows = |l: Linear| parts::linear(w, l, &Part::Rows(heads.start * dq..heads.end * dq));
+        let q = match self.q {
+            QueryProj::Lora { a, norm, b } => QueryProj::Lora {
+                a,
+                norm,
+                b: rows(b)?,
+            },
+            QueryProj::Direct(p) => QueryProj::Direct(rows(p)?),
+        };
+        Ok(Mla {
+            q,
+            wk: parts::along(w, &self.wk, 0, &heads)?,
+            wk_t: parts::along(w, &self.wk_t, 0, &heads)?,
+            wv_t: parts::along(w, &self.wv_t, 0, &heads)?,
+            o_proj: parts::summed(w, self.o_proj, heads.start * dv..heads.end * dv, shard)?,
+            heads: heads.end - heads.start,
+            ..self
+        })
+    }
+
     /// [`Mla::forward`] for a decode step of several sequences (one token each): the
     /// sequences go along the batch axis, so that rotation, the absorbed query projection and
     /// the value up-projection run once for all; only the cache update and the attention
@@ -416,6 +444,9 @@ struct Moe {
     topk_groups: i32,
     norm_topk: bool,
     scaling: f32,
+    /// Split by tensors: the routed experts' and the shared expert's partial products are
+    /// summed over the ranks together.
+    shard: Option<Shard>,
 }
 
 /// Expert matrices under `mlp`: mlx-lm's stacked `switch_mlp.*`, a fused `experts.gate_up_proj`,
@@ -485,6 +516,22 @@ impl Moe {
             topk_groups: cfg.topk_group,
             norm_topk: cfg.norm_topk_prob,
             scaling: cfg.routed_scaling_factor,
+            shard: None,
+        })
+    }
+
+    /// This rank's hidden units of every expert and of the shared expert; the router stays
+    /// whole (every rank routes every token alike).
+    fn split(self, w: &Weights, shard: &Shard, hidden: i32) -> Result<Moe> {
+        let [gate, up, down] =
+            parts::expert_mlp(w, shard, [self.gate, self.up, self.down], hidden)?;
+        Ok(Moe {
+            gate,
+            up,
+            down,
+            shared: parts::mlp(w, shard, self.shared, false)?,
+            shard: Some(shard.clone()),
+            ..self
         })
     }
 
@@ -538,7 +585,11 @@ impl Moe {
             .forward(&Activation::Silu.gated(&g, &u)?, &idx, false)?; // [B, L, k, 1, H]
         let w = w.astype(x.dtype())?.expand_dims(-1)?;
         let routed = y.squeeze(-2)?.multiply(&w)?.sum(&[-2], false)?;
-        Ok(routed.add(&self.shared.forward(x)?)?)
+        let out = routed.add(&self.shared.forward(x)?)?;
+        match &self.shard {
+            Some(shard) => shard.sum(&out),
+            None => Ok(out),
+        }
     }
 }
 
@@ -572,6 +623,20 @@ impl DecoderLayer {
             ffn,
             input_norm: vb.pp("input_layernorm").get("weight", &[h])?,
             post_attn_norm: vb.pp("post_attention_layernorm").get("weight", &[h])?,
+        })
+    }
+
+    /// This rank's part of the layer, split by tensors ([`Shard`]).
+    fn split(self, w: &Weights, shard: &Shard, cfg: &GlmConfig) -> Result<DecoderLayer> {
+        Ok(DecoderLayer {
+            attn: self.attn.split(w, shard)?,
+            ffn: match self.ffn {
+                FeedForward::Dense(m) => FeedForward::Dense(parts::mlp(w, shard, m, true)?),
+                FeedForward::Moe(m) => {
+                    FeedForward::Moe(Box::new(m.split(w, shard, cfg.moe_intermediate_size)?))
+                }
+            },
+            ..self
         })
     }
 
@@ -610,7 +675,10 @@ pub struct Glm4MoeLite {
     layers: Vec<DecoderLayer>,
     first: usize,
     stage: Option<Stage>,
+    /// Split by tensors: this rank's share of every layer.
+    shard: Option<Shard>,
     norm: Array,
+    /// The head, or (split by tensors, every rank computing logits) this rank's rows of it.
     lm_head: Option<Linear>,
     rope: Rope,
     /// How the caches store latent rows (see [`CausalLm::set_cache_format`]).
@@ -619,7 +687,7 @@ pub struct Glm4MoeLite {
 
 impl Glm4MoeLite {
     pub fn new(cfg: GlmConfig, w: &Weights) -> Result<Glm4MoeLite> {
-        Self::with_stage(cfg, w, None)
+        Self::with_split(cfg, w, None)
     }
 
     /// Layer ranges for `ranks` stages, balanced by the layers' bytes in `w`.
@@ -643,9 +711,12 @@ impl Glm4MoeLite {
         parallel::split_layers(&bytes, ranks, end_bytes, |_| true)
     }
 
-    /// The model, or with `stage` only that stage's layers (and their caches). Of a split
-    /// model, only rank 0 leading it has the MTP drafter.
-    pub fn with_stage(cfg: GlmConfig, w: &Weights, stage: Option<Stage>) -> Result<Glm4MoeLite> {
+    /// The model, or this rank's part of it: with a [`Stage`] only that stage's layers (and
+    /// their caches), with a [`Shard`] its share of every layer. Of a split model, only rank 0
+    /// leading it has the MTP drafter.
+    pub fn with_split(cfg: GlmConfig, w: &Weights, split: Option<Split>) -> Result<Glm4MoeLite> {
+        let stage = split.as_ref().and_then(Split::stage).cloned();
+        let shard = split.as_ref().and_then(Split::shard).cloned();
         let root = w.root();
         let model = root.pp("model");
         let h = cfg.hidden_size;
@@ -658,12 +729,23 @@ impl Glm4MoeLite {
         }
         let layers = held
             .clone()
-            .map(|i| DecoderLayer::new(&model.pp("layers").pp(i), &cfg, i))
+            .map(|i| {
+                let layer = DecoderLayer::new(&model.pp("layers").pp(i), &cfg, i)?;
+                let Some(shard) = &shard else {
+                    return Ok(layer);
+                };
+                let layer = layer.split(w, shard, &cfg)?;
+                w.forget_under(&format!("model.layers.{i}."));
+                Ok(layer)
+            })
             .collect::<Result<Vec<_>>>()?;
         let tied = cfg.tie_word_embeddings;
-        let (embeds, heads) = match &stage {
-            None => (true, true),
-            Some(st) => (st.is_first() || (tied && st.holds_head()), st.holds_head()),
+        // Split by tensors, every rank embeds; where they all compute logits each holds its
+        // rows of the head, else rank 0 holds it whole.
+        let (embeds, heads) = match (&stage, &shard) {
+            (Some(st), _) => (st.is_first() || (tied && st.holds_head()), st.holds_head()),
+            (None, Some(sh)) => (true, sh.holds_head()),
+            (None, None) => (true, true),
         };
         let lm_head = (heads && !tied)
             .then(|| root.pp("lm_head").linear(cfg.vocab_size, h))
@@ -671,12 +753,27 @@ impl Glm4MoeLite {
         let embed = embeds
             .then(|| model.pp("embed_tokens").embedding(cfg.vocab_size, h))
             .transpose()?;
+        let lm_head = match (&shard, lm_head, &embed) {
+            (Some(sh), head, embed) if sh.ends() == Ends::Everywhere => {
+                let vocab = sh.vocab_part(cfg.vocab_size);
+                Some(match (head, embed) {
+                    (Some(head), _) => parts::linear(w, head, &Part::Rows(vocab))?,
+                    (None, Some(e)) => parts::head_rows(w, e, &vocab)?,
+                    (None, None) => {
+                        return Err(ModelError::Invalid("a head without its table".into()))
+                    }
+                })
+            }
+            (_, head, _) => head,
+        };
         let rope = cfg.rope()?;
         // The MTP layer drafts from the final hidden states with the embedding and the head:
         // where rank 0 leads a split model, it holds all three.
-        let drafts = stage
-            .as_ref()
-            .is_none_or(|st| st.is_first() && st.holds_head());
+        let drafts = match (&stage, &shard) {
+            (Some(st), _) => st.is_first() && st.holds_head(),
+            (None, Some(sh)) => sh.ends() == Ends::First && sh.rank() == 0,
+            (None, None) => true,
+        };
         let mtp = if drafts
             && cfg.num_nextn_predict_layers > 0
             && w.contains(&format!("model.layers.{n}.eh_proj.weight"))
@@ -708,6 +805,7 @@ impl Glm4MoeLite {
             layers,
             first: held.start,
             stage,
+            shard,
             norm: model.pp("norm").get("weight", &[h])?,
             lm_head,
             rope,
@@ -784,13 +882,14 @@ impl CausalLm for Glm4MoeLite {
                 .collect::<Result<Vec<&mut LatentCache>>>()?;
             h = layer.forward(&h, &mut caches, &batch, &self.rope, eps)?;
         }
-        match &self.stage {
-            Some(stage) => {
+        match (&self.stage, &self.shard) {
+            (Some(stage), _) => {
                 let last = self.first + self.layers.len() == self.cfg.num_hidden_layers as usize;
                 let out = last.then(|| norm(&h, Some(&self.norm), eps)).transpose()?;
                 stage.leave(&h, out)
             }
-            None => norm(&h, Some(&self.norm), eps),
+            (None, Some(shard)) => shard.finish(norm(&h, Some(&self.norm), eps)?),
+            (None, None) => norm(&h, Some(&self.norm), eps),
         }
     }
 
@@ -799,9 +898,10 @@ impl CausalLm for Glm4MoeLite {
             Some(head) => head.forward(hidden),
             None => self.embedding()?.as_linear(hidden),
         };
-        match &self.stage {
-            Some(stage) => stage.logits(hidden, self.vocab_size(), head),
-            None => head(),
+        match (&self.stage, &self.shard) {
+            (Some(stage), _) => stage.logits(hidden, self.vocab_size(), head),
+            (None, Some(shard)) => shard.logits(self.cfg.vocab_size, head),
+            (None, None) => head(),
         }
     }
 

@@ -118,10 +118,7 @@ impl GlmMtp {
     }
 
     pub fn vocab_size(&self) -> usize {
-        match &self.head {
-            Linear::Dense { wt } => wt.shape().last().copied().unwrap_or(0) as usize,
-            Linear::Quantized(q) | Linear::Scaled { q, .. } => q.weight.shape()[0] as usize,
-        }
+        self.head.outputs()
     }
 }
 

@@ -23,6 +23,7 @@ pub mod media;
 pub mod nn;
 mod packed;
 pub mod parallel;
+mod parts;
 mod prequant;
 mod tokenizer;
 pub mod weights;
@@ -173,6 +174,15 @@ fn quant_config(file: &JsonFile) -> Result<Option<QuantConfig>> {
 enum Arch {
     Gemma4(gemma4::Gemma4Config),
     Glm(glm4_moe_lite::GlmConfig),
+}
+
+impl Arch {
+    fn layers(&self) -> usize {
+        match self {
+            Arch::Gemma4(c) => c.num_hidden_layers as usize,
+            Arch::Glm(c) => c.num_hidden_layers as usize,
+        }
+    }
 }
 
 /// Loads the drafter in `dir` for `target`, refusing one whose vocabulary or sizes do not fit,
@@ -353,17 +363,19 @@ pub fn load_files(files: &ModelFiles, dtype: DtypeChoice) -> Result<LoadedModel>
     load_impl(files, dtype, true, None)
 }
 
-/// [`load_files`] for one rank of `group`: only the layers of its stage of a split by layers
-/// ([`parallel`]), balanced by bytes, and the embedding and head where `ends` puts them;
-/// every rank computes the same split from the same files.
+/// [`load_files`] for one rank of `group`, split as `mode` says ([`parallel`]): by layers,
+/// only the layers of its stage (balanced by bytes) and the embedding and head where `ends`
+/// puts them; by tensors, its share of every layer. Every rank computes the same split from
+/// the same files.
 pub fn load_files_stage(
     files: &ModelFiles,
     dtype: DtypeChoice,
     group: std::rc::Rc<mlx::distributed::Group>,
     ends: parallel::Ends,
+    mode: parallel::Mode,
 ) -> Result<LoadedModel> {
     files.verify()?;
-    load_impl(files, dtype, true, Some((group, ends)))
+    load_impl(files, dtype, true, Some((group, ends, mode)))
 }
 
 /// Builds the model in `files` without reading any weights: every tensor the architecture needs
@@ -382,7 +394,11 @@ fn load_impl(
     files: &ModelFiles,
     dtype: DtypeChoice,
     materialize: bool,
-    group: Option<(std::rc::Rc<mlx::distributed::Group>, parallel::Ends)>,
+    group: Option<(
+        std::rc::Rc<mlx::distributed::Group>,
+        parallel::Ends,
+        parallel::Mode,
+    )>,
 ) -> Result<LoadedModel> {
     let file = JsonFile::read(files.config()?)?;
     let model_type = file.model_type()?;
@@ -400,22 +416,30 @@ fn load_impl(
     let tokenizer = Tokenizer::load_files(files)?;
     let dtype = resolve_dtype(dtype, &file.value);
     let weights = Weights::load_files(files, dtype, quant)?;
-    let ranks = group.as_ref().map_or(1, |(g, _)| g.size());
-    let stage = match group {
-        Some((g, ends)) if ranks > 1 => {
+    let ranks = group.as_ref().map_or(1, |(g, _, _)| g.size());
+    let split = match group {
+        Some((g, ends, parallel::Mode::Pipeline)) if ranks > 1 => {
             let ranges = match &arch {
                 Arch::Gemma4(cfg) => gemma4::Gemma4::split(cfg, &weights, ranks, ends)?,
                 Arch::Glm(cfg) => glm4_moe_lite::Glm4MoeLite::split(cfg, &weights, ranks, ends)?,
             };
-            Some(parallel::Stage::new(g, &ranges, dtype, ends)?)
+            Some(parallel::Split::Layers(parallel::Stage::new(
+                g, &ranges, dtype, ends,
+            )?))
+        }
+        Some((g, ends, parallel::Mode::Tensor)) if ranks > 1 => {
+            Some(parallel::Split::Tensors(parallel::Shard::new(g, ends)))
         }
         _ => None,
     };
-    let layers = stage.as_ref().map(parallel::Stage::layers);
+    let layers = split.as_ref().map(|s| match s {
+        parallel::Split::Layers(stage) => stage.layers(),
+        parallel::Split::Tensors(_) => 0..arch.layers(),
+    });
     let model: Box<dyn CausalLm> = match arch {
-        Arch::Gemma4(cfg) => Box::new(gemma4::Gemma4::with_stage(cfg, &weights, stage)?),
-        Arch::Glm(cfg) => Box::new(glm4_moe_lite::Glm4MoeLite::with_stage(
-            cfg, &weights, stage,
+        Arch::Gemma4(cfg) => Box::new(gemma4::Gemma4::with_split(cfg, &weights, split)?),
+        Arch::Glm(cfg) => Box::new(glm4_moe_lite::Glm4MoeLite::with_split(
+            cfg, &weights, split,
         )?),
     };
     if tokenizer.vocab_size() > model.vocab_size() {

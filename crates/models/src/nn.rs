@@ -21,6 +21,13 @@ pub enum Linear {
         q: Quantized,
         global: Array,
     },
+    /// This rank's columns (input features) of a matrix split by tensors: its products are
+    /// partial, and summed over the ranks (crate::parallel::Shard). The fused ops take
+    /// the other forms only: the sum comes between the product and what follows it.
+    Summed {
+        part: Box<Linear>,
+        shard: crate::parallel::Shard,
+    },
 }
 
 /// Rows `ids` of a quantized table, dequantized: only those rows are decoded.
@@ -72,6 +79,18 @@ impl Linear {
                 weights.withdraw_quantized(q);
                 weights.withdraw(global);
             }
+            Linear::Summed { part, .. } => part.withdraw(weights),
+        }
+    }
+
+    /// Output features (of a part summed over ranks: the whole's).
+    pub fn outputs(&self) -> usize {
+        match self {
+            Linear::Dense { wt } => wt.shape().last().copied().unwrap_or(0) as usize,
+            Linear::Quantized(q) | Linear::Scaled { q, .. } => {
+                q.weight.shape().first().copied().unwrap_or(0) as usize
+            }
+            Linear::Summed { part, .. } => part.outputs(),
         }
     }
 
@@ -80,6 +99,7 @@ impl Linear {
             Linear::Dense { wt } => x.matmul(wt)?,
             Linear::Quantized(q) => x.quantized_matmul(q, true)?,
             Linear::Scaled { q, global } => times_global(x.quantized_matmul(q, true)?, global)?,
+            Linear::Summed { part, shard } => shard.sum(&part.forward(x)?)?,
         })
     }
 
@@ -97,7 +117,7 @@ impl Linear {
             Linear::Quantized(q) => {
                 mlx::fast::quantized_matmul_residual_norm(x, q, w, eps, residual, scale, None)?.0
             }
-            Linear::Dense { .. } | Linear::Scaled { .. } => {
+            Linear::Dense { .. } | Linear::Scaled { .. } | Linear::Summed { .. } => {
                 add_norm(residual, &self.forward(x)?, w, eps, scale)?
             }
         })
@@ -131,7 +151,7 @@ impl Linear {
                     )),
                 }
             }
-            Linear::Dense { .. } | Linear::Scaled { .. } => {
+            Linear::Dense { .. } | Linear::Scaled { .. } | Linear::Summed { .. } => {
                 add_norm_then_norm(residual, &self.forward(x)?, w, eps, scale, next)
             }
         }
@@ -154,7 +174,7 @@ pub fn quantized_alike<'a>(layers: &[&'a Linear]) -> Option<Vec<&'a Quantized>> 
         .iter()
         .map(|l| match l {
             Linear::Quantized(q) => Some(q),
-            Linear::Dense { .. } | Linear::Scaled { .. } => None,
+            Linear::Dense { .. } | Linear::Scaled { .. } | Linear::Summed { .. } => None,
         })
         .collect::<Option<_>>()?;
     let first = *qs.first()?;
@@ -180,6 +200,18 @@ impl Experts {
     pub fn dense(weights: &Weights, w: Array) -> Result<Experts> {
         let wt = weights.keep_instead(&w, w.swapaxes(-1, -2)?.contiguous()?);
         Ok(Experts::Dense { wt })
+    }
+
+    /// Withdraws these matrices from those evaluated at load ([`Weights::withdraw`]).
+    pub(crate) fn withdraw(&self, weights: &Weights) {
+        match self {
+            Experts::Dense { wt } => weights.withdraw(wt),
+            Experts::Quantized(q) => weights.withdraw_quantized(q),
+            Experts::Scaled { q, global } => {
+                weights.withdraw_quantized(q);
+                weights.withdraw(global);
+            }
+        }
     }
 
     /// The two halves (along the output rows) of a fused, quantized `[E, 2·out, in]` stack, as

@@ -1,6 +1,7 @@
-//! A model split by layers over the ranks of a distributed group (pipeline parallel).
+//! A model split over the ranks of a distributed group: by layers ([`Stage`], pipeline
+//! parallel) or by tensors ([`Shard`], tensor parallel).
 //!
-//! Rank `r` holds layers `ranges[r]` and their caches only; the first rank holds the token
+//! By layers, rank `r` holds layers `ranges[r]` and their caches only; the first rank holds the token
 //! embedding, the last the head (and a model with per-layer embeddings the embedding on every
 //! rank, whose layers read it). A forward pass enters the first stage as embeddings, leaves
 //! each stage as the residual stream sent to the next rank, and ends on the last stage, whose
@@ -12,6 +13,39 @@ use mlx::distributed::Group;
 use mlx::{Array, Dtype};
 use std::ops::Range;
 use std::rc::Rc;
+
+/// How a model is split over ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Contiguous layers per rank ([`Stage`]).
+    Pipeline,
+    /// Every layer on every rank, each holding its share of the heads and hidden units
+    /// ([`Shard`]).
+    Tensor,
+}
+
+/// This rank's part of a split model, either way.
+#[derive(Clone)]
+pub enum Split {
+    Layers(Stage),
+    Tensors(Shard),
+}
+
+impl Split {
+    pub fn stage(&self) -> Option<&Stage> {
+        match self {
+            Split::Layers(s) => Some(s),
+            Split::Tensors(_) => None,
+        }
+    }
+
+    pub fn shard(&self) -> Option<&Shard> {
+        match self {
+            Split::Tensors(s) => Some(s),
+            Split::Layers(_) => None,
+        }
+    }
+}
 
 /// Where a split model's output goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,6 +199,190 @@ impl Stage {
     }
 }
 
+/// This rank's share of a model split by tensors (tensor parallel, docs/DISTRIBUTED.md).
+///
+/// Every rank holds every layer: a contiguous share of the attention heads (queries, their
+/// keys and values, and the output projection's matching columns) and of each MLP's hidden
+/// units (gate and up rows, down columns; each expert's alike), and the norms, routers and
+/// embeddings whole. The output projections' partial products are summed over the ranks
+/// ([`Shard::sum`]), two sums per layer; each rank's caches hold its own heads only.
+#[derive(Clone)]
+pub struct Shard {
+    group: Rc<Group>,
+    ends: Ends,
+}
+
+/// The query heads and the key/value heads a rank holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Heads {
+    pub q: Range<i32>,
+    pub kv: Range<i32>,
+}
+
+/// Part `i` of `n` items cut into `parts` contiguous pieces as even as they go.
+fn even(n: i32, parts: i32, i: i32) -> Range<i32> {
+    let at = |k: i32| ((i64::from(n) * i64::from(k)) / i64::from(parts)) as i32;
+    at(i)..at(i + 1)
+}
+
+impl Shard {
+    pub fn new(group: Rc<Group>, ends: Ends) -> Shard {
+        Shard { group, ends }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    pub fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    pub fn ends(&self) -> Ends {
+        self.ends
+    }
+
+    /// Whether this rank computes logits: every rank where each computes its share of the
+    /// vocabulary and they gather them ([`Ends::Everywhere`]), else rank 0 alone, with the
+    /// whole head.
+    pub fn holds_head(&self) -> bool {
+        self.ends == Ends::Everywhere || self.rank() == 0
+    }
+
+    /// This rank's share of `n` items taken in whole units of `unit` (a quantization group,
+    /// so that a matrix cut along its input keeps whole groups); `unit` 1 where `n` does not
+    /// divide into units enough for every rank. `what` names the items in the error where
+    /// there are fewer than ranks.
+    pub fn part(&self, n: i32, unit: i32, what: &str) -> Result<Range<i32>> {
+        part_of(n, unit, what, self.size() as i32, self.rank() as i32)
+    }
+
+    /// This rank's query heads among `q` and the key/value heads they read among `kv`
+    /// ([`heads_of`]).
+    pub fn heads(&self, q: i32, kv: i32) -> Result<Heads> {
+        heads_of(q, kv, self.size() as i32, self.rank() as i32)
+    }
+
+    /// The final hidden states of a forward pass, evaluated here: the pass's sums then run
+    /// in program order on every rank, before whatever rank 0 does next (its next call to
+    /// the others, [`Stage::leave`] on ordering).
+    pub fn finish(&self, out: Array) -> Result<Array> {
+        out.eval()?;
+        mlx::synchronize()?;
+        Ok(out)
+    }
+
+    /// Logits over `vocab` tokens from `head` (this rank's rows of the head where every rank
+    /// computes them, gathered; rank 0's whole head where it leads).
+    pub fn logits(&self, vocab: i32, head: impl FnOnce() -> Result<Array>) -> Result<Array> {
+        match self.ends {
+            Ends::Everywhere => self.gather_vocab(&head()?, vocab),
+            Ends::First if self.rank() == 0 => head(),
+            Ends::First => Err(ModelError::Invalid(
+                "logits asked of a rank that follows rank 0".into(),
+            )),
+        }
+    }
+
+    /// The sum of every rank's `x` (partial products of a matrix split along its input).
+    pub fn sum(&self, x: &Array) -> Result<Array> {
+        Ok(self.group.all_sum(x)?)
+    }
+
+    /// Logits `[.., V]` from each rank's share of the vocabulary (`part`, `[.., ≤ ⌈V/R⌉]`,
+    /// rows `vocab_part(V)` of the head), gathered on every rank and evaluated here: every
+    /// rank then samples from the same bits, whatever the sums left in the last bits of its
+    /// hidden states.
+    pub fn gather_vocab(&self, part: &Array, vocab: i32) -> Result<Array> {
+        let ranks = self.size() as i32;
+        let width = (vocab + ranks - 1) / ranks;
+        let shape = part.shape();
+        let lead: Vec<i32> = shape[..shape.len() - 1].to_vec();
+        let have = shape[shape.len() - 1];
+        let mut part = part.astype(Dtype::F32)?;
+        if have < width {
+            let mut pad = lead.clone();
+            pad.push(width - have);
+            part = mlx::concatenate(&[&part, &Array::zeros(&pad, Dtype::F32)?], -1)?;
+        }
+        let rows: i32 = lead.iter().product();
+        let all = self.group.all_gather(&part.reshape(&[1, rows, width])?)?; // [R, rows, width]
+        let mut out = all
+            .transpose(&[1, 0, 2])?
+            .reshape(&[rows, ranks * width])?
+            .slice_axis(-1, 0, Some(vocab))?;
+        let mut full = lead;
+        full.push(vocab);
+        out = out.reshape(&full)?;
+        out.eval()?;
+        Ok(out)
+    }
+
+    /// This rank's rows of a head over `vocab` tokens (see [`Shard::gather_vocab`]).
+    pub fn vocab_part(&self, vocab: i32) -> Range<i32> {
+        let ranks = self.size() as i32;
+        let width = (vocab + ranks - 1) / ranks;
+        let r = self.rank() as i32;
+        (r * width).min(vocab)..((r + 1) * width).min(vocab)
+    }
+}
+
+/// [`Shard::part`] for rank `rank` of `ranks`.
+pub fn part_of(n: i32, unit: i32, what: &str, ranks: i32, rank: i32) -> Result<Range<i32>> {
+    if n < ranks {
+        return Err(ModelError::Invalid(format!(
+            "cannot split {n} {what} over {ranks} ranks"
+        )));
+    }
+    let unit = if unit > 1 && n % unit == 0 && n / unit >= ranks {
+        unit
+    } else {
+        1
+    };
+    let r = even(n / unit, ranks, rank);
+    Ok(r.start * unit..r.end * unit)
+}
+
+/// Rank `rank`'s query heads among `q` and the key/value heads they read among `kv` (`q` a
+/// multiple of `kv`, each key/value head read by `q / kv` consecutive query heads). With at
+/// least as many key/value heads as ranks, those split and their query heads follow; with
+/// fewer, each key/value head is held by several ranks, which split its query heads. Either
+/// way a rank's query heads read its key/value heads evenly, as grouped attention needs.
+pub fn heads_of(q: i32, kv: i32, ranks: i32, rank: i32) -> Result<Heads> {
+    if kv <= 0 || q % kv != 0 {
+        return Err(ModelError::Invalid(format!(
+            "{q} query heads do not share {kv} key/value heads evenly"
+        )));
+    }
+    let g = q / kv;
+    if kv >= ranks {
+        let kvr = even(kv, ranks, rank);
+        return Ok(Heads {
+            q: kvr.start * g..kvr.end * g,
+            kv: kvr,
+        });
+    }
+    // Ranks per key/value head: `ranks / kv`, one more for the first `ranks % kv`.
+    let mut first = 0;
+    for head in 0..kv {
+        let n = ranks / kv + i32::from(head < ranks % kv);
+        if rank < first + n {
+            if g < n {
+                return Err(ModelError::Invalid(format!(
+                    "cannot split {q} query heads ({g} per key/value head) over {ranks} ranks"
+                )));
+            }
+            let part = even(g, n, rank - first);
+            return Ok(Heads {
+                q: head * g + part.start..head * g + part.end,
+                kv: head..head + 1,
+            });
+        }
+        first += n;
+    }
+    Err(ModelError::Invalid(format!("no rank {rank} of {ranks}")))
+}
+
 /// Contiguous layer ranges, one per rank, whose weights are as even as the split allows:
 /// the split minimises the largest stage's bytes, counting `ends` (what the first and the
 /// last stage hold besides layers: the embedding, the head). A boundary `b` (the first layer
@@ -307,6 +525,53 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("1 of the places"), "{e}");
+    }
+
+    #[test]
+    fn even_parts_cover_everything_once() {
+        for n in 1..20 {
+            for parts in 1..=n.min(5) {
+                let all: Vec<i32> = (0..parts).flat_map(|i| even(n, parts, i)).collect();
+                assert_eq!(all, (0..n).collect::<Vec<_>>());
+            }
+        }
+    }
+
+    #[test]
+    fn heads_split_by_key_value_groups() {
+        let h = |q, kv, ranks| -> Vec<(Range<i32>, Range<i32>)> {
+            (0..ranks)
+                .map(|r| {
+                    let h = heads_of(q, kv, ranks, r).unwrap();
+                    (h.q, h.kv)
+                })
+                .collect()
+        };
+        // Enough key/value heads: they split, their queries follow.
+        assert_eq!(h(8, 4, 2), vec![(0..4, 0..2), (4..8, 2..4)]);
+        assert_eq!(h(4, 4, 3), vec![(0..1, 0..1), (1..2, 1..2), (2..4, 2..4)]);
+        // Fewer: each is held by several ranks, which split its query heads.
+        assert_eq!(h(4, 1, 2), vec![(0..2, 0..1), (2..4, 0..1)]);
+        assert_eq!(h(4, 2, 3), vec![(0..1, 0..1), (1..2, 0..1), (2..4, 1..2)]);
+        assert_eq!(h(4, 1, 3), vec![(0..1, 0..1), (1..2, 0..1), (2..4, 0..1)]);
+        let e = heads_of(2, 2, 3, 0).unwrap_err().to_string();
+        assert!(e.contains("cannot split 2 query heads"), "{e}");
+        assert!(heads_of(6, 4, 2, 0).is_err());
+    }
+
+    #[test]
+    fn parts_keep_whole_units_where_they_can() {
+        let p = |n, unit, ranks| -> Vec<Range<i32>> {
+            (0..ranks)
+                .map(|r| part_of(n, unit, "units", ranks, r).unwrap())
+                .collect()
+        };
+        assert_eq!(p(256, 64, 2), vec![0..128, 128..256]);
+        assert_eq!(p(192, 64, 2), vec![0..64, 64..192]);
+        // Too few groups for the ranks: single items.
+        assert_eq!(p(64, 64, 2), vec![0..32, 32..64]);
+        let e = part_of(2, 1, "experts", 3, 0).unwrap_err().to_string();
+        assert!(e.contains("cannot split 2 experts over 3 ranks"), "{e}");
     }
 
     #[test]

@@ -502,6 +502,17 @@ impl Weights {
         Ok(a)
     }
 
+    /// Lets go of the checkpoint's handles of the tensors under `prefix` (`model.layers.3.`),
+    /// read now or not: a rank of a model split by tensors keeps parts it copied out of them
+    /// ([`crate::parts`]), and each whole tensor it read is freed now rather than held until
+    /// [`Weights::materialize`]. What the model keeps of them stays alive through its own
+    /// handles.
+    pub(crate) fn forget_under(&self, prefix: &str) {
+        self.tensors
+            .borrow_mut()
+            .retain(|name, _| !name.starts_with(prefix));
+    }
+
     pub(crate) fn keep(&self, a: Array) -> Array {
         self.handed_out.borrow_mut().push(a.clone());
         a

@@ -351,18 +351,19 @@ impl Cluster {
         Ok(())
     }
 
-    /// This rank's stage of the model in `files` (split as `ends` says), once every rank has
-    /// loaded its own, and what each rank holds. A load error anywhere is an error on every
-    /// rank, naming the rank.
+    /// This rank's part of the model in `files` (split as `mode` and `ends` say), once every
+    /// rank has loaded its own, and what each rank holds. A load error anywhere is an error on
+    /// every rank, naming the rank.
     pub fn load_stage(
         &self,
         files: &base::files::ModelFiles,
         dtype: models::DtypeChoice,
         ends: models::parallel::Ends,
+        mode: models::parallel::Mode,
     ) -> Result<(models::LoadedModel, Vec<Held>), String> {
         // Loading takes as long as the slowest rank's disk: not watched.
         self.watch(None, "loading");
-        let loaded = models::load_files_stage(files, dtype, self.group.clone(), ends);
+        let loaded = models::load_files_stage(files, dtype, self.group.clone(), ends, mode);
         self.agree(
             "loading the model",
             loaded.as_ref().map(|_| ()).map_err(|e| e.to_string()),

@@ -11,7 +11,7 @@
 use crate::cluster::{Cluster, Job, JoinOptions};
 use cache::LayerCache;
 use mlx::{Array, Dtype};
-use models::parallel::Ends;
+use models::parallel::{Ends, Mode};
 use models::{CausalLm, Drafter, DtypeChoice, LoadedModel, ModelError, ModelFiles, PackedRow};
 use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
@@ -29,6 +29,8 @@ pub struct LeadConfig {
     pub argv: Vec<String>,
     /// How long a forward pass may wait on the other ranks.
     pub rank_timeout: Duration,
+    /// By layers or by tensors.
+    pub mode: Mode,
 }
 
 /// Joins the ranks of `cfg` as rank 0 (starting those on this machine), shares the job, and
@@ -43,7 +45,7 @@ pub fn lead(
     // Rank 0 samples for every sequence: the job's seed is unused.
     let job = Job::of(cfg.argv.clone(), files, 0)?;
     let cluster = Rc::new(Cluster::lead(&cfg.join, &job)?);
-    let (mut loaded, held) = cluster.load_stage(files, dtype, Ends::First)?;
+    let (mut loaded, held) = cluster.load_stage(files, dtype, Ends::First, cfg.mode)?;
     for (rank, h) in held.iter().enumerate() {
         tracing::info!(
             rank,

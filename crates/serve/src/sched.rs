@@ -52,6 +52,8 @@ pub struct Ranks {
     /// The first ring port, where ranks on other hosts wait on a known one; `None`: a free
     /// block on this machine for each runner (ranks on loopback only).
     pub ring_port: Option<u16>,
+    /// The runners' `--parallel-mode` (`pipeline`, `tensor`); `None`: the runner's default.
+    pub mode: Option<String>,
 }
 
 /// What a runner is started for.
@@ -646,6 +648,9 @@ impl Scheduler {
                 .arg(&r.hostfile)
                 .arg("--ring-port")
                 .arg(ring.to_string());
+            if let Some(mode) = &r.mode {
+                cmd.arg("--parallel-mode").arg(mode);
+            }
         }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -1,0 +1,238 @@
+//! Cutting a loaded layer down to the part one rank holds where a model is split by tensors
+//! (tensor parallel, [`crate::parallel::Shard`]).
+//!
+//! A layer is loaded as usual, then cut: rows (output features) for the projections whose
+//! outputs split (queries, keys, values, gate and up, a head's vocabulary), columns (input
+//! features) for those whose inputs do (the output projection, down), whose partial products
+//! the ranks then sum. A quantized matrix cut by rows keeps its packing (quantization groups
+//! run along the input); cut by columns it keeps it where the cut falls between groups, and is
+//! otherwise held dequantized (only tiny test models cut a group: real widths split into
+//! whole groups, [`crate::parallel::Shard::part`]).
+//!
+//! Every part is a copy of its own, made now: a view would keep the whole tensor's memory
+//! alive, and the rank would hold the whole model after all.
+
+use crate::nn::{Embedding, Experts, GatedMlp, Linear};
+use crate::parallel::Shard;
+use crate::weights::Weights;
+use crate::{ModelError, Result};
+use mlx::{Array, Quantized};
+use std::ops::Range;
+
+/// Which part of a matrix `[out, in]` (or of each matrix of a stack `[E, out, in]`) a rank
+/// holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Part {
+    /// Output features.
+    Rows(Range<i32>),
+    /// Input features.
+    Cols(Range<i32>),
+}
+
+/// `a` evaluated into a buffer of its own.
+fn detached(a: &Array) -> Result<Array> {
+    Ok(Array::from_bytes(&a.to_bytes()?, &a.shape(), a.dtype())?)
+}
+
+/// `a[.., range, ..]` along `axis`, detached and kept for loading.
+fn cut(w: &Weights, a: &Array, axis: i32, range: &Range<i32>) -> Result<Array> {
+    Ok(w.keep(detached(&a.slice_axis(
+        axis,
+        range.start,
+        Some(range.end),
+    )?)?))
+}
+
+/// The part of a quantized matrix (or stack): `None` where a column cut would split
+/// quantization groups.
+fn quantized(w: &Weights, q: &Quantized, part: &Part) -> Result<Option<Quantized>> {
+    let (axis, words, groups) = match part {
+        Part::Rows(r) => (-2, r.clone(), r.clone()),
+        Part::Cols(r) => {
+            let (g, bits) = (q.group_size, q.bits);
+            if r.start % g != 0 || r.end % g != 0 || (r.start * bits) % 32 != 0 {
+                return Ok(None);
+            }
+            (
+                -1,
+                r.start * bits / 32..r.end * bits / 32,
+                r.start / g..r.end / g,
+            )
+        }
+    };
+    Ok(Some(Quantized {
+        weight: cut(w, &q.weight, axis, &words)?,
+        scales: cut(w, &q.scales, axis, &groups)?,
+        biases: q
+            .biases
+            .as_ref()
+            .map(|b| cut(w, b, axis, &groups))
+            .transpose()?,
+        ..*q
+    }))
+}
+
+/// The values of `q` (times `global`, per row or for all) in the compute dtype, cut.
+fn dequantized(w: &Weights, q: &Quantized, global: Option<&Array>, part: &Part) -> Result<Array> {
+    let mut v = q.dequantize()?;
+    if let Some(g) = global {
+        v = if g.ndim() == 0 {
+            v.multiply(g)?
+        } else {
+            // One per row of a matrix, or one per expert of a stack.
+            let mut shape = vec![1; v.ndim()];
+            let axis = if v.ndim() == 2 { 0 } else { v.ndim() - 3 };
+            shape[axis] = g.size() as i32;
+            v.multiply(&g.reshape(&shape)?)?
+        };
+    }
+    let v = v.astype(w.dtype())?;
+    let (axis, r) = match part {
+        Part::Rows(r) => (-2, r),
+        Part::Cols(r) => (-1, r),
+    };
+    detached(&v.slice_axis(axis, r.start, Some(r.end))?)
+}
+
+/// This rank's part of `l`, which is let go.
+pub(crate) fn linear(w: &Weights, l: Linear, part: &Part) -> Result<Linear> {
+    l.withdraw(w);
+    Ok(match (&l, part) {
+        // `Wᵀ`, `[in, out]`.
+        (Linear::Dense { wt }, Part::Rows(r)) => Linear::Dense {
+            wt: cut(w, wt, 1, r)?,
+        },
+        (Linear::Dense { wt }, Part::Cols(r)) => Linear::Dense {
+            wt: cut(w, wt, 0, r)?,
+        },
+        (Linear::Quantized(q), _) => match quantized(w, q, part)? {
+            Some(q) => Linear::Quantized(q),
+            None => Linear::dense(w, dequantized(w, q, None, part)?)?,
+        },
+        (Linear::Scaled { q, global }, _) => match quantized(w, q, part)? {
+            Some(q) => Linear::Scaled {
+                q,
+                global: match part {
+                    Part::Rows(r) if global.ndim() == 1 => cut(w, global, 0, r)?,
+                    _ => w.keep(global.clone()),
+                },
+            },
+            None => Linear::dense(w, dequantized(w, q, Some(global), part)?)?,
+        },
+        (Linear::Summed { .. }, _) => {
+            return Err(ModelError::Invalid(
+                "a projection summed over ranks cut again".into(),
+            ))
+        }
+    })
+}
+
+/// This rank's part of each expert's matrix in `e`, which is let go.
+pub(crate) fn experts(w: &Weights, e: Experts, part: &Part) -> Result<Experts> {
+    e.withdraw(w);
+    Ok(match (&e, part) {
+        // `[E, in, out]`.
+        (Experts::Dense { wt }, Part::Rows(r)) => Experts::Dense {
+            wt: cut(w, wt, 2, r)?,
+        },
+        (Experts::Dense { wt }, Part::Cols(r)) => Experts::Dense {
+            wt: cut(w, wt, 1, r)?,
+        },
+        (Experts::Quantized(q), _) => match quantized(w, q, part)? {
+            Some(q) => Experts::Quantized(q),
+            None => Experts::dense(w, dequantized(w, q, None, part)?)?,
+        },
+        (Experts::Scaled { q, global }, _) => match quantized(w, q, part)? {
+            Some(q) => Experts::Scaled {
+                q,
+                global: w.keep(global.clone()),
+            },
+            None => Experts::dense(w, dequantized(w, q, Some(global), part)?)?,
+        },
+    })
+}
+
+/// Rows `vocab` of a tied head (the embedding, which stays whole for lookups) as a projection.
+pub(crate) fn head_rows(w: &Weights, e: &Embedding, vocab: &Range<i32>) -> Result<Linear> {
+    let rows = Part::Rows(vocab.clone());
+    Ok(match e {
+        Embedding::Dense(table) => Linear::dense(w, cut(w, table, 0, vocab)?)?,
+        // `Eᵀ`, `[H, V]`.
+        Embedding::DenseTransposed(wt) => Linear::Dense {
+            wt: cut(w, wt, 1, vocab)?,
+        },
+        Embedding::Quantized(q) => Linear::Quantized(
+            quantized(w, q, &rows)?
+                .ok_or_else(|| ModelError::Invalid("a row cut of a quantized table".into()))?,
+        ),
+        Embedding::Scaled { q, global } => Linear::Scaled {
+            q: quantized(w, q, &rows)?
+                .ok_or_else(|| ModelError::Invalid("a row cut of a quantized table".into()))?,
+            global: global.clone(),
+        },
+    })
+}
+
+/// `a` cut to `range` along `axis` (a per-head table of MLA), `a` let go.
+pub(crate) fn along(w: &Weights, a: &Array, axis: i32, range: &Range<i32>) -> Result<Array> {
+    w.withdraw(a);
+    cut(w, a, axis, range)
+}
+
+/// Columns `cols` of `l`, whose products the ranks of `shard` sum.
+pub(crate) fn summed(w: &Weights, l: Linear, cols: Range<i32>, shard: &Shard) -> Result<Linear> {
+    Ok(Linear::Summed {
+        part: Box::new(linear(w, l, &Part::Cols(cols))?),
+        shard: shard.clone(),
+    })
+}
+
+/// The quantization group along the input of `l` (1 if dense): a cut of its columns in whole
+/// groups keeps it packed.
+fn group(l: &Linear) -> i32 {
+    match l {
+        Linear::Quantized(q) | Linear::Scaled { q, .. } => q.group_size,
+        Linear::Dense { .. } => 1,
+        Linear::Summed { part, .. } => group(part),
+    }
+}
+
+/// This rank's hidden units of a gated MLP: gate and up rows, down columns. With `sum`, the
+/// down projection's partial products are summed over the ranks; without, the caller sums
+/// them with others (one sum for a MoE block's experts and shared expert).
+pub(crate) fn mlp(w: &Weights, shard: &Shard, m: GatedMlp, sum: bool) -> Result<GatedMlp> {
+    let hidden = m.gate.outputs() as i32;
+    let units = shard.part(hidden, group(&m.down), "MLP hidden units")?;
+    let rows = Part::Rows(units.clone());
+    Ok(GatedMlp {
+        gate: linear(w, m.gate, &rows)?,
+        up: linear(w, m.up, &rows)?,
+        down: if sum {
+            summed(w, m.down, units, shard)?
+        } else {
+            linear(w, m.down, &Part::Cols(units))?
+        },
+        act: m.act,
+    })
+}
+
+/// This rank's hidden units of every expert (`hidden` each): gate and up rows, down columns;
+/// the caller sums the down projection's partial products over the ranks.
+pub(crate) fn expert_mlp(
+    w: &Weights,
+    shard: &Shard,
+    [gate, up, down]: [Experts; 3],
+    hidden: i32,
+) -> Result<[Experts; 3]> {
+    let unit = match &down {
+        Experts::Quantized(q) | Experts::Scaled { q, .. } => q.group_size,
+        Experts::Dense { .. } => 1,
+    };
+    let units = shard.part(hidden, unit, "expert hidden units")?;
+    let rows = Part::Rows(units.clone());
+    Ok([
+        experts(w, gate, &rows)?,
+        experts(w, up, &rows)?,
+        experts(w, down, &Part::Cols(units))?,
+    ])
+}
