@@ -7,9 +7,10 @@
 //! own split (`mlx.launch --backend ring -n N -- python -m mlx_lm.benchmark [--pipeline]`, same
 //! MLX, OpenBLAS preloaded) on a prompt of the same length: prefill and decode tok/s, each
 //! rank's weights and peak resident memory, and the bytes a token sends between ranks. mlx-lm's
-//! gemma4 has no pipeline, so GLM is the model both can split. `BENCH_DIST_RANKS=1,2` picks the
-//! rank counts, `BENCH_DIST_MODES=tensor` the modes; `BENCH_DIST_PEER=0` leaves mlx-lm out (it
-//! takes minutes a run here).
+//! gemma4 has no pipeline, so GLM is the model both can split. `BENCH_DIST_MODEL=g31` runs
+//! gemma4 31B's widths instead (6 layers, target/real-g31-q4-6l; mlx-lm cannot split gemma4 either
+//! way, so ours alone). `BENCH_DIST_RANKS=1,2` picks the rank counts, `BENCH_DIST_MODES=tensor` the
+//! modes; `BENCH_DIST_PEER=0` leaves mlx-lm out (it takes minutes a run here).
 
 mod common;
 use common::{
@@ -19,13 +20,21 @@ use common::{
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const LAYERS: &str = "12";
 const PROMPT_TOKENS: usize = 64;
 const NEW_TOKENS: &str = "16";
 
+/// The model (`glm` or `g31`) and its layer count.
+fn which() -> (String, &'static str) {
+    match std::env::var("BENCH_DIST_MODEL").as_deref() {
+        Ok("g31") => ("g31".into(), "6"),
+        _ => ("glm".into(), "12"),
+    }
+}
+
 fn model(python: &Path) -> Option<PathBuf> {
-    let dir = root().join(format!("target/real-glm-q4-{LAYERS}l"));
-    real_shape_model(python, "glm", dir, Some(LAYERS))
+    let (name, layers) = which();
+    let dir = root().join(format!("target/real-{name}-q4-{layers}l"));
+    real_shape_model(python, &name, dir, Some(layers))
 }
 
 /// A hostfile of `n` ranks on loopback.
@@ -175,9 +184,11 @@ fn main() {
         .ok()
         .map(|s| s.split(',').map(str::to_string).collect())
         .unwrap_or_else(|| vec!["pipeline".into(), "tensor".into()]);
-    let with_peer = std::env::var("BENCH_DIST_PEER").as_deref() != Ok("0");
+    let (name, layers) = which();
+    let with_peer = std::env::var("BENCH_DIST_PEER").as_deref() != Ok("0") && name == "glm";
     let cfg: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let cfg = cfg.get("text_config").cloned().unwrap_or(cfg);
     let hidden = cfg["hidden_size"].as_u64().unwrap_or(0) as f64;
     let vocab = cfg["vocab_size"].as_u64().unwrap_or(0) as f64;
     let mut rows = Vec::new();
@@ -204,8 +215,13 @@ fn main() {
             rows.push((n, mode.to_string(), o, p));
         }
     }
+    let title = if name == "glm" {
+        "GLM4-MoE-Lite"
+    } else {
+        "gemma4 31B"
+    };
     println!(
-        "\nGLM4-MoE-Lite widths, {LAYERS} layers, 4-bit random weights; {PROMPT_TOKENS}-token prompt, \
+        "\n{title} widths, {layers} layers, 4-bit random weights; {PROMPT_TOKENS}-token prompt, \
          {NEW_TOKENS} new tokens; ranks on one 2-core machine's loopback\n"
     );
     println!("| ranks | split | ours prefill | ours decode | mlx-lm prefill | mlx-lm decode | decode ratio | weights MB by rank | peak RSS MB by rank |");
@@ -230,7 +246,7 @@ fn main() {
     // all-sum, whose busiest link carries 2 (n - 1) / n of them. By tensors, each layer sums
     // two residual-stream-wide vectors (a ring all-sum each) and the ranks gather the logits
     // (each link carries (n - 1) / n of them); the sums wait on each other, layer by layer.
-    let layers: f64 = LAYERS.parse().unwrap_or(0.0);
+    let layers: f64 = layers.parse().unwrap_or(0.0);
     println!(
         "\nbytes a decoded token crosses the busiest link with, and the time they add per token:\n"
     );

@@ -1,7 +1,8 @@
-"""Writes 4-bit models with the real dimensions of gemma4 E2B and of GLM4-MoE-Lite (GLM-4.7-Flash,
-fewer layers) and random weights, for `cargo bench --bench real_shapes`.
+"""Writes 4-bit models with the real dimensions of gemma4 E2B, of gemma4 31B (fewer layers) and of
+GLM4-MoE-Lite (GLM-4.7-Flash, fewer layers) and random weights, for `cargo bench --bench
+real_shapes` and `--bench distributed`.
 
-Usage: python benches/make_real_shape_models.py e2b|glm OUT_DIR
+Usage: python benches/make_real_shape_models.py e2b|g31|glm OUT_DIR [LAYERS]
 
 The models are built by mlx-lm's own classes and quantized by mlx-lm's own `quantize_model`
 (affine, 4 bits, group 64; the same modules `mlx_lm convert -q` quantizes), so both mlx-lm and
@@ -60,6 +61,25 @@ E2B = {
     "torch_dtype": "float32",
 }
 
+# gemma4 31B's widths (k_eq_v full layers, 16 sliding and 4 global KV heads); 6 layers (5 sliding
+# + 1 full) instead of 60.
+G31 = dict(
+    E2B,
+    hidden_size=5376,
+    intermediate_size=21504,
+    num_hidden_layers=6,
+    num_attention_heads=32,
+    num_key_value_heads=16,
+    num_global_key_value_heads=4,
+    sliding_window=1024,
+    layer_types=None,
+    sliding_window_pattern=6,
+    num_kv_shared_layers=0,
+    hidden_size_per_layer_input=0,
+    use_double_wide_mlp=False,
+    attention_k_eq_v=True,
+)
+
 # GLM-4.7-Flash's widths and expert counts; 4 layers (1 dense + 3 MoE) instead of 47.
 GLM = {
     "model_type": "glm4_moe_lite",
@@ -116,12 +136,20 @@ def random_codes(module, key):
 
 def main():
     which, out = sys.argv[1], sys.argv[2]
-    config = dict({"e2b": E2B, "glm": GLM}[which])
+    config = dict({"e2b": E2B, "g31": G31, "glm": GLM}[which])
     # An optional layer count: deeper models for the distributed bench, whose split by layers
     # needs enough of them to be even.
     if len(sys.argv) > 3:
         config["num_hidden_layers"] = int(sys.argv[3])
-    if which == "e2b":
+    if which == "g31":
+        # Five sliding layers to one full, the last full.
+        n = config["num_hidden_layers"]
+        config["layer_types"] = [
+            "full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention"
+            for i in range(n)
+        ]
+        del config["sliding_window_pattern"]
+    if which in ("e2b", "g31"):
         from mlx_lm.models import gemma4_text as arch
     else:
         from mlx_lm.models import glm4_moe_lite as arch
@@ -164,7 +192,7 @@ def main():
     json.dump(qconfig, open(os.path.join(out, "config.json"), "w"), indent=2)
     here = os.path.dirname(os.path.abspath(__file__))
     fixture = os.path.join(
-        here, "..", "tests", "fixtures", "models", {"e2b": "gemma4_e2b_like", "glm": "glm4_moe_lite"}[which]
+        here, "..", "tests", "fixtures", "models", {"e2b": "gemma4_e2b_like", "g31": "gemma4_31b_like", "glm": "glm4_moe_lite"}[which]
     )
     write_padded_tokenizer(fixture, out, config["vocab_size"])
     print(f"wrote {out}")

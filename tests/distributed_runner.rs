@@ -158,13 +158,50 @@ fn serve_splits_its_models_over_the_hostfile_ranks() {
     let (code, alone) = plain.post("/api/generate", &body);
     assert_eq!(code, 200, "{alone}");
     drop(plain);
-    let split = Serve::start(&[("MLX_RUNNER_HOSTFILE", hosts.to_str().unwrap())]);
-    let (code, answer) = split.post("/api/generate", &body);
-    assert_eq!(code, 200, "{answer}");
-    assert_eq!(answer["response"], alone["response"]);
-    let ps = split.get("/api/ps");
-    assert_eq!(ps["models"][0]["ranks"], 2, "{ps}");
-    assert_eq!(processes(&hosts, " worker ").len(), 1);
+    for mode in ["pipeline", "tensor"] {
+        let split = Serve::start(&[
+            ("MLX_RUNNER_HOSTFILE", hosts.to_str().unwrap()),
+            ("MLX_RUNNER_PARALLEL_MODE", mode),
+        ]);
+        let (code, answer) = split.post("/api/generate", &body);
+        assert_eq!(code, 200, "{answer}");
+        assert_eq!(answer["response"], alone["response"], "{mode}");
+        let ps = split.get("/api/ps");
+        assert_eq!(ps["models"][0]["ranks"], 2, "{ps}");
+        assert_eq!(processes(&hosts, " worker ").len(), 1);
+        // Rank 0 (the runner serve started) names the mode; its workers follow its command.
+        let runners = processes(&hosts, " runner ");
+        assert_eq!(runners.len(), 1, "{runners:?}");
+        let cmdline = std::fs::read(format!("/proc/{}/cmdline", runners[0])).unwrap();
+        let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+        let at = args.iter().position(|a| *a == b"--parallel-mode");
+        assert_eq!(at.map(|i| args[i + 1]), Some(mode.as_bytes()), "{mode}");
+        drop(split);
+        let started = std::time::Instant::now();
+        while !processes(&hosts, "").is_empty() {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "{mode}: ranks left"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let out = common::binary()
+        .arg("serve")
+        .env("MLX_RUNNER_HOSTFILE", &hosts)
+        .env("MLX_RUNNER_PARALLEL_MODE", "sideways")
+        .env(
+            "MLX_RUNNER_HOST",
+            format!("127.0.0.1:{}", common::free_port()),
+        )
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("MLX_RUNNER_PARALLEL_MODE must be pipeline or tensor"),
+        "{err}"
+    );
 }
 
 /// Drafting on a split model: rank 0's drafter (GLM's MTP layer, prompt lookup) proposes, the
@@ -302,6 +339,61 @@ fn a_model_split_by_tensors_batches_drafts_and_keeps_to_a_grammar() {
     let text = common::text_of(&lines);
     let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
     assert!(v["n"].as_u64().is_some_and(|n| n <= 99), "{text}");
+}
+
+/// Images and audio on a split model: rank 0 runs the towers and sends the soft tokens with
+/// the pass that places them; the ranks that embed (every rank split by tensors; every stage of
+/// a model with per-layer inputs) splice them in. The answer is one process's, by layers and by
+/// tensors.
+#[test]
+fn a_split_model_sees_images_and_hears_audio() {
+    use base64::Engine;
+    let media = |model: &str, items: &[(&str, i64)]| -> Value {
+        items
+            .iter()
+            .map(|&(name, id)| {
+                let dir = if name.ends_with(".png") && model == "gemma4_vision_like" {
+                    "images"
+                } else {
+                    "audio"
+                };
+                let bytes = std::fs::read(common::fixture(model).join(dir).join(name)).unwrap();
+                json!({"data": base64::engine::general_purpose::STANDARD.encode(bytes), "id": id})
+            })
+            .collect()
+    };
+    for (model, prompt, items) in [
+        (
+            "gemma4_vision_like",
+            "Describe [img-0] and [img-1] now.",
+            &[("wide.png", 0), ("small.png", 1)][..],
+        ),
+        (
+            "gemma4_audio_like",
+            "Hear [img-0] and see [img-1] now.",
+            &[("speechlike.wav", 0), ("wide.png", 1)][..],
+        ),
+    ] {
+        let body = json!({
+            "Prompt": prompt,
+            "Media": media(model, items),
+            "Options": {"num_predict": 12, "temperature": 0, "repeat_penalty": 1.0},
+            "Logprobs": true,
+        });
+        let solo = Runner::start(model, &["--no-draft", "--cache-budget", "0"]);
+        let (want, want_lps) = outcome(&solo.complete(&body));
+        drop(solo);
+        for mode in ["pipeline", "tensor"] {
+            let (_d, hosts) = local(2);
+            let split = split_runner(model, 2, &hosts, &["--no-draft", "--parallel-mode", mode]);
+            let (text, lps) = outcome(&split.complete(&body));
+            assert_eq!(text, want, "{model} by {mode}");
+            assert_eq!(lps.len(), want_lps.len(), "{model} by {mode}");
+            for (a, b) in lps.iter().zip(&want_lps) {
+                assert!((a - b).abs() < 1e-4, "{model} by {mode}: {a} vs {b}");
+            }
+        }
+    }
 }
 
 /// The gemma4 assistant reads the target's caches, which a split model spreads over ranks: a

@@ -265,7 +265,9 @@ impl Shard {
 
     /// The final hidden states of a forward pass, evaluated here: the pass's sums then run
     /// in program order on every rank, before whatever rank 0 does next (its next call to
-    /// the others, [`Stage::leave`] on ordering).
+    /// the others, [`Stage::leave`] on ordering). MLX's ring records a lost peer as an error
+    /// of the stream, not of the evaluation that met it; synchronizing raises it here, before
+    /// anything of the failed pass is used.
     pub fn finish(&self, out: Array) -> Result<Array> {
         out.eval()?;
         mlx::synchronize()?;

@@ -236,3 +236,127 @@ pub(crate) fn expert_mlp(
         experts(w, down, &Part::Cols(units))?,
     ])
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlx::{random, Dtype, QuantMode};
+    use std::collections::HashMap;
+
+    fn weights() -> Weights {
+        Weights::from_arrays(HashMap::new(), Dtype::F32, None)
+    }
+
+    fn max_diff(a: &Array, b: &Array) -> f32 {
+        let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    /// `[x Wᵀ]` from each part of `W` cut by `parts`: rows joined, columns summed.
+    fn from_parts(w: &Weights, l: &Linear, x: &Array, parts: &[Part]) -> Array {
+        let outs: Vec<Array> = parts
+            .iter()
+            .map(|p| {
+                let part = linear(w, l.clone(), p).unwrap();
+                let input = match p {
+                    Part::Rows(_) => x.clone(),
+                    Part::Cols(r) => x.slice_axis(-1, r.start, Some(r.end)).unwrap(),
+                };
+                part.forward(&input).unwrap()
+            })
+            .collect();
+        match parts[0] {
+            Part::Rows(_) => {
+                let refs: Vec<&Array> = outs.iter().collect();
+                mlx::concatenate(&refs, -1).unwrap()
+            }
+            Part::Cols(_) => outs[1..]
+                .iter()
+                .fold(outs[0].clone(), |acc, o| acc.add(o).unwrap()),
+        }
+    }
+
+    /// Every part of a matrix, dense or quantized (whole groups or not), gives the whole
+    /// matrix's products, joined by rows or summed by columns, within float rounding.
+    #[test]
+    fn parts_multiply_as_the_whole_does() {
+        let w = weights();
+        let key = random::key(3).unwrap();
+        let m = random::normal(&[12, 128], Dtype::F32, 0.0, 1.0, Some(&key)).unwrap();
+        let x = random::normal(&[1, 3, 128], Dtype::F32, 0.0, 1.0, None).unwrap();
+        let mut layers = vec![("dense", Linear::dense(&w, m.clone()).unwrap())];
+        for (name, mode, group, bits) in [
+            ("affine q4", QuantMode::Affine, 32, 4),
+            ("affine q3", QuantMode::Affine, 64, 3),
+            ("mxfp4", QuantMode::Mxfp4, 32, 4),
+        ] {
+            layers.push((
+                name,
+                Linear::Quantized(m.quantize_as(mode, group, bits).unwrap()),
+            ));
+        }
+        for (name, l) in &layers {
+            let whole = l.forward(&x).unwrap();
+            let rows = from_parts(&w, l, &x, &[Part::Rows(0..5), Part::Rows(5..12)]);
+            // A narrower product may block its sums differently (BLAS): rounding only.
+            assert!(max_diff(&rows, &whole) < 1e-5, "{name}: rows");
+            for cut in [64, 40] {
+                let cols = from_parts(&w, l, &x, &[Part::Cols(0..cut), Part::Cols(cut..128)]);
+                let d = max_diff(&cols, &whole);
+                assert!(d < 1e-4, "{name}: columns cut at {cut}: {d}");
+            }
+        }
+        // A cut between groups keeps the packing; one inside a group holds the part dense.
+        let q = &layers[1].1;
+        assert!(matches!(
+            linear(&w, q.clone(), &Part::Cols(0..64)).unwrap(),
+            Linear::Quantized(_)
+        ));
+        assert!(matches!(
+            linear(&w, q.clone(), &Part::Cols(0..40)).unwrap(),
+            Linear::Dense { .. }
+        ));
+    }
+
+    /// Each expert's part: the experts' products from the parts, summed over column parts, are
+    /// the whole stack's.
+    #[test]
+    fn expert_parts_multiply_as_the_whole_does() {
+        let w = weights();
+        let m = random::normal(&[4, 16, 128], Dtype::F32, 0.0, 1.0, None).unwrap();
+        let x = random::normal(&[2, 1, 1, 128], Dtype::F32, 0.0, 1.0, None).unwrap();
+        let idx = Array::from_slice(&[3i32, 1, 0, 2], &[2, 2]).unwrap();
+        for e in [
+            Experts::dense(&w, m.clone()).unwrap(),
+            Experts::Quantized(m.quantize(64, 4).unwrap()),
+        ] {
+            let whole = e.forward(&x, &idx, false).unwrap();
+            let half = |r: Range<i32>| {
+                let part = experts(&w, clone_experts(&e), &Part::Cols(r.clone())).unwrap();
+                part.forward(
+                    &x.slice_axis(-1, r.start, Some(r.end)).unwrap(),
+                    &idx,
+                    false,
+                )
+                .unwrap()
+            };
+            let sum = half(0..64).add(&half(64..128)).unwrap();
+            assert!(max_diff(&sum, &whole) < 1e-4);
+        }
+    }
+
+    fn clone_experts(e: &Experts) -> Experts {
+        match e {
+            Experts::Dense { wt } => Experts::Dense { wt: wt.clone() },
+            Experts::Quantized(q) => Experts::Quantized(q.clone()),
+            Experts::Scaled { q, global } => Experts::Scaled {
+                q: q.clone(),
+                global: global.clone(),
+            },
+        }
+    }
+}

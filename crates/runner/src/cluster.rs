@@ -316,10 +316,20 @@ impl Cluster {
     pub fn broadcast_bytes(&self, bytes: &[u8]) -> Result<Vec<u8>, String> {
         let e = |e: mlx::Error| format!("broadcasting between ranks: {e}");
         let a = Array::from_slice(bytes, &[bytes.len() as i32]).map_err(e)?;
-        self.group
-            .broadcast(&a, 0)
-            .and_then(|a| a.to_vec::<u8>())
-            .map_err(e)
+        let out = self.broadcast(&a)?;
+        out.to_vec::<u8>().map_err(e)
+    }
+
+    /// Rank 0's `x` on every rank (the others pass an array of the same shape and dtype),
+    /// evaluated here. MLX's ring records a lost peer as an error of the stream rather than of
+    /// the evaluation that met it; it is raised here, not left to surface later (or never,
+    /// when the next collective waits on the dead connection).
+    pub fn broadcast(&self, x: &Array) -> Result<Array, String> {
+        let e = |e: mlx::Error| format!("broadcasting between ranks: {e}");
+        let out = self.group.broadcast(x, 0).map_err(e)?;
+        out.eval().map_err(e)?;
+        mlx::synchronize().map_err(e)?;
+        Ok(out)
     }
 
     /// Every rank's verdict on `what`, on every rank: `Ok` where all are, else an error naming

@@ -212,17 +212,9 @@ fn engine_main(
         }
     };
     // Before the memory plan, which counts what the weights took.
-    // A split model takes text only (the towers would run on rank 0 beside its stage).
-    let towers = match &cfg.cluster {
-        None => models::media::Towers::load(&cfg.model, cfg.dtype),
-        Some(_) => Ok((
-            models::media::Towers {
-                vision: None,
-                audio: None,
-            },
-            models::media::MediaPrompt::default(),
-        )),
-    };
+    // Split over ranks, the towers run on rank 0, which sends the other ranks the soft tokens
+    // with each pass that places them (crate::replica).
+    let towers = models::media::Towers::load(&cfg.model, cfg.dtype);
     let (towers, media) = match towers {
         Ok(v) => v,
         Err(e) => {

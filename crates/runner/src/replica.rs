@@ -12,7 +12,9 @@ use crate::cluster::{Cluster, Job, JoinOptions};
 use cache::LayerCache;
 use mlx::{Array, Dtype};
 use models::parallel::{Ends, Mode};
-use models::{CausalLm, Drafter, DtypeChoice, LoadedModel, ModelError, ModelFiles, PackedRow};
+use models::{
+    CausalLm, Drafter, DtypeChoice, LoadedModel, MediaSpan, ModelError, ModelFiles, PackedRow,
+};
 use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -82,13 +84,27 @@ pub enum Call {
     Stop,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Row {
     /// [`PackedRow::seq`]: 0 is a row of this pass only.
     pub seq: u64,
     /// Positions its caches hold before the pass.
     pub position: usize,
     pub len: usize,
+    /// The media whose soft tokens take the place of some of its tokens: their embeddings
+    /// follow the call, one broadcast each, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub media: Vec<Media>,
+}
+
+/// A media item of a row ([`models::MediaSpan`]) as a call names it: where it sits, what it
+/// is, and the shape of its embeddings (`[len, width]`, float32 on the wire).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Media {
+    pub at: usize,
+    pub image: bool,
+    pub len: usize,
+    pub width: usize,
 }
 
 /// Calls cross in one broadcast of this many bytes (a longer one takes a second).
@@ -175,11 +191,6 @@ impl CausalLm for Leader {
         if self.broken.load(Ordering::SeqCst) {
             return Err(self.failed("a rank was lost earlier"));
         }
-        if rows.iter().any(|r| !r.media.is_empty()) {
-            return Err(ModelError::Invalid(
-                "a model split over ranks takes no images or audio yet".into(),
-            ));
-        }
         let call = Call::Forward {
             tokens: tokens.astype(Dtype::I32)?.to_vec::<i32>()?,
             rows: rows
@@ -188,12 +199,29 @@ impl CausalLm for Leader {
                     seq: r.seq,
                     position: r.caches.first().map_or(0, LayerCache::offset),
                     len: r.len,
+                    media: r
+                        .media
+                        .iter()
+                        .map(|m| Media {
+                            at: m.at,
+                            image: m.kind == models::MediaKind::Image,
+                            len: m.len(),
+                            width: m.embeds.shape().last().copied().unwrap_or(0) as usize,
+                        })
+                        .collect(),
                 })
                 .collect(),
             released: std::mem::take(&mut *self.released.borrow_mut()),
         };
         self.cluster.watch(Some(self.limit), "a forward pass");
         send(&self.cluster, &call).map_err(|e| self.failed(e))?;
+        // The ranks that embed (all of them split by tensors; with per-layer inputs, every
+        // stage) splice the soft tokens in as rank 0 does.
+        for m in rows.iter().flat_map(|r| r.media) {
+            self.cluster
+                .broadcast(&m.embeds.astype(Dtype::F32)?)
+                .map_err(|e| self.failed(e))?;
+        }
         let out = self
             .inner
             .forward_packed(tokens, rows)
@@ -279,16 +307,21 @@ pub fn follow(model: &dyn CausalLm, cluster: &Cluster) -> Result<(), String> {
             }
             held.push(caches);
         }
+        let media = rows
+            .iter()
+            .map(|r| r.media.iter().map(|m| receive_media(cluster, m)).collect())
+            .collect::<Result<Vec<Vec<MediaSpan>>, String>>()?;
         let n = tokens.len() as i32;
         let tokens = Array::from_slice(&tokens, &[1, n]).map_err(|e| e.to_string())?;
         let mut packed: Vec<PackedRow<'_>> = rows
             .iter()
             .zip(held.iter_mut())
-            .map(|(r, caches)| PackedRow {
+            .zip(&media)
+            .map(|((r, caches), media)| PackedRow {
                 seq: r.seq,
                 len: r.len,
                 caches,
-                media: &[],
+                media,
             })
             .collect();
         model
@@ -303,6 +336,21 @@ pub fn follow(model: &dyn CausalLm, cluster: &Cluster) -> Result<(), String> {
     }
 }
 
+/// A media item's embeddings, as rank 0 broadcasts them after the call that names it.
+fn receive_media(cluster: &Cluster, m: &Media) -> Result<MediaSpan, String> {
+    let shape = [m.len as i32, m.width as i32];
+    let zeros = Array::zeros(&shape, Dtype::F32).map_err(|e| e.to_string())?;
+    Ok(MediaSpan {
+        at: m.at,
+        embeds: cluster.broadcast(&zeros)?,
+        kind: if m.image {
+            models::MediaKind::Image
+        } else {
+            models::MediaKind::Audio
+        },
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -311,11 +359,25 @@ mod tests {
     fn calls_read_back_as_written() {
         let call = Call::Forward {
             tokens: vec![1, 2, 3],
-            rows: vec![Row {
-                seq: 4,
-                position: 10,
-                len: 3,
-            }],
+            rows: vec![
+                Row {
+                    seq: 4,
+                    position: 10,
+                    len: 3,
+                    media: vec![],
+                },
+                Row {
+                    seq: 5,
+                    position: 0,
+                    len: 300,
+                    media: vec![Media {
+                        at: 2,
+                        image: true,
+                        len: 256,
+                        width: 64,
+                    }],
+                },
+            ],
             released: vec![2],
         };
         let text = serde_json::to_vec(&call).unwrap();
