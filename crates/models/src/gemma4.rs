@@ -803,6 +803,8 @@ pub struct Gemma4 {
     /// layers read per-layer inputs (a model split over ranks needs it on the first stage, on
     /// the last for a tied head, and everywhere with per-layer embeddings).
     embed: Option<Embedding>,
+    /// Split by tensors: this rank's rows of the table (a view of `embed` where it holds that).
+    embed_rows: Option<Embedding>,
     ple: Option<Ple>,
     /// Every layer's shape, whether or not this process holds the layer.
     specs: Vec<LayerSpec>,
@@ -1004,42 +1006,47 @@ impl Gemma4 {
             .find(|s| s.kind == LayerKind::Full)
             .map_or(full_dim, |s| s.head_dim);
         let tied = cfg.tie_word_embeddings;
-        // Split by tensors, every rank embeds; where they all compute logits each holds its
-        // rows of the head, else rank 0 holds it whole.
+        // Split by tensors, each rank holds its rows of the vocabulary for lookups (the ranks
+        // sum them, Shard::embed) and, where every rank computes logits, its rows of the head
+        // (a tied head: those same rows); rank 0 leading holds the whole head.
         let (embeds, heads) = match (&stage, &shard) {
             (Some((st, _)), _) => (
                 st.is_first() || ple.is_some() || (tied && st.holds_head()),
                 st.holds_head(),
             ),
-            (None, Some(sh)) => (true, sh.holds_head()),
+            (None, Some(sh)) => (sh.ends() == Ends::First && sh.rank() == 0, sh.holds_head()),
             (None, None) => (true, true),
         };
-        let embed = embeds
-            .then(|| root.pp("embed_tokens").embedding(cfg.vocab_size, h))
+        let table = || root.pp("embed_tokens").embedding(cfg.vocab_size, h);
+        let embed = embeds.then(table).transpose()?;
+        let embed = match embed {
+            Some(e) if tied && heads => Some(e.for_tied_head(w)?),
+            e => e,
+        };
+        let embed_rows = match &shard {
+            Some(sh) => {
+                let vocab = sh.vocab_part(cfg.vocab_size);
+                Some(match &embed {
+                    Some(e) => parts::embedding_view(e, &vocab)?,
+                    None => parts::embedding_rows(w, table()?, &vocab)?,
+                })
+            }
+            None => None,
+        };
+        let lm_head = (heads && !tied)
+            .then(|| w.root().pp("lm_head").linear(cfg.vocab_size, h))
             .transpose()?;
-        let head_rows = shard
-            .as_ref()
-            .filter(|sh| sh.ends() == Ends::Everywhere)
-            .map(|sh| sh.vocab_part(cfg.vocab_size));
-        let (embed, lm_head) = match (embed, head_rows) {
-            (Some(e), Some(vocab)) if tied => {
-                let part = parts::head_rows(w, &e, &vocab)?;
-                (Some(e), Some(part))
-            }
-            (e, Some(vocab)) => {
-                let head = w.root().pp("lm_head").linear(cfg.vocab_size, h)?;
-                (e, Some(parts::linear(w, head, &Part::Rows(vocab))?))
-            }
-            (Some(e), None) if tied && heads => (Some(e.for_tied_head(w)?), None),
-            (e, None) => (
-                e,
-                (heads && !tied)
-                    .then(|| w.root().pp("lm_head").linear(cfg.vocab_size, h))
-                    .transpose()?,
-            ),
+        let lm_head = match (&shard, lm_head) {
+            (Some(sh), Some(head)) if sh.ends() == Ends::Everywhere => Some(parts::linear(
+                w,
+                head,
+                &Part::Rows(sh.vocab_part(cfg.vocab_size)),
+            )?),
+            (_, head) => head,
         };
         Ok(Gemma4 {
             embed,
+            embed_rows,
             ple,
             specs,
             layers,
@@ -1069,7 +1076,13 @@ impl Gemma4 {
 
     /// `E[ids] · √H`, the scale cast to the compute dtype first (as transformers does).
     pub fn embed_scaled(&self, tokens: &Array) -> Result<Array> {
-        self.embedding()?.lookup_scaled(tokens, self.embed_scale())
+        let scale = self.embed_scale();
+        match (&self.shard, &self.embed_rows) {
+            (Some(sh), Some(rows)) => sh.embed(tokens, self.cfg.vocab_size, |ids| {
+                rows.lookup_scaled(ids, scale)
+            }),
+            _ => self.embedding()?.lookup_scaled(tokens, scale),
+        }
     }
 
     /// √H rounded to float32, as a float32 array times a weak scalar multiplies by it.
@@ -1337,9 +1350,12 @@ impl CausalLm for Gemma4 {
 
     fn logits(&self, hidden: &Array) -> Result<Array> {
         let head = || {
-            let logits = match &self.lm_head {
-                Some(head) => head.forward(hidden)?,
-                None => self.embedding()?.as_linear(hidden)?,
+            let logits = match (&self.lm_head, &self.shard, &self.embed_rows) {
+                (Some(head), _, _) => head.forward(hidden)?,
+                (None, Some(sh), Some(rows)) if sh.ends() == Ends::Everywhere => {
+                    rows.as_linear(hidden)?
+                }
+                _ => self.embedding()?.as_linear(hidden)?,
             };
             Ok(match self.cfg.final_logit_softcapping {
                 Some(c) if c > 0.0 => mlx::fast::softcap(&logits, c)?,

@@ -671,6 +671,8 @@ pub struct Glm4MoeLite {
     /// The token embedding, where this process embeds tokens or its head is tied to it (a
     /// model split over ranks holds it on the first stage and the head on the last).
     embed: Option<Embedding>,
+    /// Split by tensors: this rank's rows of the table (a view of `embed` where it holds that).
+    embed_rows: Option<Embedding>,
     /// The layers this process holds: all of them, or its stage's (`first..first + len`).
     layers: Vec<DecoderLayer>,
     first: usize,
@@ -740,31 +742,36 @@ impl Glm4MoeLite {
             })
             .collect::<Result<Vec<_>>>()?;
         let tied = cfg.tie_word_embeddings;
-        // Split by tensors, every rank embeds; where they all compute logits each holds its
-        // rows of the head, else rank 0 holds it whole.
+        // Split by tensors, each rank holds its rows of the vocabulary for lookups (the ranks
+        // sum them, Shard::embed) and, where every rank computes logits, its rows of the head;
+        // rank 0 leading holds the whole head, and the whole table its MTP drafter reads.
         let (embeds, heads) = match (&stage, &shard) {
             (Some(st), _) => (st.is_first() || (tied && st.holds_head()), st.holds_head()),
-            (None, Some(sh)) => (true, sh.holds_head()),
+            (None, Some(sh)) => (sh.ends() == Ends::First && sh.rank() == 0, sh.holds_head()),
             (None, None) => (true, true),
+        };
+        let table = || model.pp("embed_tokens").embedding(cfg.vocab_size, h);
+        let embed = embeds.then(table).transpose()?;
+        let embed_rows = match &shard {
+            Some(sh) => {
+                let vocab = sh.vocab_part(cfg.vocab_size);
+                Some(match &embed {
+                    Some(e) => parts::embedding_view(e, &vocab)?,
+                    None => parts::embedding_rows(w, table()?, &vocab)?,
+                })
+            }
+            None => None,
         };
         let lm_head = (heads && !tied)
             .then(|| root.pp("lm_head").linear(cfg.vocab_size, h))
             .transpose()?;
-        let embed = embeds
-            .then(|| model.pp("embed_tokens").embedding(cfg.vocab_size, h))
-            .transpose()?;
-        let lm_head = match (&shard, lm_head, &embed) {
-            (Some(sh), head, embed) if sh.ends() == Ends::Everywhere => {
-                let vocab = sh.vocab_part(cfg.vocab_size);
-                Some(match (head, embed) {
-                    (Some(head), _) => parts::linear(w, head, &Part::Rows(vocab))?,
-                    (None, Some(e)) => parts::head_rows(w, e, &vocab)?,
-                    (None, None) => {
-                        return Err(ModelError::Invalid("a head without its table".into()))
-                    }
-                })
-            }
-            (_, head, _) => head,
+        let lm_head = match (&shard, lm_head) {
+            (Some(sh), Some(head)) if sh.ends() == Ends::Everywhere => Some(parts::linear(
+                w,
+                head,
+                &Part::Rows(sh.vocab_part(cfg.vocab_size)),
+            )?),
+            (_, head) => head,
         };
         let rope = cfg.rope()?;
         // The MTP layer drafts from the final hidden states with the embedding and the head:
@@ -802,6 +809,7 @@ impl Glm4MoeLite {
         };
         Ok(Glm4MoeLite {
             embed,
+            embed_rows,
             layers,
             first: held.start,
             stage,
@@ -865,7 +873,10 @@ impl CausalLm for Glm4MoeLite {
         }
         let eps = self.cfg.rms_norm_eps;
         let batch = Rows::new(rows, self.first + self.layers.len(), false)?;
-        let embed = || self.embedding()?.lookup(tokens);
+        let embed = || match (&self.shard, &self.embed_rows) {
+            (Some(sh), Some(rows)) => sh.embed(tokens, self.cfg.vocab_size, |ids| rows.lookup(ids)),
+            _ => self.embedding()?.lookup(tokens),
+        };
         let mut h = match &self.stage {
             None => embed()?,
             Some(stage) => stage.enter(&[1, tokens.dim(1)?, self.cfg.hidden_size], embed)?,
@@ -894,9 +905,10 @@ impl CausalLm for Glm4MoeLite {
     }
 
     fn logits(&self, hidden: &Array) -> Result<Array> {
-        let head = || match &self.lm_head {
-            Some(head) => head.forward(hidden),
-            None => self.embedding()?.as_linear(hidden),
+        let head = || match (&self.lm_head, &self.shard, &self.embed_rows) {
+            (Some(head), _, _) => head.forward(hidden),
+            (None, Some(sh), Some(rows)) if sh.ends() == Ends::Everywhere => rows.as_linear(hidden),
+            _ => self.embedding()?.as_linear(hidden),
         };
         match (&self.stage, &self.shard) {
             (Some(stage), _) => stage.logits(hidden, self.vocab_size(), head),

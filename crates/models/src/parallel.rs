@@ -320,6 +320,30 @@ impl Shard {
         Ok(out)
     }
 
+    /// The embeddings of `ids` from every rank's rows of the table: `lookup` reads this
+    /// rank's rows (`vocab_part`) at local ids; an id another rank holds reads row 0 here and
+    /// is zeroed, and the ranks sum. Exact: each id's row comes from the one rank holding it.
+    pub fn embed(
+        &self,
+        ids: &Array,
+        vocab: i32,
+        lookup: impl FnOnce(&Array) -> Result<Array>,
+    ) -> Result<Array> {
+        let rows = self.vocab_part(vocab);
+        let ids = ids.astype(Dtype::I32)?;
+        let inside = ids
+            .greater_equal_scalar(f64::from(rows.start))?
+            .logical_and(&ids.less_scalar(f64::from(rows.end))?)?;
+        let local = mlx::where_(
+            &inside,
+            &ids.subtract_scalar(f64::from(rows.start))?,
+            &ids.zeros_like()?,
+        )?;
+        let e = lookup(&local)?;
+        let e = e.multiply(&inside.expand_dims(-1)?.astype(e.dtype())?)?;
+        self.sum(&e)
+    }
+
     /// This rank's rows of a head over `vocab` tokens (see [`Shard::gather_vocab`]).
     pub fn vocab_part(&self, vocab: i32) -> Range<i32> {
         let ranks = self.size() as i32;

@@ -152,22 +152,52 @@ pub(crate) fn experts(w: &Weights, e: Experts, part: &Part) -> Result<Experts> {
     })
 }
 
-/// Rows `vocab` of a tied head (the embedding, which stays whole for lookups) as a projection.
-pub(crate) fn head_rows(w: &Weights, e: &Embedding, vocab: &Range<i32>) -> Result<Linear> {
-    let rows = Part::Rows(vocab.clone());
+/// Rows `vocab` of a quantized table, as a view of it.
+fn quantized_rows_view(q: &Quantized, vocab: &Range<i32>) -> Result<Quantized> {
+    let rows = |a: &Array| a.slice_axis(0, vocab.start, Some(vocab.end));
+    Ok(Quantized {
+        weight: rows(&q.weight)?,
+        scales: rows(&q.scales)?,
+        biases: q.biases.as_ref().map(rows).transpose()?,
+        ..*q
+    })
+}
+
+/// Rows `vocab` of an embedding table the rank also holds whole, as a view of it (no memory).
+pub(crate) fn embedding_view(e: &Embedding, vocab: &Range<i32>) -> Result<Embedding> {
     Ok(match e {
-        Embedding::Dense(table) => Linear::dense(w, cut(w, table, 0, vocab)?)?,
-        // `Eᵀ`, `[H, V]`.
-        Embedding::DenseTransposed(wt) => Linear::Dense {
-            wt: cut(w, wt, 1, vocab)?,
+        Embedding::Dense(t) => Embedding::Dense(t.slice_axis(0, vocab.start, Some(vocab.end))?),
+        Embedding::DenseTransposed(t) => {
+            Embedding::DenseTransposed(t.slice_axis(1, vocab.start, Some(vocab.end))?)
+        }
+        Embedding::Quantized(q) => Embedding::Quantized(quantized_rows_view(q, vocab)?),
+        Embedding::Scaled { q, global } => Embedding::Scaled {
+            q: quantized_rows_view(q, vocab)?,
+            global: global.clone(),
         },
-        Embedding::Quantized(q) => Linear::Quantized(
-            quantized(w, q, &rows)?
-                .ok_or_else(|| ModelError::Invalid("a row cut of a quantized table".into()))?,
-        ),
-        Embedding::Scaled { q, global } => Linear::Scaled {
-            q: quantized(w, q, &rows)?
-                .ok_or_else(|| ModelError::Invalid("a row cut of a quantized table".into()))?,
+    })
+}
+
+/// Rows `vocab` of an embedding table, copied (the whole table is let go): a rank's share of a
+/// table split by vocabulary ([`Shard::embed`]).
+pub(crate) fn embedding_rows(w: &Weights, e: Embedding, vocab: &Range<i32>) -> Result<Embedding> {
+    let cut_rows = |q: &Quantized| -> Result<Quantized> {
+        w.withdraw_quantized(q);
+        quantized(w, q, &Part::Rows(vocab.clone()))?
+            .ok_or_else(|| ModelError::Invalid("a row cut of a quantized table".into()))
+    };
+    Ok(match &e {
+        Embedding::Dense(table) => {
+            w.withdraw(table);
+            Embedding::Dense(cut(w, table, 0, vocab)?)
+        }
+        Embedding::DenseTransposed(wt) => {
+            w.withdraw(wt);
+            Embedding::DenseTransposed(cut(w, wt, 1, vocab)?)
+        }
+        Embedding::Quantized(q) => Embedding::Quantized(cut_rows(q)?),
+        Embedding::Scaled { q, global } => Embedding::Scaled {
+            q: cut_rows(q)?,
             global: global.clone(),
         },
     })
