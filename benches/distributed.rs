@@ -244,8 +244,9 @@ fn main() {
     // By layers, a decode step sends the residual stream (hidden × 4 bytes) down the n - 1
     // hops, one after another, and the last rank's float32 logits to every rank: a ring
     // all-sum, whose busiest link carries 2 (n - 1) / n of them. By tensors, each layer sums
-    // two residual-stream-wide vectors (a ring all-sum each) and the ranks gather the logits
-    // (each link carries (n - 1) / n of them); the sums wait on each other, layer by layer.
+    // two residual-stream-wide vectors (a ring all-sum each), the embeddings one more, and the
+    // ranks gather the logits (each link carries (n - 1) / n of them); the sums wait on each
+    // other, layer by layer.
     let layers: f64 = layers.parse().unwrap_or(0.0);
     println!(
         "\nbytes a decoded token crosses the busiest link with, and the time they add per token:\n"
@@ -259,7 +260,7 @@ fn main() {
         let share = (n - 1) as f64 / n as f64;
         for mode in &modes {
             let bytes = if mode == "tensor" {
-                layers * 2.0 * 2.0 * share * hidden * 4.0 + share * vocab * 4.0
+                (layers * 2.0 + 1.0) * 2.0 * share * hidden * 4.0 + share * vocab * 4.0
             } else {
                 (n - 1) as f64 * hidden * 4.0 + 2.0 * share * vocab * 4.0
             };
