@@ -1056,8 +1056,11 @@ fn generate(a: GenerateArgs) -> Result<()> {
     let Some(hostfile) = a.cluster.hostfile.clone() else {
         return run_generate(a, cfg, model, None);
     };
-    if a.draft.draft.is_some() {
-        anyhow::bail!("--draft: drafting on a model split over ranks is not supported yet");
+    if a.draft.draft.is_some() && a.draft.draft_depth.0.is_none() && !a.draft.no_draft {
+        anyhow::bail!(
+            "--draft over ranks needs a fixed --draft-depth N: every rank drafts for itself, and \
+             an adaptive depth follows each rank's own timings"
+        );
     }
     let opts = a.cluster.join_options(&hostfile, 0)?;
     let job = Job::of(
@@ -1183,8 +1186,13 @@ fn run_generate(
     let loaded = match cluster {
         None => models::load_files(&cfg.model, a.dtype).map_err(anyhow::Error::from),
         Some((c, _)) => {
-            // No drafter reads a split target yet: none runs, the model's own included.
-            cfg.draft_depth = Some(0);
+            // Every rank runs the same loop, its drafter included (prompt lookup, or a draft
+            // model each rank loads whole): they draft alike at a fixed depth, verify against
+            // the same logits and accept alike. An adaptive depth follows each rank's own
+            // timings, so without a fixed one none drafts (a stored model's draft included).
+            if cfg.draft_depth.is_none() {
+                cfg.draft_depth = Some(0);
+            }
             let mode = a.cluster.parallel_mode.mode();
             match c.load_stage(
                 &cfg.model,

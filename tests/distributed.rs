@@ -27,14 +27,12 @@ fn fixture(name: &str) -> String {
 }
 
 fn generate(model: &str, extra: &[&str], hosts: Option<&Path>) -> Command {
+    generate_from(model, "The quick brown fox", extra, hosts)
+}
+
+fn generate_from(model: &str, prompt: &str, extra: &[&str], hosts: Option<&Path>) -> Command {
     let mut c = mlx_runner();
-    c.args([
-        "generate",
-        "--model",
-        &fixture(model),
-        "--prompt",
-        "The quick brown fox",
-    ]);
+    c.args(["generate", "--model", &fixture(model), "--prompt", prompt]);
     c.args(extra);
     match hosts {
         // A split model drafts with nothing (GLM's own MTP layer included); one process does
@@ -175,6 +173,67 @@ fn tensor_output_is_one_process_output_on_every_fixture() {
     }
 }
 
+/// Drafting over ranks: every rank drafts for itself at a fixed depth (prompt lookup, or a draft
+/// model each loads whole), verifies against the same logits and accepts alike: greedy output
+/// is one process's without drafting, split by layers and by tensors, and a seeded sampled run
+/// ends on every rank together.
+#[test]
+fn ranks_draft_alike_at_a_fixed_depth() {
+    let _one = RUNS.lock().unwrap_or_else(|e| e.into_inner());
+    let prompt = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3";
+    let plain = ["-n", "32", "--json"];
+    for (model, draft) in [
+        ("gemma4_31b_like", "ngram".to_string()),
+        ("glm4_moe_lite", fixture("glm4_moe_lite")),
+    ] {
+        let alone = chunks(&generate_from(model, prompt, &plain, None).output().unwrap());
+        let text = |c: &[String]| -> String {
+            c.iter()
+                .map(|l| {
+                    let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                    v["Content"].as_str().unwrap_or_default().to_string()
+                })
+                .collect()
+        };
+        for mode in ["pipeline", "tensor"] {
+            let (_d, hosts) = local(2);
+            let drafted = [
+                &plain[..],
+                &[
+                    "--draft",
+                    &draft,
+                    "--draft-depth",
+                    "3",
+                    "--parallel-mode",
+                    mode,
+                ],
+            ]
+            .concat();
+            let out = generate_from(model, prompt, &drafted, Some(&hosts))
+                .output()
+                .unwrap();
+            assert_eq!(text(&chunks(&out)), text(&alone), "{model} by {mode}");
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let done: serde_json::Value =
+                serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap();
+            assert!(
+                done["DraftTokens"].as_u64().is_some_and(|n| n > 0),
+                "{model} by {mode}: {done}"
+            );
+            let sampled = [
+                &drafted[..],
+                &["--temperature", "0.9", "--rank-timeout", "20"],
+            ]
+            .concat();
+            chunks(
+                &generate_from(model, prompt, &sampled, Some(&hosts))
+                    .output()
+                    .unwrap(),
+            );
+        }
+    }
+}
+
 /// Every rank samples from the same logits with the same seed: a seeded run is one process's
 /// run, and an unseeded one (rank 0 picks the seed) ends on every rank together.
 #[test]
@@ -249,7 +308,7 @@ fn bad_cluster_arguments_are_clear_errors() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && err.contains("drafting on a model split over ranks"),
+        !out.status.success() && err.contains("--draft over ranks needs a fixed --draft-depth"),
         "{err}"
     );
     let out = mlx_runner()

@@ -245,19 +245,7 @@ fn a_split_model_drafts_and_keeps_to_a_grammar() {
     }
     let (_d, hosts) = local(2);
     let split = split_runner("glm4_moe_lite", 2, &hosts, &[]);
-    let schema = json!({
-        "type": "object",
-        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
-        "required": ["n"],
-    });
-    let lines = split.complete(&json!({
-        "Prompt": "A number:",
-        "Format": schema,
-        "Options": {"num_predict": 32, "temperature": 0.8, "seed": 3},
-    }));
-    let text = common::text_of(&lines);
-    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
-    assert!(v["n"].as_u64().is_some_and(|n| n <= 99), "{text}");
+    keeps_to_a_grammar(&split);
 }
 
 /// A model split by tensors serves what one process serves (the same text, logprobs within
@@ -326,19 +314,7 @@ fn a_model_split_by_tensors_batches_drafts_and_keeps_to_a_grammar() {
     }
     let (_d, hosts) = local(3);
     let split = split_runner("glm4_moe_lite", 3, &hosts, &["--parallel-mode", "tensor"]);
-    let schema = json!({
-        "type": "object",
-        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
-        "required": ["n"],
-    });
-    let lines = split.complete(&json!({
-        "Prompt": "A number:",
-        "Format": schema,
-        "Options": {"num_predict": 32, "temperature": 0.8, "seed": 3},
-    }));
-    let text = common::text_of(&lines);
-    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
-    assert!(v["n"].as_u64().is_some_and(|n| n <= 99), "{text}");
+    keeps_to_a_grammar(&split);
 }
 
 /// Images and audio on a split model: rank 0 runs the towers and sends the soft tokens with
@@ -394,6 +370,23 @@ fn a_split_model_sees_images_and_hears_audio() {
             }
         }
     }
+}
+
+/// A sampled answer constrained by a JSON schema (rank 0 masks and samples) is that JSON.
+fn keeps_to_a_grammar(split: &Runner) {
+    let schema = json!({
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+    });
+    let lines = split.complete(&json!({
+        "Prompt": "A number:",
+        "Format": schema,
+        "Options": {"num_predict": 32, "temperature": 0.8, "seed": 3},
+    }));
+    let text = common::text_of(&lines);
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
+    assert!(v["n"].as_u64().is_some_and(|n| n <= 99), "{text}");
 }
 
 /// The gemma4 assistant reads the target's caches, which a split model spreads over ranks: a
