@@ -787,7 +787,9 @@ impl DecoderLayer {
 
 /// Per-layer embeddings of the E2B/E4B models.
 struct Ple {
+    /// The table, or split by tensors this rank's rows of it.
     embed: Embedding,
+    vocab: i32,
     model_proj: Linear,
     proj_norm: Array,
     dim: i32,
@@ -955,8 +957,16 @@ impl Gemma4 {
         let p = cfg.ple_dim();
         let ple = if p > 0 {
             let v = cfg.vocab_size_per_layer_input.unwrap_or(cfg.vocab_size);
+            let embed = root.pp("embed_tokens_per_layer").embedding(v, l * p)?;
+            // Split by tensors, this table (E2B's is larger than its layers) splits by
+            // vocabulary as the token embedding does.
+            let embed = match &shard {
+                Some(sh) => parts::embedding_rows(w, embed, &sh.vocab_part(v))?,
+                None => embed,
+            };
             Some(Ple {
-                embed: root.pp("embed_tokens_per_layer").embedding(v, l * p)?,
+                embed,
+                vocab: v,
                 model_proj: root.pp("per_layer_model_projection").linear(l * p, h)?,
                 proj_norm: root.pp("per_layer_projection_norm").get("weight", &[p])?,
                 dim: p,
@@ -1141,10 +1151,12 @@ impl Gemma4 {
         let s = tokens.shape();
         let (l, p) = (self.cfg.num_hidden_layers, ple.dim);
         let shape = [s[0], s[1], l, p];
-        let token_part = ple
-            .embed
-            .lookup_scaled(tokens, f64::from(p).sqrt() as f32)?
-            .reshape(&shape)?;
+        let scale = f64::from(p).sqrt() as f32;
+        let token_part = match &self.shard {
+            Some(sh) => sh.embed(tokens, ple.vocab, |ids| ple.embed.lookup_scaled(ids, scale))?,
+            None => ple.embed.lookup_scaled(tokens, scale)?,
+        }
+        .reshape(&shape)?;
         let ctx = ple
             .model_proj
             .forward(h0)?

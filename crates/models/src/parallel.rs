@@ -135,6 +135,7 @@ impl Stage {
     /// Every collective is evaluated where the code meets it, in the same order on every
     /// rank: a rank that left one pending would run it when a later evaluation happened to
     /// need it, after collectives its peers ran first, and the ranks would wait on each other.
+    /// The stream's error is raised after each ([`Shard::sum`] on why).
     ///
     /// Where rank 0 leads ([`Ends::First`]), the last stage sends `out` to rank 0 instead, and
     /// rank 0 returns what it receives.
@@ -144,9 +145,11 @@ impl Stage {
             Some(out) if self.is_last() => {
                 if self.ends == Ends::First {
                     self.group.send(&out.astype(self.dtype)?, 0)?.eval()?;
+                    mlx::synchronize()?;
                     return Ok(Array::zeros(&h.shape(), self.dtype)?);
                 }
                 out.eval()?;
+                mlx::synchronize()?;
                 Ok(out)
             }
             _ if self.is_last() => Err(ModelError::Invalid(
@@ -156,9 +159,11 @@ impl Stage {
                 self.group
                     .send(&h.astype(self.dtype)?, self.rank() + 1)?
                     .eval()?;
+                mlx::synchronize()?;
                 if self.ends == Ends::First && self.is_first() {
                     let out = self.group.recv(&h.shape(), self.dtype, last)?;
                     out.eval()?;
+                    mlx::synchronize()?;
                     return Ok(out);
                 }
                 Ok(Array::zeros(&h.shape(), self.dtype)?)
@@ -195,6 +200,7 @@ impl Stage {
         };
         let logits = self.group.broadcast(&logits, self.group.size() - 1)?;
         logits.eval()?;
+        mlx::synchronize()?;
         Ok(logits)
     }
 }
@@ -286,9 +292,16 @@ impl Shard {
         }
     }
 
-    /// The sum of every rank's `x` (partial products of a matrix split along its input).
+    /// The sum of every rank's `x` (partial products of a matrix split along its input),
+    /// evaluated here. MLX's ring fails a collective that meets a lost peer by stopping that
+    /// connection's thread and recording the error on the stream: a later collective in the
+    /// same evaluation would wait on the stopped thread for ever. So each sum is evaluated on
+    /// its own and the stream's error raised before the next one is built.
     pub fn sum(&self, x: &Array) -> Result<Array> {
-        Ok(self.group.all_sum(x)?)
+        let s = self.group.all_sum(x)?;
+        s.eval()?;
+        mlx::synchronize()?;
+        Ok(s)
     }
 
     /// Logits `[.., V]` from each rank's share of the vocabulary (`part`, `[.., ≤ ⌈V/R⌉]`,
@@ -317,6 +330,7 @@ impl Shard {
         full.push(vocab);
         out = out.reshape(&full)?;
         out.eval()?;
+        mlx::synchronize()?;
         Ok(out)
     }
 

@@ -204,9 +204,12 @@ fn engine_main(
     // not the cache's restores. Its drafter runs on rank 0; verify blocks are forward passes
     // like any other, and the other ranks rewind where rank 0 did.
     let split = cfg.cluster.is_some();
+    // A failure from here on lets the model go before it is reported: a split model's other
+    // ranks are told to stop and have ended by then, so rank 0's error is its last word.
     let draft = match load_drafter(&cfg, &mut model) {
         Ok(d) => d,
         Err(e) => {
+            drop(model);
             let _ = loaded.send(Err(e));
             return;
         }
@@ -218,6 +221,7 @@ fn engine_main(
     let (towers, media) = match towers {
         Ok(v) => v,
         Err(e) => {
+            drop(model);
             let _ = loaded.send(Err(format!("media towers: {e}")));
             return;
         }
@@ -229,6 +233,7 @@ fn engine_main(
     let plan = match plan_memory(&cfg, &model, draft.as_deref()) {
         Ok(p) => p,
         Err(e) => {
+            drop((draft, model));
             let _ = loaded.send(Err(e));
             return;
         }
