@@ -24,6 +24,33 @@ fn split_runner(model: &str, ranks: usize, hosts: &Path, extra: &[&str]) -> Runn
     Runner::start(model, &args)
 }
 
+/// Each request's text and logprobs, one request at a time.
+fn one_by_one(r: &Runner, requests: &[Value]) -> Vec<(String, Vec<f64>)> {
+    requests.iter().map(|b| outcome(&r.complete(b))).collect()
+}
+
+/// Each request's text and logprobs, all sent at once (batched by the runner).
+fn all_at_once(r: &Arc<Runner>, requests: &[Value]) -> Vec<(String, Vec<f64>)> {
+    let handles: Vec<_> = requests
+        .iter()
+        .cloned()
+        .map(|b| {
+            let r = Arc::clone(r);
+            std::thread::spawn(move || outcome(&r.complete(&b)))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// The same text and logprobs within 1e-4.
+fn close(got: &(String, Vec<f64>), want: &(String, Vec<f64>), what: &str) {
+    assert_eq!(got.0, want.0, "{what}");
+    assert_eq!(got.1.len(), want.1.len(), "{what}");
+    for (a, b) in got.1.iter().zip(&want.1) {
+        assert!((a - b).abs() < 1e-4, "{what}: {a} vs {b}");
+    }
+}
+
 fn request(prompt: &str) -> Value {
     json!({
         "Prompt": prompt,
@@ -57,10 +84,7 @@ fn a_split_model_serves_what_one_process_serves() {
             model,
             &[&same[..], &["--parallel", "1", "--cache-budget", "0"]].concat(),
         );
-        let alone: Vec<(String, Vec<f64>)> = requests
-            .iter()
-            .map(|b| outcome(&solo.complete(b)))
-            .collect();
+        let alone = one_by_one(&solo, &requests);
         drop(solo);
         let (_d, hosts) = local(ranks);
         let split = Arc::new(split_runner(
@@ -76,20 +100,8 @@ fn a_split_model_serves_what_one_process_serves() {
                 "{model}: request {i}"
             );
         }
-        let handles: Vec<_> = requests
-            .iter()
-            .cloned()
-            .map(|b| {
-                let r = Arc::clone(&split);
-                std::thread::spawn(move || outcome(&r.complete(&b)))
-            })
-            .collect();
-        for (i, h) in handles.into_iter().enumerate() {
-            let (text, lps) = h.join().unwrap();
-            assert_eq!(text, alone[i].0, "{model}: request {i} together");
-            for (a, b) in lps.iter().zip(&alone[i].1) {
-                assert!((a - b).abs() < 1e-4, "{model}: request {i}: {a} vs {b}");
-            }
+        for (i, got) in all_at_once(&split, &requests).iter().enumerate() {
+            close(got, &alone[i], &format!("{model}: request {i} together"));
         }
         let split = Arc::try_unwrap(split).ok().unwrap();
         let (status, err) = split.terminate();
@@ -260,23 +272,13 @@ fn a_model_split_by_tensors_batches_drafts_and_keeps_to_a_grammar() {
         "The quick brown fox",
     ];
     let requests: Vec<Value> = prompts.iter().map(|p| request(p)).collect();
-    let close = |got: &(String, Vec<f64>), want: &(String, Vec<f64>), what: &str| {
-        assert_eq!(got.0, want.0, "{what}");
-        assert_eq!(got.1.len(), want.1.len(), "{what}");
-        for (a, b) in got.1.iter().zip(&want.1) {
-            assert!((a - b).abs() < 1e-4, "{what}: {a} vs {b}");
-        }
-    };
     for (model, ranks, draft) in [
         ("glm4_moe_lite", 2, &[][..]),
         ("gemma4_31b_like", 3, &["--draft", "ngram"][..]),
         ("gemma4_26b_a4b_like_q4", 2, &["--draft", "ngram"][..]),
     ] {
         let solo = Runner::start(model, &["--no-draft", "--cache-budget", "0"]);
-        let alone: Vec<(String, Vec<f64>)> = requests
-            .iter()
-            .map(|b| outcome(&solo.complete(b)))
-            .collect();
+        let alone = one_by_one(&solo, &requests);
         drop(solo);
         let (_d, hosts) = local(ranks);
         let split = Arc::new(split_runner(
@@ -296,20 +298,8 @@ fn a_model_split_by_tensors_batches_drafts_and_keeps_to_a_grammar() {
                 &format!("{model}: request {i}"),
             );
         }
-        let handles: Vec<_> = requests
-            .iter()
-            .cloned()
-            .map(|b| {
-                let r = Arc::clone(&split);
-                std::thread::spawn(move || outcome(&r.complete(&b)))
-            })
-            .collect();
-        for (i, h) in handles.into_iter().enumerate() {
-            close(
-                &h.join().unwrap(),
-                &alone[i],
-                &format!("{model}: request {i} together"),
-            );
+        for (i, got) in all_at_once(&split, &requests).iter().enumerate() {
+            close(got, &alone[i], &format!("{model}: request {i} together"));
         }
     }
     let (_d, hosts) = local(3);
@@ -357,17 +347,16 @@ fn a_split_model_sees_images_and_hears_audio() {
             "Logprobs": true,
         });
         let solo = Runner::start(model, &["--no-draft", "--cache-budget", "0"]);
-        let (want, want_lps) = outcome(&solo.complete(&body));
+        let want = outcome(&solo.complete(&body));
         drop(solo);
         for mode in ["pipeline", "tensor"] {
             let (_d, hosts) = local(2);
             let split = split_runner(model, 2, &hosts, &["--no-draft", "--parallel-mode", mode]);
-            let (text, lps) = outcome(&split.complete(&body));
-            assert_eq!(text, want, "{model} by {mode}");
-            assert_eq!(lps.len(), want_lps.len(), "{model} by {mode}");
-            for (a, b) in lps.iter().zip(&want_lps) {
-                assert!((a - b).abs() < 1e-4, "{model} by {mode}: {a} vs {b}");
-            }
+            close(
+                &outcome(&split.complete(&body)),
+                &want,
+                &format!("{model} by {mode}"),
+            );
         }
     }
 }
