@@ -11,7 +11,7 @@ use crate::nn::{
     Embedding, Experts, GatedMlp, Linear, Rope,
 };
 use crate::packed::{check_rows, single_row};
-use crate::parallel::{self, Ends, Shard, Split, Stage};
+use crate::parallel::{self, Shard, Split, Stage};
 use crate::parts::{self, Part};
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
@@ -1024,7 +1024,7 @@ impl Gemma4 {
                 st.is_first() || ple.is_some() || (tied && st.holds_head()),
                 st.holds_head(),
             ),
-            (None, Some(sh)) => (sh.ends() == Ends::First && sh.rank() == 0, sh.holds_head()),
+            (None, Some(sh)) => (sh.leads(), sh.holds_head()),
             (None, None) => (true, true),
         };
         let table = || root.pp("embed_tokens").embedding(cfg.vocab_size, h);
@@ -1033,27 +1033,14 @@ impl Gemma4 {
             Some(e) if tied && heads => Some(e.for_tied_head(w)?),
             e => e,
         };
-        let embed_rows = match &shard {
-            Some(sh) => {
-                let vocab = sh.vocab_part(cfg.vocab_size);
-                Some(match &embed {
-                    Some(e) => parts::embedding_view(e, &vocab)?,
-                    None => parts::embedding_rows(w, table()?, &vocab)?,
-                })
-            }
-            None => None,
-        };
+        let embed_rows = shard
+            .as_ref()
+            .map(|sh| parts::vocab_rows(w, sh, cfg.vocab_size, embed.as_ref(), table))
+            .transpose()?;
         let lm_head = (heads && !tied)
             .then(|| w.root().pp("lm_head").linear(cfg.vocab_size, h))
             .transpose()?;
-        let lm_head = match (&shard, lm_head) {
-            (Some(sh), Some(head)) if sh.ends() == Ends::Everywhere => Some(parts::linear(
-                w,
-                head,
-                &Part::Rows(sh.vocab_part(cfg.vocab_size)),
-            )?),
-            (_, head) => head,
-        };
+        let lm_head = parts::head_part(w, shard.as_ref(), cfg.vocab_size, lm_head)?;
         Ok(Gemma4 {
             embed,
             embed_rows,
@@ -1364,9 +1351,7 @@ impl CausalLm for Gemma4 {
         let head = || {
             let logits = match (&self.lm_head, &self.shard, &self.embed_rows) {
                 (Some(head), _, _) => head.forward(hidden)?,
-                (None, Some(sh), Some(rows)) if sh.ends() == Ends::Everywhere => {
-                    rows.as_linear(hidden)?
-                }
+                (None, Some(sh), Some(rows)) if sh.splits_head() => rows.as_linear(hidden)?,
                 _ => self.embedding()?.as_linear(hidden)?,
             };
             Ok(match self.cfg.final_logit_softcapping {

@@ -11,7 +11,7 @@ use crate::draft::Drafter;
 use crate::glm4_mtp::{GlmMtp, MtpDrafter};
 use crate::nn::{forward_all, norm, Activation, Embedding, Experts, GatedMlp, Linear, Rope};
 use crate::packed::{check_rows, single_row};
-use crate::parallel::{self, Ends, Shard, Split, Stage};
+use crate::parallel::{self, Shard, Split, Stage};
 use crate::parts::{self, Part};
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
@@ -747,38 +747,25 @@ impl Glm4MoeLite {
         // rank 0 leading holds the whole head, and the whole table its MTP drafter reads.
         let (embeds, heads) = match (&stage, &shard) {
             (Some(st), _) => (st.is_first() || (tied && st.holds_head()), st.holds_head()),
-            (None, Some(sh)) => (sh.ends() == Ends::First && sh.rank() == 0, sh.holds_head()),
+            (None, Some(sh)) => (sh.leads(), sh.holds_head()),
             (None, None) => (true, true),
         };
         let table = || model.pp("embed_tokens").embedding(cfg.vocab_size, h);
         let embed = embeds.then(table).transpose()?;
-        let embed_rows = match &shard {
-            Some(sh) => {
-                let vocab = sh.vocab_part(cfg.vocab_size);
-                Some(match &embed {
-                    Some(e) => parts::embedding_view(e, &vocab)?,
-                    None => parts::embedding_rows(w, table()?, &vocab)?,
-                })
-            }
-            None => None,
-        };
+        let embed_rows = shard
+            .as_ref()
+            .map(|sh| parts::vocab_rows(w, sh, cfg.vocab_size, embed.as_ref(), table))
+            .transpose()?;
         let lm_head = (heads && !tied)
             .then(|| root.pp("lm_head").linear(cfg.vocab_size, h))
             .transpose()?;
-        let lm_head = match (&shard, lm_head) {
-            (Some(sh), Some(head)) if sh.ends() == Ends::Everywhere => Some(parts::linear(
-                w,
-                head,
-                &Part::Rows(sh.vocab_part(cfg.vocab_size)),
-            )?),
-            (_, head) => head,
-        };
+        let lm_head = parts::head_part(w, shard.as_ref(), cfg.vocab_size, lm_head)?;
         let rope = cfg.rope()?;
         // The MTP layer drafts from the final hidden states with the embedding and the head:
         // where rank 0 leads a split model, it holds all three.
         let drafts = match (&stage, &shard) {
             (Some(st), _) => st.is_first() && st.holds_head(),
-            (None, Some(sh)) => sh.ends() == Ends::First && sh.rank() == 0,
+            (None, Some(sh)) => sh.leads(),
             (None, None) => true,
         };
         let mtp = if drafts
@@ -907,7 +894,7 @@ impl CausalLm for Glm4MoeLite {
     fn logits(&self, hidden: &Array) -> Result<Array> {
         let head = || match (&self.lm_head, &self.shard, &self.embed_rows) {
             (Some(head), _, _) => head.forward(hidden),
-            (None, Some(sh), Some(rows)) if sh.ends() == Ends::Everywhere => rows.as_linear(hidden),
+            (None, Some(sh), Some(rows)) if sh.splits_head() => rows.as_linear(hidden),
             _ => self.embedding()?.as_linear(hidden),
         };
         match (&self.stage, &self.shard) {

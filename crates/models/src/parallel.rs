@@ -248,11 +248,21 @@ impl Shard {
         self.ends
     }
 
-    /// Whether this rank computes logits: every rank where each computes its share of the
-    /// vocabulary and they gather them ([`Ends::Everywhere`]), else rank 0 alone, with the
-    /// whole head.
+    /// Whether every rank computes its share of the vocabulary's logits and they gather them
+    /// ([`Ends::Everywhere`]), rather than rank 0 leading with the whole head.
+    pub fn splits_head(&self) -> bool {
+        self.ends == Ends::Everywhere
+    }
+
+    /// Whether this is rank 0 leading the others ([`Ends::First`]): it holds the whole head
+    /// and the whole table, which its drafters read too.
+    pub fn leads(&self) -> bool {
+        self.ends == Ends::First && self.rank() == 0
+    }
+
+    /// Whether this rank computes logits: its share ([`Shard::splits_head`]) or, leading, all.
     pub fn holds_head(&self) -> bool {
-        self.ends == Ends::Everywhere || self.rank() == 0
+        self.splits_head() || self.leads()
     }
 
     /// This rank's share of `n` items taken in whole units of `unit` (a quantization group,
@@ -283,12 +293,14 @@ impl Shard {
     /// Logits over `vocab` tokens from `head` (this rank's rows of the head where every rank
     /// computes them, gathered; rank 0's whole head where it leads).
     pub fn logits(&self, vocab: i32, head: impl FnOnce() -> Result<Array>) -> Result<Array> {
-        match self.ends {
-            Ends::Everywhere => self.gather_vocab(&head()?, vocab),
-            Ends::First if self.rank() == 0 => head(),
-            Ends::First => Err(ModelError::Invalid(
+        if self.splits_head() {
+            self.gather_vocab(&head()?, vocab)
+        } else if self.leads() {
+            head()
+        } else {
+            Err(ModelError::Invalid(
                 "logits asked of a rank that follows rank 0".into(),
-            )),
+            ))
         }
     }
 
@@ -310,7 +322,7 @@ impl Shard {
     /// hidden states.
     pub fn gather_vocab(&self, part: &Array, vocab: i32) -> Result<Array> {
         let ranks = self.size() as i32;
-        let width = (vocab + ranks - 1) / ranks;
+        let width = self.vocab_width(vocab);
         let shape = part.shape();
         let lead: Vec<i32> = shape[..shape.len() - 1].to_vec();
         let have = shape[shape.len() - 1];
@@ -360,10 +372,15 @@ impl Shard {
 
     /// This rank's rows of a head over `vocab` tokens (see [`Shard::gather_vocab`]).
     pub fn vocab_part(&self, vocab: i32) -> Range<i32> {
-        let ranks = self.size() as i32;
-        let width = (vocab + ranks - 1) / ranks;
+        let width = self.vocab_width(vocab);
         let r = self.rank() as i32;
         (r * width).min(vocab)..((r + 1) * width).min(vocab)
+    }
+
+    /// Tokens of the vocabulary per rank (the last rank's share may be shorter).
+    fn vocab_width(&self, vocab: i32) -> i32 {
+        let ranks = self.size() as i32;
+        (vocab + ranks - 1) / ranks
     }
 }
 

@@ -164,7 +164,7 @@ fn quantized_rows_view(q: &Quantized, vocab: &Range<i32>) -> Result<Quantized> {
 }
 
 /// Rows `vocab` of an embedding table the rank also holds whole, as a view of it (no memory).
-pub(crate) fn embedding_view(e: &Embedding, vocab: &Range<i32>) -> Result<Embedding> {
+fn embedding_view(e: &Embedding, vocab: &Range<i32>) -> Result<Embedding> {
     Ok(match e {
         Embedding::Dense(t) => Embedding::Dense(t.slice_axis(0, vocab.start, Some(vocab.end))?),
         Embedding::DenseTransposed(t) => {
@@ -201,6 +201,38 @@ pub(crate) fn embedding_rows(w: &Weights, e: Embedding, vocab: &Range<i32>) -> R
             global: global.clone(),
         },
     })
+}
+
+/// This rank's rows of a token embedding table split by vocabulary ([`Shard::embed`]): a view of
+/// `whole` where the rank holds the table whole (rank 0 leading), else copied out of `table()`.
+pub(crate) fn vocab_rows(
+    w: &Weights,
+    shard: &Shard,
+    vocab: i32,
+    whole: Option<&Embedding>,
+    table: impl FnOnce() -> Result<Embedding>,
+) -> Result<Embedding> {
+    let rows = shard.vocab_part(vocab);
+    match whole {
+        Some(e) => embedding_view(e, &rows),
+        None => embedding_rows(w, table()?, &rows),
+    }
+}
+
+/// The head over `vocab` tokens as this rank holds it: split by tensors where every rank
+/// computes logits, its rows of `head`; else `head` as it is.
+pub(crate) fn head_part(
+    w: &Weights,
+    shard: Option<&Shard>,
+    vocab: i32,
+    head: Option<Linear>,
+) -> Result<Option<Linear>> {
+    match (shard, head) {
+        (Some(sh), Some(head)) if sh.splits_head() => {
+            Ok(Some(linear(w, head, &Part::Rows(sh.vocab_part(vocab)))?))
+        }
+        (_, head) => Ok(head),
+    }
 }
 
 /// `a` cut to `range` along `axis` (a per-head table of MLA), `a` let go.
