@@ -2,7 +2,7 @@
 //! as a user runs it: rank 0 given a hostfile starts the other ranks itself.
 
 mod common;
-use common::cluster::{hostfile, local, processes, ring_port, signal};
+use common::cluster::{hostfile, local, none_left, processes, ring_port, signal};
 
 use std::io::Read;
 use std::path::Path;
@@ -380,18 +380,6 @@ fn wait_within(child: &mut Child, limit: Duration) -> (std::process::ExitStatus,
             return (status, err);
         }
         assert!(started.elapsed() < limit, "still running after {limit:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn none_left(hosts: &Path) {
-    let started = Instant::now();
-    while !ranks_of(hosts).is_empty() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "ranks left running: {:?}",
-            ranks_of(hosts)
-        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }

@@ -2,7 +2,7 @@
 //! serves and samples, the ranks it starts replay its forward passes.
 
 mod common;
-use common::cluster::{local, processes, ring_port, signal};
+use common::cluster::{local, none_left, processes, ring_port, signal};
 use common::serve::Serve;
 use common::{outcome, wait_timeout, Runner};
 
@@ -189,14 +189,7 @@ fn serve_splits_its_models_over_the_hostfile_ranks() {
         let at = args.iter().position(|a| *a == b"--parallel-mode");
         assert_eq!(at.map(|i| args[i + 1]), Some(mode.as_bytes()), "{mode}");
         drop(split);
-        let started = std::time::Instant::now();
-        while !processes(&hosts, "").is_empty() {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "{mode}: ranks left"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        none_left(&hosts);
     }
     let out = common::binary()
         .arg("serve")
@@ -402,12 +395,5 @@ fn the_assistant_is_refused_on_a_split_model() {
             && last.contains("not supported"),
         "{err}"
     );
-    let started = std::time::Instant::now();
-    while !processes(&hosts, "").is_empty() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "ranks left running"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    none_left(&hosts);
 }

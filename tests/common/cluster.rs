@@ -62,3 +62,16 @@ pub fn signal(pid: u32, sig: libc::c_int) {
     // SAFETY: a plain syscall.
     unsafe { libc::kill(pid as libc::pid_t, sig) };
 }
+
+/// Waits (at most 10 s) until no process names `hostfile`: a run's ranks have all ended.
+pub fn none_left(hostfile: &Path) {
+    let started = std::time::Instant::now();
+    while !processes(hostfile, "").is_empty() {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "ranks left running: {:?}",
+            processes(hostfile, "")
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
