@@ -915,7 +915,10 @@ fn finish(
 }
 
 fn init_logging(verbose: bool) {
-    let level = if verbose { "debug" } else { "info" };
+    init_logging_at(if verbose { "debug" } else { "info" });
+}
+
+fn init_logging_at(level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
     tracing_subscriber::fmt()
@@ -1101,6 +1104,9 @@ fn worker(w: WorkerArgs) -> Result<()> {
     if opts.rank == 0 {
         anyhow::bail!("--rank 0 is the process the hostfile is given to, not a worker");
     }
+    // Rank 0 reports what the ranks do; a worker only what goes wrong on it, named.
+    init_logging_at("warn");
+    let _rank = tracing::warn_span!("rank", n = opts.rank).entered();
     let cluster = Cluster::join(&opts, |_| Vec::new()).map_err(anyhow::Error::msg)?;
     cluster.watch(Some(opts.timeout), "joining");
     let shared = cluster.share(None).map_err(anyhow::Error::msg)?;

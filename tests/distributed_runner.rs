@@ -4,6 +4,7 @@
 mod common;
 use common::cluster::{local, none_left, processes, ring_port, signal};
 use common::serve::Serve;
+use common::turn::{ask_with, metric, same, Turn};
 use common::{outcome, wait_timeout, Runner};
 
 use serde_json::{json, Value};
@@ -78,12 +79,9 @@ fn a_split_model_serves_what_one_process_serves() {
         ("gemma4_26b_a4b_like_q4", 2),
     ] {
         let same = ["--prefill-chunk", "8", "--no-draft"];
-        // A split model keeps no prefix cache: neither does the process it is compared with
-        // (a restored prefix changes how the prompt is chunked, and so the last bits).
-        let solo = Runner::start(
-            model,
-            &[&same[..], &["--parallel", "1", "--cache-budget", "0"]].concat(),
-        );
+        // Both keep a prefix cache: they restore alike (a restored prefix changes how the
+        // prompt is chunked, and so the last bits).
+        let solo = Runner::start(model, &[&same[..], &["--parallel", "1"]].concat());
         let alone = one_by_one(&solo, &requests);
         drop(solo);
         let (_d, hosts) = local(ranks);
@@ -396,4 +394,98 @@ fn the_assistant_is_refused_on_a_split_model() {
         "{err}"
     );
     none_left(&hosts);
+}
+
+/// Two conversations (each turn's prompt extends its last prompt and answer), taking turns
+/// in `order` (0: the first, 1: the second): what each turn answered.
+fn conversations(r: &Runner, order: &[usize], logprobs: bool) -> Vec<Turn> {
+    let mut prompts = [
+        String::from("You are a helpful assistant. Tell me a story about a fox."),
+        String::from("Conversation B: a completely different topic, numbers 1 2 3 4 5 6"),
+    ];
+    let mut out = Vec::new();
+    for (turn, &c) in order.iter().enumerate() {
+        let p = &mut prompts[c];
+        let t = ask_with(r, p, 8, logprobs);
+        *p = format!("{p}{} Please go on, turn {turn}.", t.text);
+        out.push(t);
+    }
+    out
+}
+
+/// The prefix cache on a split model runs in lockstep: every rank restores where rank 0 does,
+/// so turns restore as much as one process with the same cache restores and answer the same
+/// (by layers with sliding-window layers on some stages only, by tensors with MLA's latent
+/// cache and GLM's drafter, by tensors with KV-shared layers); with a budget that evicts,
+/// every rank evicts what rank 0 evicts (no restore is refused) and answers stay exact.
+#[test]
+fn a_split_model_reuses_its_prefix_cache() {
+    let order = [0, 0, 1, 1, 0, 1, 0];
+    for (model, ranks, mode, logprobs) in [
+        ("gemma4_31b_like", 3, "pipeline", true),
+        ("glm4_moe_lite", 2, "tensor", false),
+        ("gemma4_e2b_like", 2, "tensor", true),
+    ] {
+        let same_flags = ["--prefill-chunk", "8", "--parallel", "1"];
+        let solo = Runner::start(model, &same_flags);
+        let alone = conversations(&solo, &order, logprobs);
+        drop(solo);
+        let (_d, hosts) = local(ranks);
+        let mode_flags = ["--parallel-mode", mode];
+        let split = split_runner(
+            model,
+            ranks,
+            &hosts,
+            &[&same_flags[..], &mode_flags].concat(),
+        );
+        let got = conversations(&split, &order, logprobs);
+        for (i, (g, a)) in got.iter().zip(&alone).enumerate() {
+            let what = format!("{model} over {ranks} by {mode}: turn {i}");
+            same(g, a, &what);
+            assert_eq!(g.cached, a.cached, "{what}: tokens restored");
+        }
+        let hits = got.iter().filter(|t| t.cached > 0).count();
+        assert!(hits >= 5, "{model}: {hits} turns restored");
+        let held = metric(&split, "mlx_runner_prefix_cache_bytes");
+        let (status, err) = split.terminate();
+        assert!(status.success(), "{err}");
+        assert!(!err.contains("could not restore"), "{model}: {err}");
+        assert!(!err.contains("out of step"), "{model}: {err}");
+
+        // Room for about one conversation: each pushes the other out, and rank 0's evictions
+        // are every rank's.
+        let budget = (held * 0.6) as u64;
+        let split = split_runner(
+            model,
+            ranks,
+            &hosts,
+            &[
+                &same_flags[..],
+                &mode_flags,
+                &["--cache-budget", &budget.to_string()],
+            ]
+            .concat(),
+        );
+        let tight = conversations(&split, &order, logprobs);
+        for (i, (g, a)) in tight.iter().zip(&alone).enumerate() {
+            same(g, a, &format!("{model} within {budget} bytes: turn {i}"));
+        }
+        let restored = |turns: &[Turn]| turns.iter().map(|t| t.cached).sum::<u64>();
+        let (kept, all) = (restored(&tight), restored(&got));
+        assert!(
+            (1..all).contains(&kept),
+            "{model}: {kept} of {all} tokens restored"
+        );
+        assert!(metric(&split, "mlx_runner_prefix_cache_bytes") <= budget as f64);
+        let (status, err) = split.terminate();
+        assert!(status.success(), "{err}");
+        assert!(
+            !err.contains("could not restore"),
+            "{model} within {budget}: {err}"
+        );
+        assert!(
+            !err.contains("out of step"),
+            "{model} within {budget}: {err}"
+        );
+    }
 }

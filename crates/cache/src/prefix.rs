@@ -195,6 +195,23 @@ pub struct PrefixCache {
     tries: Vec<(usize, CacheTrie)>,
     budget: usize,
     interval: usize,
+    /// Snapshot and restore where snapshots were taken even if none of this process's caches
+    /// rotates: a split model whose other ranks hold sliding-window layers.
+    rotates: bool,
+}
+
+/// What [`PrefixCache::insert`] stored: what a split model's other ranks repeat with
+/// [`PrefixCache::insert_exact`] to keep the same trie.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stored {
+    /// Tokens stored (what every cache held).
+    pub held: usize,
+    /// Positions of the snapshots offered, in the order offered.
+    pub checkpoints: Vec<usize>,
+    /// Leaves evicted afterwards to keep the budget.
+    pub evicted: usize,
+    /// Nodes in the tries afterwards: the same on a rank that kept in step.
+    pub nodes: usize,
 }
 
 impl PrefixCache {
@@ -204,11 +221,30 @@ impl PrefixCache {
             tries: Vec::new(),
             budget,
             interval: interval.max(1),
+            rotates: false,
         }
+    }
+
+    /// Snapshots as though some layer rotated, whatever `caches` a call passes (see
+    /// [`PrefixCache::needs_checkpoints`]).
+    pub fn rotating(mut self, rotates: bool) -> PrefixCache {
+        self.rotates = rotates;
+        self
+    }
+
+    /// Whether sequences of `caches` restore only where snapshots were taken.
+    pub fn needs_checkpoints(&self, caches: &[LayerCache]) -> bool {
+        self.rotates || needs_checkpoints(caches)
     }
 
     pub fn bytes(&self) -> usize {
         self.tries.iter().map(|(_, t)| t.bytes()).sum()
+    }
+
+    /// Nodes stored in all the tries: what they hold, in a number that does not depend on
+    /// the caches' widths.
+    pub fn nodes(&self) -> usize {
+        self.tries.iter().map(|(_, t)| t.node_count()).sum()
     }
 
     /// The trie for sequences of `layers` caches, its clock raised to the others'.
@@ -226,20 +262,30 @@ impl PrefixCache {
         t
     }
 
-    /// Removes the least recently used leaves of all the tries until the budget holds.
-    fn evict(&mut self) {
-        while self.bytes() > self.budget {
-            let oldest = self
-                .tries
-                .iter_mut()
-                .filter_map(|(_, t)| Some((t.next_victim_used()?, t)))
-                .min_by_key(|(used, _)| *used);
-            match oldest {
-                Some((_, t)) => {
-                    t.evict_one();
-                }
-                None => break,
+    /// Removes the least recently used leaves of all the tries until the budget holds;
+    /// returns how many.
+    fn evict(&mut self) -> usize {
+        let mut n = 0;
+        while self.bytes() > self.budget && self.evict_oldest() {
+            n += 1;
+        }
+        n
+    }
+
+    /// Removes the least recently used leaf of all the tries: which one depends on the uses
+    /// alone, not on bytes, so that tries kept alike on several ranks evict alike.
+    fn evict_oldest(&mut self) -> bool {
+        let oldest = self
+            .tries
+            .iter_mut()
+            .filter_map(|(_, t)| Some((t.next_victim_used()?, t)))
+            .min_by_key(|(used, _)| *used);
+        match oldest {
+            Some((_, t)) => {
+                t.evict_one();
+                true
             }
+            None => false,
         }
     }
 
@@ -250,11 +296,12 @@ impl PrefixCache {
     /// Caches for `prompt`, restored to the longest usable stored prefix (leaving at least the
     /// last prompt token to evaluate); `fresh` are empty caches of the right kinds.
     pub fn restore(&mut self, prompt: &[u32], fresh: Vec<LayerCache>) -> Result<Restored> {
+        let checkpointed = self.needs_checkpoints(&fresh);
         let trie = self.trie(fresh.len());
         let m = trie.lookup(prompt);
         let trie: &CacheTrie = trie;
         let limit = m.len.min(prompt.len().saturating_sub(1));
-        let cached = if needs_checkpoints(&fresh) {
+        let cached = if checkpointed {
             trie.checkpoints_on(&m)
                 .into_iter()
                 .filter(|&p| p <= limit)
@@ -313,20 +360,40 @@ impl PrefixCache {
         tokens: &[u32],
         caches: &[LayerCache],
         mut checkpoints: Vec<(usize, CacheCheckpoint)>,
-    ) -> Result<()> {
+    ) -> Result<Stored> {
         // Keep only what every cache holds (a drafter may trail the target by a few tokens).
         let held = held_by_all(caches, tokens.len());
         let tokens = &tokens[..held];
         if tokens.is_empty() {
-            return Ok(());
+            return Ok(Stored::default());
         }
         let aligned = caches.iter().all(|c| c.offset() == held);
         checkpoints.retain(|(p, _)| *p <= held);
-        if needs_checkpoints(caches) && aligned {
+        if self.needs_checkpoints(caches) && aligned {
             checkpoints.push((held, CacheCheckpoint::of(caches)));
         }
+        let positions = checkpoints.iter().map(|(p, _)| *p).collect();
+        self.store(caches.len(), tokens, caches, checkpoints)?;
+        let evicted = self.evict();
+        Ok(Stored {
+            held,
+            checkpoints: positions,
+            evicted,
+            nodes: self.nodes(),
+        })
+    }
+
+    /// `tokens` (which `caches` hold) and `checkpoints` into the trie for sequences of `key`
+    /// caches.
+    fn store(
+        &mut self,
+        key: usize,
+        tokens: &[u32],
+        caches: &[LayerCache],
+        checkpoints: Vec<(usize, CacheCheckpoint)>,
+    ) -> Result<()> {
         let mut failed = None;
-        self.trie(caches.len()).insert(
+        self.trie(key).insert(
             tokens,
             |start, end| match copy_run(caches, start, end) {
                 Ok(run) => run,
@@ -342,11 +409,70 @@ impl PrefixCache {
         );
         if let Some(e) = failed {
             // The trie now has an edge without data: drop everything rather than serve it.
-            *self.trie(caches.len()) = Trie::new();
+            *self.trie(key) = Trie::new();
             return Err(e);
         }
-        self.evict();
         Ok(())
+    }
+
+    /// A split model's other ranks keep the same trie as rank 0 (its own layers' data in it),
+    /// repeating rank 0's lookups, restores and stores in order; rank 0's budget decides what
+    /// goes. These are those calls, `key` being the number of caches rank 0's sequences hold
+    /// (which picks the trie).
+    ///
+    /// The lookup of a request that restored nothing (it still marks what it matched as used).
+    pub fn touch(&mut self, key: usize, prompt: &[u32]) {
+        self.trie(key).lookup(prompt);
+    }
+
+    /// Caches restored to exactly `at` tokens of `prompt` (looked up as rank 0 looked it up),
+    /// or `None` where this rank's trie cannot: rank 0 then starts cold as well.
+    pub fn restore_exact(
+        &mut self,
+        key: usize,
+        prompt: &[u32],
+        fresh: Vec<LayerCache>,
+        at: usize,
+    ) -> Result<Option<Vec<LayerCache>>> {
+        let rotating = needs_checkpoints(&fresh);
+        let trie = self.trie(key);
+        let m = trie.lookup(prompt);
+        let trie: &CacheTrie = trie;
+        let fits = at > 0
+            && at <= m.len
+            && trie
+                .segments_until(&m, at)
+                .iter()
+                .all(|(seg, _)| seg.pieces.iter().all(|p| p.data.len() == fresh.len()))
+            && match trie.checkpoint_at(&m, at) {
+                Some(c) => c.layers.len() == fresh.len(),
+                None => !rotating,
+            };
+        if !fits {
+            return Ok(None);
+        }
+        build(trie, &m, at, fresh).map(Some)
+    }
+
+    /// [`PrefixCache::insert`] as rank 0 did it: `tokens` exactly, the snapshots at the
+    /// positions it offered, then `evicted` leaves evicted.
+    pub fn insert_exact(
+        &mut self,
+        key: usize,
+        tokens: &[u32],
+        caches: &[LayerCache],
+        checkpoints: Vec<(usize, CacheCheckpoint)>,
+        evicted: usize,
+    ) -> Result<()> {
+        let stored = if tokens.is_empty() {
+            Ok(())
+        } else {
+            self.store(key, tokens, caches, checkpoints)
+        };
+        for _ in 0..evicted {
+            self.evict_oldest();
+        }
+        stored
     }
 }
 

@@ -404,6 +404,8 @@ impl Cluster {
             .all_gather(&Array::from_slice(values, &[1, n as i32]).map_err(e)?)
             .and_then(|a| a.to_vec::<i64>())
             .map_err(e)?;
+        // A lost peer is an error of the stream (see `broadcast`).
+        mlx::synchronize().map_err(e)?;
         Ok(all.chunks(n.max(1)).map(<[i64]>::to_vec).collect())
     }
 

@@ -7,12 +7,13 @@
 //! its own token, so the device keeps working while the host hands results out.
 
 use crate::depth::DepthController;
-use crate::generation::{Ctx, Event, GenerateError, Generation, GenerationParams};
+use crate::generation::{seq_of, Ctx, Event, GenerateError, Generation, GenerationParams};
 use crate::memory;
 use crate::metrics::Metrics;
+use crate::replica::{CacheOp, RestoreOp};
 use base::protocol::Stats;
 use cache::disk::{DiskConfig, DiskStats, DiskTier};
-use cache::prefix::{needs_checkpoints, PrefixCache};
+use cache::prefix::PrefixCache;
 use models::draft::ngram::Ngram;
 use models::{DraftOptions, Drafter, DtypeChoice, KvCacheType, LoadedModel, ModelFiles, Tokenizer};
 use sample::Sampler;
@@ -188,21 +189,24 @@ fn engine_main(
         return;
     }
     let loaded_model = match &cfg.cluster {
-        None => models::load_files(&cfg.model, cfg.dtype).map_err(|e| e.to_string()),
+        None => models::load_files(&cfg.model, cfg.dtype)
+            .map(|m| (m, None))
+            .map_err(|e| e.to_string()),
         Some(lead) => {
             crate::replica::lead(&cfg.model, cfg.dtype, lead, Arc::clone(&shared.rank_lost))
+                .map(|(m, l)| (m, Some(l)))
         }
     };
-    let mut model = match loaded_model {
+    let (mut model, lockstep) = match loaded_model {
         Ok(m) => m,
         Err(e) => {
             let _ = loaded.send(Err(e));
             return;
         }
     };
-    // A split model keeps no prefix cache yet: the other ranks replay rank 0's forward passes,
-    // not the cache's restores. Its drafter runs on rank 0; verify blocks are forward passes
-    // like any other, and the other ranks rewind where rank 0 did.
+    // A split model's drafter runs on rank 0; verify blocks are forward passes like any
+    // other, and the other ranks rewind where rank 0 did. Its prefix cache runs in lockstep
+    // (`lockstep`); the disk tier is this process's alone, so it is off.
     let split = cfg.cluster.is_some();
     // A failure from here on lets the model go before it is reported: a split model's other
     // ranks are told to stop and have ended by then, so rank 0's error is its last word.
@@ -250,7 +254,9 @@ fn engine_main(
         .vocab_size
         .store(model.model.vocab_size(), Ordering::Relaxed);
     let _ = shared.architecture.set(model.model.architecture());
-    let budget = if split { 0 } else { plan.prefix_budget };
+    let rotates = lockstep
+        .as_ref()
+        .is_some_and(crate::replica::Lockstep::rotates);
     let controllers = (0..BATCH_BUCKETS)
         .map(|_| DepthController::new(cfg.max_draft_depth, cfg.draft_depth))
         .collect();
@@ -265,7 +271,8 @@ fn engine_main(
         disk,
         draft,
         controllers,
-        prefix: PrefixCache::new(budget, cfg.cache_interval),
+        prefix: PrefixCache::new(plan.prefix_budget, cfg.cache_interval).rotating(rotates),
+        lockstep,
         sampler: Sampler::new(ctx_len),
         model,
         cfg,
@@ -428,6 +435,8 @@ struct Engine {
     /// whole step's time; a large batch learns to draft shallower, down to not at all.
     controllers: Vec<DepthController>,
     prefix: PrefixCache,
+    /// A split model's line to its other ranks, which repeat the prefix cache's calls.
+    lockstep: Option<crate::replica::Lockstep>,
     /// Blocks of finished sequences on disk, for runners started later (and this one, once
     /// memory evicted them).
     disk: Option<DiskTier>,
@@ -512,6 +521,7 @@ impl Engine {
             let key = job.params.cache_key(&job.params.prompt);
             let prompt = &key;
             let fresh = self.fresh_caches();
+            let layers = fresh.len();
             let mut restored = match self.prefix.restore(prompt, fresh) {
                 Ok(r) => r,
                 Err(e) => {
@@ -545,6 +555,7 @@ impl Engine {
             let keep = job
                 .params
                 .restorable(restored.cached.saturating_sub(margin));
+            let found = restored.cached;
             if restored.cached > keep {
                 let back = restored.cached - keep;
                 if restored.caches.iter_mut().all(|c| c.rewind(back).is_ok()) {
@@ -555,6 +566,46 @@ impl Engine {
                         cached: 0,
                         matched: restored.matched,
                     };
+                }
+            }
+            if let Some(l) = &self.lockstep {
+                // The other ranks look the prompt up as far as this lookup read it, and
+                // restore what was restored here if they can.
+                let seen = prompt[..prompt.len().min(restored.matched + 1)].to_vec();
+                if restored.cached == 0 {
+                    l.queue(CacheOp::Lookup {
+                        key: layers,
+                        prompt: seen,
+                    });
+                } else {
+                    let op = RestoreOp {
+                        seq: seq_of(slot),
+                        key: layers,
+                        prompt: seen,
+                        at: found,
+                        back: found - restored.cached,
+                    };
+                    // A lost rank: the next pass fails every stream and the runner ends.
+                    let agreed = match l.restore(op) {
+                        Ok(true) => true,
+                        Ok(false) => {
+                            tracing::warn!(
+                                "another rank could not restore the cached prefix: starting cold"
+                            );
+                            false
+                        }
+                        Err(e) => {
+                            tracing::error!("the model's other ranks failed: {e}");
+                            false
+                        }
+                    };
+                    if !agreed {
+                        restored = cache::prefix::Restored {
+                            caches: self.fresh_caches(),
+                            cached: 0,
+                            matched: restored.matched,
+                        };
+                    }
                 }
             }
             // Every item the restored prefix does not hold runs through its tower once.
@@ -576,7 +627,7 @@ impl Engine {
                 m.cache_misses.fetch_add(1, Ordering::Relaxed);
             }
             let mut params = job.params.clone();
-            if needs_checkpoints(&restored.caches) {
+            if self.prefix.needs_checkpoints(&restored.caches) {
                 params.checkpoints =
                     self.prefix
                         .plan(prompt.len(), restored.cached, restored.matched);
@@ -592,6 +643,8 @@ impl Engine {
                         failed: false,
                     }),
                     Err(e) => {
+                        // A split model's other ranks may hold its restored caches.
+                        ctx.model.release(seq_of(slot));
                         let m = &shared.metrics;
                         let counter = match e {
                             GenerateError::BadRequest(_) => &m.bad_requests,
@@ -630,6 +683,7 @@ impl Engine {
                     break;
                 }
                 let more = a.gen.has_ready();
+                self.report_snapshots();
                 let result = self.with_ctx(0, |ctx, active, _| active[i].gen.step(ctx));
                 if self.deliver(i, result) {
                     ended.push(i);
@@ -641,6 +695,7 @@ impl Engine {
             }
         }
         if !batch.is_empty() {
+            self.report_snapshots();
             ended.extend(self.step(&batch));
         }
         // Highest index first, so that each swap_remove leaves the others' indices valid.
@@ -648,6 +703,20 @@ impl Engine {
         for i in ended {
             let a = self.active.swap_remove(i);
             self.retire(a);
+        }
+    }
+
+    /// Tells a split model's other ranks of the snapshots taken since, before a pass could
+    /// move the caches on: each takes its own where rank 0 took one.
+    fn report_snapshots(&mut self) {
+        let Some(l) = &self.lockstep else {
+            return;
+        };
+        for a in &mut self.active {
+            let seq = a.gen.seq();
+            for at in a.gen.unreported_snapshots() {
+                l.queue(CacheOp::Snapshot { seq, at });
+            }
         }
     }
 
@@ -836,10 +905,22 @@ impl Engine {
     }
 
     /// A finished or cancelled sequence leaves what it computed to the prefix cache.
+    /// (The sequence is released after the store: a split model's other ranks store from its
+    /// caches, then let them go.)
     fn retire(&mut self, a: Active) {
-        self.model.model.release(a.gen.seq());
-        if a.failed {
-            return;
+        let seq = a.gen.seq();
+        if !a.failed {
+            self.keep(a);
+        }
+        self.model.model.release(seq);
+    }
+
+    fn keep(&mut self, mut a: Active) {
+        let seq = a.gen.seq();
+        if let Some(l) = &self.lockstep {
+            for at in a.gen.unreported_snapshots() {
+                l.queue(CacheOp::Snapshot { seq, at });
+            }
         }
         let r = match a.gen.into_parts(self.draft.as_deref()) {
             Ok(r) => r,
@@ -854,8 +935,20 @@ impl Engine {
                 tracing::warn!("prefix cache blocks not written: {e}");
             }
         }
-        if let Err(e) = self.prefix.insert(&fed, &caches, taken) {
-            tracing::warn!("prefix cache insert failed: {e}");
+        match self.prefix.insert(&fed, &caches, taken) {
+            Ok(stored) => {
+                if let (Some(l), true) = (&self.lockstep, stored.held > 0) {
+                    l.queue(CacheOp::Store {
+                        seq,
+                        key: caches.len(),
+                        tokens: fed[..stored.held].to_vec(),
+                        checkpoints: stored.checkpoints,
+                        evicted: stored.evicted,
+                        nodes: stored.nodes,
+                    });
+                }
+            }
+            Err(e) => tracing::warn!("prefix cache insert failed: {e}"),
         }
         self.shared
             .cache_memory

@@ -204,6 +204,8 @@ pub struct Generation {
     finished: bool,
     /// Snapshots taken on the way, by position.
     taken: Vec<(usize, CacheCheckpoint)>,
+    /// How many of `taken` a split model's other ranks have been told of.
+    reported: usize,
     /// Rounds finished since the engine last asked.
     rounds: Vec<RoundReport>,
     /// A seeded sampling request's own depth controller (reproducible depths); `None`: the
@@ -213,6 +215,12 @@ pub struct Generation {
     /// and the one being encoded.
     encoded: Vec<Option<Array>>,
     encoding: Option<(usize, models::media::Encoding)>,
+}
+
+/// The identity in packed forward passes of the sequence in `slot` ([`Generation::seq`]): the
+/// slot counted from 1 (0 is a row of one pass only).
+pub(crate) fn seq_of(slot: usize) -> u64 {
+    slot as u64 + 1
 }
 
 pub(crate) fn tokens_array(ids: &[u32]) -> Result<Array> {
@@ -297,6 +305,7 @@ impl Generation {
             },
             finished: false,
             taken: Vec::new(),
+            reported: 0,
             rounds: Vec::new(),
             encoded: vec![None; params.media.len()],
             encoding: None,
@@ -326,7 +335,18 @@ impl Generation {
     /// The sequence's identity in a packed forward pass ([`models::PackedRow::seq`]): its
     /// slot, counted from 1 (0 is a row of one pass only).
     pub fn seq(&self) -> u64 {
-        self.slot as u64 + 1
+        seq_of(self.slot)
+    }
+
+    /// Positions of the snapshots taken since the last call: a split model's other ranks take
+    /// theirs at the same positions before they replay this sequence's next pass.
+    pub(crate) fn unreported_snapshots(&mut self) -> Vec<usize> {
+        let new = self.taken[self.reported..]
+            .iter()
+            .map(|(p, _)| *p)
+            .collect();
+        self.reported = self.taken.len();
+        new
     }
 
     pub fn slot(&self) -> usize {

@@ -7,8 +7,15 @@
 //! them. The model's stage passes the hidden states along the ranks and the last rank's final
 //! hidden states back to rank 0, which alone holds the head, samples and speaks HTTP
 //! (docs/DISTRIBUTED.md, "Serving").
+//!
+//! The prefix cache runs in lockstep: rank 0's engine tells the others, through a
+//! [`Lockstep`], each lookup, restore, snapshot and store of its own prefix cache, in order
+//! with the passes; they repeat each on a trie of their own layers' data, and evict what rank
+//! 0's budget evicts. A restore is voted on: where any rank cannot restore, all start cold
+//! (docs/DISTRIBUTED.md, "The prefix cache").
 
 use crate::cluster::{Cluster, Job, JoinOptions};
+use cache::prefix::{needs_checkpoints, CacheCheckpoint, PrefixCache};
 use cache::LayerCache;
 use mlx::{Array, Dtype};
 use models::parallel::{Ends, Mode};
@@ -37,13 +44,14 @@ pub struct LeadConfig {
 
 /// Joins the ranks of `cfg` as rank 0 (starting those on this machine), shares the job, and
 /// loads rank 0's stage of the model in `files` (with the embedding and the head), wrapped
-/// in a [`Leader`]. `broken` is set when a rank is lost later.
+/// in a [`Leader`], with the [`Lockstep`] its prefix cache tells the other ranks through.
+/// `broken` is set when a rank is lost later.
 pub fn lead(
     files: &ModelFiles,
     dtype: DtypeChoice,
     cfg: &LeadConfig,
     broken: Arc<AtomicBool>,
-) -> Result<LoadedModel, String> {
+) -> Result<(LoadedModel, Lockstep), String> {
     // Rank 0 samples for every sequence: the job's seed is unused.
     let job = Job::of(cfg.argv.clone(), files, 0)?;
     let cluster = Rc::new(Cluster::lead(&cfg.join, &job)?);
@@ -56,8 +64,25 @@ pub fn lead(
             "split model"
         );
     }
-    loaded.model = Box::new(Leader::new(loaded.model, cluster, cfg.rank_timeout, broken));
-    Ok(loaded)
+    let rotates = any_rotates(&cluster, &*loaded.model)?;
+    let leader = Leader::new(loaded.model, cluster, cfg.rank_timeout, broken);
+    let lockstep = Lockstep {
+        cluster: Rc::clone(&leader.cluster),
+        pending: Rc::clone(&leader.pending),
+        limit: leader.limit,
+        broken: Arc::clone(&leader.broken),
+        rotates,
+    };
+    loaded.model = Box::new(leader);
+    Ok((loaded, lockstep))
+}
+
+/// Whether any rank's layers include a sliding-window one (every rank asks, together): its
+/// caches restore only where snapshots were taken, so every rank's prefix cache must act as
+/// though its own did.
+fn any_rotates(cluster: &Cluster, model: &dyn CausalLm) -> Result<bool, String> {
+    let mine = needs_checkpoints(&model.make_caches()) as i64;
+    Ok(cluster.gather(&[mine])?.iter().any(|r| r[0] != 0))
 }
 
 /// A rank other than 0 of a split model served over HTTP, its stage loaded: replays rank 0's
@@ -68,7 +93,8 @@ pub fn serve_following(
     kv_cache: mlx::RowFormat,
 ) -> Result<(), String> {
     model.set_cache_format(kv_cache);
-    follow(&*model, cluster)
+    let rotates = any_rotates(cluster, &*model)?;
+    follow(&*model, cluster, rotates)
 }
 
 /// One pass, as rank 0 describes it to the others.
@@ -79,9 +105,51 @@ pub enum Call {
         rows: Vec<Row>,
         /// Sequences that ended since the last call: their caches go.
         released: Vec<u64>,
+        /// Rank 0's prefix-cache calls since the last call, before the pass (and before the
+        /// releases: a sequence's store reads its caches).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        cache: Vec<CacheOp>,
+    },
+    /// A request's prefix restored on rank 0 (after the prefix-cache calls before it): each
+    /// rank restores the same and says whether it could.
+    Restore {
+        cache: Vec<CacheOp>,
+        restore: RestoreOp,
     },
     /// Rank 0 is stopping: the others end.
     Stop,
+}
+
+/// One of rank 0's prefix-cache calls, which the other ranks repeat on their own tries
+/// (`key`: how many caches rank 0's sequence holds, which picks the trie).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum CacheOp {
+    /// A request that restored nothing looked `prompt` up (which marks what matched as used).
+    Lookup { key: usize, prompt: Vec<u32> },
+    /// Sequence `seq` snapshotted its rotating caches at position `at`.
+    Snapshot { seq: u64, at: usize },
+    /// Sequence `seq` ended and was stored: `tokens`, the snapshots at `checkpoints`
+    /// (the last, where rank 0 took one there, of its caches as they end), then `evicted`
+    /// leaves evicted, leaving `nodes` in rank 0's tries.
+    Store {
+        seq: u64,
+        key: usize,
+        tokens: Vec<u32>,
+        checkpoints: Vec<usize>,
+        evicted: usize,
+        nodes: usize,
+    },
+}
+
+/// A request's prefix restore: `prompt` (as far as rank 0's lookup read it) restored to `at`
+/// tokens, then cut back `back` (a drafter's margin, an image's start), for sequence `seq`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RestoreOp {
+    pub seq: u64,
+    pub key: usize,
+    pub prompt: Vec<u32>,
+    pub at: usize,
+    pub back: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -140,6 +208,8 @@ pub struct Leader {
     inner: Box<dyn CausalLm>,
     cluster: Rc<Cluster>,
     released: RefCell<Vec<u64>>,
+    /// The prefix-cache calls the next call carries ([`Lockstep`]).
+    pending: Rc<RefCell<Vec<CacheOp>>>,
     /// How long a pass may wait on the other ranks.
     limit: Duration,
     /// Set once a pass failed between ranks: MLX's ring does not recover from a lost peer,
@@ -158,6 +228,7 @@ impl Leader {
             inner,
             cluster,
             released: RefCell::new(Vec::new()),
+            pending: Rc::default(),
             limit,
             broken,
         }
@@ -212,6 +283,7 @@ impl CausalLm for Leader {
                 })
                 .collect(),
             released: std::mem::take(&mut *self.released.borrow_mut()),
+            cache: std::mem::take(&mut *self.pending.borrow_mut()),
         };
         self.cluster.watch(Some(self.limit), "a forward pass");
         send(&self.cluster, &call).map_err(|e| self.failed(e))?;
@@ -267,27 +339,186 @@ impl CausalLm for Leader {
     }
 }
 
+/// Rank 0's prefix cache's line to the other ranks: its calls wait for the next call to the
+/// ranks (a pass, or a restore), which carries them in order; a restore asks every rank.
+pub struct Lockstep {
+    cluster: Rc<Cluster>,
+    pending: Rc<RefCell<Vec<CacheOp>>>,
+    limit: Duration,
+    broken: Arc<AtomicBool>,
+    rotates: bool,
+}
+
+impl Lockstep {
+    /// Whether some rank's layers rotate (see [`PrefixCache::rotating`]).
+    pub fn rotates(&self) -> bool {
+        self.rotates
+    }
+
+    pub fn queue(&self, op: CacheOp) {
+        self.pending.borrow_mut().push(op);
+    }
+
+    /// Every rank restores as `restore` says: `true` where all could, `false` where some
+    /// could not (every rank then starts the sequence cold). An error is a lost rank.
+    pub fn restore(&self, restore: RestoreOp) -> Result<bool, String> {
+        if self.broken.load(Ordering::SeqCst) {
+            return Err("a rank was lost earlier".into());
+        }
+        let call = Call::Restore {
+            cache: std::mem::take(&mut *self.pending.borrow_mut()),
+            restore,
+        };
+        self.cluster
+            .watch(Some(self.limit), "a prefix-cache restore");
+        let votes = send(&self.cluster, &call).and_then(|_| self.cluster.gather(&[0]));
+        self.cluster.watch(None, "serving");
+        match votes {
+            Ok(v) => Ok(v.iter().all(|r| r[0] == 0)),
+            Err(e) => {
+                self.broken.store(true, Ordering::SeqCst);
+                Err(e)
+            }
+        }
+    }
+}
+
 /// A rank other than 0: replays rank 0's passes on `model` (this rank's stage) until rank 0
-/// stops. An error (a lost rank, a pass out of step) ends it.
-pub fn follow(model: &dyn CausalLm, cluster: &Cluster) -> Result<(), String> {
-    let mut live: HashMap<u64, Vec<LayerCache>> = HashMap::new();
+/// stops, and its prefix-cache calls on a prefix cache of its own (`rotates`: some rank's
+/// layers do). An error (a lost rank, a pass out of step) ends it.
+pub fn follow(model: &dyn CausalLm, cluster: &Cluster, rotates: bool) -> Result<(), String> {
+    let mut f = Following {
+        model,
+        live: HashMap::new(),
+        snapshots: HashMap::new(),
+        // Rank 0's budget decides what goes (each store says what it evicted).
+        prefix: PrefixCache::new(usize::MAX, 1).rotating(rotates),
+    };
     loop {
-        let (tokens, rows, released) = match receive(cluster)? {
+        match receive(cluster)? {
             Call::Stop => return Ok(()),
+            Call::Restore { cache, restore } => {
+                for op in cache {
+                    f.apply(op);
+                }
+                let seq = restore.seq;
+                let restored = f.restore(restore);
+                let votes = cluster.gather(&[(!restored) as i64])?;
+                if votes.iter().any(|r| r[0] != 0) {
+                    f.live.remove(&seq);
+                }
+            }
             Call::Forward {
                 tokens,
                 rows,
                 released,
-            } => (tokens, rows, released),
-        };
-        for seq in released {
-            live.remove(&seq);
+                cache,
+            } => {
+                for op in cache {
+                    f.apply(op);
+                }
+                for seq in released {
+                    f.live.remove(&seq);
+                    f.snapshots.remove(&seq);
+                }
+                f.replay(cluster, tokens, rows)?;
+            }
         }
-        // Each row's caches, out of the map for the pass: a new sequence's fresh, a rewound
-        // one's cut back to where rank 0's are.
+    }
+}
+
+/// A following rank's state: each live sequence's caches of this rank's layers, the
+/// snapshots they took, and the prefix cache kept in step with rank 0's.
+struct Following<'m> {
+    model: &'m dyn CausalLm,
+    live: HashMap<u64, Vec<LayerCache>>,
+    snapshots: HashMap<u64, Vec<(usize, CacheCheckpoint)>>,
+    prefix: PrefixCache,
+}
+
+impl Following<'_> {
+    /// One of rank 0's prefix-cache calls. A call this rank cannot repeat in full (caches
+    /// it lacks, a copy that failed) leaves its trie short of rank 0's: later restores there
+    /// fail the vote and start cold, never wrong.
+    fn apply(&mut self, op: CacheOp) {
+        match op {
+            CacheOp::Lookup { key, prompt } => self.prefix.touch(key, &prompt),
+            CacheOp::Snapshot { seq, at } => {
+                if let Some(c) = self.live.get(&seq).and_then(|c| snapshot(c, at)) {
+                    self.snapshots.entry(seq).or_default().push((at, c));
+                }
+            }
+            CacheOp::Store {
+                seq,
+                key,
+                tokens,
+                checkpoints,
+                evicted,
+                nodes,
+            } => {
+                let taken = self.snapshots.remove(&seq).unwrap_or_default();
+                let caches = self.live.get(&seq).map_or(&[][..], Vec::as_slice);
+                let held = caches.iter().map(LayerCache::offset).min().unwrap_or(0);
+                let tokens = if held >= tokens.len() {
+                    &tokens[..]
+                } else {
+                    &[][..]
+                };
+                let cps = checkpoints
+                    .iter()
+                    .filter_map(|&p| match taken.iter().find(|(q, _)| *q == p) {
+                        Some((_, c)) => Some((p, c.clone())),
+                        // The snapshot rank 0 took of its caches as they ended.
+                        None => snapshot(caches, p).map(|c| (p, c)),
+                    })
+                    .collect();
+                if let Err(e) = self.prefix.insert_exact(key, tokens, caches, cps, evicted) {
+                    tracing::warn!("prefix cache insert failed: {e}");
+                }
+                // Not an error (a restore this rank cannot make is voted cold), but worth
+                // knowing: it costs hits, or memory.
+                if self.prefix.nodes() != nodes {
+                    tracing::warn!(
+                        "prefix cache out of step with rank 0: {} nodes here, {nodes} there",
+                        self.prefix.nodes()
+                    );
+                }
+            }
+        }
+    }
+
+    /// Caches restored as `r` says into the sequence's place; whether it could.
+    fn restore(&mut self, r: RestoreOp) -> bool {
+        self.live.remove(&r.seq);
+        self.snapshots.remove(&r.seq);
+        let fresh = self.model.make_caches();
+        let mut caches = match self.prefix.restore_exact(r.key, &r.prompt, fresh, r.at) {
+            Ok(Some(c)) => c,
+            Ok(None) => return false,
+            Err(e) => {
+                tracing::warn!("prefix cache restore failed: {e}");
+                return false;
+            }
+        };
+        if r.back > 0 && !caches.iter_mut().all(|c| c.rewind(r.back).is_ok()) {
+            return false;
+        }
+        self.live.insert(r.seq, caches);
+        true
+    }
+
+    /// One of rank 0's passes on each row's caches: a new sequence's fresh, a rewound one's
+    /// cut back to where rank 0's are.
+    fn replay(
+        &mut self,
+        cluster: &Cluster,
+        tokens: Vec<i32>,
+        rows: Vec<Row>,
+    ) -> Result<(), String> {
+        let model = self.model;
         let mut held: Vec<Vec<LayerCache>> = Vec::with_capacity(rows.len());
         for r in &rows {
-            let mut caches = match live.remove(&r.seq) {
+            let mut caches = match self.live.remove(&r.seq) {
                 Some(c) if r.seq != 0 && r.position > 0 => c,
                 _ => model.make_caches(),
             };
@@ -330,10 +561,25 @@ pub fn follow(model: &dyn CausalLm, cluster: &Cluster) -> Result<(), String> {
         drop(packed);
         for (r, caches) in rows.iter().zip(held) {
             if r.seq != 0 {
-                live.insert(r.seq, caches);
+                self.live.insert(r.seq, caches);
             }
         }
+        Ok(())
     }
+}
+
+/// The rotating layers of `caches` as they were at position `at` (rank 0 took its snapshot
+/// there, perhaps after cutting back drafts these caches still hold): `None` where they
+/// cannot go back that far.
+fn snapshot(caches: &[LayerCache], at: usize) -> Option<CacheCheckpoint> {
+    let mut back = caches.to_vec();
+    for c in back.iter_mut() {
+        if let LayerCache::Rotating(r) = c {
+            let n = r.offset().checked_sub(at)?;
+            r.rewind(n).ok()?;
+        }
+    }
+    Some(CacheCheckpoint::of(&back))
 }
 
 /// A media item's embeddings, as rank 0 broadcasts them after the call that names it.
@@ -379,6 +625,14 @@ mod tests {
                 },
             ],
             released: vec![2],
+            cache: vec![CacheOp::Store {
+                seq: 2,
+                key: 3,
+                tokens: vec![7, 8],
+                checkpoints: vec![2],
+                evicted: 1,
+                nodes: 4,
+            }],
         };
         let text = serde_json::to_vec(&call).unwrap();
         assert_eq!(serde_json::from_slice::<Call>(&text).unwrap(), call);
