@@ -305,6 +305,19 @@ impl Mla {
         })
     }
 
+    /// Whether `l` new tokens attending over `t` cached positions (theirs included) cost fewer
+    /// multiplications in the absorbed form, which attends over the latents (`2r + dr` a
+    /// query and key, the query and the output projected per token), than expanded, which
+    /// projects every cached latent to keys and values (`r (dn + dv)` a position) and attends
+    /// over those (`dn + dr + dv`). A decode step always is; a prefill chunk from the start
+    /// of the sequence never is (`2r > dn + dv`); a verify block, or a short prompt after a
+    /// long restored prefix, is: at GLM-4.7-Flash's widths over 3,000 cached positions, chunks
+    /// up to ~320 tokens.
+    fn absorbed_is_cheaper(&self, l: usize, t: usize) -> bool {
+        let widths = [self.rank, self.nope, self.rope_dim, self.v_dim].map(|w| w as usize);
+        absorbed_is_cheaper(widths, l, t)
+    }
+
     /// [`Mla::forward`] for a decode step of several sequences (one token each): the
     /// sequences go along the batch axis, so that rotation, the absorbed query projection and
     /// the value up-projection run once for all; only the cache update and the attention
@@ -396,14 +409,14 @@ impl Mla {
         for (i, (rows, mask)) in written.into_iter().enumerate() {
             let (q_nope, q_rope, l) = (&q_nope[i], &q_rope[i], batch.row_len(i));
             let t = rows.time_len() as i32;
-            let o = if l == 1 {
+            let o = if self.absorbed_is_cheaper(l, t as usize) {
                 // Absorbed form (docs/MODELS.md §3.3): score = (q_nope W_UK)·c + q_rope·k_rope,
                 // and the values are the latents themselves, up-projected after attention.
-                let q_lat = q_nope.matmul(&self.wk)?; // [B,nH,1,r]
+                let q_lat = q_nope.matmul(&self.wk)?; // [B,nH,l,r]
                 let qq = mlx::concatenate(&[&q_lat, q_rope], -1)?;
                 let kv = KvSlots::of(rows.clone(), rows.first_values(r as usize)?);
                 let o = sdpa_slots(&qq, &kv, Attention::new(self.scale, mask.as_sdpa()))?;
-                o.matmul(&self.wv_t)? // [B,nH,1,dv]
+                o.matmul(&self.wv_t)? // [B,nH,l,dv]
             } else {
                 // A prefill chunk expands the latents into per-head keys and values: it reads
                 // them as values (quantized rows dequantized).
@@ -423,6 +436,14 @@ impl Mla {
         }
         self.o_proj.forward(&join(&outs)?)
     }
+}
+
+/// [`Mla::absorbed_is_cheaper`] for latent rank `r`, key widths `dn` (no rope) and `dr` (rope)
+/// and value width `dv`.
+fn absorbed_is_cheaper([r, dn, dr, dv]: [usize; 4], l: usize, t: usize) -> bool {
+    let absorbed = l * t * (2 * r + dr) + l * r * (dn + dv);
+    let expanded = t * r * (dn + dv) + l * t * (dn + dr + dv);
+    absorbed < expanded
 }
 
 // ------------------------------------------------------------------------------------------
@@ -923,5 +944,29 @@ impl CausalLm for Glm4MoeLite {
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::absorbed_is_cheaper;
+
+    /// GLM-4.7-Flash's widths: decode steps, verify blocks and short prompts after a long
+    /// prefix attend over the latents; a prompt's first chunk expands them.
+    #[test]
+    fn the_cheaper_attention_form_is_chosen() {
+        let flash = [512, 192, 64, 256];
+        for t in [2, 10, 3000, 100_000] {
+            assert!(absorbed_is_cheaper(flash, 1, t), "a decode step over {t}");
+        }
+        assert!(absorbed_is_cheaper(flash, 5, 3000), "a verify block");
+        assert!(
+            absorbed_is_cheaper(flash, 300, 3000),
+            "a short prompt after a prefix"
+        );
+        assert!(!absorbed_is_cheaper(flash, 512, 3000));
+        for l in [2, 64, 512, 4096] {
+            assert!(!absorbed_is_cheaper(flash, l, l), "a first chunk of {l}");
+        }
     }
 }
