@@ -731,10 +731,158 @@ struct DenseRows {
   }
 };
 
+// Consecutive rows of an affine-quantized cache: packed words, scales and biases, each with
+// its distance between rows.
+struct AffineBlock {
+  const uint32_t* w;
+  int64_t wstep;
+  const float* s;
+  int64_t sstep;
+  const float* b;
+  int64_t bstep;
+};
+
+// Eight values of a packed row from value d (a multiple of 8), as floats, unscaled.
+template <int BITS>
+__attribute__((target("avx2,fma"))) inline __m256 packed8(const uint32_t* row, int d) {
+  if constexpr (BITS == 8) {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint8_t*>(row) + d))));
+  } else {
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    return _mm256_cvtepi32_ps(
+        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)row[d / 8]), shifts), _mm256_set1_epi32(0xF)));
+  }
+}
+
+// scores_avx for keys stored packed, read in place: with k = s·u + b over each group,
+// q · k = Σ_g s_g (q_g · u_g) + Σ_g b_g (Σ q_g), so each group's integers u are widened and
+// scaled (two operations for eight values beside the FMAs, where dequantizing a block into a
+// scratch tile and reading it back took five and a tile's round trip through L2), and the
+// biases meet the query rows' group sums (`qsum`, R rows of D / group). The same chains and
+// the same reduction as scores_avx, so a score does not depend on its tile either.
+template <int R, int BITS>
+__attribute__((target("avx2,fma"))) void affine_scores(
+    const float* q, const float* qsum, int D, int group, const AffineBlock& k, int n, float* sc) {
+  const int G = D / group;
+  const int64_t line = 64 / 4;
+  for (int c = 0; c < n; c += 2) {
+    const int keys = std::min(2, n - c);
+    const int rows[2] = {c, c + keys - 1};
+    #pragma GCC unroll 2
+    for (int i = 0; i < keys; ++i) {
+      const uintptr_t ahead = reinterpret_cast<uintptr_t>(k.w + (rows[i] + kAhead) * k.wstep);
+      for (int64_t x = 0; x < D * BITS / 32; x += line) _mm_prefetch(reinterpret_cast<const char*>(ahead + x * 4), _MM_HINT_T1);
+    }
+    __m256 a[2][kTile];
+    #pragma GCC unroll 4
+    for (int t = 0; t < kTile; ++t) a[0][t] = a[1][t] = _mm256_setzero_ps();
+    for (int g = 0; g < G; ++g) {
+      const __m256 s0 = _mm256_set1_ps(k.s[rows[0] * k.sstep + g]);
+      const __m256 s1 = _mm256_set1_ps(k.s[rows[1] * k.sstep + g]);
+      const uint32_t* w0 = k.w + rows[0] * k.wstep;
+      const uint32_t* w1 = k.w + rows[1] * k.wstep;
+      for (int d = g * group; d < (g + 1) * group; d += 8) {
+        const __m256 k0 = _mm256_mul_ps(packed8<BITS>(w0, d), s0);
+        const __m256 k1 = _mm256_mul_ps(packed8<BITS>(w1, d), s1);
+        #pragma GCC unroll 4
+        for (int t = 0; t < R; ++t) {
+          const __m256 qv = _mm256_loadu_ps(q + t * D + d);
+          a[0][t] = _mm256_fmadd_ps(qv, k0, a[0][t]);
+          a[1][t] = _mm256_fmadd_ps(qv, k1, a[1][t]);
+        }
+      }
+    }
+    alignas(16) float sums[2][4];
+    #pragma GCC unroll 2
+    for (int i = 0; i < 2; ++i) {
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[i][0], a[i][1]), _mm256_hadd_ps(a[i][2], a[i][3]));
+      _mm_store_ps(sums[i], _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+    for (int i = 0; i < keys; ++i) {
+      const float* bi = k.b + rows[i] * k.bstep;
+      #pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) {
+        float x = sums[i][t];
+        for (int g = 0; g < G; ++g) x = std::fma(bi[g], qsum[t * G + g], x);
+        sc[t * kKeyBlock + c + i] = x;
+      }
+    }
+  }
+}
+
+// values_avx for values stored packed, read in place: acc_t += Σ_c e_tc (s_c u_c + b_c) is
+// Σ_c (e_tc s_c) u_c, a 16-column chunk at a time with the rows' sums in registers across the
+// block's keys (the weights e·s worked out once a group, in `ew`), plus Σ_c e_tc b_c added to
+// each group's columns once a block.
+template <int R, int BITS>
+__attribute__((target("avx2,fma"))) void affine_values(
+    const float* e, const AffineBlock& v, int n, int Dv, int group, float* const* acc) {
+  alignas(32) float ew[kTile * kKeyBlock];
+  for (int g = 0; g < Dv / group; ++g) {
+    float bias[kTile] = {};
+    for (int c = 0; c < n; ++c) {
+      const float sc = v.s[c * v.sstep + g], bi = v.b[c * v.bstep + g];
+      #pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) {
+        ew[t * kKeyBlock + c] = e[t * kKeyBlock + c] * sc;
+        bias[t] = std::fma(e[t * kKeyBlock + c], bi, bias[t]);
+      }
+    }
+    for (int d = g * group; d < (g + 1) * group; d += 16) {
+      __m256 a[R][2];
+      #pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) {
+        a[t][0] = _mm256_add_ps(_mm256_loadu_ps(acc[t] + d), _mm256_set1_ps(bias[t]));
+        a[t][1] = _mm256_add_ps(_mm256_loadu_ps(acc[t] + d + 8), _mm256_set1_ps(bias[t]));
+      }
+      for (int c = 0; c < n; ++c) {
+        const uint32_t* row = v.w + c * v.wstep;
+        const __m256 x0 = packed8<BITS>(row, d), x1 = packed8<BITS>(row, d + 8);
+        #pragma GCC unroll 4
+        for (int t = 0; t < R; ++t) {
+          const __m256 w = _mm256_broadcast_ss(ew + t * kKeyBlock + c);
+          a[t][0] = _mm256_fmadd_ps(w, x0, a[t][0]);
+          a[t][1] = _mm256_fmadd_ps(w, x1, a[t][1]);
+        }
+      }
+      #pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) {
+        _mm256_storeu_ps(acc[t] + d, a[t][0]);
+        _mm256_storeu_ps(acc[t] + d + 8, a[t][1]);
+      }
+    }
+  }
+}
+
+template <int BITS>
+void affine_block_scores(int R, const float* q, const float* qsum, int D, int group, const AffineBlock& k, int n,
+                         float* sc) {
+  switch (R) {
+    case 1: return affine_scores<1, BITS>(q, qsum, D, group, k, n, sc);
+    case 2: return affine_scores<2, BITS>(q, qsum, D, group, k, n, sc);
+    case 3: return affine_scores<3, BITS>(q, qsum, D, group, k, n, sc);
+    default: return affine_scores<4, BITS>(q, qsum, D, group, k, n, sc);
+  }
+}
+
+template <int BITS>
+void affine_block_values(int R, const float* e, const AffineBlock& v, int n, int Dv, int group, float* const* acc) {
+  switch (R) {
+    case 1: return affine_values<1, BITS>(e, v, n, Dv, group, acc);
+    case 2: return affine_values<2, BITS>(e, v, n, Dv, group, acc);
+    case 3: return affine_values<3, BITS>(e, v, n, Dv, group, acc);
+    default: return affine_values<4, BITS>(e, v, n, Dv, group, acc);
+  }
+}
+
 // Rows of an affine-quantized cache (MLX's format: per row D·bits/32 words, value i of a word
 // at bits·i from its low end; one scale and bias per `group` values, w = scale·q + bias),
-// dequantized a key block at a time into a scratch tile that stays in L1: attention reads
-// the packed rows, never a float copy of the cache.
+// read packed where affine_scores and affine_values take them (4 and 8 bits with AVX2), else
+// dequantized a key block at a time into a scratch tile: attention never makes a float copy
+// of the cache. Read in place, a q8 cache decodes the 4-bit bench model at ~4k tokens 1.35x
+// faster than through the tile (134 → 181 tok/s, q4 125 → 168, the float32 cache 138), and
+// both now beat the float32 cache there, where through the tile they were slower.
 struct AffineRows {
   const uint32_t* w;
   const float* s;
@@ -758,6 +906,17 @@ struct AffineRows {
       const uint32_t v = (q[d / per] >> (bits * (d % per))) & mask;
       out[d] = std::fma(sc[d / group], (float)v, bi[d / group]);
     }
+  }
+
+  // Whether attention reads these rows packed (affine_scores / affine_values): 4 or 8 bits
+  // with AVX2, groups of whole 16-value chunks.
+  bool packed() const { return has_avx2() && (bits == 4 || bits == 8) && group % 16 == 0 && D % group == 0; }
+
+  // The n rows from slot j of (bb, h), read where they lie.
+  AffineBlock block(int bb, int h, int j) const {
+    return {w + bb * ws[0] + h * ws[1] + j * ws[2], ws[2],
+            s + bb * ss[0] + h * ss[1] + j * ss[2], ss[2],
+            b + bb * bstr[0] + h * bstr[1] + j * bstr[2], bstr[2]};
   }
 
   __attribute__((target("avx2,fma"))) void dequant_row_avx(const uint32_t* q, const float* sc, const float* bi,
@@ -914,19 +1073,44 @@ struct SdpaOp {
       const float* qg = qs.data() + (size_t)(b * Hq + hk * rep) * L * D;
       // Scores, then weights, of one tile of query rows against one key block.
       alignas(32) float sc[kTile * kKeyBlock];
-      // A quantized block's rows, dequantized (unused for dense rows).
-      std::vector<float> kscr, vscr;
-      if constexpr (std::is_same_v<KR, AffineRows>) kscr.resize((size_t)kKeyBlock * D);
-      if constexpr (std::is_same_v<VR, AffineRows>) vscr.resize((size_t)kKeyBlock * Dv);
+      // Packed keys and values are read in place (affine_scores); other quantized rows are
+      // dequantized a block at a time (unused for dense rows).
+      constexpr bool affine = std::is_same_v<KR, AffineRows> && std::is_same_v<VR, AffineRows>;
+      bool packed = false;
+      std::vector<float> kscr, vscr, qsum;
+      if constexpr (affine) {
+        packed = kr.packed() && vr.packed() && kr.group == vr.group && kr.bits == vr.bits;
+        if (packed) {
+          // Each query row's sums over the key groups, which the keys' biases multiply.
+          const int G = D / kr.group;
+          qsum.assign((size_t)nq * G, 0.0f);
+          for (int r = 0; r < nq; ++r)
+            for (int d = 0; d < D; ++d) qsum[(size_t)r * G + d / kr.group] += qg[(size_t)r * D + d];
+        } else {
+          kscr.resize((size_t)kKeyBlock * D);
+          vscr.resize((size_t)kKeyBlock * Dv);
+        }
+      }
       for (int j = j0; j < j1; j += kKeyBlock) {
         const int n = std::min(kKeyBlock, j1 - j);
         int64_t kst = 0, vst = 0;
-        const auto* kb = kr.rows(b, hk, j, n, kscr.data(), kst);
-        const auto* vb = vr.rows(b, hk, j, n, vscr.data(), vst);
+        const auto* kb = packed ? nullptr : kr.rows(b, hk, j, n, kscr.data(), kst);
+        const auto* vb = packed ? nullptr : vr.rows(b, hk, j, n, vscr.data(), vst);
         for (int r0 = 0; r0 < nq; r0 += kTile) {
           const int R = std::min(kTile, nq - r0);
+          if constexpr (affine) {
+            if (packed) {
+              const int G = D / kr.group;
+              const AffineBlock kblk = kr.block(b, hk, j);
+              const float* qr = qg + (size_t)r0 * D;
+              if (kr.bits == 8)
+                affine_block_scores<8>(R, qr, qsum.data() + (size_t)r0 * G, D, kr.group, kblk, n, sc);
+              else
+                affine_block_scores<4>(R, qr, qsum.data() + (size_t)r0 * G, D, kr.group, kblk, n, sc);
+            }
+          }
           // The block's value rows are fetched while the first tile's scores are computed.
-          block_scores(R, qg + (size_t)r0 * D, D, kb, kst, n, sc, vb, vst, r0 == 0 ? Dv : 0);
+          if (!packed) block_scores(R, qg + (size_t)r0 * D, D, kb, kst, n, sc, vb, vst, r0 == 0 ? Dv : 0);
           float* acc[kTile];
           for (int t = 0; t < R; ++t) {
             const int r = r0 + t, h = hk * rep + r / L, i = r % L;
@@ -960,7 +1144,16 @@ struct SdpaOp {
             sr[0] = m;
             sr[1] = sum;
           }
-          block_values(R, sc, vb, vst, n, Dv, acc);
+          if constexpr (affine) {
+            if (packed) {
+              const AffineBlock vblk = vr.block(b, hk, j);
+              if (vr.bits == 8)
+                affine_block_values<8>(R, sc, vblk, n, Dv, vr.group, acc);
+              else
+                affine_block_values<4>(R, sc, vblk, n, Dv, vr.group, acc);
+            }
+          }
+          if (!packed) block_values(R, sc, vb, vst, n, Dv, acc);
         }
       }
     };
