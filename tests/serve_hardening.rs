@@ -525,3 +525,64 @@ fn renderers_are_reused_and_end_with_serve() {
     assert!(answers_tags(&s));
     stop_leaving_nothing(s);
 }
+
+/// One HTTP/1.1 request on `conn` (kept alive) and its status, the response's body read to
+/// its end.
+fn exchange(conn: &mut std::net::TcpStream, head: &str, body: &[u8]) -> u16 {
+    conn.write_all(head.as_bytes()).unwrap();
+    conn.write_all(body).unwrap();
+    let mut r = BufReader::new(conn.try_clone().unwrap());
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    let status: u16 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let mut len = 0;
+    loop {
+        line.clear();
+        r.read_line(&mut line).unwrap();
+        if line == "\r\n" {
+            break;
+        }
+        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+            len = v.trim().parse().unwrap();
+        }
+    }
+    let mut rest = vec![0u8; len];
+    std::io::Read::read_exact(&mut r, &mut rest).unwrap();
+    status
+}
+
+/// A blob posted again (ollama's Python client posts without asking first) is read to its end
+/// and answered 200, and the connection goes on: answering before the body is read hung up on
+/// a client still sending it.
+#[test]
+fn a_blob_posted_again_is_read_and_the_connection_kept() {
+    use sha2::Digest;
+    let s = Serve::start(&[]);
+    let body: Vec<u8> = (0..8u32 << 20).map(|i| (i * 7 + i / 251) as u8).collect();
+    let hash = sha2::Sha256::digest(&body);
+    let digest = format!(
+        "sha256:{}",
+        hash.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    );
+    let addr = s
+        .url("")
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string();
+    let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    let head = format!(
+        "POST /api/blobs/{digest} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    assert_eq!(exchange(&mut conn, &head, &body), 201, "stored");
+    assert_eq!(exchange(&mut conn, &head, &body), 200, "already stored");
+    let version = format!("GET /api/version HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+    assert_eq!(
+        exchange(&mut conn, &version, b""),
+        200,
+        "the same connection"
+    );
+    assert!(answers_tags(&s));
+}

@@ -490,6 +490,16 @@ inline void prefetch_row(const T* row, int64_t ahead, int d) {
   for (int i = 0; i < d; i += line) _mm_prefetch(reinterpret_cast<const char*>(at + i * sizeof(T)), _MM_HINT_T1);
 }
 
+// The chains a[i][t] (key i of a pair, query row t of a tile) reduced to sums[i][t] by one
+// fixed tree of horizontal adds in which each result lane depends on its own chain only.
+__attribute__((target("avx2,fma"))) inline void reduce_tile(const __m256 (&a)[2][kTile], float (&sums)[2][4]) {
+  #pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[i][0], a[i][1]), _mm256_hadd_ps(a[i][2], a[i][3]));
+    _mm_store_ps(sums[i], _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+}
+
 // sc[t][c] = q_t · k_c for the R (1..kTile) query rows of a tile (rows of D floats from q) and
 // the n keys of a block (rows kstep apart from k), two keys at a time: each (row, key) dot
 // product is one FMA chain over 8-lane chunks (eight chains in flight, as many as the FMA units
@@ -523,11 +533,7 @@ __attribute__((target("avx2,fma,f16c"))) void scores_avx(
       }
     }
     alignas(16) float sums[2][4];
-    #pragma GCC unroll 2
-    for (int i = 0; i < 2; ++i) {
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[i][0], a[i][1]), _mm256_hadd_ps(a[i][2], a[i][3]));
-      _mm_store_ps(sums[i], _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-    }
+    reduce_tile(a, sums);
     for (int i = 0; i < keys; ++i) {
       #pragma GCC unroll 4
       for (int t = 0; t < R; ++t) {
@@ -794,11 +800,7 @@ __attribute__((target("avx2,fma"))) void affine_scores(
       }
     }
     alignas(16) float sums[2][4];
-    #pragma GCC unroll 2
-    for (int i = 0; i < 2; ++i) {
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[i][0], a[i][1]), _mm256_hadd_ps(a[i][2], a[i][3]));
-      _mm_store_ps(sums[i], _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-    }
+    reduce_tile(a, sums);
     for (int i = 0; i < keys; ++i) {
       const float* bi = k.b + rows[i] * k.bstep;
       #pragma GCC unroll 4

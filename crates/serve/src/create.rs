@@ -34,18 +34,43 @@ pub async fn post_blob(
     body: Body,
 ) -> Response {
     match upload(&app, &digest, body).await {
-        Ok(()) => StatusCode::CREATED.into_response(),
+        Ok(Stored::New) => StatusCode::CREATED.into_response(),
+        Ok(Stored::Already) => StatusCode::OK.into_response(),
         Err(e) => error(&e),
     }
 }
 
-async fn upload(app: &App, digest: &str, body: Body) -> Result<(), ApiError> {
+enum Stored {
+    New,
+    Already,
+}
+
+/// The upload's next chunk, `None` at its end; however large the upload, its bytes must keep
+/// coming.
+async fn next_chunk(
+    frames: &mut axum::body::BodyDataStream,
+) -> Result<Option<axum::body::Bytes>, ApiError> {
+    match tokio::time::timeout(std::time::Duration::from_secs(60), frames.next()).await {
+        Ok(Some(frame)) => frame
+            .map(Some)
+            .map_err(|e| ApiError::bad(format!("reading the upload: {e}"))),
+        Ok(None) => Ok(None),
+        Err(_) => Err(ApiError::new(408, "the upload stalled for 60 s")),
+    }
+}
+
+async fn upload(app: &App, digest: &str, body: Body) -> Result<Stored, ApiError> {
     let store = &app.catalog.ours;
     store
         .blob_path(digest)
         .map_err(|e| ApiError::bad(e.to_string()))?;
     if store.has_blob(digest) {
-        return Ok(());
+        // Read to its end all the same: a response before the body is read makes the
+        // connection unusable, and a client still sending it (ollama's Python client posts
+        // without asking first) sees the server hang up instead of the answer.
+        let mut frames = body.into_data_stream();
+        while next_chunk(&mut frames).await?.is_some() {}
+        return Ok(Stored::Already);
     }
     let dir = store.uploads();
     tokio::fs::create_dir_all(&dir)
@@ -62,16 +87,7 @@ async fn upload(app: &App, digest: &str, body: Body) -> Result<(), ApiError> {
             .map_err(|e| ApiError::new(500, format!("{}: {e}", tmp.display())))?;
         let mut hash = Sha256::new();
         let mut frames = body.into_data_stream();
-        // However large the upload, its bytes must keep coming.
-        loop {
-            let frame =
-                match tokio::time::timeout(std::time::Duration::from_secs(60), frames.next()).await
-                {
-                    Ok(Some(f)) => f,
-                    Ok(None) => break,
-                    Err(_) => return Err(ApiError::new(408, "the upload stalled for 60 s")),
-                };
-            let bytes = frame.map_err(|e| ApiError::bad(format!("reading the upload: {e}")))?;
+        while let Some(bytes) = next_chunk(&mut frames).await? {
             hash.update(&bytes);
             file.write_all(&bytes)
                 .await
@@ -99,7 +115,7 @@ async fn upload(app: &App, digest: &str, body: Body) -> Result<(), ApiError> {
     }
     .await;
     let _ = tokio::fs::remove_file(&tmp).await;
-    result
+    result.map(|()| Stored::New)
 }
 
 /// A checkpoint file's name as `files` gives it: one plain name that a file system can hold.
