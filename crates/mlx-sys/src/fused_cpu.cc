@@ -882,9 +882,9 @@ void affine_block_values(int R, const float* e, const AffineBlock& v, int n, int
 // at bits·i from its low end; one scale and bias per `group` values, w = scale·q + bias),
 // read packed where affine_scores and affine_values take them (4 and 8 bits with AVX2), else
 // dequantized a key block at a time into a scratch tile: attention never makes a float copy
-// of the cache. Read in place, a q8 cache decodes the 4-bit bench model at ~4k tokens 1.35x
-// faster than through the tile (134 → 181 tok/s, q4 125 → 168, the float32 cache 138), and
-// both now beat the float32 cache there, where through the tile they were slower.
+// of the cache. Through the tile, q8 and q4 caches decoded the 4-bit bench model slower than a
+// float32 cache (`cargo bench --bench kv_cache`, 4k tokens: 0.91x and 0.82x; 16k: 0.99x and
+// 0.93x); read in place, faster (4k: 1.07x both; 16k: 1.13x and 1.36x).
 struct AffineRows {
   const uint32_t* w;
   const float* s;

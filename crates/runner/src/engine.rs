@@ -394,6 +394,14 @@ fn plan_memory(
     Ok(plan)
 }
 
+/// Tells a split model's other ranks (`l`) of the snapshots `gen` took since it last did.
+fn report_snapshots(l: &crate::replica::Lockstep, gen: &mut Generation) {
+    let seq = gen.seq();
+    for at in gen.unreported_snapshots() {
+        l.queue(CacheOp::Snapshot { seq, at });
+    }
+}
+
 /// Batch sizes with a depth controller of their own: 1, 2, 3–4, 5–8, more.
 const BATCH_BUCKETS: usize = 5;
 
@@ -526,11 +534,7 @@ impl Engine {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::warn!("prefix cache restore failed, starting cold: {e}");
-                    cache::prefix::Restored {
-                        caches: self.fresh_caches(),
-                        cached: 0,
-                        matched: 0,
-                    }
+                    self.cold(0)
                 }
             };
             let m = &self.shared.metrics;
@@ -561,11 +565,7 @@ impl Engine {
                 if restored.caches.iter_mut().all(|c| c.rewind(back).is_ok()) {
                     restored.cached -= back;
                 } else {
-                    restored = cache::prefix::Restored {
-                        caches: self.fresh_caches(),
-                        cached: 0,
-                        matched: restored.matched,
-                    };
+                    restored = self.cold(restored.matched);
                 }
             }
             if let Some(l) = &self.lockstep {
@@ -600,11 +600,7 @@ impl Engine {
                         }
                     };
                     if !agreed {
-                        restored = cache::prefix::Restored {
-                            caches: self.fresh_caches(),
-                            cached: 0,
-                            matched: restored.matched,
-                        };
+                        restored = self.cold(restored.matched);
                     }
                 }
             }
@@ -683,7 +679,7 @@ impl Engine {
                     break;
                 }
                 let more = a.gen.has_ready();
-                self.report_snapshots();
+                self.report_all_snapshots();
                 let result = self.with_ctx(0, |ctx, active, _| active[i].gen.step(ctx));
                 if self.deliver(i, result) {
                     ended.push(i);
@@ -695,7 +691,7 @@ impl Engine {
             }
         }
         if !batch.is_empty() {
-            self.report_snapshots();
+            self.report_all_snapshots();
             ended.extend(self.step(&batch));
         }
         // Highest index first, so that each swap_remove leaves the others' indices valid.
@@ -708,15 +704,20 @@ impl Engine {
 
     /// Tells a split model's other ranks of the snapshots taken since, before a pass could
     /// move the caches on: each takes its own where rank 0 took one.
-    fn report_snapshots(&mut self) {
-        let Some(l) = &self.lockstep else {
-            return;
-        };
-        for a in &mut self.active {
-            let seq = a.gen.seq();
-            for at in a.gen.unreported_snapshots() {
-                l.queue(CacheOp::Snapshot { seq, at });
+    fn report_all_snapshots(&mut self) {
+        if let Some(l) = &self.lockstep {
+            for a in &mut self.active {
+                report_snapshots(l, &mut a.gen);
             }
+        }
+    }
+
+    /// Fresh caches for a request that restores nothing (`matched` prompt tokens were found).
+    fn cold(&self, matched: usize) -> cache::prefix::Restored {
+        cache::prefix::Restored {
+            caches: self.fresh_caches(),
+            cached: 0,
+            matched,
         }
     }
 
@@ -918,9 +919,7 @@ impl Engine {
     fn keep(&mut self, mut a: Active) {
         let seq = a.gen.seq();
         if let Some(l) = &self.lockstep {
-            for at in a.gen.unreported_snapshots() {
-                l.queue(CacheOp::Snapshot { seq, at });
-            }
+            report_snapshots(l, &mut a.gen);
         }
         let r = match a.gen.into_parts(self.draft.as_deref()) {
             Ok(r) => r,
