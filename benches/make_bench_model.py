@@ -1,6 +1,9 @@
 """Writes the benchmark model: a randomly initialised gemma4-shaped text model of about 120M
 parameters in float32, built and saved by mlx-lm itself (so the peer loads it natively), with
-the fixture tokenizer. Usage: python benches/make_bench_model.py OUT_DIR
+the fixture tokenizer. Usage: python benches/make_bench_model.py OUT_DIR [--global]
+
+`--global`: every layer attends globally (no sliding window), the one gemma4 form whose cache
+mlx-lm can quantize (the KV cache benchmark compares against it there).
 """
 import json
 import os
@@ -46,9 +49,12 @@ CONFIG = {
 
 def main():
     out = sys.argv[1]
+    config = dict(CONFIG)
+    if "--global" in sys.argv[2:]:
+        config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
     os.makedirs(out, exist_ok=True)
     mx.random.seed(0)
-    model = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(CONFIG))
+    model = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(config))
     params = dict(tree_flatten(model.parameters()))
     # Norm weights near 1 and small matrices keep activations sane through 10 layers.
     for k, v in params.items():
@@ -57,9 +63,9 @@ def main():
         else:
             params[k] = mx.random.normal(v.shape) * (v.shape[-1] ** -0.5)
     mx.save_safetensors(os.path.join(out, "model.safetensors"), params, metadata={"format": "mlx"})
-    json.dump(CONFIG, open(os.path.join(out, "config.json"), "w"), indent=2)
+    json.dump(config, open(os.path.join(out, "config.json"), "w"), indent=2)
     fixture = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "models", "gemma4_31b_like")
-    write_padded_tokenizer(fixture, out, CONFIG["vocab_size"])
+    write_padded_tokenizer(fixture, out, config["vocab_size"])
     n = sum(v.size for v in params.values())
     print(f"wrote {out}: {n / 1e6:.1f}M parameters")
 

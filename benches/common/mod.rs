@@ -27,11 +27,22 @@ pub fn peer_python() -> Option<PathBuf> {
 /// target/bench-model: a ~120M-parameter float32 gemma4-shaped model that mlx-lm itself writes
 /// (benches/make_bench_model.py), made on first use.
 pub fn bench_model(python: &std::path::Path) -> Option<PathBuf> {
-    let model = root().join("target/bench-model");
+    bench_model_as(python, "target/bench-model", &[])
+}
+
+/// The benchmark model with every layer attending globally (`make_bench_model.py --global`),
+/// in target/bench-model-global.
+pub fn global_bench_model(python: &std::path::Path) -> Option<PathBuf> {
+    bench_model_as(python, "target/bench-model-global", &["--global"])
+}
+
+fn bench_model_as(python: &std::path::Path, dir: &str, args: &[&str]) -> Option<PathBuf> {
+    let model = root().join(dir);
     if !model.join("model.safetensors").exists() {
         let ok = Command::new(python)
             .arg(root().join("benches/make_bench_model.py"))
             .arg(&model)
+            .args(args)
             .status()
             .is_ok_and(|s| s.success());
         if !ok {

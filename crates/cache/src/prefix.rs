@@ -310,15 +310,7 @@ impl PrefixCache {
         } else {
             limit
         };
-        // Each trie holds one set of caches; this only guards that.
-        let layers_fit = trie
-            .segments_until(&m, cached)
-            .iter()
-            .all(|(seg, _)| seg.pieces.iter().all(|p| p.data.len() == fresh.len()))
-            && trie
-                .checkpoint_at(&m, cached)
-                .is_none_or(|c| c.layers.len() == fresh.len());
-        if cached == 0 || !layers_fit {
+        if cached == 0 || !restorable(trie, &m, cached, fresh.len(), checkpointed) {
             return Ok(Restored {
                 caches: fresh,
                 cached: 0,
@@ -438,17 +430,7 @@ impl PrefixCache {
         let trie = self.trie(key);
         let m = trie.lookup(prompt);
         let trie: &CacheTrie = trie;
-        let fits = at > 0
-            && at <= m.len
-            && trie
-                .segments_until(&m, at)
-                .iter()
-                .all(|(seg, _)| seg.pieces.iter().all(|p| p.data.len() == fresh.len()))
-            && match trie.checkpoint_at(&m, at) {
-                Some(c) => c.layers.len() == fresh.len(),
-                None => !rotating,
-            };
-        if !fits {
+        if at == 0 || at > m.len || !restorable(trie, &m, at, fresh.len(), rotating) {
             return Ok(None);
         }
         build(trie, &m, at, fresh).map(Some)
@@ -474,6 +456,19 @@ impl PrefixCache {
         }
         stored
     }
+}
+
+/// Whether `trie` can restore `layers` caches to position `at` of `m`: what it stored up to
+/// there is for as many caches (each trie holds one set of caches; this only guards that), and
+/// where caches rotate, a snapshot of them lies at `at`.
+fn restorable(trie: &CacheTrie, m: &Match, at: usize, layers: usize, rotating: bool) -> bool {
+    trie.segments_until(m, at)
+        .iter()
+        .all(|(seg, _)| seg.pieces.iter().all(|p| p.data.len() == layers))
+        && match trie.checkpoint_at(m, at) {
+            Some(c) => c.layers.len() == layers,
+            None => !rotating,
+        }
 }
 
 /// `fresh` restored from `trie` to position `upto` of `m`.

@@ -769,7 +769,8 @@ __attribute__((target("avx2,fma"))) inline __m256 packed8(const uint32_t* row, i
 // the same reduction as scores_avx, so a score does not depend on its tile either.
 template <int R, int BITS>
 __attribute__((target("avx2,fma"))) void affine_scores(
-    const float* q, const float* qsum, int D, int group, const AffineBlock& k, int n, float* sc) {
+    const float* q, const float* qsum, int D, int group, const AffineBlock& k, int n, float* sc,
+    const AffineBlock& v, int Dv) {
   const int G = D / group;
   const int64_t line = 64 / 4;
   for (int c = 0; c < n; c += 2) {
@@ -779,6 +780,8 @@ __attribute__((target("avx2,fma"))) void affine_scores(
     for (int i = 0; i < keys; ++i) {
       const uintptr_t ahead = reinterpret_cast<uintptr_t>(k.w + (rows[i] + kAhead) * k.wstep);
       for (int64_t x = 0; x < D * BITS / 32; x += line) _mm_prefetch(reinterpret_cast<const char*>(ahead + x * 4), _MM_HINT_T1);
+      const uintptr_t vrow = reinterpret_cast<uintptr_t>(v.w + rows[i] * v.wstep);
+      for (int64_t x = 0; x < Dv * BITS / 32; x += line) _mm_prefetch(reinterpret_cast<const char*>(vrow + x * 4), _MM_HINT_T1);
     }
     __m256 a[2][kTile];
     #pragma GCC unroll 4
@@ -859,12 +862,12 @@ __attribute__((target("avx2,fma"))) void affine_values(
 
 template <int BITS>
 void affine_block_scores(int R, const float* q, const float* qsum, int D, int group, const AffineBlock& k, int n,
-                         float* sc) {
+                         float* sc, const AffineBlock& v, int Dv) {
   switch (R) {
-    case 1: return affine_scores<1, BITS>(q, qsum, D, group, k, n, sc);
-    case 2: return affine_scores<2, BITS>(q, qsum, D, group, k, n, sc);
-    case 3: return affine_scores<3, BITS>(q, qsum, D, group, k, n, sc);
-    default: return affine_scores<4, BITS>(q, qsum, D, group, k, n, sc);
+    case 1: return affine_scores<1, BITS>(q, qsum, D, group, k, n, sc, v, Dv);
+    case 2: return affine_scores<2, BITS>(q, qsum, D, group, k, n, sc, v, Dv);
+    case 3: return affine_scores<3, BITS>(q, qsum, D, group, k, n, sc, v, Dv);
+    default: return affine_scores<4, BITS>(q, qsum, D, group, k, n, sc, v, Dv);
   }
 }
 
@@ -884,7 +887,11 @@ void affine_block_values(int R, const float* e, const AffineBlock& v, int n, int
 // dequantized a key block at a time into a scratch tile: attention never makes a float copy
 // of the cache. Through the tile, q8 and q4 caches decoded the 4-bit bench model slower than a
 // float32 cache (`cargo bench --bench kv_cache`, 4k tokens: 0.91x and 0.82x; 16k: 0.99x and
-// 0.93x); read in place, faster (4k: 1.07x both; 16k: 1.13x and 1.36x).
+// 0.93x); read in place, faster (4k: 1.07x both; 16k: 1.13x and 1.36x). The block's value
+// rows are fetched into L2 while its scores are computed, as the dense kernel's are: without
+// that, affine_values waited on memory at each row's first load, and a q8 cache's attention
+// took 0.53 of the time the weights' kernel takes in a 4k-token decode step of the 4-bit bench
+// model (perf, two runs each), 0.43 with it (q4: 0.46, 0.44).
 struct AffineRows {
   const uint32_t* w;
   const float* s;
@@ -1103,12 +1110,14 @@ struct SdpaOp {
           if constexpr (affine) {
             if (packed) {
               const int G = D / kr.group;
-              const AffineBlock kblk = kr.block(b, hk, j);
+              const AffineBlock kblk = kr.block(b, hk, j), vblk = vr.block(b, hk, j);
               const float* qr = qg + (size_t)r0 * D;
+              // The block's value rows are fetched while the first tile's scores are computed.
+              const int vpf = r0 == 0 ? Dv : 0;
               if (kr.bits == 8)
-                affine_block_scores<8>(R, qr, qsum.data() + (size_t)r0 * G, D, kr.group, kblk, n, sc);
+                affine_block_scores<8>(R, qr, qsum.data() + (size_t)r0 * G, D, kr.group, kblk, n, sc, vblk, vpf);
               else
-                affine_block_scores<4>(R, qr, qsum.data() + (size_t)r0 * G, D, kr.group, kblk, n, sc);
+                affine_block_scores<4>(R, qr, qsum.data() + (size_t)r0 * G, D, kr.group, kblk, n, sc, vblk, vpf);
             }
           }
           // The block's value rows are fetched while the first tile's scores are computed.
