@@ -19,10 +19,14 @@
 //!
 //! Last, batched decoding with and without a drafter (the constructed pair of
 //! benches/speculative.rs). `BATCH_ONLY_BREAKDOWN` / `BATCH_ONLY_DRAFTING` run one part alone.
+//! `BATCH_BITS=4` (or 8) runs the client rounds on the bench model as `mlx_lm convert -q` makes
+//! it at that width (group 64), both servers loading the same converted weights (the
+//! breakdown, whose floor multiplies float matrices, stays with the float model).
 
 mod common;
 use common::{
-    median, peer_server, root, runner, spec_pair, stream_ours as ours, stream_peer as peer, Timing,
+    median, peer_server, quantized_model, root, runner, spec_pair, stream_ours as ours,
+    stream_peer as peer, Timing,
 };
 
 use std::path::Path;
@@ -218,6 +222,15 @@ fn main() {
         eprintln!("run benches/peer-venv.sh and `cargo bench --bench generate` first (it writes the model)");
         return;
     }
+    let bits = env_or("BATCH_BITS", 0);
+    let (model, weights) = if bits == 0 {
+        (model, "float32".to_string())
+    } else {
+        let Some(q) = quantized_model(&python, &model, bits as u32, 64) else {
+            return;
+        };
+        (q, format!("{bits}-bit (group 64)"))
+    };
     if std::env::var("BATCH_ONLY_BREAKDOWN").is_ok() {
         breakdown(&model);
         return;
@@ -243,6 +256,7 @@ fn main() {
     }
     let mut peer_rows = Vec::new();
     if std::env::var("BATCH_ONLY_OURS").is_ok() {
+        println!("{weights} weights");
         for (&c, rows) in counts.iter().zip(&ours_rows) {
             let m = |f: fn(&(f64, f64, f64)) -> f64| median(rows.iter().map(f).collect());
             println!(
@@ -271,7 +285,7 @@ fn main() {
 
     let med =
         |v: &[(f64, f64, f64)], f: fn(&(f64, f64, f64)) -> f64| median(v.iter().map(f).collect());
-    println!("\n~120M gemma4-shaped model, float32, {n} new tokens per request, greedy; medians of {rounds} rounds\n");
+    println!("\n~120M gemma4-shaped model, {weights}, {n} new tokens per request, greedy; medians of {rounds} rounds\n");
     println!("| clients | ours aggregate tok/s | mlx_lm.server aggregate tok/s | ratio | ours TTFT | peer TTFT | ours per-request tok/s | peer per-request tok/s |");
     println!("|---|---|---|---|---|---|---|---|");
     let solo = med(&ours_rows[0], |r| r.0);
@@ -293,6 +307,9 @@ fn main() {
             med(&ours_rows[0], |r| r.2) / med(&ours_rows[i], |r| r.2),
         );
     }
-    breakdown(&model);
+    // The breakdown's floor multiplies the float matrices (a quantized model's are packed).
+    if bits == 0 {
+        breakdown(&model);
+    }
     drafting(rounds, n, &counts);
 }
