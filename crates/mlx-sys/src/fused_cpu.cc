@@ -500,6 +500,20 @@ __attribute__((target("avx2,fma"))) inline void reduce_tile(const __m256 (&a)[2]
   }
 }
 
+// One 8-lane step of the dot-product chains of a key pair: a[i][t] += q_t[d..d+8] · k_i for the
+// R query rows of a tile (rows of D floats from q). The dense and the packed scores both step
+// through it, so their chains are the same whatever the keys are stored as.
+template <int R>
+__attribute__((target("avx2,fma"), always_inline)) inline void fma_pair(const float* q, int D, int d, __m256 k0,
+                                                                        __m256 k1, __m256 (&a)[2][kTile]) {
+  #pragma GCC unroll 4
+  for (int t = 0; t < R; ++t) {
+    const __m256 qv = _mm256_loadu_ps(q + t * D + d);
+    a[0][t] = _mm256_fmadd_ps(qv, k0, a[0][t]);
+    a[1][t] = _mm256_fmadd_ps(qv, k1, a[1][t]);
+  }
+}
+
 // sc[t][c] = q_t · k_c for the R (1..kTile) query rows of a tile (rows of D floats from q) and
 // the n keys of a block (rows kstep apart from k), two keys at a time: each (row, key) dot
 // product is one FMA chain over 8-lane chunks (eight chains in flight, as many as the FMA units
@@ -524,13 +538,7 @@ __attribute__((target("avx2,fma,f16c"))) void scores_avx(
     #pragma GCC unroll 4
     for (int t = 0; t < kTile; ++t) a[0][t] = a[1][t] = _mm256_setzero_ps();
     for (int d = 0; d < d8; d += 8) {
-      const __m256 k0 = load8(kc[0] + d), k1 = load8(kc[1] + d);
-      #pragma GCC unroll 4
-      for (int t = 0; t < R; ++t) {
-        const __m256 qv = _mm256_loadu_ps(q + t * D + d);
-        a[0][t] = _mm256_fmadd_ps(qv, k0, a[0][t]);
-        a[1][t] = _mm256_fmadd_ps(qv, k1, a[1][t]);
-      }
+      fma_pair<R>(q, D, d, load8(kc[0] + d), load8(kc[1] + d), a);
     }
     alignas(16) float sums[2][4];
     reduce_tile(a, sums);
@@ -792,14 +800,7 @@ __attribute__((target("avx2,fma"))) void affine_scores(
       const uint32_t* w0 = k.w + rows[0] * k.wstep;
       const uint32_t* w1 = k.w + rows[1] * k.wstep;
       for (int d = g * group; d < (g + 1) * group; d += 8) {
-        const __m256 k0 = _mm256_mul_ps(packed8<BITS>(w0, d), s0);
-        const __m256 k1 = _mm256_mul_ps(packed8<BITS>(w1, d), s1);
-        #pragma GCC unroll 4
-        for (int t = 0; t < R; ++t) {
-          const __m256 qv = _mm256_loadu_ps(q + t * D + d);
-          a[0][t] = _mm256_fmadd_ps(qv, k0, a[0][t]);
-          a[1][t] = _mm256_fmadd_ps(qv, k1, a[1][t]);
-        }
+        fma_pair<R>(q, D, d, _mm256_mul_ps(packed8<BITS>(w0, d), s0), _mm256_mul_ps(packed8<BITS>(w1, d), s1), a);
       }
     }
     alignas(16) float sums[2][4];
