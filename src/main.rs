@@ -849,16 +849,23 @@ fn main() {
         Command::Show(args) => show(args),
         Command::Rm(args) => rm(args),
     };
-    if let Err(e) = result {
-        eprintln!("error: {e:#}");
-        use std::io::Write;
-        let _ = std::io::stdout().flush();
-        // An error can end the process while the engine thread is still inside MLX (a runner
-        // interrupted while loading): `_exit` skips the C++ static destructors that thread
-        // would race, which `exit` runs. Nothing else is left to flush.
-        // SAFETY: `_exit` ends the process; no Rust state is observed afterwards.
-        unsafe { libc::_exit(1) };
-    }
+    use std::io::Write;
+    let code = match result {
+        // A rank of a split model ends as an error does: MLX's ring group, destroyed by the
+        // C++ static destructors, can hang the exit (`mlx::distributed::joined`).
+        Ok(()) if mlx::distributed::joined() => 0,
+        Ok(()) => return,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            1
+        }
+    };
+    let _ = std::io::stdout().flush();
+    // An error can end the process while the engine thread is still inside MLX (a runner
+    // interrupted while loading): `_exit` skips the C++ static destructors that thread would
+    // race, which `exit` runs. Nothing else is left to flush.
+    // SAFETY: `_exit` ends the process; no Rust state is observed afterwards.
+    unsafe { libc::_exit(code) };
 }
 
 fn info() -> Result<()> {

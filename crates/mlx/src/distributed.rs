@@ -9,6 +9,21 @@ use crate::array::Array;
 use crate::{Dtype, Result};
 use cxx::UniquePtr;
 use mlx_sys::ffi;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Set once this process has joined a group (see [`joined`]).
+static JOINED: AtomicBool = AtomicBool::new(false);
+
+/// Whether this process joined a group. MLX keeps every group it forms in a static registry,
+/// destroyed by the C++ static destructors at `exit`; the ring backend's destructor stops each
+/// socket's thread by setting a plain flag and notifying its condition variable without taking
+/// the thread's lock, a lost wake-up: now and then the thread has just found nothing to do and
+/// sleeps through the notice, and the destructor's `join` waits for ever. A process that joined
+/// must therefore end with `_exit` (after flushing what it wrote), never by returning from
+/// `main`.
+pub fn joined() -> bool {
+    JOINED.load(Ordering::Relaxed)
+}
 
 /// The ranks this process joined.
 pub struct Group {
@@ -26,9 +41,9 @@ impl Group {
     /// `MLX_RANK`; it returns once this rank is connected to both of its neighbours, and waits
     /// for them as long as it takes.
     pub fn init(backend: &str) -> Result<Group> {
-        Ok(Group {
-            raw: ffi::distributed_init(backend)?,
-        })
+        let raw = ffi::distributed_init(backend)?;
+        JOINED.store(true, Ordering::Relaxed);
+        Ok(Group { raw })
     }
 
     pub fn rank(&self) -> usize {
