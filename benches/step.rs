@@ -42,13 +42,14 @@ fn in_width(q: &mlx::Quantized) -> i32 {
 }
 
 impl Mat {
-    fn input(&self) -> Array {
+    /// The input of `rows` tokens (a batch of decode rows).
+    fn input(&self, rows: i32) -> Array {
         let normal =
             |shape: &[i32]| mlx::random::normal(shape, mlx::Dtype::F32, 0.0, 1.0, None).unwrap();
         match self {
-            Mat::Quantized(q) | Mat::Experts(q, _) => normal(&[1, in_width(q)]),
-            Mat::Heads(q) => normal(&[q.weight.shape()[0], 1, in_width(q)]),
-            Mat::Dense(wt) => normal(&[1, wt.shape()[0]]),
+            Mat::Quantized(q) | Mat::Experts(q, _) => normal(&[rows, in_width(q)]),
+            Mat::Heads(q) => normal(&[q.weight.shape()[0], rows, in_width(q)]),
+            Mat::Dense(wt) => normal(&[rows, wt.shape()[0]]),
         }
     }
     fn apply(&self, x: &Array) -> Array {
@@ -56,9 +57,11 @@ impl Mat {
             Mat::Quantized(q) | Mat::Heads(q) => x.quantized_matmul(q, true).unwrap(),
             Mat::Dense(wt) => x.matmul(wt).unwrap(),
             Mat::Experts(q, k) => {
-                let ids: Vec<u32> = (0..*k as u32).collect();
-                let idx = Array::from_slice(&ids, &[1, *k]).unwrap();
-                x.reshape(&[1, 1, -1])
+                // Every row reads the same k experts: the rows share each expert's matrix.
+                let rows = x.shape()[0];
+                let ids: Vec<u32> = (0..rows * k).map(|i| (i % k) as u32).collect();
+                let idx = Array::from_slice(&ids, &[rows, *k]).unwrap();
+                x.reshape(&[rows, 1, -1])
                     .unwrap()
                     .gather_qmm(q, None, Some(&idx), true, false)
                     .unwrap()
@@ -156,7 +159,7 @@ fn measure(dir: &Path) -> (Row, Row, String) {
     let m = models::load(dir, models::DtypeChoice::Auto).unwrap();
     let model = &*m.model;
     let mats = matrices(dir);
-    let inputs: Vec<Array> = mats.iter().map(Mat::input).collect();
+    let inputs: Vec<Array> = mats.iter().map(|m| m.input(1)).collect();
     mlx::eval(&inputs.iter().collect::<Vec<_>>()).unwrap();
     let mut caches = model.make_caches();
     let ids: Vec<i32> = (0..64).map(|i| (i * 13 % 30000) + 10).collect();
@@ -212,6 +215,34 @@ fn measure(dir: &Path) -> (Row, Row, String) {
     (row(&rows[1], ops[1]), row(&rows[0], ops[0]), ours_ops)
 }
 
+/// Medians of every matrix product of the model at each row count of `ROW_COUNTS`, with the
+/// CPU kernels, the row counts taken in turn: what a batch of decode rows costs against one.
+const ROW_COUNTS: [i32; 4] = [1, 2, 4, 8];
+
+fn products_by_rows(dir: &Path) -> Vec<f64> {
+    kernels(true);
+    let mats = matrices(dir);
+    let inputs: Vec<Vec<Array>> = ROW_COUNTS
+        .iter()
+        .map(|&r| mats.iter().map(|m| m.input(r)).collect())
+        .collect();
+    for x in &inputs {
+        mlx::eval(&x.iter().collect::<Vec<_>>()).unwrap();
+    }
+    let mut times = vec![vec![]; ROW_COUNTS.len()];
+    for i in 0..STEPS + 2 {
+        for (j, x) in inputs.iter().enumerate() {
+            let start = Instant::now();
+            let outs: Vec<Array> = mats.iter().zip(x).map(|(m, x)| m.apply(x)).collect();
+            mlx::eval(&outs.iter().collect::<Vec<_>>()).unwrap();
+            if i >= 2 {
+                times[j].push(ms(start));
+            }
+        }
+    }
+    times.into_iter().map(median).collect()
+}
+
 fn main() {
     mlx::init_thread().unwrap();
     let dirs: Vec<PathBuf> = match std::env::var_os("BENCH_STEP_MODEL") {
@@ -259,5 +290,12 @@ fn main() {
             1e3 / mlx.step
         );
         println!("\nOps with mlx-runner's kernels: {ours_ops}");
+        let by_rows = products_by_rows(&dir);
+        println!("\nEvery matrix product at R rows (mlx-runner's kernels, medians of {STEPS})\n");
+        println!("| rows | ms | rows a second, ÷ one row's |");
+        println!("|---|---|---|");
+        for (r, t) in ROW_COUNTS.iter().zip(&by_rows) {
+            println!("| {r} | {t:.2} | {:.2} |", *r as f64 * by_rows[0] / t);
+        }
     }
 }

@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -26,6 +27,25 @@
 #include "mlx/primitives.h"
 
 namespace mlxr {
+
+// An allocator of 64-byte-aligned storage, for the scratch rows kernels read 64 bytes at a
+// time: a 64-byte load that straddles two cache lines costs two, and a kernel re-reading a
+// misaligned row of x from L1 ran 30% slower (the 16-lane 4-bit kernel at four rows, one core).
+template <class T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <class U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    if (!p) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { std::free(p); }
+  template <class U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+};
 
 // The caller and (cores - 1) workers, sharing each job's chunks through an atomic counter.
 //

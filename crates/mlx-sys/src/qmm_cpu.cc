@@ -290,8 +290,12 @@ __attribute__((target("avx2,fma"))) void qmv_rows(
     }
     // Independent chains per row: one FMA chain would wait on its own latency every step;
     // more than two per row cost more in the adds that join them than they gain (one row
-    // over a decode step's matrices: 21.7 GB/s with two, 21.0 with four, 20.5 with one).
-    constexpr int A = R <= 2 ? 2 : 1;
+    // over a decode step's matrices: 21.7 GB/s with two, 21.0 with four, 20.5 with one). Two
+    // at every row count, so that a row's sums are the same operations whichever rows of x are
+    // beside it (a verify block's rows equal one-row decode steps): at four rows, where the
+    // sixteen registers then run short, that costs 6% (one core, 3072 × 768: 35 GMAC/s
+    // against 37 with one chain a row).
+    constexpr int A = 2;
     __m256 acc[W][R][A];
     #pragma GCC unroll 4
     for (int i = 0; i < W; ++i)
@@ -357,6 +361,10 @@ __attribute__((target("avx2,fma"))) void qmv_rows(
 // the 8-lane kernel's; the lanes hold units 2U and 2U + 1, so the row's total adds the same
 // products in another order. Every row count takes this kernel where it applies, so a row's
 // result does not depend on the batch around it.
+//
+// It may take unit pairs [p0, p1) of the rows only (see qmv_block512): the running totals come
+// from `carry` (W·R registers) where p0 > 0 and go back to it where p1 is not the last pair, so a
+// row's sums are the same operations in the same order however its pairs are split.
 template <int BITS, int R, int W, bool CVT>
 __attribute__((target("avx512f,avx2,fma"))) void qmv_rows512(
     const float* xt16,    // R rows of x in unit-pair order, each K floats
@@ -366,10 +374,14 @@ __attribute__((target("avx512f,avx2,fma"))) void qmv_rows512(
     const float* biases,
     float* out,  // row m0 of the output
     const Shape& s,
-    const int* rows) {
+    const int* rows,
+    int p0 = 0,
+    int p1 = -1,
+    float* carry = nullptr) {
   constexpr int P = 32 / BITS;
   constexpr int UNIT = 8 * P;
   const int pairs = s.K / UNIT / 2, words = s.K / P, groups = s.K / s.group;
+  if (p1 < 0) p1 = pairs;
   const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
   const int unit_shift = s.group >= UNIT ? __builtin_ctz(s.group / UNIT) : 0;
   const uint32_t* wr[W];
@@ -387,15 +399,18 @@ __attribute__((target("avx512f,avx2,fma"))) void qmv_rows512(
   #pragma GCC unroll 4
   for (int i = 0; i < W; ++i)
     #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) tot[i][r] = _mm512_setzero_ps();
-  for (int u = 0; u < pairs; ++u) {
+    for (int r = 0; r < R; ++r) tot[i][r] = p0 > 0 ? _mm512_load_ps(carry + (i * R + r) * 16) : _mm512_setzero_ps();
+  for (int u = p0; u < p1; ++u) {
     __m512i q[W];
     #pragma GCC unroll 4
     for (int i = 0; i < W; ++i) {
       _mm_prefetch(reinterpret_cast<const char*>(wr[i] + u * 16) + 2048, _MM_HINT_T0);
       q[i] = _mm512_loadu_si512(reinterpret_cast<const void*>(wr[i] + u * 16));
     }
-    constexpr int A = R <= 2 ? 2 : 1;
+    // Two chains per row at every row count, as the 8-lane kernel: a row's bits do not depend
+    // on the rows beside it. Four rows cost the same with one chain a row (one core, 3072 ×
+    // 768: 36-38 GMAC/s with two, 37-39 with one).
+    constexpr int A = 2;
     __m512 acc[W][R][A];
     #pragma GCC unroll 4
     for (int i = 0; i < W; ++i)
@@ -448,6 +463,13 @@ __attribute__((target("avx512f,avx2,fma"))) void qmv_rows512(
         tot[i][r] = _mm512_fmadd_ps(acc[i][r][0], sv, tot[i][r]);
       }
     }
+  }
+  if (p1 < pairs) {
+    #pragma GCC unroll 4
+    for (int i = 0; i < W; ++i)
+      #pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) _mm512_store_ps(carry + (i * R + r) * 16, tot[i][r]);
+    return;
   }
   #pragma GCC unroll 4
   for (int i = 0; i < W; ++i)
@@ -540,7 +562,17 @@ void qmv_block(
   });
 }
 
-// qmv_block with the 16-lane kernel.
+// Bytes of x (all its rows) that a pass of qmv_block512 over the output rows keeps in L1 beside
+// the weights streaming through.
+constexpr int kXBytes = 24 << 10;
+
+// qmv_block with the 16-lane kernel. Where the rows of x outgrow kXBytes (four rows of a
+// down projection's 3072 values are 48 KiB, more than L1), each output row's every FMA reloaded
+// x from L2: the output rows are then taken once for each span of unit pairs whose x fits,
+// their running totals carried between spans (the same operations in the same order, so the
+// result is the unsplit kernel's bits). One core, 4 bits, four rows, 768 output rows × 3072:
+// 27.0 GMAC/s unsplit, 38.9 in spans, as fast as 3072 × 768 (38.4); spans at 16 KiB of x cost
+// two rows of 3072 (which fit) 5%.
 template <int BITS, bool CVT>
 void qmv_block512(
     const float* xt16,
@@ -553,9 +585,25 @@ void qmv_block512(
     int rows,
     int n0,
     int n1) {
-  by_rows(rows, n0, n1, [&]<int R, int W>(const int* r) {
-    qmv_rows512<BITS, R, W, CVT>(xt16, xsum, w, sc, bi, out, s, r);
-  });
+  constexpr int PAIR = 2 * 8 * (32 / BITS);  // values a unit pair
+  const int pairs = s.K / PAIR;
+  const int span = std::max(1, kXBytes / (rows * 4 * PAIR));
+  if (rows == 1 || span >= pairs) {
+    by_rows(rows, n0, n1, [&]<int R, int W>(const int* r) {
+      qmv_rows512<BITS, R, W, CVT>(xt16, xsum, w, sc, bi, out, s, r);
+    });
+    return;
+  }
+  // Each output row's totals between spans: R registers (at most 4).
+  thread_local std::vector<float, Aligned64<float>> carry;
+  carry.resize((size_t)(n1 - n0) * 4 * 16);
+  for (int p0 = 0; p0 < pairs; p0 += span) {
+    const int p1 = std::min(pairs, p0 + span);
+    // Rows of x beyond one take the output rows one at a time (W = 1): a slot each.
+    by_rows(rows, n0, n1, [&]<int R, int W>(const int* r) {
+      qmv_rows512<BITS, R, W, CVT>(xt16, xsum, w, sc, bi, out, s, r, p0, p1, carry.data() + (size_t)(r[0] - n0) * 4 * 16);
+    });
+  }
 }
 
 // ---- any width: rows as bit streams ---------------------------------------------------------
@@ -900,7 +948,9 @@ __attribute__((target("avx512f,avx2,fma"))) void qmv_rows_lanes(
       fw2[i] = _mm512_srli_epi32(fw[i], L::SH);
     }
     const float* xg = xw + (size_t)g * L::S * 16;
-    constexpr int A = R <= 2 ? 2 : 1;
+    // Two chains per row at every row count, as qmv_rows512: a row's bits do not depend on the
+    // rows beside it.
+    constexpr int A = 2;
     __m512 acc[W][R][A];
     #pragma GCC unroll 4
     for (int i = 0; i < W; ++i)
@@ -1270,7 +1320,7 @@ struct PreparedX {
 const float* fp4_lanes(const float* x, int M, int K) {
   const Shape s{M, 0, K, 4, 32};
   if (!wide_rows(s) || !has_avx2()) return nullptr;
-  thread_local std::vector<float> xt_buf, lanes_buf;
+  thread_local std::vector<float, Aligned64<float>> xt_buf, lanes_buf;
   xt_buf.resize((size_t)M * K);
   lanes_buf.resize((size_t)M * K);
   for (int m = 0; m < M; ++m) {
@@ -1287,7 +1337,7 @@ PreparedX prepare_x(const float* x, const Shape& s) {
   if (s.mode != 0) return {x, s.bits == 4 ? fp4_lanes(x, s.M, s.K) : nullptr, nullptr, true};
   const int groups = s.K / s.group;
   // Reused between calls (the stream's thread makes them one at a time).
-  thread_local std::vector<float> xt_buf, xt16_buf, xsum_buf;
+  thread_local std::vector<float, Aligned64<float>> xt_buf, xt16_buf, xsum_buf;
   xsum_buf.resize((size_t)s.M * groups);
   if (!word_aligned(s.bits)) {
     for (int m = 0; m < s.M; ++m)
@@ -1295,8 +1345,8 @@ PreparedX prepare_x(const float* x, const Shape& s) {
     // The 8-lane bit-stream kernels read x in its own order.
     if (!has_avx512()) return {x, nullptr, xsum_buf.data(), true};
     if (has_vnni()) {
-      thread_local std::vector<int8_t> limb_buf;
-      thread_local std::vector<float> pow2_buf;
+      thread_local std::vector<int8_t, Aligned64<int8_t>> limb_buf;
+      thread_local std::vector<float, Aligned64<float>> pow2_buf;
       limb_buf.resize((size_t)s.M * limb_row_bytes(s.K));
       pow2_buf.resize((size_t)s.M * ((s.K + 63) / 64));
       if (limb_x(x, limb_buf.data(), pow2_buf.data(), s.M, s.K))

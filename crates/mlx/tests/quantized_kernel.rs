@@ -93,6 +93,11 @@ fn the_kernel_matches_mlx_on_every_supported_shape() {
                 (1, 7, 96),
                 // Inputs past the sgemm path's K tile: tiles accumulate.
                 (20, 24, 4608),
+                // Rows of x too long to stay in L1 together: the 16-lane kernel takes the
+                // output rows once for each span of the input and carries their sums.
+                (4, 21, 3072),
+                (3, 13, 2048),
+                (6, 9, 3072),
             ] {
                 if k % group != 0 {
                     continue;
@@ -185,6 +190,40 @@ fn an_output_row_does_not_depend_on_its_neighbours() {
                 all[from as usize..to as usize],
                 "{bits}-bit rows {from}..{to}"
             );
+        }
+    }
+}
+
+/// A row of x gives the same bits whichever rows of x are computed beside it, at input lengths
+/// the kernel takes whole and in spans (rows of 3072 values: one row whole, four in spans):
+/// a decode row's result does not depend on the batch it is in.
+#[test]
+fn a_row_of_x_does_not_depend_on_the_rows_beside_it() {
+    let _one = serial();
+    mlx::set_quantized_kernel(true);
+    for (seed, bits) in (70u64..).step_by(2).zip([2, 3, 4, 5, 6, 8]) {
+        for k in [768, 2048, 3072] {
+            let x = normal(&[8, k], 1.0, seed);
+            let q = normal(&[37, k], 0.05, seed + 1).quantize(64, bits).unwrap();
+            let all = x
+                .quantized_matmul(&q, true)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap();
+            for (from, to) in [(0, 1), (3, 4), (1, 3), (4, 8), (0, 4), (5, 8)] {
+                let some = x
+                    .slice_axis(0, from, Some(to))
+                    .unwrap()
+                    .quantized_matmul(&q, true)
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap();
+                assert_eq!(
+                    some,
+                    all[from as usize * 37..to as usize * 37],
+                    "{bits}-bit, K {k}: rows {from}..{to} of x"
+                );
+            }
         }
     }
 }
