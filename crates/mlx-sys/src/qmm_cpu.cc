@@ -256,10 +256,14 @@ __attribute__((target("avx2,fma"))) void qmv_rows(
     const float* biases,
     float* out,  // row m0 of the output
     const Shape& s,
-    const int* rows) {
+    const int* rows,
+    int u0 = 0,
+    int u1 = -1,
+    float* carry = nullptr) {
   constexpr int P = 32 / BITS;
   constexpr int UNIT = 8 * P;
   const int units = s.K / UNIT, words = s.K / P, groups = s.K / s.group;
+  if (u1 < 0) u1 = units;
   const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
   // Units per group as a shift (groups and units are powers of two; no division per unit).
   const int unit_shift = s.group >= UNIT ? __builtin_ctz(s.group / UNIT) : 0;
@@ -280,8 +284,8 @@ __attribute__((target("avx2,fma"))) void qmv_rows(
   #pragma GCC unroll 4
   for (int i = 0; i < W; ++i)
     #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) tot[i][r] = _mm256_setzero_ps();
-  for (int u = 0; u < units; ++u) {
+    for (int r = 0; r < R; ++r) tot[i][r] = u0 > 0 ? _mm256_load_ps(carry + (i * R + r) * 8) : _mm256_setzero_ps();
+  for (int u = u0; u < u1; ++u) {
     __m256i q[W];
     #pragma GCC unroll 4
     for (int i = 0; i < W; ++i) {
@@ -347,6 +351,13 @@ __attribute__((target("avx2,fma"))) void qmv_rows(
       }
     }
   }
+  if (u1 < units) {
+    #pragma GCC unroll 4
+    for (int i = 0; i < W; ++i)
+      #pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) _mm256_store_ps(carry + (i * R + r) * 8, tot[i][r]);
+    return;
+  }
   #pragma GCC unroll 4
   for (int i = 0; i < W; ++i)
     #pragma GCC unroll 4
@@ -362,8 +373,8 @@ __attribute__((target("avx2,fma"))) void qmv_rows(
 // products in another order. Every row count takes this kernel where it applies, so a row's
 // result does not depend on the batch around it.
 //
-// It may take unit pairs [p0, p1) of the rows only (see qmv_block512): the running totals come
-// from `carry` (W·R registers) where p0 > 0 and go back to it where p1 is not the last pair, so a
+// It may take unit pairs [p0, p1) of the rows only (see by_spans): the running totals come from
+// `carry` (W·R registers) where p0 > 0 and go back to it where p1 is not the last pair, so a
 // row's sums are the same operations in the same order however its pairs are split.
 template <int BITS, int R, int W, bool CVT>
 __attribute__((target("avx512f,avx2,fma"))) void qmv_rows512(
@@ -545,6 +556,38 @@ void by_rows(int rows, int n0, int n1, const Kernel& kernel) {
   }
 }
 
+// Bytes of x (all its rows) that a pass over the output rows keeps in L1 beside the weights
+// streaming through.
+constexpr int kXBytes = 24 << 10;
+
+// Output rows [n0, n1) for `rows` rows of x through `kernel`, a generic lambda
+// `<int R, int W>(const int* output_rows, int s0, int s1, float* carry)` that takes steps
+// [s0, s1) of the input (`steps` of `step_values` values each: a kernel's units or unit pairs)
+// and carries its running totals (`carry_floats` a row) between calls. Where the rows of x
+// outgrow kXBytes (four rows of a down projection's 3072 values are 48 KiB, more than L1),
+// each FMA reloaded x from L2: the output rows are then taken once for each span of steps
+// whose x fits, their totals carried between spans: the same operations in the same order, so
+// the unsplit kernel's bits. One core, 4 bits, four rows, 768 output rows × 3072 input: 27.0
+// GMAC/s unsplit, 38.9 in spans, as fast as 3072 × 768 (38.4), with the 16-lane kernel; spans
+// at 16 KiB of x cost two rows of 3072 (which fit) 5%.
+template <class Kernel>
+void by_spans(int rows, int n0, int n1, int steps, int step_values, int carry_floats, const Kernel& kernel) {
+  const int span = std::max(1, kXBytes / (rows * 4 * step_values));
+  if (rows == 1 || span >= steps) {
+    by_rows(rows, n0, n1, [&]<int R, int W>(const int* r) { kernel.template operator()<R, W>(r, 0, steps, nullptr); });
+    return;
+  }
+  // Rows of x beyond one take the output rows one at a time (W = 1): a slot each.
+  thread_local std::vector<float, Aligned64<float>> carry;
+  carry.resize((size_t)(n1 - n0) * carry_floats);
+  for (int s0 = 0; s0 < steps; s0 += span) {
+    const int s1 = std::min(steps, s0 + span);
+    by_rows(rows, n0, n1, [&]<int R, int W>(const int* r) {
+      kernel.template operator()<R, W>(r, s0, s1, carry.data() + (size_t)(r[0] - n0) * carry_floats);
+    });
+  }
+}
+
 template <int BITS, bool CVT>
 void qmv_block(
     const float* xt,
@@ -557,22 +600,13 @@ void qmv_block(
     int rows,
     int n0,
     int n1) {
-  by_rows(rows, n0, n1, [&]<int R, int W>(const int* r) {
-    qmv_rows<BITS, R, W, CVT>(xt, xsum, w, sc, bi, out, s, r);
+  constexpr int UNIT = 8 * (32 / BITS);
+  by_spans(rows, n0, n1, s.K / UNIT, UNIT, 4 * 8, [&]<int R, int W>(const int* r, int u0, int u1, float* carry) {
+    qmv_rows<BITS, R, W, CVT>(xt, xsum, w, sc, bi, out, s, r, u0, u1, carry);
   });
 }
 
-// Bytes of x (all its rows) that a pass of qmv_block512 over the output rows keeps in L1 beside
-// the weights streaming through.
-constexpr int kXBytes = 24 << 10;
-
-// qmv_block with the 16-lane kernel. Where the rows of x outgrow kXBytes (four rows of a
-// down projection's 3072 values are 48 KiB, more than L1), each output row's every FMA reloaded
-// x from L2: the output rows are then taken once for each span of unit pairs whose x fits,
-// their running totals carried between spans (the same operations in the same order, so the
-// result is the unsplit kernel's bits). One core, 4 bits, four rows, 768 output rows × 3072:
-// 27.0 GMAC/s unsplit, 38.9 in spans, as fast as 3072 × 768 (38.4); spans at 16 KiB of x cost
-// two rows of 3072 (which fit) 5%.
+// qmv_block with the 16-lane kernel.
 template <int BITS, bool CVT>
 void qmv_block512(
     const float* xt16,
@@ -585,25 +619,10 @@ void qmv_block512(
     int rows,
     int n0,
     int n1) {
-  constexpr int PAIR = 2 * 8 * (32 / BITS);  // values a unit pair
-  const int pairs = s.K / PAIR;
-  const int span = std::max(1, kXBytes / (rows * 4 * PAIR));
-  if (rows == 1 || span >= pairs) {
-    by_rows(rows, n0, n1, [&]<int R, int W>(const int* r) {
-      qmv_rows512<BITS, R, W, CVT>(xt16, xsum, w, sc, bi, out, s, r);
-    });
-    return;
-  }
-  // Each output row's totals between spans: R registers (at most 4).
-  thread_local std::vector<float, Aligned64<float>> carry;
-  carry.resize((size_t)(n1 - n0) * 4 * 16);
-  for (int p0 = 0; p0 < pairs; p0 += span) {
-    const int p1 = std::min(pairs, p0 + span);
-    // Rows of x beyond one take the output rows one at a time (W = 1): a slot each.
-    by_rows(rows, n0, n1, [&]<int R, int W>(const int* r) {
-      qmv_rows512<BITS, R, W, CVT>(xt16, xsum, w, sc, bi, out, s, r, p0, p1, carry.data() + (size_t)(r[0] - n0) * 4 * 16);
-    });
-  }
+  constexpr int PAIR = 2 * 8 * (32 / BITS);
+  by_spans(rows, n0, n1, s.K / PAIR, PAIR, 4 * 16, [&]<int R, int W>(const int* r, int p0, int p1, float* carry) {
+    qmv_rows512<BITS, R, W, CVT>(xt16, xsum, w, sc, bi, out, s, r, p0, p1, carry);
+  });
 }
 
 // ---- any width: rows as bit streams ---------------------------------------------------------
