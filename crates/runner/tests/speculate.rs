@@ -459,6 +459,40 @@ fn prompt_lookup_greedy_is_unchanged() {
     }
 }
 
+/// Where every op gives a row the same bits beside any rows (the quantized products; GLM4-MoE-
+/// Lite has no rotating window), a verify block's logprobs are one-row decode steps' bit for
+/// bit (prompt lookup drafting; the 4-bit fixture has no MTP layer).
+#[test]
+fn verify_logprobs_are_decode_logprobs_bit_for_bit() {
+    let options = Options {
+        logprobs: true,
+        top_logprobs: 4,
+        ..Options::greedy()
+    };
+    let target = "glm4_moe_lite_q4";
+    let mut plain = setup(target, None, Some(0), QueryPosition::LastCommitted);
+    let mut spec = setup(target, Some("ngram"), None, QueryPosition::LastCommitted);
+    let bits = |r: &Run| -> Vec<(u32, Vec<(u32, u32)>)> {
+        r.logprobs
+            .iter()
+            .map(|l| {
+                let l = l.as_ref().unwrap();
+                let top = l.top.iter().map(|(t, v)| (*t, v.to_bits())).collect();
+                (l.logprob.to_bits(), top)
+            })
+            .collect()
+    };
+    let mut drafted = 0;
+    for p in prompts(&plain) {
+        let want = run(&mut plain, &p, options.clone(), Some(24), 512);
+        let got = run(&mut spec, &p, options.clone(), Some(24), 512);
+        assert_eq!(got.ids, want.ids);
+        drafted += got.drafted;
+        assert_eq!(bits(&got), bits(&want));
+    }
+    assert!(drafted > 0, "nothing was drafted");
+}
+
 /// Logprobs come from the verify pass when drafting: every drafter kind reports, for every
 /// token, the logprob and the top alternatives a run without drafting reports, within 1e-4,
 /// and drafts while doing so.
