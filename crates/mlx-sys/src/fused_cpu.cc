@@ -514,6 +514,21 @@ __attribute__((target("avx2,fma"), always_inline)) inline void fma_pair(const fl
   }
 }
 
+// One key's step of the values' sums over a 16-column chunk: a[t] += e[t][c] · (x0, x1) for the
+// R rows of a tile (weights kKeyBlock apart in e). The dense and the packed values both step
+// through it, so each output element is the same sequence of FMAs whatever the values are
+// stored as.
+template <int R>
+__attribute__((target("avx2,fma"), always_inline)) inline void fma_columns(const float* e, int c, __m256 x0,
+                                                                           __m256 x1, __m256 (&a)[R][2]) {
+  #pragma GCC unroll 4
+  for (int t = 0; t < R; ++t) {
+    const __m256 w = _mm256_broadcast_ss(e + t * kKeyBlock + c);
+    a[t][0] = _mm256_fmadd_ps(w, x0, a[t][0]);
+    a[t][1] = _mm256_fmadd_ps(w, x1, a[t][1]);
+  }
+}
+
 // sc[t][c] = q_t · k_c for the R (1..kTile) query rows of a tile (rows of D floats from q) and
 // the n keys of a block (rows kstep apart from k), two keys at a time: each (row, key) dot
 // product is one FMA chain over 8-lane chunks (eight chains in flight, as many as the FMA units
@@ -572,13 +587,7 @@ __attribute__((target("avx2,fma,f16c"))) void values_avx(
     }
     for (int c = 0; c < n; ++c) {
       const T* vc = v + c * vstep + d;
-      const __m256 x0 = load8(vc), x1 = load8(vc + 8);
-      #pragma GCC unroll 4
-      for (int t = 0; t < R; ++t) {
-        const __m256 w = _mm256_broadcast_ss(e + t * kKeyBlock + c);
-        a[t][0] = _mm256_fmadd_ps(w, x0, a[t][0]);
-        a[t][1] = _mm256_fmadd_ps(w, x1, a[t][1]);
-      }
+      fma_columns<R>(e, c, load8(vc), load8(vc + 8), a);
     }
     #pragma GCC unroll 4
     for (int t = 0; t < R; ++t) {
@@ -844,13 +853,7 @@ __attribute__((target("avx2,fma"))) void affine_values(
       }
       for (int c = 0; c < n; ++c) {
         const uint32_t* row = v.w + c * v.wstep;
-        const __m256 x0 = packed8<BITS>(row, d), x1 = packed8<BITS>(row, d + 8);
-        #pragma GCC unroll 4
-        for (int t = 0; t < R; ++t) {
-          const __m256 w = _mm256_broadcast_ss(ew + t * kKeyBlock + c);
-          a[t][0] = _mm256_fmadd_ps(w, x0, a[t][0]);
-          a[t][1] = _mm256_fmadd_ps(w, x1, a[t][1]);
-        }
+        fma_columns<R>(ew, c, packed8<BITS>(row, d), packed8<BITS>(row, d + 8), a);
       }
       #pragma GCC unroll 4
       for (int t = 0; t < R; ++t) {
