@@ -1162,7 +1162,7 @@ fn worker(w: WorkerArgs) -> Result<()> {
             prepared.as_ref().map(|_| ()).map_err(|e| format!("{e:#}")),
         )
         .map_err(quietly)?;
-    let (cfg, model) = prepared?;
+    let (mut cfg, model) = prepared?;
     match followed {
         Followed::Generate(a) => run_generate(a, cfg, model, Some((&cluster, job.seed))),
         Followed::Runner(a) => {
@@ -1174,8 +1174,24 @@ fn worker(w: WorkerArgs) -> Result<()> {
                     a.cluster.parallel_mode.mode(),
                 )
                 .map_err(quietly)?;
-            runner::replica::serve_following(&cluster, loaded.model, a.kv_cache_type.0)
-                .map_err(anyhow::Error::msg)
+            // This rank's own disk tier where rank 0's runner keeps one: the same flags,
+            // this host's store.
+            cfg.cache_disk = disk_tier(
+                a.cache_dir.clone(),
+                model.store.as_deref(),
+                a.cache_disk_budget,
+            );
+            cfg.cache_interval = a.cache_interval;
+            cfg.kv_cache = a.kv_cache_type;
+            let mode = a.cluster.parallel_mode.mode();
+            runner::replica::serve_following(
+                &cluster,
+                loaded.model,
+                a.kv_cache_type.0,
+                mode,
+                |architecture, place| runner::engine::open_disk(&cfg, architecture, "-", place),
+            )
+            .map_err(anyhow::Error::msg)
         }
     }
 }

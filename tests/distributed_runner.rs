@@ -489,3 +489,100 @@ fn a_split_model_reuses_its_prefix_cache() {
         );
     }
 }
+
+/// Block files in the disk tier's directory once every rank's writer is done: the count has
+/// stopped changing and no temporary file is left.
+fn settled_blocks(dir: &Path) -> usize {
+    let count = || {
+        let names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n != ".lock")
+            .collect();
+        let temp = names.iter().any(|n| !n.ends_with(".block"));
+        (names.len(), temp)
+    };
+    let start = std::time::Instant::now();
+    let (mut last, mut same_for) = (usize::MAX, 0);
+    while start.elapsed() < Duration::from_secs(20) {
+        let (n, temp) = count();
+        same_for = if n == last && !temp { same_for + 1 } else { 0 };
+        if same_for >= 5 {
+            return n;
+        }
+        last = n;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("the disk tier did not settle");
+}
+
+/// The prefix cache's disk tier on a split model: every rank writes the blocks of its own
+/// caches (its share of the heads, or its layers; rank 0's with the drafter's caches), and
+/// the same split started again resumes a prompt it saw on every rank, answering as one
+/// process does (by tensors with sliding-window layers, by layers over three stages, by
+/// tensors with MLA's latent cache and GLM's drafter).
+#[test]
+fn a_split_model_resumes_from_its_disk_tier() {
+    const BLOCK: usize = 16;
+    let words = [
+        "river", "stone", "lantern", "copper", "meadow", "harbor", "violet",
+    ];
+    let prompt = (0..70)
+        .map(|i| words[(i * 3 + i / 4) % words.len()])
+        .collect::<Vec<_>>()
+        .join(" ");
+    for (model, ranks, mode) in [
+        ("gemma4_31b_like", 2, "tensor"),
+        ("gemma4_31b_like", 3, "pipeline"),
+        ("glm4_moe_lite", 2, "tensor"),
+    ] {
+        let what = format!("{model} over {ranks} by {mode}");
+        let interval = BLOCK.to_string();
+        let flags = ["--cache-interval", interval.as_str(), "--parallel", "1"];
+        let solo = Runner::start(model, &flags);
+        let want = ask_with(&solo, &prompt, 8, true);
+        drop(solo);
+
+        let (_h, hosts) = local(ranks);
+        let dir = tempfile::tempdir().unwrap();
+        let disk = [
+            "--parallel-mode",
+            mode,
+            "--cache-dir",
+            dir.path().to_str().unwrap(),
+        ];
+        let args = [&flags[..], &disk].concat();
+        let first = split_runner(model, ranks, &hosts, &args);
+        let got = ask_with(&first, &prompt, 8, true);
+        same(&got, &want, &format!("{what}: first run"));
+        settled_blocks(dir.path());
+        let written = metric(&first, "mlx_runner_prefix_disk_written_total") as usize;
+        assert!(written >= 2, "{what}: rank 0 wrote {written} blocks");
+        // The other ranks write theirs when the next call reaches them: here, the stop.
+        let (status, err) = first.terminate();
+        assert!(status.success(), "{what}: {err}");
+        none_left(&hosts);
+        // Each rank wrote as many blocks as rank 0, under names of its own.
+        let blocks = settled_blocks(dir.path());
+        assert_eq!(blocks, ranks * written, "{what}: block files");
+
+        let second = split_runner(model, ranks, &hosts, &args);
+        let got = ask_with(&second, &prompt, 8, true);
+        let whole = (got.prompt_tokens as usize - 1) / BLOCK * BLOCK;
+        // GLM's MTP drafter starts one position before what was stored.
+        let margin = usize::from(model == "glm4_moe_lite");
+        assert_eq!(
+            got.cached as usize,
+            whole - margin,
+            "{what}: resumed of {} prompt tokens",
+            got.prompt_tokens
+        );
+        same(&got, &want, &format!("{what}: started again"));
+        assert_eq!(metric(&second, "mlx_runner_prefix_disk_hits_total"), 1.0);
+        let (status, err) = second.terminate();
+        assert!(status.success(), "{what}: {err}");
+        assert!(!err.contains("could not restore"), "{what}: {err}");
+        none_left(&hosts);
+    }
+}

@@ -206,8 +206,7 @@ fn engine_main(
     };
     // A split model's drafter runs on rank 0; verify blocks are forward passes like any
     // other, and the other ranks rewind where rank 0 did. Its prefix cache runs in lockstep
-    // (`lockstep`); the disk tier is this process's alone, so it is off.
-    let split = cfg.cluster.is_some();
+    // (`lockstep`), its disk tier too: each rank writes and reads blocks of its own caches.
     // A failure from here on lets the model go before it is reported: a split model's other
     // ranks are told to stop and have ended by then, so rank 0's error is its last word.
     let draft = match load_drafter(&cfg, &mut model) {
@@ -260,9 +259,16 @@ fn engine_main(
     let controllers = (0..BATCH_BUCKETS)
         .map(|_| DepthController::new(cfg.max_draft_depth, cfg.draft_depth))
         .collect();
-    let disk = (!split)
-        .then(|| open_disk(&cfg, &model, draft.as_deref()))
-        .flatten();
+    let drafter = match (draft.as_deref(), &cfg.draft) {
+        (Some(_), Some(source)) => source.identity(),
+        (Some(d), None) => d.name().to_string(),
+        (None, _) => "-".into(),
+    };
+    let place = lockstep
+        .as_ref()
+        .map(crate::replica::Lockstep::place)
+        .unwrap_or_default();
+    let disk = open_disk(&cfg, model.model.architecture(), &drafter, &place);
     if let Some(d) = &disk {
         let _ = shared.disk.set((Arc::clone(d.stats()), d.budget()));
     }
@@ -293,27 +299,27 @@ fn engine_main(
 }
 
 /// The disk tier, when configured and usable (a directory that cannot be used turns it off with
-/// a warning: it is a cache, not a reason to refuse to serve).
-fn open_disk(
+/// a warning: it is a cache, not a reason to refuse to serve). `drafter` names the drafter
+/// whose caches this process keeps beside the model's ("-" for none); `place` is this
+/// process's share of a split model (empty for a whole one).
+pub fn open_disk(
     cfg: &EngineConfig,
-    model: &LoadedModel,
-    draft: Option<&dyn Drafter>,
+    architecture: &str,
+    drafter: &str,
+    place: &str,
 ) -> Option<DiskTier> {
     let d = cfg.cache_disk.as_ref().filter(|d| d.budget > 0)?;
     // What the caches' contents depend on: the code (our version, MLX's), the weights, the
-    // drafter's, the compute dtype, the cache type and the device (the layout of the caches
-    // themselves is part of each block's name).
+    // drafter's, the compute dtype, the cache type, the device and which share of a split
+    // model this process holds (two stages' caches may have the same layout and other
+    // contents; the layout of the caches themselves is part of each block's name).
     let key = format!(
-        "{} {}|{}|{}|{}|{:?}|{:?}|{}",
+        "{} {}|{}|{}|{}|{:?}|{:?}|{}{place}",
         env!("CARGO_PKG_VERSION"),
         mlx::version(),
-        model.model.architecture(),
+        architecture,
         cfg.model.identity(),
-        match (draft, &cfg.draft) {
-            (Some(_), Some(source)) => source.identity(),
-            (Some(d), None) => d.name().to_string(),
-            (None, _) => "-".into(),
-        },
+        drafter,
         cfg.dtype,
         cfg.kv_cache,
         mlx::default_device(),
@@ -930,6 +936,14 @@ impl Engine {
         };
         let (caches, fed, taken) = (r.caches, r.tokens, r.snapshots);
         if let Some(disk) = &self.disk {
+            if let Some(l) = &self.lockstep {
+                // Every rank writes its own caches' blocks of the sequence.
+                l.queue(CacheOp::Disk {
+                    seq,
+                    tokens: fed.clone(),
+                    checkpoints: taken.iter().map(|(at, _)| *at).collect(),
+                });
+            }
             if let Err(e) = disk.store(&fed, &caches, &taken) {
                 tracing::warn!("prefix cache blocks not written: {e}");
             }

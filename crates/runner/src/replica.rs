@@ -15,6 +15,7 @@
 //! (docs/DISTRIBUTED.md, "The prefix cache").
 
 use crate::cluster::{Cluster, Job, JoinOptions};
+use cache::disk::DiskTier;
 use cache::prefix::{needs_checkpoints, CacheCheckpoint, PrefixCache};
 use cache::LayerCache;
 use mlx::{Array, Dtype};
@@ -72,6 +73,7 @@ pub fn lead(
         limit: leader.limit,
         broken: Arc::clone(&leader.broken),
         rotates,
+        mode: cfg.mode,
     };
     loaded.model = Box::new(leader);
     Ok((loaded, lockstep))
@@ -87,14 +89,19 @@ fn any_rotates(cluster: &Cluster, model: &dyn CausalLm) -> Result<bool, String> 
 
 /// A rank other than 0 of a split model served over HTTP, its stage loaded: replays rank 0's
 /// passes until rank 0 stops.
+/// `disk` opens this rank's disk tier (given its share of the model, see [`Lockstep::place`])
+/// where rank 0's runner has one.
 pub fn serve_following(
     cluster: &Cluster,
     mut model: Box<dyn CausalLm>,
     kv_cache: mlx::RowFormat,
+    mode: Mode,
+    disk: impl FnOnce(&str, &str) -> Option<DiskTier>,
 ) -> Result<(), String> {
     model.set_cache_format(kv_cache);
     let rotates = any_rotates(cluster, &*model)?;
-    follow(&*model, cluster, rotates)
+    let disk = disk(model.architecture(), &place(cluster, mode));
+    follow(&*model, cluster, rotates, disk)
 }
 
 /// One pass, as rank 0 describes it to the others.
@@ -116,8 +123,12 @@ pub enum Call {
         cache: Vec<CacheOp>,
         restore: RestoreOp,
     },
-    /// Rank 0 is stopping: the others end.
-    Stop,
+    /// Rank 0 is stopping: the others repeat its last prefix-cache calls (a sequence's blocks
+    /// for the disk tier among them) and end.
+    Stop {
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        cache: Vec<CacheOp>,
+    },
 }
 
 /// One of rank 0's prefix-cache calls, which the other ranks repeat on their own tries
@@ -138,6 +149,13 @@ pub enum CacheOp {
         checkpoints: Vec<usize>,
         evicted: usize,
         nodes: usize,
+    },
+    /// Sequence `seq` ended holding `tokens`, with snapshots at `checkpoints`: its blocks go
+    /// to the disk tier (each rank's own directory entries; a rank without a tier ignores it).
+    Disk {
+        seq: u64,
+        tokens: Vec<u32>,
+        checkpoints: Vec<usize>,
     },
 }
 
@@ -243,7 +261,8 @@ impl Leader {
 impl Drop for Leader {
     fn drop(&mut self) {
         if !self.broken.load(Ordering::SeqCst) {
-            let _ = send(&self.cluster, &Call::Stop);
+            let cache = std::mem::take(&mut *self.pending.borrow_mut());
+            let _ = send(&self.cluster, &Call::Stop { cache });
         }
     }
 }
@@ -347,12 +366,23 @@ pub struct Lockstep {
     limit: Duration,
     broken: Arc<AtomicBool>,
     rotates: bool,
+    mode: Mode,
+}
+
+/// A rank's share of a split model, as the disk tier's key names it.
+fn place(cluster: &Cluster, mode: Mode) -> String {
+    format!(" rank {} of {} by {mode:?}", cluster.rank(), cluster.size())
 }
 
 impl Lockstep {
     /// Whether some rank's layers rotate (see [`PrefixCache::rotating`]).
     pub fn rotates(&self) -> bool {
         self.rotates
+    }
+
+    /// This rank's share of the model, for the disk tier's key: " rank R of N by MODE".
+    pub fn place(&self) -> String {
+        place(&self.cluster, self.mode)
     }
 
     pub fn queue(&self, op: CacheOp) {
@@ -386,17 +416,29 @@ impl Lockstep {
 /// A rank other than 0: replays rank 0's passes on `model` (this rank's stage) until rank 0
 /// stops, and its prefix-cache calls on a prefix cache of its own (`rotates`: some rank's
 /// layers do). An error (a lost rank, a pass out of step) ends it.
-pub fn follow(model: &dyn CausalLm, cluster: &Cluster, rotates: bool) -> Result<(), String> {
+pub fn follow(
+    model: &dyn CausalLm,
+    cluster: &Cluster,
+    rotates: bool,
+    disk: Option<DiskTier>,
+) -> Result<(), String> {
+    // Dropped on the way out, which lets the disk tier's writer finish its queue.
     let mut f = Following {
         model,
         live: HashMap::new(),
         snapshots: HashMap::new(),
         // Rank 0's budget decides what goes (each store says what it evicted).
         prefix: PrefixCache::new(usize::MAX, 1).rotating(rotates),
+        disk,
     };
     loop {
         match receive(cluster)? {
-            Call::Stop => return Ok(()),
+            Call::Stop { cache } => {
+                for op in cache {
+                    f.apply(op);
+                }
+                return Ok(());
+            }
             Call::Restore { cache, restore } => {
                 for op in cache {
                     f.apply(op);
@@ -434,6 +476,8 @@ struct Following<'m> {
     live: HashMap<u64, Vec<LayerCache>>,
     snapshots: HashMap<u64, Vec<(usize, CacheCheckpoint)>>,
     prefix: PrefixCache,
+    /// This rank's blocks on disk, where rank 0 has a disk tier.
+    disk: Option<DiskTier>,
 }
 
 impl Following<'_> {
@@ -446,6 +490,20 @@ impl Following<'_> {
             CacheOp::Snapshot { seq, at } => {
                 if let Some(c) = self.live.get(&seq).and_then(|c| snapshot(c, at)) {
                     self.snapshots.entry(seq).or_default().push((at, c));
+                }
+            }
+            CacheOp::Disk {
+                seq,
+                tokens,
+                checkpoints,
+            } => {
+                let (Some(disk), Some(caches)) = (&self.disk, self.live.get(&seq)) else {
+                    return;
+                };
+                let taken = self.snapshots.get(&seq).map_or(&[][..], Vec::as_slice);
+                let cps = checkpoints_at(taken, caches, &checkpoints);
+                if let Err(e) = disk.store(&tokens, caches, &cps) {
+                    tracing::warn!("prefix cache blocks not written: {e}");
                 }
             }
             CacheOp::Store {
@@ -464,14 +522,7 @@ impl Following<'_> {
                 } else {
                     &[][..]
                 };
-                let cps = checkpoints
-                    .iter()
-                    .filter_map(|&p| match taken.iter().find(|(q, _)| *q == p) {
-                        Some((_, c)) => Some((p, c.clone())),
-                        // The snapshot rank 0 took of its caches as they ended.
-                        None => snapshot(caches, p).map(|c| (p, c)),
-                    })
-                    .collect();
+                let cps = checkpoints_at(&taken, caches, &checkpoints);
                 if let Err(e) = self.prefix.insert_exact(key, tokens, caches, cps, evicted) {
                     tracing::warn!("prefix cache insert failed: {e}");
                 }
@@ -487,24 +538,42 @@ impl Following<'_> {
         }
     }
 
-    /// Caches restored as `r` says into the sequence's place; whether it could.
+    /// Caches restored as `r` says into the sequence's place; whether it could. Where rank 0
+    /// restored from its disk tier (more than its memory held), this rank's memory does not
+    /// hold `r.at` either, and its own blocks on disk must give it.
     fn restore(&mut self, r: RestoreOp) -> bool {
         self.live.remove(&r.seq);
         self.snapshots.remove(&r.seq);
         let fresh = self.model.make_caches();
-        let mut caches = match self.prefix.restore_exact(r.key, &r.prompt, fresh, r.at) {
-            Ok(Some(c)) => c,
-            Ok(None) => return false,
+        let from_memory = match self.prefix.restore_exact(r.key, &r.prompt, fresh, r.at) {
+            Ok(c) => c,
             Err(e) => {
                 tracing::warn!("prefix cache restore failed: {e}");
-                return false;
+                None
             }
+        };
+        let Some(mut caches) = from_memory.or_else(|| self.restore_from_disk(&r)) else {
+            return false;
         };
         if r.back > 0 && !caches.iter_mut().all(|c| c.rewind(r.back).is_ok()) {
             return false;
         }
         self.live.insert(r.seq, caches);
         true
+    }
+
+    /// `r.prompt` from this rank's blocks on disk, cut back to exactly `r.at` positions.
+    fn restore_from_disk(&self, r: &RestoreOp) -> Option<Vec<LayerCache>> {
+        let disk = self.disk.as_ref()?;
+        let d = disk.restore(&r.prompt, self.model.make_caches(), 0)?;
+        let (mut caches, held) = (d.restored.caches, d.restored.cached);
+        if held < r.at {
+            return None;
+        }
+        if held > r.at && !caches.iter_mut().all(|c| c.rewind(held - r.at).is_ok()) {
+            return None;
+        }
+        Some(caches)
     }
 
     /// One of rank 0's passes on each row's caches: a new sequence's fresh, a rewound one's
@@ -566,6 +635,22 @@ impl Following<'_> {
         }
         Ok(())
     }
+}
+
+/// A sequence's snapshots at `positions`, where rank 0 took them: those this rank took there
+/// (`taken`), else one of its `caches` as they are now (rank 0's of its caches as they ended).
+fn checkpoints_at(
+    taken: &[(usize, CacheCheckpoint)],
+    caches: &[LayerCache],
+    positions: &[usize],
+) -> Vec<(usize, CacheCheckpoint)> {
+    positions
+        .iter()
+        .filter_map(|&p| match taken.iter().find(|(q, _)| *q == p) {
+            Some((_, c)) => Some((p, c.clone())),
+            None => snapshot(caches, p).map(|c| (p, c)),
+        })
+        .collect()
 }
 
 /// The rotating layers of `caches` as they were at position `at` (rank 0 took its snapshot
@@ -636,5 +721,14 @@ mod tests {
         };
         let text = serde_json::to_vec(&call).unwrap();
         assert_eq!(serde_json::from_slice::<Call>(&text).unwrap(), call);
+        let stop = Call::Stop {
+            cache: vec![CacheOp::Disk {
+                seq: 2,
+                tokens: vec![7, 8, 9],
+                checkpoints: vec![2],
+            }],
+        };
+        let text = serde_json::to_vec(&stop).unwrap();
+        assert_eq!(serde_json::from_slice::<Call>(&text).unwrap(), stop);
     }
 }
