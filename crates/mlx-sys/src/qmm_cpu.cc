@@ -1092,6 +1092,16 @@ void qmv_block_lanes(
 // as 4-bit (it was 183, 0.82×), 5 and 6 bits ~1.4× faster than before; the kernels are bound by
 // issuing those operations there, not by the bytes. Not for 8 bits (the lane sums would
 // overflow) nor 4 (its float kernel already reads at the memory's speed on one core).
+//
+// On a Zen 4 VM (measured with eight independent chains of each instruction) the 512-bit
+// dpbusd, multishift, multiply and FMA all issue at one a cycle from the same units, while
+// shifts, conversions and adds go to others: six of the eleven share that one-a-cycle port,
+// against about four and a half for the 4-bit float kernel's 64 values. So there a 3-bit
+// product runs at ~0.75x the values a second of a 4-bit one (one core, in cache, 768 inputs:
+// 23-24 against 31-33 Gval/s), and 3-bit decode is not faster than 4-bit although it reads a
+// fifth fewer bytes (docs/BUILD.md §6). Four output rows at a time for one row of x (more
+// chains in flight) gained 10% on one core in isolation and nothing in a decode step
+// (`cargo bench --bench step`, 3 bits: 3.83 ms for every product either way); not kept.
 
 // Bytes of limbs a prepared row of x takes: three bytes a value, whole blocks of 64.
 inline size_t limb_row_bytes(int K) { return (size_t)((K + 63) / 64) * 192; }
