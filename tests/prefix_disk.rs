@@ -86,9 +86,13 @@ fn prompt_of(salt: usize, n: usize) -> String {
 
 /// Cold output, a first runner that writes blocks and is killed, a second that resumes.
 fn resumes(model: &str, extra: &[&str]) {
+    resumes_in_blocks_of(BLOCK, model, extra)
+}
+
+fn resumes_in_blocks_of(block: usize, model: &str, extra: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().to_str().unwrap();
-    let interval = BLOCK.to_string();
+    let interval = block.to_string();
     let mut args = vec!["--cache-interval", &interval, "--parallel", "1"];
     args.extend_from_slice(extra);
     let with_disk = [&args[..], &["--cache-dir", d]].concat();
@@ -126,7 +130,7 @@ fn resumes(model: &str, extra: &[&str]) {
 
     let second = Runner::start(model, &with_disk);
     let got = ask(&second, &p, true);
-    let whole = (got.prompt_tokens as usize - 1) / BLOCK * BLOCK;
+    let whole = (got.prompt_tokens as usize - 1) / block * block;
     // GLM's MTP drafter starts one position before what was stored (that position's MTP row
     // paired it with the stored sequence's next token).
     let margin = usize::from(model == "glm4_moe_lite");
@@ -163,6 +167,13 @@ fn resumes(model: &str, extra: &[&str]) {
 fn a_restarted_gemma4_runner_resumes_from_disk_exactly() {
     let assistant = fixture("gemma4_assistant");
     resumes("gemma4_e2b_like", &["--draft", assistant.to_str().unwrap()]);
+}
+
+/// Blocks shorter than a sliding window (8 positions here, and its slack): a window is rebuilt
+/// from the runs of several blocks, each holding only its own positions.
+#[test]
+fn a_window_longer_than_a_block_is_rebuilt_from_several_blocks() {
+    resumes_in_blocks_of(3, "gemma4_31b_like", &[]);
 }
 
 #[test]

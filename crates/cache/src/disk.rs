@@ -11,8 +11,10 @@
 //!
 //! A block holds, per layer, what that layer needs: the block's own positions for caches that
 //! keep every position (full-attention keys and values, MLA latents), and for sliding-window
-//! layers their whole held state at the block's end (only the last block's is read on restore;
-//! a ring cannot be rebuilt from positions it dropped). Its metadata repeats the chain (root,
+//! layers the block's own positions their window still held at the block's end (taken from the
+//! snapshot there: the ring itself has dropped them by the time the sequence ends), with the
+//! count of positions the window held there. A restore rebuilds a window from the runs of the
+//! last blocks, as many positions as it held, so no position is written twice. Its metadata repeats the chain (root,
 //! parent, first position, tokens) and a sha256 of the tensor data; a read checks all of it, and
 //! a file that fails (truncated, corrupt, misplaced) is skipped with a warning and removed,
 //! never loaded. Another model's or an older format's blocks have other names: they are never
@@ -38,7 +40,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 /// Written into every block; a file of another format is skipped.
-const FORMAT: &str = "mlx-runner prefix block 1";
+const FORMAT: &str = "mlx-runner prefix block 2";
 const SUFFIX: &str = "block";
 /// The most bytes of blocks waiting for the writer; more are dropped.
 const MOST_PENDING: u64 = 256 << 20;
@@ -306,15 +308,8 @@ impl DiskTier {
             };
             match read_block(&self.path(&name), &want) {
                 Ok(b) => {
-                    // Only the last block's sliding-window state is restored.
-                    if let Some(prev) = blocks.last_mut() {
-                        for l in prev.layers.iter_mut() {
-                            if matches!(l, BlockLayer::Window(..)) {
-                                *l = BlockLayer::Spent;
-                            }
-                        }
-                    }
                     blocks.push(b);
+                    spend_windows(&mut blocks, &fresh);
                 }
                 Err(Skip::Gone) => {
                     self.index().files.remove(&name);
@@ -509,13 +504,18 @@ struct Expect<'a> {
 /// One block's per-layer data.
 struct Block {
     layers: Vec<BlockLayer>,
+    /// Positions it covers.
+    len: usize,
 }
 
 enum BlockLayer {
     Kv(Rows, Rows),
     Latent(Rows),
-    /// A sliding-window layer's held keys and values at the block's end, in time order.
-    Window(Rows, Rows),
+    /// A sliding-window layer's keys and values of the block's own positions that its window
+    /// still held at the block's end (all of them where the window holds a block; the last
+    /// ones, ending at the block's end, where it is shorter), in time order, and how many
+    /// positions the window held there (what a restore at the block's end gives it back).
+    Window(Rows, Rows, usize),
     /// A window state a later block supersedes, let go.
     Spent,
 }
@@ -524,7 +524,11 @@ fn tensor_names(i: usize, c: &LayerCache) -> Vec<String> {
     match c {
         LayerCache::Kv(_) => vec![format!("{i}.keys"), format!("{i}.values")],
         LayerCache::Latent(_) => vec![format!("{i}.rows")],
-        LayerCache::Rotating(_) => vec![format!("{i}.window_keys"), format!("{i}.window_values")],
+        LayerCache::Rotating(_) => vec![
+            format!("{i}.window_keys"),
+            format!("{i}.window_values"),
+            format!("{i}.window_held"),
+        ],
     }
 }
 
@@ -606,8 +610,17 @@ fn block_tensors(
                         n: end,
                         why: format!("no sliding-window state of layer {i} at position {end}"),
                     })?;
-                rows.push((names[0].clone(), state.0));
-                rows.push((names[1].clone(), state.1));
+                // The block's own positions only: a later block's window is rebuilt from the
+                // blocks before it (see `assemble`), so no position is written twice. (Whole
+                // windows in every block made a gemma4 31B block 170 MB, and the writer's
+                // queue dropped blocks of a 2k-token prompt.)
+                let held = state.0.time_len();
+                let own = held.min(end - start);
+                // A tensor, not metadata, so that the checksum covers it.
+                let count = Array::from_slice(&[held as i32], &[1, 1, 1, 1])?;
+                rows.push((names[2].clone(), Rows::Dense(count)));
+                rows.push((names[0].clone(), state.0.time(held - own, held)?));
+                rows.push((names[1].clone(), state.1.time(held - own, held)?));
             }
         }
     }
@@ -719,7 +732,6 @@ fn read_block(path: &Path, want: &Expect) -> std::result::Result<Block, Skip> {
         used += arrays.len();
         Rows::from_arrays(arrays, bits).map_err(|e| bad(format!("tensor {base}: {e}")))
     };
-    let end = want.start + want.tokens.len();
     let positions = |a: &Rows, name: &str, ok: &dyn Fn(usize) -> bool| {
         let t = a.time_len();
         if ok(t) {
@@ -729,6 +741,8 @@ fn read_block(path: &Path, want: &Expect) -> std::result::Result<Block, Skip> {
         }
     };
     let block = want.tokens.len();
+    // The windows' length tensors, beside the rows `used` counts.
+    let mut counts = 0;
     let mut layers = Vec::with_capacity(want.fresh.len());
     for (i, c) in want.fresh.iter().enumerate() {
         let n = tensor_names(i, c);
@@ -747,19 +761,28 @@ fn read_block(path: &Path, want: &Expect) -> std::result::Result<Block, Skip> {
             }
             LayerCache::Rotating(_) => {
                 let (k, v) = (rows(&n[0], f)?, rows(&n[1], f)?);
-                positions(&k, &n[0], &|t| t >= 1 && t <= end)?;
+                positions(&k, &n[0], &|t| t >= 1 && t <= block)?;
                 positions(&v, &n[1], &|t| t == k.time_len())?;
-                BlockLayer::Window(k, v)
+                let count = array(&n[2])?;
+                counts += 1;
+                let held = (count.size() == 1 && count.dtype() == mlx::Dtype::I32)
+                    .then(|| count.item::<i32>().ok())
+                    .flatten()
+                    .and_then(|h| usize::try_from(h).ok())
+                    .filter(|&h| h >= k.time_len() && h <= want.start + block)
+                    .ok_or_else(|| bad(format!("tensor {} is not a window's length", n[2])))?;
+                BlockLayer::Window(k, v, held)
             }
         });
     }
-    if used != names.len() {
+    if used + counts != names.len() {
         return Err(bad(format!(
-            "it has {} tensors, these caches {used}",
-            names.len()
+            "it has {} tensors, these caches {}",
+            names.len(),
+            used + counts
         )));
     }
-    Ok(Block { layers })
+    Ok(Block { layers, len: block })
 }
 
 /// Caches at position `upto` from consecutive blocks.
@@ -787,20 +810,68 @@ fn assemble(fresh: Vec<LayerCache>, blocks: &[Block], upto: usize) -> Result<Vec
                     .collect();
                 LayerCache::Latent(LatentCache::from_runs(&rs, &fresh)?)
             }
-            LayerCache::Rotating(r) => match blocks.last().map(|b| &b.layers[i]) {
-                Some(BlockLayer::Window(k, v)) => {
-                    LayerCache::Rotating(r.with_linear_state(k.clone(), v.clone(), upto)?)
-                }
-                _ => {
-                    return Err(CacheError::Rewind {
-                        n: upto,
-                        why: format!("no sliding-window state of layer {i}"),
-                    })
-                }
-            },
+            LayerCache::Rotating(r) => {
+                let (ks, vs, need) = window_runs(blocks, i);
+                let (k, v) = match (Rows::concat(&ks), Rows::concat(&vs)) {
+                    (Ok(k), Ok(v)) if !ks.is_empty() && k.time_len() >= need => (k, v),
+                    _ => {
+                        return Err(CacheError::Rewind {
+                            n: upto,
+                            why: format!("no sliding-window state of layer {i}"),
+                        })
+                    }
+                };
+                let t = k.time_len();
+                let (k, v) = (k.time(t - need, t)?, v.time(t - need, t)?);
+                LayerCache::Rotating(r.with_linear_state(k, v, upto)?)
+            }
         });
     }
     Ok(out)
+}
+
+/// Lets go of the window runs that no restore at the last block's end reads (see
+/// [`window_runs`]).
+fn spend_windows(blocks: &mut [Block], fresh: &[LayerCache]) {
+    for (i, c) in fresh.iter().enumerate() {
+        if !matches!(c, LayerCache::Rotating(_)) {
+            continue;
+        }
+        let used = window_runs(blocks, i).0.len();
+        let older = blocks.len() - used;
+        for b in &mut blocks[..older] {
+            b.layers[i] = BlockLayer::Spent;
+        }
+    }
+}
+
+/// Layer `i`'s window runs of the last blocks, oldest first, and how many positions the window
+/// held at the last block's end: from the last block back until the runs hold that many, while
+/// each run reaches back to its block's start (so that they join without a gap).
+fn window_runs(blocks: &[Block], i: usize) -> (Vec<&Rows>, Vec<&Rows>, usize) {
+    let (mut ks, mut vs) = (Vec::new(), Vec::new());
+    let need = match blocks.last().map(|b| &b.layers[i]) {
+        Some(BlockLayer::Window(_, _, held)) => *held,
+        _ => 0,
+    };
+    let mut got = 0;
+    for b in blocks.iter().rev() {
+        if got >= need {
+            break;
+        }
+        let BlockLayer::Window(k, v, _) = &b.layers[i] else {
+            break;
+        };
+        ks.push(k);
+        vs.push(v);
+        got += k.time_len();
+        if k.time_len() < b.len {
+            break;
+        }
+    }
+    ks.reverse();
+    vs.reverse();
+    (ks, vs, need)
 }
 
 /// An exclusive advisory lock on the directory (held by whichever runner is writing).
