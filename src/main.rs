@@ -1166,13 +1166,9 @@ fn worker(w: WorkerArgs) -> Result<()> {
     match followed {
         Followed::Generate(a) => run_generate(a, cfg, model, Some((&cluster, job.seed))),
         Followed::Runner(a) => {
+            let mode = a.cluster.parallel_mode.mode();
             let (loaded, _) = cluster
-                .load_stage(
-                    &cfg.model,
-                    a.dtype,
-                    models::parallel::Ends::First,
-                    a.cluster.parallel_mode.mode(),
-                )
+                .load_stage(&cfg.model, a.dtype, models::parallel::Ends::First, mode)
                 .map_err(quietly)?;
             // This rank's own disk tier where rank 0's runner keeps one: the same flags,
             // this host's store.
@@ -1183,7 +1179,6 @@ fn worker(w: WorkerArgs) -> Result<()> {
             );
             cfg.cache_interval = a.cache_interval;
             cfg.kv_cache = a.kv_cache_type;
-            let mode = a.cluster.parallel_mode.mode();
             runner::replica::serve_following(
                 &cluster,
                 loaded.model,

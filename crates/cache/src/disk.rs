@@ -14,11 +14,11 @@
 //! layers the block's own positions their window still held at the block's end (taken from the
 //! snapshot there: the ring itself has dropped them by the time the sequence ends), with the
 //! count of positions the window held there. A restore rebuilds a window from the runs of the
-//! last blocks, as many positions as it held, so no position is written twice. Its metadata repeats the chain (root,
-//! parent, first position, tokens) and a sha256 of the tensor data; a read checks all of it, and
-//! a file that fails (truncated, corrupt, misplaced) is skipped with a warning and removed,
-//! never loaded. Another model's or an older format's blocks have other names: they are never
-//! read, and age out.
+//! last blocks, as many positions as it held, so no position is written twice. Its metadata
+//! repeats the chain (root, parent, first position, tokens) and a sha256 of the tensor data; a
+//! read checks all of it, and a file that fails (truncated, corrupt, misplaced) is skipped with
+//! a warning and removed, never loaded. Another model's or an older format's blocks have other
+//! names: they are never read, and age out.
 //!
 //! Writes are queued to a writer thread (no MLX there: the engine thread turns arrays into
 //! bytes), bounded in bytes so a slow disk drops blocks rather than holding memory. The writer

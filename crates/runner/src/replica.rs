@@ -89,6 +89,7 @@ fn any_rotates(cluster: &Cluster, model: &dyn CausalLm) -> Result<bool, String> 
 
 /// A rank other than 0 of a split model served over HTTP, its stage loaded: replays rank 0's
 /// passes until rank 0 stops.
+///
 /// `disk` opens this rank's disk tier (given its share of the model, see [`Lockstep::place`])
 /// where rank 0's runner has one.
 pub fn serve_following(
