@@ -1072,6 +1072,14 @@ fn generate(a: GenerateArgs) -> Result<()> {
              an adaptive depth follows each rank's own timings"
         );
     }
+    if let Some(DraftSource::Model(files)) = &cfg.draft {
+        if !a.draft.no_draft && models::is_assistant(files)? {
+            anyhow::bail!(
+                "the gemma4 assistant drafts on a split model only where rank 0 leads the other \
+                 ranks (`runner --hostfile`, split by tensors), not in `generate`"
+            );
+        }
+    }
     let opts = a.cluster.join_options(&hostfile, 0)?;
     let job = Job::of(
         std::env::args().skip(1).collect(),
@@ -1179,14 +1187,28 @@ fn worker(w: WorkerArgs) -> Result<()> {
             );
             cfg.cache_interval = a.cache_interval;
             cfg.kv_cache = a.kv_cache_type;
+            let dtype = loaded.dtype;
+            // This rank's share of a drafter split with the model (the gemma4 assistant's
+            // layers, split by tensors); rank 0 runs every other drafter alone.
+            let drafter = |target: &mut dyn models::CausalLm| match &cfg.draft {
+                Some(DraftSource::Model(files)) if cfg.draft_depth != Some(0) => {
+                    models::load_draft_follower(files, target, dtype, cfg.draft_position)
+                        .map_err(|e| format!("draft {}: {e}", files.origin.display()))
+                }
+                _ => Ok(None),
+            };
             runner::replica::serve_following(
                 &cluster,
                 loaded.model,
                 a.kv_cache_type.0,
                 mode,
                 |architecture, place| runner::engine::open_disk(&cfg, architecture, "-", place),
+                drafter,
             )
-            .map_err(anyhow::Error::msg)
+            .map_err(|e| match e {
+                runner::replica::FollowError::Failed(m) => anyhow::Error::msg(m),
+                runner::replica::FollowError::Refused => quiet_exit(),
+            })
         }
     }
 }

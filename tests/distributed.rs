@@ -311,6 +311,27 @@ fn bad_cluster_arguments_are_clear_errors() {
         !out.status.success() && err.contains("--draft over ranks needs a fixed --draft-depth"),
         "{err}"
     );
+    // Every rank of `generate` runs the whole loop; the split assistant needs rank 0 leading.
+    let assistant = fixture("gemma4_assistant");
+    let out = generate(
+        "gemma4_e2b_like",
+        &[
+            "--draft",
+            &assistant,
+            "--draft-depth",
+            "2",
+            "--parallel-mode",
+            "tensor",
+        ],
+        Some(&hosts),
+    )
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("not in `generate`"),
+        "{err}"
+    );
     let out = mlx_runner()
         .args(["worker", "--rank", "0", "--hostfile"])
         .arg(&hosts)

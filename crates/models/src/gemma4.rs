@@ -704,7 +704,12 @@ impl DecoderLayer {
 
     /// This rank's part of the layer, split by tensors ([`Shard`]): its heads, its hidden units
     /// of the MLP and of every expert; norms, router and per-layer inputs whole.
-    fn split(self, w: &Weights, shard: &Shard, cfg: &Gemma4Config) -> Result<DecoderLayer> {
+    pub(crate) fn split(
+        self,
+        w: &Weights,
+        shard: &Shard,
+        cfg: &Gemma4Config,
+    ) -> Result<DecoderLayer> {
         let moe = match self.moe {
             Some((m, norms)) => Some((
                 m.split(w, shard, cfg.moe_intermediate_size.unwrap_or(0))?,
@@ -1153,6 +1158,16 @@ impl Gemma4 {
         Ok(ctx
             .add(&token_part)?
             .multiply_scalar(std::f64::consts::FRAC_1_SQRT_2)?)
+    }
+
+    /// This rank's share of the model, split by tensors.
+    pub fn tensor_shard(&self) -> Option<&Shard> {
+        self.shard.as_ref()
+    }
+
+    /// This rank's layers, split by layers.
+    pub fn layer_stage(&self) -> Option<&Stage> {
+        self.stage.as_ref().map(|(s, _)| s)
     }
 
     /// Where the K/V of the target's last non-shared sliding and full layers sit in a cache

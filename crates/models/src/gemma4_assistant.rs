@@ -7,7 +7,7 @@
 //! tied embedding, or the centroid-masked sparse head of the E2B/E4B assistants.
 
 use crate::config::JsonFile;
-use crate::draft::{lockstep, DraftRow, Drafter, Draws, Feed};
+use crate::draft::{lockstep, DraftFollower, DraftPeers, DraftRow, Drafter, Draws, Feed};
 use crate::gemma4::{
     DecoderLayer, Gemma4, Gemma4Config, LayerKind, LayerSpec, SharedKv, StoreSlots,
 };
@@ -18,6 +18,7 @@ use cache::{AttnMask, LayerCache};
 use mlx::fast::KvSlots;
 use mlx::{Array, Dtype};
 use serde_json::Value;
+use std::rc::Rc;
 
 /// Where the assistant's query sits (docs/MODELS.md §2.4): transformers uses the position of the
 /// bonus token, `S`; mlx-vlm and ollama the last committed position, `S − 1`.
@@ -48,21 +49,32 @@ struct CentroidHead {
 }
 
 pub struct Gemma4Assistant {
-    cfg: Gemma4Config,
     pre_projection: Linear,
     post_projection: Linear,
-    layers: Vec<DecoderLayer>,
+    layers: AssistantLayers,
     norm: Array,
     embed: Embedding,
     centroid: Option<CentroidHead>,
-    rope_sliding: Rope,
-    rope_full: Rope,
     backbone: i32,
-    pub position: QueryPosition,
+    vocab_size: i32,
     /// The target's token embedding and its scale: the assistant embeds its input tokens as
     /// the target does.
     target_embed: Embedding,
     target_scale: f32,
+    /// Split by tensors with the target: the other ranks, told of each pass of the layers.
+    peers: Option<Rc<dyn DraftPeers>>,
+}
+
+/// The assistant's decoder layers over the target's store-layer K/V: all of them, or (split by
+/// tensors with the target, [`crate::parallel::Shard`]) this rank's query heads, reading this rank's K/V heads of
+/// the store layers, and its MLP hidden units, summed over the ranks in each layer. Every rank
+/// runs them on the same input; only rank 0 has the rest of the assistant.
+pub struct AssistantLayers {
+    cfg: Gemma4Config,
+    layers: Vec<DecoderLayer>,
+    rope_sliding: Rope,
+    rope_full: Rope,
+    pub position: QueryPosition,
     /// Where the target's store layers' K/V sit among its caches.
     store: StoreSlots,
 }
@@ -79,19 +91,203 @@ pub struct AssistantStep {
 
 impl Gemma4Assistant {
     /// Loads an assistant for `target` from its checkpoint, refusing one whose sizes do not fit.
-    pub fn load(file: &JsonFile, w: &Weights, target: &Gemma4) -> Result<Gemma4Assistant> {
-        let cfg = Gemma4Config::parse_text(file)?;
-        let t = target.config();
-        let int = |k: &str| file.value.get(k).and_then(Value::as_i64);
-        let backbone = int("backbone_hidden_size")
-            .ok_or_else(|| file.error("missing field `backbone_hidden_size`"))?
-            as i32;
+    /// A target split by tensors splits the layers alike; `peers` then tells the other ranks of
+    /// each pass (rank 0 leading them).
+    pub fn load(
+        file: &JsonFile,
+        w: &Weights,
+        target: &Gemma4,
+        peers: Option<Rc<dyn DraftPeers>>,
+    ) -> Result<Gemma4Assistant> {
         let refuse = |m: String| {
             Err(ModelError::Config {
                 path: file.path.clone(),
                 message: m,
             })
         };
+        // Every rank of `generate` runs the whole loop: its ranks other than 0 hold no token
+        // table to embed the assistant's input with.
+        if target.tensor_shard().is_some() && peers.is_none() {
+            return refuse(
+                "the gemma4 assistant drafts on a model split by tensors where rank 0 leads \
+                 the other ranks (`runner --hostfile`), not in `generate`: not supported"
+                    .into(),
+            );
+        }
+        let layers = AssistantLayers::load(file, w, target)?;
+        let backbone = backbone(file)?;
+        let cfg = &layers.cfg;
+        let int = |k: &str| file.value.get(k).and_then(Value::as_i64);
+        let h = cfg.hidden_size;
+        let root = w.root();
+        let ordered = file
+            .value
+            .get("use_ordered_embeddings")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        let centroid = if ordered {
+            let c = int("num_centroids").unwrap_or(2048) as i32;
+            let top_k = int("centroid_intermediate_top_k").unwrap_or(32) as i32;
+            if cfg.vocab_size % c != 0 || top_k > c {
+                return refuse(format!(
+                    "{c} centroids with top-k {top_k} do not fit a vocabulary of {}",
+                    cfg.vocab_size
+                ));
+            }
+            let me = root.pp("masked_embedding");
+            let ordering = w.keep(
+                me.raw_tensor("token_ordering", &[cfg.vocab_size])?
+                    .astype(Dtype::I32)?
+                    .reshape(&[c, cfg.vocab_size / c])?,
+            );
+            Some(CentroidHead {
+                centroids: me.pp("centroids").linear(c, h)?,
+                ordering,
+                top_k,
+            })
+        } else {
+            None
+        };
+        let (target_embed, target_scale) = target.scaled_embedding()?;
+        Ok(Gemma4Assistant {
+            target_embed,
+            target_scale,
+            pre_projection: root.pp("pre_projection").linear(h, 2 * backbone)?,
+            post_projection: root.pp("post_projection").linear(backbone, h)?,
+            norm: root.pp("model.norm").get("weight", &[h])?,
+            embed: root
+                .pp("model.embed_tokens")
+                .embedding(cfg.vocab_size, h)?
+                .for_tied_head(w)?,
+            centroid,
+            backbone,
+            vocab_size: cfg.vocab_size,
+            layers,
+            peers,
+        })
+    }
+
+    /// Where the assistant's query sits.
+    pub fn set_position(&mut self, position: QueryPosition) {
+        self.layers.position = position;
+    }
+
+    /// One draft step: `token` (`[1, 1]` int32) is the last token, `hidden` (`[1, 1, H_t]`) the
+    /// target's (or the previous step's) hidden state; `kv` the target's store-layer K/V.
+    pub fn step(&self, token: &Array, hidden: &Array, kv: &SharedKv) -> Result<AssistantStep> {
+        self.step_rows(token, hidden, &[kv])
+    }
+
+    /// One draft step for several sequences at once: row `i` of `tokens` (`[1, R]` int32) and of
+    /// `hidden` (`[1, R, H_t]`) drafts over `kvs[i]`, its own target's K/V. Projections,
+    /// feed-forwards and the head run once for all rows; each row's queries and attention are
+    /// its own (its position, its keys). Logits `[R, V]`, hidden `[1, R, H_t]`.
+    pub fn step_rows(
+        &self,
+        tokens: &Array,
+        hidden: &Array,
+        kvs: &[&SharedKv],
+    ) -> Result<AssistantStep> {
+        self.step_split(tokens, hidden, kvs, &[])
+    }
+
+    /// [`Gemma4Assistant::step_rows`], split by tensors: `seqs` names each row's sequence and
+    /// its position for the other ranks, which run their share of the layers with this rank's.
+    fn step_split(
+        &self,
+        tokens: &Array,
+        hidden: &Array,
+        kvs: &[&SharedKv],
+        seqs: &[(u64, usize)],
+    ) -> Result<AssistantStep> {
+        let rows = kvs.len() as i32;
+        let e = self
+            .target_embed
+            .lookup_scaled(&tokens.reshape(&[1, rows])?, self.target_scale)?;
+        let x = mlx::concatenate(&[&e, &hidden.reshape(&[1, rows, self.backbone])?], -1)?;
+        let z = self.pre_projection.forward(&x)?;
+        let z = match &self.peers {
+            None => self.layers.run(&z, kvs)?,
+            Some(peers) => peers.pass(seqs, &z, &mut || self.layers.run(&z, kvs))?,
+        };
+        let n = norm(&z, Some(&self.norm), self.layers.cfg.rms_norm_eps)?;
+        let logits = match &self.centroid {
+            None => self.embed.as_linear(&n)?.reshape(&[rows, -1])?,
+            Some(c) => self.centroid_logits(c, &n)?,
+        };
+        Ok(AssistantStep {
+            logits: logits.astype(Dtype::F32)?,
+            hidden: self.post_projection.forward(&n)?,
+            normed: n,
+        })
+    }
+
+    /// The sparse head, row by row of `n` (`[1, R, H]`): only the tokens of each row's top-k
+    /// centroids get logits; `[R, V]`.
+    fn centroid_logits(&self, c: &CentroidHead, n: &Array) -> Result<Array> {
+        let v = self.vocab_size;
+        let h = *n.shape().last().unwrap_or(&0);
+        let n = n.reshape(&[-1, h])?; // [R, H]
+        let rows = n.shape()[0];
+        let scores = c.centroids.forward(&n)?; // [R, C]
+        let k = c.top_k;
+        let top = scores
+            .negative()?
+            .argpartition(k - 1, -1)?
+            .slice_axis(-1, 0, Some(k))?; // [R, k]
+        let cand = c
+            .ordering
+            .take(&top.reshape(&[-1])?, 0)?
+            .reshape(&[rows, -1])?; // [R, k·V/C]
+        let sel = self.embed.lookup(&cand)?; // [R, k·V/C, H]
+        let vals = n
+            .reshape(&[rows, 1, h])?
+            .matmul(&sel.transpose(&[0, 2, 1])?)?
+            .reshape(&[rows, -1])?; // [R, k·V/C]
+        let floor = Array::full(&[rows, v], f64::NEG_INFINITY, Dtype::F32)?;
+        Ok(floor.put_along_axis(&cand, &vals.astype(Dtype::F32)?, -1)?)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size as usize
+    }
+
+    /// The target caches' store-layer K/V.
+    fn shared_kv(&self, target: &[LayerCache]) -> Result<SharedKv> {
+        self.layers.store.shared_kv(target)
+    }
+}
+
+/// The `backbone_hidden_size` an assistant's checkpoint names: the target's hidden size.
+fn backbone(file: &JsonFile) -> Result<i32> {
+    Ok(file
+        .value
+        .get("backbone_hidden_size")
+        .and_then(Value::as_i64)
+        .ok_or_else(|| file.error("missing field `backbone_hidden_size`"))? as i32)
+}
+
+impl AssistantLayers {
+    /// The layers for `target` from the assistant's checkpoint, split as the target is split
+    /// by tensors (refusing a split by layers: the store layers then sit on some ranks only).
+    pub fn load(file: &JsonFile, w: &Weights, target: &Gemma4) -> Result<AssistantLayers> {
+        let cfg = Gemma4Config::parse_text(file)?;
+        let t = target.config();
+        let refuse = |m: String| {
+            Err(ModelError::Config {
+                path: file.path.clone(),
+                message: m,
+            })
+        };
+        if target.layer_stage().is_some() {
+            return refuse(
+                "the gemma4 assistant reads the target's store layers, which a model split by \
+                 layers holds on some ranks only: not supported (split it by tensors: \
+                 --parallel-mode tensor)"
+                    .into(),
+            );
+        }
+        let backbone = backbone(file)?;
         if backbone != t.hidden_size {
             return refuse(format!(
                 "the draft expects a target hidden size of {backbone}, the target has {}",
@@ -146,88 +342,42 @@ impl Gemma4Assistant {
                 k_eq_v: false,
                 intermediate: cfg.intermediate_size,
             };
-            layers.push(DecoderLayer::new(
-                &w.root().pp("model.layers").pp(i),
-                &cfg,
-                spec,
-            )?);
+            let vb = w.root().pp("model.layers").pp(i);
+            let layer = DecoderLayer::new(&vb, &cfg, spec)?;
+            // Split by tensors, this rank's query heads read the K/V heads the target's
+            // layers hold here (which heads a rank holds depends on the K/V heads alone).
+            layers.push(match target.tensor_shard() {
+                Some(shard) => {
+                    let layer = layer.split(w, shard, &cfg).map_err(|e| match e {
+                        ModelError::Invalid(m) => ModelError::Config {
+                            path: file.path.clone(),
+                            message: format!("draft layer {i}: {m}"),
+                        },
+                        e => e,
+                    })?;
+                    w.forget_under(&format!("{}.", vb.path()));
+                    layer
+                }
+                None => layer,
+            });
         }
-        let h = cfg.hidden_size;
-        let root = w.root();
-        let ordered = file
-            .value
-            .get("use_ordered_embeddings")
-            .and_then(Value::as_bool)
-            .unwrap_or(false);
-        let centroid = if ordered {
-            let c = int("num_centroids").unwrap_or(2048) as i32;
-            let top_k = int("centroid_intermediate_top_k").unwrap_or(32) as i32;
-            if cfg.vocab_size % c != 0 || top_k > c {
-                return refuse(format!(
-                    "{c} centroids with top-k {top_k} do not fit a vocabulary of {}",
-                    cfg.vocab_size
-                ));
-            }
-            let me = root.pp("masked_embedding");
-            let ordering = w.keep(
-                me.raw_tensor("token_ordering", &[cfg.vocab_size])?
-                    .astype(Dtype::I32)?
-                    .reshape(&[c, cfg.vocab_size / c])?,
-            );
-            Some(CentroidHead {
-                centroids: me.pp("centroids").linear(c, h)?,
-                ordering,
-                top_k,
-            })
-        } else {
-            None
-        };
         let full_dim = cfg.global_head_dim.unwrap_or(cfg.head_dim);
-        let (target_embed, target_scale) = target.scaled_embedding()?;
-        Ok(Gemma4Assistant {
-            target_embed,
-            target_scale,
-            store: target.store_slots(),
-            pre_projection: root.pp("pre_projection").linear(h, 2 * backbone)?,
-            post_projection: root.pp("post_projection").linear(backbone, h)?,
-            layers,
-            norm: root.pp("model.norm").get("weight", &[h])?,
-            embed: root
-                .pp("model.embed_tokens")
-                .embedding(cfg.vocab_size, h)?
-                .for_tied_head(w)?,
-            centroid,
+        Ok(AssistantLayers {
             rope_sliding: cfg.rope(LayerKind::Sliding, cfg.head_dim)?,
             rope_full: cfg.rope(LayerKind::Full, full_dim)?,
-            backbone,
+            layers,
             position: QueryPosition::LastCommitted,
+            store: target.store_slots(),
             cfg,
         })
     }
 
-    /// One draft step: `token` (`[1, 1]` int32) is the last token, `hidden` (`[1, 1, H_t]`) the
-    /// target's (or the previous step's) hidden state; `kv` the target's store-layer K/V.
-    pub fn step(&self, token: &Array, hidden: &Array, kv: &SharedKv) -> Result<AssistantStep> {
-        self.step_rows(token, hidden, &[kv])
-    }
-
-    /// One draft step for several sequences at once: row `i` of `tokens` (`[1, R]` int32) and of
-    /// `hidden` (`[1, R, H_t]`) drafts over `kvs[i]`, its own target's K/V. Projections,
-    /// feed-forwards and the head run once for all rows; each row's queries and attention are
-    /// its own (its position, its keys). Logits `[R, V]`, hidden `[1, R, H_t]`.
-    pub fn step_rows(
-        &self,
-        tokens: &Array,
-        hidden: &Array,
-        kvs: &[&SharedKv],
-    ) -> Result<AssistantStep> {
+    /// `z` (`[1, R, H]`, the pre-projection's output) through the layers, row `i` attending
+    /// to `kvs[i]`. Split by tensors, every rank runs this on the same `z`.
+    fn run(&self, z: &Array, kvs: &[&SharedKv]) -> Result<Array> {
         let eps = self.cfg.rms_norm_eps;
         let rows = kvs.len() as i32;
-        let e = self
-            .target_embed
-            .lookup_scaled(&tokens.reshape(&[1, rows])?, self.target_scale)?;
-        let x = mlx::concatenate(&[&e, &hidden.reshape(&[1, rows, self.backbone])?], -1)?;
-        let mut z = self.pre_projection.forward(&x)?;
+        let mut z = z.clone();
         for layer in &self.layers {
             let rope = match layer.spec.kind {
                 LayerKind::Sliding => &self.rope_sliding,
@@ -255,16 +405,7 @@ impl Gemma4Assistant {
             z = add_norm(&z, &a, Some(&layer.post_attn_norm), eps, None)?;
             z = layer.feed_forward_residual(&z, eps, Some(&layer.layer_scalar))?;
         }
-        let n = norm(&z, Some(&self.norm), eps)?;
-        let logits = match &self.centroid {
-            None => self.embed.as_linear(&n)?.reshape(&[rows, -1])?,
-            Some(c) => self.centroid_logits(c, &n)?,
-        };
-        Ok(AssistantStep {
-            logits: logits.astype(Dtype::F32)?,
-            hidden: self.post_projection.forward(&n)?,
-            normed: n,
-        })
+        Ok(z)
     }
 
     /// Where a row's query sits, given its target's K/V.
@@ -301,35 +442,19 @@ impl Gemma4Assistant {
             }
         }
     }
+}
 
-    /// The sparse head, row by row of `n` (`[1, R, H]`): only the tokens of each row's top-k
-    /// centroids get logits; `[R, V]`.
-    fn centroid_logits(&self, c: &CentroidHead, n: &Array) -> Result<Array> {
-        let v = self.cfg.vocab_size;
-        let h = *n.shape().last().unwrap_or(&0);
-        let n = n.reshape(&[-1, h])?; // [R, H]
-        let rows = n.shape()[0];
-        let scores = c.centroids.forward(&n)?; // [R, C]
-        let k = c.top_k;
-        let top = scores
-            .negative()?
-            .argpartition(k - 1, -1)?
-            .slice_axis(-1, 0, Some(k))?; // [R, k]
-        let cand = c
-            .ordering
-            .take(&top.reshape(&[-1])?, 0)?
-            .reshape(&[rows, -1])?; // [R, k·V/C]
-        let sel = self.embed.lookup(&cand)?; // [R, k·V/C, H]
-        let vals = n
-            .reshape(&[rows, 1, h])?
-            .matmul(&sel.transpose(&[0, 2, 1])?)?
-            .reshape(&[rows, -1])?; // [R, k·V/C]
-        let floor = Array::full(&[rows, v], f64::NEG_INFINITY, Dtype::F32)?;
-        Ok(floor.put_along_axis(&cand, &vals.astype(Dtype::F32)?, -1)?)
-    }
-
-    pub fn vocab_size(&self) -> usize {
-        self.cfg.vocab_size as usize
+/// A following rank's share of the assistant's layers: each of rank 0's passes over this
+/// rank's target caches of the same sequences.
+impl DraftFollower for AssistantLayers {
+    fn pass(&self, input: &Array, targets: &[&[LayerCache]]) -> Result<()> {
+        let kvs = targets
+            .iter()
+            .map(|t| self.store.shared_kv(t))
+            .collect::<Result<Vec<_>>>()?;
+        let refs: Vec<&SharedKv> = kvs.iter().collect();
+        self.run(input, &refs)?.eval()?;
+        Ok(())
     }
 }
 
@@ -357,8 +482,13 @@ impl Drafter for Gemma4Assistant {
     fn propose(&self, rows: &mut [DraftRow<'_>], draws: &mut dyn Draws) -> Result<()> {
         let kvs = rows
             .iter()
-            .map(|r| self.store.shared_kv(r.target))
+            .map(|r| self.shared_kv(r.target))
             .collect::<Result<Vec<_>>>()?;
+        let seqs: Vec<(u64, usize)> = rows
+            .iter()
+            .zip(&kvs)
+            .map(|(r, kv)| (r.seq, kv.offset))
+            .collect();
         let mut first = Vec::with_capacity(rows.len());
         for r in rows.iter() {
             let hidden = r.hidden.ok_or_else(|| {
@@ -378,7 +508,8 @@ impl Drafter for Gemma4Assistant {
                 ModelError::Invalid("the assistant takes a hidden state with each token".into())
             })?;
             let kv: Vec<&SharedKv> = active.iter().map(|&i| &kvs[i]).collect();
-            let out = self.step_rows(toks, hid, &kv)?;
+            let seqs: Vec<(u64, usize)> = active.iter().map(|&i| seqs[i]).collect();
+            let out = self.step_split(toks, hid, &kv, &seqs)?;
             Ok((out.logits, Some(out.hidden)))
         };
         lockstep(rows, first, draws, &mut pass)

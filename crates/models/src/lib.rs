@@ -39,6 +39,7 @@ pub use tokenizer::{StreamDecoder, Tokenizer};
 use mlx::{Array, Dtype};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use weights::{QuantConfig, Weights};
 
 /// A causal language model: weights plus a pure function of tokens and caches.
@@ -81,6 +82,11 @@ pub trait CausalLm {
     fn release(&self, _seq: u64) {}
     /// The drafter the checkpoint carries for itself (GLM's MTP layer), if any.
     fn builtin_drafter(&self) -> Option<Box<dyn Drafter>> {
+        None
+    }
+    /// Rank 0 of a split model leading the other ranks: its own share of the model, and the
+    /// line a drafter split alike tells the other ranks its passes through.
+    fn leading(&self) -> Option<(&dyn CausalLm, Rc<dyn draft::DraftPeers>)> {
         None
     }
     /// The concrete model, for tests that check a model's internals against references.
@@ -204,7 +210,7 @@ pub fn load_draft_files(
     files.verify()?;
     Ok(match draft_impl(files, target, opts.dtype, true)? {
         Draft::Assistant(mut a) => {
-            a.position = opts.position;
+            a.set_position(opts.position);
             // The assistant reads one sliding key past the window.
             target.model.set_cache_slack(1);
             a
@@ -216,6 +222,41 @@ pub fn load_draft_files(
             Box::new(draft::SeparateModel::new(m))
         }
     })
+}
+
+/// Whether the drafter in `files` is the gemma4 assistant, which reads the target's caches
+/// (split over ranks, only as `runner --hostfile` leads it, by tensors).
+pub fn is_assistant(files: &ModelFiles) -> Result<bool> {
+    Ok(JsonFile::read(files.config()?)?.model_type()? == "gemma4_assistant")
+}
+
+/// The share of a drafter in `files` that a rank following rank 0 runs, for `target` (this
+/// rank's share of a model split by tensors): the gemma4 assistant's layers, split as the
+/// target is, whose passes rank 0 leads; `None` for a drafter that runs on rank 0 alone.
+pub fn load_draft_follower(
+    files: &ModelFiles,
+    target: &mut dyn CausalLm,
+    dtype: Dtype,
+    position: gemma4_assistant::QueryPosition,
+) -> Result<Option<Box<dyn draft::DraftFollower>>> {
+    if !is_assistant(files)? {
+        return Ok(None);
+    }
+    files.verify()?;
+    let file = JsonFile::read(files.config()?)?;
+    let Some(t) = target.as_any().downcast_ref::<gemma4::Gemma4>() else {
+        return Err(file.error(format!(
+            "a gemma4_assistant drafts for gemma4 targets; the target is {}",
+            target.architecture()
+        )));
+    };
+    let weights = Weights::load_files(files, dtype, quant_config(&file)?)?;
+    let mut layers = gemma4_assistant::AssistantLayers::load(&file, &weights, t)?;
+    weights.materialize()?;
+    layers.position = position;
+    // As on rank 0: the assistant reads one sliding key past the window.
+    target.set_cache_slack(1);
+    Ok(Some(Box::new(layers)))
 }
 
 /// The gemma4 assistant in `dir`, for `target` (for tests of the assistant itself).
@@ -257,20 +298,19 @@ fn draft_impl(
     let file = JsonFile::read(files.config()?)?;
     let model_type = file.model_type()?;
     if model_type == "gemma4_assistant" {
-        let Some(t) = target.model.as_any().downcast_ref::<gemma4::Gemma4>() else {
-            return Err(file.error(if target.layers.is_some() {
-                "the gemma4 assistant reads the target's own caches, which a model split over \
-                 ranks spreads over several processes: not supported"
-                    .to_string()
-            } else {
-                format!(
-                    "a gemma4_assistant drafts for gemma4 targets; the target is {}",
-                    target.model.architecture()
-                )
-            }));
+        // Rank 0 leading a model split by tensors splits the assistant's layers alike.
+        let (local, peers) = match target.model.leading() {
+            Some((m, p)) => (m, Some(p)),
+            None => (&*target.model, None),
+        };
+        let Some(t) = local.as_any().downcast_ref::<gemma4::Gemma4>() else {
+            return Err(file.error(format!(
+                "a gemma4_assistant drafts for gemma4 targets; the target is {}",
+                target.model.architecture()
+            )));
         };
         let weights = Weights::load_files(files, target.dtype, quant_config(&file)?)?;
-        let a = gemma4_assistant::Gemma4Assistant::load(&file, &weights, t)?;
+        let a = gemma4_assistant::Gemma4Assistant::load(&file, &weights, t, peers)?;
         if materialize {
             weights.materialize()?;
         }

@@ -148,7 +148,7 @@ fn assistant_matches(name: &str, ordered: bool) {
         ("hf", QueryPosition::Bonus),
         ("anchor_minus1", QueryPosition::LastCommitted),
     ] {
-        a.position = position;
+        a.set_position(position);
         let mut tok = g["bonus_token"].to_vec::<i32>().unwrap()[0];
         let mut h = h_last.clone();
         for step in 0..3 {

@@ -209,7 +209,18 @@ fn engine_main(
     // (`lockstep`), its disk tier too: each rank writes and reads blocks of its own caches.
     // A failure from here on lets the model go before it is reported: a split model's other
     // ranks are told to stop and have ended by then, so rank 0's error is its last word.
-    let draft = match load_drafter(&cfg, &mut model) {
+    let mut draft = load_drafter(&cfg, &mut model);
+    // The other ranks load their share of a drafter split with the model (the assistant's
+    // layers, split by tensors) meanwhile: every rank says whether it could.
+    if let Some(l) = &lockstep {
+        let verdict = draft.as_ref().map(|_| ()).map_err(Clone::clone);
+        if let Err(e) = l.agree("loading the drafter", verdict) {
+            // The other ranks end on a failed agreement: nothing to tell them at the drop.
+            shared.rank_lost.store(true, Ordering::SeqCst);
+            draft = Err(e);
+        }
+    }
+    let draft = match draft {
         Ok(d) => d,
         Err(e) => {
             drop(model);

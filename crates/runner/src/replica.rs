@@ -19,6 +19,7 @@ use cache::disk::DiskTier;
 use cache::prefix::{needs_checkpoints, CacheCheckpoint, PrefixCache};
 use cache::LayerCache;
 use mlx::{Array, Dtype};
+use models::draft::DraftFollower;
 use models::parallel::{Ends, Mode};
 use models::{
     CausalLm, Drafter, DtypeChoice, LoadedModel, MediaSpan, ModelError, ModelFiles, PackedRow,
@@ -66,16 +67,22 @@ pub fn lead(
         );
     }
     let rotates = any_rotates(&cluster, &*loaded.model)?;
-    let leader = Leader::new(loaded.model, cluster, cfg.rank_timeout, broken);
+    let line = Rc::new(Line {
+        cluster,
+        pending: RefCell::default(),
+        limit: cfg.rank_timeout,
+        broken,
+    });
     let lockstep = Lockstep {
-        cluster: Rc::clone(&leader.cluster),
-        pending: Rc::clone(&leader.pending),
-        limit: leader.limit,
-        broken: Arc::clone(&leader.broken),
+        line: Rc::clone(&line),
         rotates,
         mode: cfg.mode,
     };
-    loaded.model = Box::new(leader);
+    loaded.model = Box::new(Leader {
+        inner: loaded.model,
+        line,
+        released: RefCell::default(),
+    });
     Ok((loaded, lockstep))
 }
 
@@ -91,18 +98,36 @@ fn any_rotates(cluster: &Cluster, model: &dyn CausalLm) -> Result<bool, String> 
 /// passes until rank 0 stops.
 ///
 /// `disk` opens this rank's disk tier (given its share of the model, see [`Lockstep::place`])
-/// where rank 0's runner has one.
+/// where rank 0's runner has one. `draft` loads this rank's share of a drafter split with the
+/// model (`None` where rank 0's drafter runs on rank 0 alone); every rank agrees on it, as
+/// rank 0 reports its own drafter ([`Lockstep::agree`]).
 pub fn serve_following(
     cluster: &Cluster,
     mut model: Box<dyn CausalLm>,
     kv_cache: mlx::RowFormat,
     mode: Mode,
     disk: impl FnOnce(&str, &str) -> Option<DiskTier>,
-) -> Result<(), String> {
+    draft: impl FnOnce(&mut dyn CausalLm) -> Result<Option<Box<dyn DraftFollower>>, String>,
+) -> Result<(), FollowError> {
     model.set_cache_format(kv_cache);
-    let rotates = any_rotates(cluster, &*model)?;
+    let rotates = any_rotates(cluster, &*model).map_err(FollowError::Failed)?;
+    let drafter = draft(&mut *model);
+    let verdict = drafter.as_ref().map(|_| ()).map_err(Clone::clone);
+    if cluster.agree("loading the drafter", verdict).is_err() {
+        return Err(FollowError::Refused);
+    }
+    let drafter = drafter.map_err(FollowError::Failed)?;
     let disk = disk(model.architecture(), &place(cluster, mode));
-    follow(&*model, cluster, rotates, disk)
+    follow(&*model, cluster, rotates, disk, drafter.as_deref()).map_err(FollowError::Failed)
+}
+
+/// How a rank following rank 0 ended badly.
+#[derive(Debug)]
+pub enum FollowError {
+    /// This rank's own failure, for it to report.
+    Failed(String),
+    /// Some rank could not load its part, which rank 0 reports for every rank.
+    Refused,
 }
 
 /// One pass, as rank 0 describes it to the others.
@@ -123,6 +148,17 @@ pub enum Call {
     Restore {
         cache: Vec<CacheOp>,
         restore: RestoreOp,
+    },
+    /// A pass of a drafter split by tensors with the target (the gemma4 assistant's layers):
+    /// each rank runs its share over its caches of `rows`' sequences (rewound to where rank
+    /// 0's are) on the input that follows the call in one broadcast (`[1, rows, width]`,
+    /// float32 on the wire, `dtype` in the layers).
+    Draft {
+        rows: Vec<DraftAt>,
+        width: usize,
+        dtype: String,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        cache: Vec<CacheOp>,
     },
     /// Rank 0 is stopping: the others repeat its last prefix-cache calls (a sequence's blocks
     /// for the disk tier among them) and end.
@@ -169,6 +205,13 @@ pub struct RestoreOp {
     pub prompt: Vec<u32>,
     pub at: usize,
     pub back: usize,
+}
+
+/// A sequence a drafter pass reads, and the positions its target caches hold on rank 0.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct DraftAt {
+    pub seq: u64,
+    pub position: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -222,48 +265,93 @@ fn receive(cluster: &Cluster) -> Result<Call, String> {
         .map_err(|e| format!("rank 0 sent a call this rank cannot read: {e}"))
 }
 
-/// Rank 0's model: its stage, telling the other ranks each pass before running it.
-pub struct Leader {
-    inner: Box<dyn CausalLm>,
+/// Rank 0's line to the other ranks, which its model ([`Leader`]), its prefix cache
+/// ([`Lockstep`]) and a drafter split with the model share: calls go out in the order they
+/// are made, and the prefix cache's ride with the next of the others.
+pub struct Line {
     cluster: Rc<Cluster>,
-    released: RefCell<Vec<u64>>,
-    /// The prefix-cache calls the next call carries ([`Lockstep`]).
-    pending: Rc<RefCell<Vec<CacheOp>>>,
-    /// How long a pass may wait on the other ranks.
+    /// The prefix-cache calls the next call carries.
+    pending: RefCell<Vec<CacheOp>>,
+    /// How long a call may wait on the other ranks.
     limit: Duration,
-    /// Set once a pass failed between ranks: MLX's ring does not recover from a lost peer,
+    /// Set once a call failed between ranks: MLX's ring does not recover from a lost peer,
     /// so the runner must end (its parent starts it again).
     broken: Arc<AtomicBool>,
 }
 
-impl Leader {
-    pub fn new(
-        inner: Box<dyn CausalLm>,
-        cluster: Rc<Cluster>,
-        limit: Duration,
-        broken: Arc<AtomicBool>,
-    ) -> Leader {
-        Leader {
-            inner,
-            cluster,
-            released: RefCell::new(Vec::new()),
-            pending: Rc::default(),
-            limit,
-            broken,
-        }
+impl Line {
+    fn lost(&self) -> bool {
+        self.broken.load(Ordering::SeqCst)
     }
 
     fn failed(&self, e: impl std::fmt::Display) -> ModelError {
         self.broken.store(true, Ordering::SeqCst);
         ModelError::Invalid(format!("the model's other ranks failed: {e}"))
     }
+
+    fn take_pending(&self) -> Vec<CacheOp> {
+        std::mem::take(&mut *self.pending.borrow_mut())
+    }
+
+    /// `f` (a call and what follows it) watched for at most the limit (`what` names it in
+    /// the error); an error marks the line broken.
+    fn watched<T, E>(&self, what: &str, f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
+        self.cluster.watch(Some(self.limit), what);
+        let out = f();
+        if out.is_err() {
+            self.broken.store(true, Ordering::SeqCst);
+        }
+        self.cluster.watch(None, "serving");
+        out
+    }
+}
+
+/// Rank 0's model: its stage, telling the other ranks each pass before running it.
+pub struct Leader {
+    inner: Box<dyn CausalLm>,
+    line: Rc<Line>,
+    released: RefCell<Vec<u64>>,
+}
+
+/// A pass of a drafter split by tensors with the target: a call naming its rows, the input
+/// broadcast after it, then every rank's share of the layers, summed between them.
+impl models::draft::DraftPeers for Line {
+    fn pass(
+        &self,
+        rows: &[(u64, usize)],
+        input: &Array,
+        own: &mut dyn FnMut() -> models::Result<Array>,
+    ) -> models::Result<Array> {
+        if self.lost() {
+            return Err(self.failed("a rank was lost earlier"));
+        }
+        let call = Call::Draft {
+            rows: rows
+                .iter()
+                .map(|&(seq, position)| DraftAt { seq, position })
+                .collect(),
+            width: input.shape().last().copied().unwrap_or(0) as usize,
+            dtype: format!("{:?}", input.dtype()).to_lowercase(),
+            // In order with the passes, as a forward pass carries them.
+            cache: self.take_pending(),
+        };
+        let x = input.astype(Dtype::F32)?;
+        self.watched("a draft pass", || {
+            send(&self.cluster, &call)
+                .and_then(|_| self.cluster.broadcast(&x))
+                .map_err(|e| self.failed(e))?;
+            let z = own().map_err(|e| self.failed(e))?;
+            z.eval().map_err(|e| self.failed(e))?;
+            Ok(z)
+        })
+    }
 }
 
 impl Drop for Leader {
     fn drop(&mut self) {
-        if !self.broken.load(Ordering::SeqCst) {
-            let cache = std::mem::take(&mut *self.pending.borrow_mut());
-            let _ = send(&self.cluster, &Call::Stop { cache });
+        if !self.line.lost() {
+            let cache = self.line.take_pending();
+            let _ = send(&self.line.cluster, &Call::Stop { cache });
         }
     }
 }
@@ -279,8 +367,9 @@ impl CausalLm for Leader {
     }
 
     fn forward_packed(&self, tokens: &Array, rows: &mut [PackedRow<'_>]) -> models::Result<Array> {
-        if self.broken.load(Ordering::SeqCst) {
-            return Err(self.failed("a rank was lost earlier"));
+        let line = &self.line;
+        if line.lost() {
+            return Err(line.failed("a rank was lost earlier"));
         }
         let call = Call::Forward {
             tokens: tokens.astype(Dtype::I32)?.to_vec::<i32>()?,
@@ -303,23 +392,21 @@ impl CausalLm for Leader {
                 })
                 .collect(),
             released: std::mem::take(&mut *self.released.borrow_mut()),
-            cache: std::mem::take(&mut *self.pending.borrow_mut()),
+            cache: line.take_pending(),
         };
-        self.cluster.watch(Some(self.limit), "a forward pass");
-        send(&self.cluster, &call).map_err(|e| self.failed(e))?;
-        // The ranks that embed (all of them split by tensors; with per-layer inputs, every
-        // stage) splice the soft tokens in as rank 0 does.
-        for m in rows.iter().flat_map(|r| r.media) {
-            self.cluster
-                .broadcast(&m.embeds.astype(Dtype::F32)?)
-                .map_err(|e| self.failed(e))?;
-        }
-        let out = self
-            .inner
-            .forward_packed(tokens, rows)
-            .map_err(|e| self.failed(e));
-        self.cluster.watch(None, "serving");
-        out
+        line.watched("a forward pass", || {
+            send(&line.cluster, &call).map_err(|e| line.failed(e))?;
+            // The ranks that embed (all of them split by tensors; with per-layer inputs, every
+            // stage) splice the soft tokens in as rank 0 does.
+            for m in rows.iter().flat_map(|r| r.media) {
+                line.cluster
+                    .broadcast(&m.embeds.astype(Dtype::F32)?)
+                    .map_err(|e| line.failed(e))?;
+            }
+            self.inner
+                .forward_packed(tokens, rows)
+                .map_err(|e| line.failed(e))
+        })
     }
 
     fn logits(&self, hidden: &Array) -> models::Result<Array> {
@@ -354,6 +441,11 @@ impl CausalLm for Leader {
         self.inner.builtin_drafter()
     }
 
+    fn leading(&self) -> Option<(&dyn CausalLm, Rc<dyn models::draft::DraftPeers>)> {
+        let line: Rc<dyn models::draft::DraftPeers> = self.line.clone();
+        Some((&*self.inner, line))
+    }
+
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
@@ -362,10 +454,7 @@ impl CausalLm for Leader {
 /// Rank 0's prefix cache's line to the other ranks: its calls wait for the next call to the
 /// ranks (a pass, or a restore), which carries them in order; a restore asks every rank.
 pub struct Lockstep {
-    cluster: Rc<Cluster>,
-    pending: Rc<RefCell<Vec<CacheOp>>>,
-    limit: Duration,
-    broken: Arc<AtomicBool>,
+    line: Rc<Line>,
     rotates: bool,
     mode: Mode,
 }
@@ -383,34 +472,33 @@ impl Lockstep {
 
     /// This rank's share of the model, for the disk tier's key: " rank R of N by MODE".
     pub fn place(&self) -> String {
-        place(&self.cluster, self.mode)
+        place(&self.line.cluster, self.mode)
+    }
+
+    /// Every rank's verdict on `what` (rank 0's drafter loaded, the others' shares of it).
+    pub fn agree(&self, what: &str, verdict: Result<(), String>) -> Result<(), String> {
+        self.line.cluster.agree(what, verdict)
     }
 
     pub fn queue(&self, op: CacheOp) {
-        self.pending.borrow_mut().push(op);
+        self.line.pending.borrow_mut().push(op);
     }
 
     /// Every rank restores as `restore` says: `true` where all could, `false` where some
     /// could not (every rank then starts the sequence cold). An error is a lost rank.
     pub fn restore(&self, restore: RestoreOp) -> Result<bool, String> {
-        if self.broken.load(Ordering::SeqCst) {
+        let line = &self.line;
+        if line.lost() {
             return Err("a rank was lost earlier".into());
         }
         let call = Call::Restore {
-            cache: std::mem::take(&mut *self.pending.borrow_mut()),
+            cache: line.take_pending(),
             restore,
         };
-        self.cluster
-            .watch(Some(self.limit), "a prefix-cache restore");
-        let votes = send(&self.cluster, &call).and_then(|_| self.cluster.gather(&[0]));
-        self.cluster.watch(None, "serving");
-        match votes {
-            Ok(v) => Ok(v.iter().all(|r| r[0] == 0)),
-            Err(e) => {
-                self.broken.store(true, Ordering::SeqCst);
-                Err(e)
-            }
-        }
+        let votes = line.watched("a prefix-cache restore", || {
+            send(&line.cluster, &call).and_then(|_| line.cluster.gather(&[0]))
+        })?;
+        Ok(votes.iter().all(|r| r[0] == 0))
     }
 }
 
@@ -422,6 +510,7 @@ pub fn follow(
     cluster: &Cluster,
     rotates: bool,
     disk: Option<DiskTier>,
+    drafter: Option<&dyn DraftFollower>,
 ) -> Result<(), String> {
     // Dropped on the way out, which lets the disk tier's writer finish its queue.
     let mut f = Following {
@@ -466,8 +555,41 @@ pub fn follow(
                 }
                 f.replay(cluster, tokens, rows)?;
             }
+            Call::Draft {
+                rows,
+                width,
+                dtype,
+                cache,
+            } => {
+                for op in cache {
+                    f.apply(op);
+                }
+                let input = receive_input(cluster, rows.len(), width, &dtype)?;
+                let drafter = drafter.ok_or_else(|| {
+                    "rank 0 drafts with a drafter split over the ranks, which this rank has not \
+                     loaded"
+                        .to_string()
+                })?;
+                f.draft(drafter, &rows, &input)?;
+            }
         }
     }
+}
+
+/// A drafter pass's input, as rank 0 broadcasts it after the call, in the layers' `dtype`.
+fn receive_input(
+    cluster: &Cluster,
+    rows: usize,
+    width: usize,
+    dtype: &str,
+) -> Result<Array, String> {
+    let dtype = Dtype::from_name(dtype).ok_or_else(|| format!("rank 0 sent dtype {dtype:?}"))?;
+    let zeros =
+        Array::zeros(&[1, rows as i32, width as i32], Dtype::F32).map_err(|e| e.to_string())?;
+    cluster
+        .broadcast(&zeros)?
+        .astype(dtype)
+        .map_err(|e| e.to_string())
 }
 
 /// A following rank's state: each live sequence's caches of this rank's layers, the
@@ -577,6 +699,29 @@ impl Following<'_> {
         Some(caches)
     }
 
+    /// One of rank 0's drafter passes over `rows`' caches, cut back first to where rank 0's
+    /// are (after a verify pass, rank 0 rewinds rejected drafts at once, this rank at its next
+    /// call).
+    fn draft(
+        &mut self,
+        drafter: &dyn DraftFollower,
+        rows: &[DraftAt],
+        input: &Array,
+    ) -> Result<(), String> {
+        for r in rows {
+            let caches = self
+                .live
+                .get_mut(&r.seq)
+                .ok_or_else(|| format!("rank 0 drafts for sequence {}, not held here", r.seq))?;
+            rewind_to(caches, r.seq, r.position)?;
+        }
+        let targets: Vec<&[LayerCache]> = rows
+            .iter()
+            .filter_map(|r| self.live.get(&r.seq).map(Vec::as_slice))
+            .collect();
+        drafter.pass(input, &targets).map_err(|e| e.to_string())
+    }
+
     /// One of rank 0's passes on each row's caches: a new sequence's fresh, a rewound one's
     /// cut back to where rank 0's are.
     fn replay(
@@ -592,20 +737,7 @@ impl Following<'_> {
                 Some(c) if r.seq != 0 && r.position > 0 => c,
                 _ => model.make_caches(),
             };
-            let at = caches.first().map_or(0, LayerCache::offset);
-            if r.position > at {
-                return Err(format!(
-                    "sequence {} is at {} on rank 0 and at {at} here: out of step",
-                    r.seq, r.position
-                ));
-            }
-            if r.position < at {
-                for c in caches.iter_mut() {
-                    c.rewind(at - r.position).map_err(|e| {
-                        format!("sequence {}: rewinding to {}: {e}", r.seq, r.position)
-                    })?;
-                }
-            }
+            rewind_to(&mut caches, r.seq, r.position)?;
             held.push(caches);
         }
         let media = rows
@@ -636,6 +768,24 @@ impl Following<'_> {
         }
         Ok(())
     }
+}
+
+/// Sequence `seq`'s caches cut back to `position` (where rank 0's are); an error where they
+/// hold fewer.
+fn rewind_to(caches: &mut [LayerCache], seq: u64, position: usize) -> Result<(), String> {
+    let at = caches.first().map_or(0, LayerCache::offset);
+    if position > at {
+        return Err(format!(
+            "sequence {seq} is at {position} on rank 0 and at {at} here: out of step"
+        ));
+    }
+    if position < at {
+        for c in caches.iter_mut() {
+            c.rewind(at - position)
+                .map_err(|e| format!("sequence {seq}: rewinding to {position}: {e}"))?;
+        }
+    }
+    Ok(())
 }
 
 /// A sequence's snapshots at `positions`, where rank 0 took them: those this rank took there
@@ -731,5 +881,16 @@ mod tests {
         };
         let text = serde_json::to_vec(&stop).unwrap();
         assert_eq!(serde_json::from_slice::<Call>(&text).unwrap(), stop);
+        let draft = Call::Draft {
+            rows: vec![DraftAt {
+                seq: 3,
+                position: 17,
+            }],
+            width: 64,
+            dtype: "bf16".into(),
+            cache: vec![CacheOp::Snapshot { seq: 3, at: 16 }],
+        };
+        let text = serde_json::to_vec(&draft).unwrap();
+        assert_eq!(serde_json::from_slice::<Call>(&text).unwrap(), draft);
     }
 }

@@ -60,6 +60,9 @@ pub enum Observed<'a> {
 
 /// One sequence's part in a drafting round.
 pub struct DraftRow<'a> {
+    /// The sequence's identity in packed forward passes ([`crate::PackedRow::seq`]): the other
+    /// ranks of a split model know its caches by it.
+    pub seq: u64,
     pub state: &'a mut DraftState,
     /// The target's caches, holding exactly `committed`.
     pub target: &'a [LayerCache],
@@ -158,6 +161,29 @@ pub trait Drafter {
     fn accept(&self, _state: &mut DraftState, _round: &RoundEnd<'_>) -> Result<()> {
         Ok(())
     }
+}
+
+/// Rank 0's line to the other ranks of a model split by tensors, for a drafter split the same
+/// way (the gemma4 assistant, whose layers read the target's caches, each rank its own heads).
+pub trait DraftPeers {
+    /// One pass of the drafter's split layers: tells the other ranks to run their share over
+    /// `rows` (each row's sequence and the positions its target caches hold on rank 0) with
+    /// `input` (`[1, R, H]`), then runs `own` (this rank's share, summing with theirs). An
+    /// error is a lost rank.
+    fn pass(
+        &self,
+        rows: &[(u64, usize)],
+        input: &Array,
+        own: &mut dyn FnMut() -> Result<Array>,
+    ) -> Result<Array>;
+}
+
+/// A split drafter's share on a rank that follows rank 0: runs each pass rank 0's drafter
+/// makes ([`DraftPeers::pass`]) over this rank's caches of the same sequences.
+pub trait DraftFollower {
+    /// `input` (`[1, R, H]`) through this rank's share of the layers, row `i` reading
+    /// `targets[i]` (this rank's target caches of the row's sequence).
+    fn pass(&self, input: &Array, targets: &[&[LayerCache]]) -> Result<()>;
 }
 
 /// How to load a drafter from a checkpoint for a target.

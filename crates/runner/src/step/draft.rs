@@ -225,6 +225,7 @@ pub(crate) fn run(
         for ((t, &(i, _)), pending) in taken.iter_mut().zip(rounds).zip(&pendings) {
             let g = &*gens[i];
             rows.push(DraftRow {
+                seq: g.seq(),
                 state: &mut t.state,
                 target: g.caches(),
                 committed: g.committed(),
