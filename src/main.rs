@@ -1076,7 +1076,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         if !a.draft.no_draft && models::is_assistant(files)? {
             anyhow::bail!(
                 "the gemma4 assistant drafts on a split model only where rank 0 leads the other \
-                 ranks (`runner --hostfile`, split by tensors), not in `generate`"
+                 ranks (`runner --hostfile`), not in `generate`"
             );
         }
     }

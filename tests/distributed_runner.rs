@@ -369,17 +369,18 @@ fn keeps_to_a_grammar(split: &Runner) {
     assert!(v["n"].as_u64().is_some_and(|n| n <= 99), "{text}");
 }
 
-/// The gemma4 assistant on a model split by tensors: its layers split as the target's are
-/// (each rank's query heads read that rank's heads of the store layers' caches), rank 0
-/// running the rest and leading each draft pass. Greedy answers are one process's with the
-/// same drafter, one request at a time and several batched, the logprobs (from the verify
-/// passes) within 1e-4. Seeded sampling answers are one process's too, and the split accepts
-/// as many drafts as one process: a draft's acceptance and the tokens sampled after a
-/// rejection depend on the draft and its probability, so this holds only where the split
-/// assistant drafts what the whole one does. Split by layers, where the store layers sit on
-/// some ranks only, it is a one-line refusal at start, no rank left running.
+/// The gemma4 assistant on a split model, its layers split with the target's: by tensors each
+/// rank holds its share of every layer (its query heads read that rank's heads of the store
+/// layers' caches); by layers the stage holding a store layer runs the assistant's layers that
+/// read it. Rank 0 runs the rest and leads each draft pass. Greedy answers are one process's
+/// with the same drafter, one request at a time and several batched, the logprobs (from the
+/// verify passes) within 1e-4. Seeded sampling answers are one process's too, and the split
+/// drafts and accepts as many tokens as one process: a draft's acceptance and the tokens
+/// sampled after a rejection depend on the draft and its probability, so this holds only where
+/// the split assistant drafts what the whole one does. A split its heads do not allow is a
+/// one-line refusal at start, no rank left running.
 #[test]
-fn the_assistant_drafts_on_a_model_split_by_tensors() {
+fn the_assistant_drafts_on_a_split_model() {
     let assistant = common::fixture("gemma4_assistant");
     let draft = ["--draft", assistant.to_str().unwrap(), "--draft-depth", "3"];
     let prompts = [
@@ -419,80 +420,65 @@ fn the_assistant_drafts_on_a_model_split_by_tensors() {
     let solo_counts = counts(&solo);
     drop(solo);
     assert!(solo_counts.1 > 0.0, "one process accepted no draft");
-    let (_d, hosts) = local(2);
-    let split = Arc::new(split_runner(
-        "gemma4_e2b_like",
-        2,
-        &hosts,
-        &[
-            &draft[..],
-            &[
-                "--parallel",
-                "4",
-                "--parallel-mode",
-                "tensor",
-                "--cache-budget",
-                "0",
-            ],
-        ]
-        .concat(),
-    ));
-    for (i, b) in greedy.iter().enumerate() {
-        let lines = split.complete(b);
-        let done = common::done_of(&lines);
-        assert!(
-            done["DraftTokens"].as_u64().unwrap() > 0,
-            "request {i}: {done}"
-        );
-        close(&outcome(&lines), &alone[i], &format!("request {i}"));
-    }
-    assert_eq!(texts(&split), alone_sampled, "seeded sampling");
-    assert_eq!(counts(&split), solo_counts, "(drafted, accepted)");
-    for (i, got) in all_at_once(&split, &greedy).iter().enumerate() {
-        close(got, &alone[i], &format!("request {i} together"));
-    }
-    drop(split);
-    none_left(&hosts);
-
-    // Refusals at start, one line each, no rank left running: by layers; and by tensors over
-    // more ranks than the assistant's two query heads go, which the ranks find loading their
-    // shares.
-    for (ranks, mode, says) in [
-        (
-            2,
-            "pipeline",
-            &["split by layers", "--parallel-mode tensor"][..],
-        ),
-        (
-            3,
-            "tensor",
-            &["loading the drafter: rank 0", "cannot split 2 query heads"][..],
-        ),
-    ] {
+    // By layers, the KV-shared layers stay with the layers whose caches they read: E2B-like
+    // splits in two only after its first layer, and rank 1 runs every assistant layer.
+    for (ranks, mode) in [(2, "tensor"), (2, "pipeline")] {
+        let what = format!("{ranks} ranks by {mode}");
         let (_d, hosts) = local(ranks);
-        let out = common::binary()
-            .args(["runner", "--model"])
-            .arg(common::fixture("gemma4_e2b_like"))
-            .args(draft)
-            .args(["--port", &common::free_port().to_string()])
-            .args([
-                "--ring-port",
-                &ring_port(ranks as u16).to_string(),
-                "--hostfile",
-            ])
-            .arg(&hosts)
-            .args(["--parallel-mode", mode])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{err}");
-        let last = err.lines().last().unwrap_or_default();
-        assert!(
-            last.starts_with("error: ") && says.iter().all(|s| last.contains(s)),
-            "{mode}: {err}"
-        );
+        let split = Arc::new(split_runner(
+            "gemma4_e2b_like",
+            ranks,
+            &hosts,
+            &[
+                &draft[..],
+                &[
+                    "--parallel",
+                    "4",
+                    "--parallel-mode",
+                    mode,
+                    "--cache-budget",
+                    "0",
+                ],
+            ]
+            .concat(),
+        ));
+        for (i, b) in greedy.iter().enumerate() {
+            let lines = split.complete(b);
+            let done = common::done_of(&lines);
+            assert!(done["DraftTokens"].as_u64().unwrap() > 0, "{what}: {done}");
+            close(&outcome(&lines), &alone[i], &format!("{what}: request {i}"));
+        }
+        assert_eq!(texts(&split), alone_sampled, "{what}: seeded sampling");
+        assert_eq!(counts(&split), solo_counts, "{what}: (drafted, accepted)");
+        for (i, got) in all_at_once(&split, &greedy).iter().enumerate() {
+            close(got, &alone[i], &format!("{what}: request {i} together"));
+        }
+        drop(split);
         none_left(&hosts);
     }
+
+    // The assistant's two query heads read one K/V head: three ranks by tensors cannot share
+    // them, which the ranks find loading their shares.
+    let (_d, hosts) = local(3);
+    let out = common::binary()
+        .args(["runner", "--model"])
+        .arg(common::fixture("gemma4_e2b_like"))
+        .args(draft)
+        .args(["--port", &common::free_port().to_string()])
+        .args(["--ring-port", &ring_port(3).to_string(), "--hostfile"])
+        .arg(&hosts)
+        .args(["--parallel-mode", "tensor"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    let last = err.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: loading the drafter: rank 0: ")
+            && last.contains("cannot split 2 query heads"),
+        "{err}"
+    );
+    none_left(&hosts);
 }
 
 /// Two conversations (each turn's prompt extends its last prompt and answer), taking turns

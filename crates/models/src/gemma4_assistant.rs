@@ -12,6 +12,7 @@ use crate::gemma4::{
     DecoderLayer, Gemma4, Gemma4Config, LayerKind, LayerSpec, SharedKv, StoreSlots,
 };
 use crate::nn::{add_norm, norm, Embedding, Linear, Rope};
+use crate::parallel::Stage;
 use crate::weights::Weights;
 use crate::{ModelError, Result};
 use cache::{AttnMask, LayerCache};
@@ -65,13 +66,18 @@ pub struct Gemma4Assistant {
     peers: Option<Rc<dyn DraftPeers>>,
 }
 
-/// The assistant's decoder layers over the target's store-layer K/V: all of them, or (split by
-/// tensors with the target, [`crate::parallel::Shard`]) this rank's query heads, reading this rank's K/V heads of
-/// the store layers, and its MLP hidden units, summed over the ranks in each layer. Every rank
-/// runs them on the same input; only rank 0 has the rest of the assistant.
+/// The assistant's decoder layers over the target's store-layer K/V. One process holds them
+/// all. Split by tensors with the target ([`crate::parallel::Shard`]), a rank holds its query
+/// heads of each, which read its K/V heads of the store layers, and its MLP hidden units,
+/// summed over the ranks in each layer. Split by layers ([`Stage`]), a rank holds the layers
+/// that read a store layer of its stage, whole, and hands their output to every rank. Every
+/// rank runs them on the same input; only rank 0 has the rest of the assistant.
 pub struct AssistantLayers {
     cfg: Gemma4Config,
-    layers: Vec<DecoderLayer>,
+    /// `None`: a layer another stage runs (split by layers).
+    layers: Vec<Option<DecoderLayer>>,
+    /// Split by layers: this rank's stage, which the layers' outputs cross the ranks through.
+    stage: Option<Stage>,
     rope_sliding: Rope,
     rope_full: Rope,
     pub position: QueryPosition,
@@ -107,10 +113,11 @@ impl Gemma4Assistant {
         };
         // Every rank of `generate` runs the whole loop: its ranks other than 0 hold no token
         // table to embed the assistant's input with.
-        if target.tensor_shard().is_some() && peers.is_none() {
+        let split = target.tensor_shard().is_some() || target.layer_stage().is_some();
+        if split && peers.is_none() {
             return refuse(
-                "the gemma4 assistant drafts on a model split by tensors where rank 0 leads \
-                 the other ranks (`runner --hostfile`), not in `generate`: not supported"
+                "the gemma4 assistant drafts on a split model where rank 0 leads the other \
+                 ranks (`runner --hostfile`), not in `generate`: not supported"
                     .into(),
             );
         }
@@ -268,8 +275,9 @@ fn backbone(file: &JsonFile) -> Result<i32> {
 }
 
 impl AssistantLayers {
-    /// The layers for `target` from the assistant's checkpoint, split as the target is split
-    /// by tensors (refusing a split by layers: the store layers then sit on some ranks only).
+    /// The layers for `target` from the assistant's checkpoint, split as the target is split:
+    /// by tensors, this rank's share of each; by layers, those that read a store layer this
+    /// rank holds.
     pub fn load(file: &JsonFile, w: &Weights, target: &Gemma4) -> Result<AssistantLayers> {
         let cfg = Gemma4Config::parse_text(file)?;
         let t = target.config();
@@ -279,14 +287,8 @@ impl AssistantLayers {
                 message: m,
             })
         };
-        if target.layer_stage().is_some() {
-            return refuse(
-                "the gemma4 assistant reads the target's store layers, which a model split by \
-                 layers holds on some ranks only: not supported (split it by tensors: \
-                 --parallel-mode tensor)"
-                    .into(),
-            );
-        }
+        let stage = target.layer_stage().cloned();
+        let held = target.store_slots();
         let backbone = backbone(file)?;
         if backbone != t.hidden_size {
             return refuse(format!(
@@ -343,6 +345,14 @@ impl AssistantLayers {
                 intermediate: cfg.intermediate_size,
             };
             let vb = w.root().pp("model.layers").pp(i);
+            let here = match kind {
+                LayerKind::Sliding => held.sliding.is_some(),
+                LayerKind::Full => held.full.is_some(),
+            };
+            if stage.is_some() && !here {
+                layers.push(None);
+                continue;
+            }
             let layer = DecoderLayer::new(&vb, &cfg, spec)?;
             // Split by tensors, this rank's query heads read the K/V heads the target's
             // layers hold here (which heads a rank holds depends on the K/V heads alone).
@@ -356,9 +366,9 @@ impl AssistantLayers {
                         e => e,
                     })?;
                     w.forget_under(&format!("{}.", vb.path()));
-                    layer
+                    Some(layer)
                 }
-                None => layer,
+                None => Some(layer),
             });
         }
         let full_dim = cfg.global_head_dim.unwrap_or(cfg.head_dim);
@@ -366,46 +376,64 @@ impl AssistantLayers {
             rope_sliding: cfg.rope(LayerKind::Sliding, cfg.head_dim)?,
             rope_full: cfg.rope(LayerKind::Full, full_dim)?,
             layers,
+            stage,
             position: QueryPosition::LastCommitted,
-            store: target.store_slots(),
+            store: held,
             cfg,
         })
     }
 
     /// `z` (`[1, R, H]`, the pre-projection's output) through the layers, row `i` attending
-    /// to `kvs[i]`. Split by tensors, every rank runs this on the same `z`.
+    /// to `kvs[i]`. Split, every rank runs this on the same `z`: by tensors each layer sums
+    /// its ranks' shares; by layers the rank holding a run of layers of one kind (which read
+    /// one store layer) runs them and hands the result to every rank.
     fn run(&self, z: &Array, kvs: &[&SharedKv]) -> Result<Array> {
-        let eps = self.cfg.rms_norm_eps;
-        let rows = kvs.len() as i32;
+        let kinds = self.cfg.layer_kinds();
         let mut z = z.clone();
-        for layer in &self.layers {
-            let rope = match layer.spec.kind {
-                LayerKind::Sliding => &self.rope_sliding,
-                LayerKind::Full => &self.rope_full,
-            };
-            let xn = norm(&z, Some(&layer.input_norm), eps)?;
-            let mut outs = Vec::with_capacity(kvs.len());
-            for (r, kv) in kvs.iter().enumerate() {
-                let (slots, mask) = self.row_kv(layer.spec.kind, kv)?;
-                let x_r = if rows == 1 {
-                    xn.clone()
-                } else {
-                    xn.slice_axis(1, r as i32, Some(r as i32 + 1))?
-                };
-                let q = layer
-                    .attn
-                    .queries(&x_r, rope, self.query_position(kv), eps)?;
-                outs.push(layer.attn.output(&q, slots, &mask)?);
+        let mut here = false;
+        for (i, layer) in self.layers.iter().enumerate() {
+            if let Some(layer) = layer {
+                z = self.layer(layer, &z, kvs)?;
+                here = true;
             }
-            let a = if rows == 1 {
-                outs.pop().expect("one row")
-            } else {
-                mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 1)?
-            };
-            z = add_norm(&z, &a, Some(&layer.post_attn_norm), eps, None)?;
-            z = layer.feed_forward_residual(&z, eps, Some(&layer.layer_scalar))?;
+            let Some(stage) = &self.stage else { continue };
+            if kinds.get(i + 1) != kinds.get(i) {
+                let mine = if here { z.clone() } else { z.zeros_like()? };
+                z = stage.from_owner(&mine)?;
+                here = false;
+            }
         }
         Ok(z)
+    }
+
+    fn layer(&self, layer: &DecoderLayer, z: &Array, kvs: &[&SharedKv]) -> Result<Array> {
+        let eps = self.cfg.rms_norm_eps;
+        let rows = kvs.len() as i32;
+        let rope = match layer.spec.kind {
+            LayerKind::Sliding => &self.rope_sliding,
+            LayerKind::Full => &self.rope_full,
+        };
+        let xn = norm(z, Some(&layer.input_norm), eps)?;
+        let mut outs = Vec::with_capacity(kvs.len());
+        for (r, kv) in kvs.iter().enumerate() {
+            let (slots, mask) = self.row_kv(layer.spec.kind, kv)?;
+            let x_r = if rows == 1 {
+                xn.clone()
+            } else {
+                xn.slice_axis(1, r as i32, Some(r as i32 + 1))?
+            };
+            let q = layer
+                .attn
+                .queries(&x_r, rope, self.query_position(kv), eps)?;
+            outs.push(layer.attn.output(&q, slots, &mask)?);
+        }
+        let a = if rows == 1 {
+            outs.pop().expect("one row")
+        } else {
+            mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 1)?
+        };
+        let z = add_norm(z, &a, Some(&layer.post_attn_norm), eps, None)?;
+        layer.feed_forward_residual(&z, eps, Some(&layer.layer_scalar))
     }
 
     /// Where a row's query sits, given its target's K/V.

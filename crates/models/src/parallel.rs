@@ -118,6 +118,15 @@ impl Stage {
         }
     }
 
+    /// `x` from the one rank that computed it, on every rank (the others pass zeros of its
+    /// shape), evaluated here ([`Stage::leave`] on why).
+    pub fn from_owner(&self, x: &Array) -> Result<Array> {
+        let s = self.group.all_sum(x)?;
+        s.eval()?;
+        mlx::synchronize()?;
+        Ok(s)
+    }
+
     /// The residual stream `[1, T, H]` (`shape`) this stage starts from: `embed()` on the
     /// first stage, else what the previous rank sends.
     pub fn enter(&self, shape: &[i32], embed: impl FnOnce() -> Result<Array>) -> Result<Array> {
