@@ -1073,7 +1073,9 @@ fn generate(a: GenerateArgs) -> Result<()> {
         );
     }
     if let Some(DraftSource::Model(files)) = &cfg.draft {
-        if !a.draft.no_draft && models::is_assistant(files)? {
+        // Over ranks only a fixed depth drafts (a stored model's draft included).
+        let off = a.draft.no_draft || !matches!(a.draft.draft_depth.0, Some(n) if n > 0);
+        if !off && models::is_assistant(files)? {
             anyhow::bail!(
                 "the gemma4 assistant drafts on a split model only where rank 0 leads the other \
                  ranks (`runner --hostfile`), not in `generate`"
@@ -1188,8 +1190,8 @@ fn worker(w: WorkerArgs) -> Result<()> {
             cfg.cache_interval = a.cache_interval;
             cfg.kv_cache = a.kv_cache_type;
             let dtype = loaded.dtype;
-            // This rank's share of a drafter split with the model (the gemma4 assistant's
-            // layers, split by tensors); rank 0 runs every other drafter alone.
+            // This rank's part of a drafter split with the model (the gemma4 assistant's
+            // layers); rank 0 runs every other drafter alone.
             let drafter = |target: &mut dyn models::CausalLm| match &cfg.draft {
                 Some(DraftSource::Model(files)) if cfg.draft_depth != Some(0) => {
                     models::load_draft_follower(files, target, dtype, cfg.draft_position)
@@ -1202,7 +1204,13 @@ fn worker(w: WorkerArgs) -> Result<()> {
                 loaded.model,
                 a.kv_cache_type.0,
                 mode,
-                |architecture, place| runner::engine::open_disk(&cfg, architecture, "-", place),
+                |architecture, place, drafts| {
+                    let drafter = match (&cfg.draft, drafts) {
+                        (Some(source), true) => source.identity(),
+                        _ => "-".into(),
+                    };
+                    runner::engine::open_disk(&cfg, architecture, &drafter, place)
+                },
                 drafter,
             )
             .map_err(|e| match e {

@@ -524,9 +524,15 @@ impl Attention {
 
     /// Attention of `[B, H, L, d]` queries over keys and values, before the output projection:
     /// `[B, L, H·d]`.
-    pub(crate) fn output(&self, q: &Array, kv: &KvSlots, mask: &AttnMask) -> Result<Array> {
+    pub(crate) fn attend(&self, q: &Array, kv: &KvSlots, mask: &AttnMask) -> Result<Array> {
         let attn = Sdpa::new(ATTENTION_SCALE, mask.as_sdpa()).with_layout(Tokens);
-        self.o_proj.forward(&sdpa_slots(q, kv, attn)?)
+        Ok(sdpa_slots(q, kv, attn)?)
+    }
+
+    /// The output projection of [`Attention::attend`]'s result (summed over the ranks where
+    /// the heads are split).
+    pub(crate) fn project_out(&self, x: &Array) -> Result<Array> {
+        self.o_proj.forward(x)
     }
 }
 

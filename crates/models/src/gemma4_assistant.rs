@@ -62,7 +62,7 @@ pub struct Gemma4Assistant {
     /// the target does.
     target_embed: Embedding,
     target_scale: f32,
-    /// Split by tensors with the target: the other ranks, told of each pass of the layers.
+    /// Split with the target: the other ranks, told of each pass of the layers.
     peers: Option<Rc<dyn DraftPeers>>,
 }
 
@@ -97,7 +97,7 @@ pub struct AssistantStep {
 
 impl Gemma4Assistant {
     /// Loads an assistant for `target` from its checkpoint, refusing one whose sizes do not fit.
-    /// A target split by tensors splits the layers alike; `peers` then tells the other ranks of
+    /// A split target splits the layers alike; `peers` then tells the other ranks of
     /// each pass (rank 0 leading them).
     pub fn load(
         file: &JsonFile,
@@ -198,7 +198,7 @@ impl Gemma4Assistant {
         self.step_split(tokens, hidden, kvs, &[])
     }
 
-    /// [`Gemma4Assistant::step_rows`], split by tensors: `seqs` names each row's sequence and
+    /// [`Gemma4Assistant::step_rows`], split: `seqs` names each row's sequence and
     /// its position for the other ranks, which run their share of the layers with this rank's.
     fn step_split(
         &self,
@@ -389,6 +389,8 @@ impl AssistantLayers {
     /// one store layer) runs them and hands the result to every rank.
     fn run(&self, z: &Array, kvs: &[&SharedKv]) -> Result<Array> {
         let kinds = self.cfg.layer_kinds();
+        // What crosses the ranks: the same dtype on the rank that ran a layer and the others.
+        let dtype = z.dtype();
         let mut z = z.clone();
         let mut here = false;
         for (i, layer) in self.layers.iter().enumerate() {
@@ -398,7 +400,11 @@ impl AssistantLayers {
             }
             let Some(stage) = &self.stage else { continue };
             if kinds.get(i + 1) != kinds.get(i) {
-                let mine = if here { z.clone() } else { z.zeros_like()? };
+                let mine = if here {
+                    z.astype(dtype)?
+                } else {
+                    Array::zeros(&z.shape(), dtype)?
+                };
                 z = stage.from_owner(&mine)?;
                 here = false;
             }
@@ -425,13 +431,14 @@ impl AssistantLayers {
             let q = layer
                 .attn
                 .queries(&x_r, rope, self.query_position(kv), eps)?;
-            outs.push(layer.attn.output(&q, slots, &mask)?);
+            outs.push(layer.attn.attend(&q, slots, &mask)?);
         }
-        let a = if rows == 1 {
+        // One output projection for every row: split by tensors, one sum.
+        let a = layer.attn.project_out(&if rows == 1 {
             outs.pop().expect("one row")
         } else {
             mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 1)?
-        };
+        })?;
         let z = add_norm(z, &a, Some(&layer.post_attn_norm), eps, None)?;
         layer.feed_forward_residual(&z, eps, Some(&layer.layer_scalar))
     }

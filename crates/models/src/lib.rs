@@ -225,14 +225,14 @@ pub fn load_draft_files(
 }
 
 /// Whether the drafter in `files` is the gemma4 assistant, which reads the target's caches
-/// (split over ranks, only as `runner --hostfile` leads it, by tensors).
+/// (on a split model, only where rank 0 leads the other ranks: `runner --hostfile`).
 pub fn is_assistant(files: &ModelFiles) -> Result<bool> {
     Ok(JsonFile::read(files.config()?)?.model_type()? == "gemma4_assistant")
 }
 
-/// The share of a drafter in `files` that a rank following rank 0 runs, for `target` (this
-/// rank's share of a model split by tensors): the gemma4 assistant's layers, split as the
-/// target is, whose passes rank 0 leads; `None` for a drafter that runs on rank 0 alone.
+/// The part of a drafter in `files` that a rank following rank 0 runs, for `target` (this
+/// rank's part of a split model): the gemma4 assistant's layers, split as the target is, whose
+/// passes rank 0 leads; `None` for a drafter that runs on rank 0 alone.
 pub fn load_draft_follower(
     files: &ModelFiles,
     target: &mut dyn CausalLm,
@@ -298,7 +298,7 @@ fn draft_impl(
     let file = JsonFile::read(files.config()?)?;
     let model_type = file.model_type()?;
     if model_type == "gemma4_assistant" {
-        // Rank 0 leading a model split by tensors splits the assistant's layers alike.
+        // Rank 0 leading a split model splits the assistant's layers alike.
         let (local, peers) = match target.model.leading() {
             Some((m, p)) => (m, Some(p)),
             None => (&*target.model, None),

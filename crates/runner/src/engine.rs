@@ -71,7 +71,7 @@ pub enum DraftSource {
 
 impl DraftSource {
     /// What the drafter's outputs depend on, for the disk tier's key.
-    fn identity(&self) -> String {
+    pub fn identity(&self) -> String {
         match self {
             DraftSource::Model(f) => f.identity(),
             DraftSource::Ngram => "ngram".into(),
@@ -204,14 +204,15 @@ fn engine_main(
             return;
         }
     };
-    // A split model's drafter runs on rank 0; verify blocks are forward passes like any
-    // other, and the other ranks rewind where rank 0 did. Its prefix cache runs in lockstep
+    // A split model's drafter runs on rank 0 (the gemma4 assistant's layers split with the
+    // model, rank 0 leading their passes); verify blocks are forward passes like any other,
+    // and the other ranks rewind where rank 0 did. Its prefix cache runs in lockstep
     // (`lockstep`), its disk tier too: each rank writes and reads blocks of its own caches.
     // A failure from here on lets the model go before it is reported: a split model's other
     // ranks are told to stop and have ended by then, so rank 0's error is its last word.
     let mut draft = load_drafter(&cfg, &mut model);
-    // The other ranks load their share of a drafter split with the model (the assistant's
-    // layers, split by tensors) meanwhile: every rank says whether it could.
+    // The other ranks load their part of a drafter split with the model (the assistant's
+    // layers) meanwhile: every rank says whether it could.
     if let Some(l) = &lockstep {
         let verdict = draft.as_ref().map(|_| ()).map_err(Clone::clone);
         if let Err(e) = l.agree("loading the drafter", verdict) {

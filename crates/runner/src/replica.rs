@@ -98,7 +98,7 @@ fn any_rotates(cluster: &Cluster, model: &dyn CausalLm) -> Result<bool, String> 
 /// passes until rank 0 stops.
 ///
 /// `disk` opens this rank's disk tier (given its share of the model, see [`Lockstep::place`])
-/// where rank 0's runner has one. `draft` loads this rank's share of a drafter split with the
+/// where rank 0's runner has one (told whether this rank drafts). `draft` loads this rank's share of a drafter split with the
 /// model (`None` where rank 0's drafter runs on rank 0 alone); every rank agrees on it, as
 /// rank 0 reports its own drafter ([`Lockstep::agree`]).
 pub fn serve_following(
@@ -106,7 +106,7 @@ pub fn serve_following(
     mut model: Box<dyn CausalLm>,
     kv_cache: mlx::RowFormat,
     mode: Mode,
-    disk: impl FnOnce(&str, &str) -> Option<DiskTier>,
+    disk: impl FnOnce(&str, &str, bool) -> Option<DiskTier>,
     draft: impl FnOnce(&mut dyn CausalLm) -> Result<Option<Box<dyn DraftFollower>>, String>,
 ) -> Result<(), FollowError> {
     model.set_cache_format(kv_cache);
@@ -117,7 +117,13 @@ pub fn serve_following(
         return Err(FollowError::Refused);
     }
     let drafter = drafter.map_err(FollowError::Failed)?;
-    let disk = disk(model.architecture(), &place(cluster, mode));
+    // A share of the drafter changes what this rank's caches hold (the assistant's one key
+    // past the window), so the tier's key names it as rank 0's does.
+    let disk = disk(
+        model.architecture(),
+        &place(cluster, mode),
+        drafter.is_some(),
+    );
     follow(&*model, cluster, rotates, disk, drafter.as_deref()).map_err(FollowError::Failed)
 }
 
@@ -149,10 +155,10 @@ pub enum Call {
         cache: Vec<CacheOp>,
         restore: RestoreOp,
     },
-    /// A pass of a drafter split by tensors with the target (the gemma4 assistant's layers):
-    /// each rank runs its share over its caches of `rows`' sequences (rewound to where rank
-    /// 0's are) on the input that follows the call in one broadcast (`[1, rows, width]`,
-    /// float32 on the wire, `dtype` in the layers).
+    /// A pass of a drafter split with the target (the gemma4 assistant's layers): each rank
+    /// runs its part over its caches of `rows`' sequences (rewound to where rank 0's are) on
+    /// the input that follows the call in one broadcast (`[1, rows, width]`, float32 on the
+    /// wire, `dtype` in the layers).
     Draft {
         rows: Vec<DraftAt>,
         width: usize,
@@ -313,8 +319,8 @@ pub struct Leader {
     released: RefCell<Vec<u64>>,
 }
 
-/// A pass of a drafter split by tensors with the target: a call naming its rows, the input
-/// broadcast after it, then every rank's share of the layers, summed between them.
+/// A pass of a drafter split with the target: a call naming its rows, the input broadcast
+/// after it, then every rank's part of the layers, their outputs summed between the ranks.
 impl models::draft::DraftPeers for Line {
     fn pass(
         &self,
@@ -325,6 +331,7 @@ impl models::draft::DraftPeers for Line {
         if self.lost() {
             return Err(self.failed("a rank was lost earlier"));
         }
+        let x = input.astype(Dtype::F32)?;
         let call = Call::Draft {
             rows: rows
                 .iter()
@@ -335,7 +342,6 @@ impl models::draft::DraftPeers for Line {
             // In order with the passes, as a forward pass carries them.
             cache: self.take_pending(),
         };
-        let x = input.astype(Dtype::F32)?;
         self.watched("a draft pass", || {
             send(&self.cluster, &call)
                 .and_then(|_| self.cluster.broadcast(&x))

@@ -163,10 +163,11 @@ pub trait Drafter {
     }
 }
 
-/// Rank 0's line to the other ranks of a model split by tensors, for a drafter split the same
-/// way (the gemma4 assistant, whose layers read the target's caches, each rank its own heads).
+/// Rank 0's line to the other ranks of a split model, for a drafter split with it (the gemma4
+/// assistant, whose layers read the target's caches: each rank its own heads of them, or its
+/// own stage's).
 pub trait DraftPeers {
-    /// One pass of the drafter's split layers: tells the other ranks to run their share over
+    /// One pass of the drafter's split layers: tells the other ranks to run their part over
     /// `rows` (each row's sequence and the positions its target caches hold on rank 0) with
     /// `input` (`[1, R, H]`), then runs `own` (this rank's share, summing with theirs). An
     /// error is a lost rank.
