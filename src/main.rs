@@ -950,6 +950,14 @@ fn runner(a: RunnerArgs) -> Result<()> {
             argv: std::env::args().skip(1).collect(),
             rank_timeout: seconds(a.cluster.rank_timeout, "--rank-timeout")?,
             mode: a.cluster.parallel_mode.mode(),
+            draft: match &engine.draft {
+                Some(DraftSource::Model(files)) if models::is_assistant(files)? => Some(
+                    files
+                        .content_key()
+                        .with_context(|| format!("reading {}", files.origin.display()))?,
+                ),
+                _ => None,
+            },
         }),
     };
     let stored = &model.parameters;
@@ -1194,8 +1202,20 @@ fn worker(w: WorkerArgs) -> Result<()> {
             // layers); rank 0 runs every other drafter alone.
             let drafter = |target: &mut dyn models::CausalLm| match &cfg.draft {
                 Some(DraftSource::Model(files)) if cfg.draft_depth != Some(0) => {
+                    let name = files.origin.display();
+                    // Rank 0 names its copy's key where the ranks load parts of it.
+                    if let Some(want) = &job.draft {
+                        let key = files
+                            .content_key()
+                            .map_err(|e| format!("draft {name}: {e}"))?;
+                        if key != *want {
+                            return Err(format!(
+                                "its copy of the draft {name} differs from rank 0's"
+                            ));
+                        }
+                    }
                     models::load_draft_follower(files, target, dtype, cfg.draft_position)
-                        .map_err(|e| format!("draft {}: {e}", files.origin.display()))
+                        .map_err(|e| format!("draft {name}: {e}"))
                 }
                 _ => Ok(None),
             };

@@ -468,6 +468,72 @@ fn ranks_die_with_rank_0() {
     none_left(&hosts);
 }
 
+/// A rank whose copy of the gemma4 assistant differs, where the ranks load parts of it (a
+/// runner split by tensors): rank 0 names it in one line at start, the rank says nothing,
+/// and no one serves. Set up as above, the draft's path naming the dense-head assistant there.
+#[test]
+fn a_rank_with_another_draft_is_named_at_start() {
+    let Some(ip) = own_address() else {
+        eprintln!("skipped: this machine has no address besides loopback");
+        return;
+    };
+    let _one = RUNS.lock().unwrap_or_else(|e| e.into_inner());
+    let (d, hosts) = hostfile(&["127.0.0.1", &ip]);
+    let (here, there) = (d.path().join("here"), d.path().join("there"));
+    for (dir, draft) in [
+        (&here, "gemma4_assistant"),
+        (&there, "gemma4_assistant_dense"),
+    ] {
+        std::fs::create_dir(dir).unwrap();
+        std::os::unix::fs::symlink(fixture("gemma4_e2b_like"), dir.join("m")).unwrap();
+        std::os::unix::fs::symlink(fixture(draft), dir.join("d")).unwrap();
+    }
+    let port = ring_port(2).to_string();
+    let mut rank0 = mlx_runner()
+        .current_dir(&here)
+        .args([
+            "runner",
+            "--model",
+            "m",
+            "--draft",
+            "d",
+            "--ring-port",
+            &port,
+        ])
+        .args([
+            "--parallel-mode",
+            "tensor",
+            "--port",
+            "0",
+            "--join-timeout",
+            "20",
+        ])
+        .arg("--hostfile")
+        .arg(&hosts)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let worker = mlx_runner()
+        .current_dir(&there)
+        .args(["worker", "--rank", "1", "--ring-port", &port, "--hostfile"])
+        .arg(&hosts)
+        .output()
+        .unwrap();
+    let (status, err) = wait_within(&mut rank0, Duration::from_secs(30));
+    assert!(!status.success(), "{err}");
+    let last = err.lines().last().unwrap_or_default();
+    assert_eq!(
+        last, "error: loading the drafter: rank 1: its copy of the draft d differs from rank 0's",
+        "{err}"
+    );
+    assert!(!worker.status.success());
+    assert!(
+        worker.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&worker.stderr)
+    );
+}
+
 /// This machine's address on its outbound interface (no packet is sent), if it has one.
 fn own_address() -> Option<String> {
     let s = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;

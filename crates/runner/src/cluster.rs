@@ -146,6 +146,10 @@ pub struct Job {
     /// The seed of every rank's sampler where the request gives none: ranks that sample
     /// must draw the same tokens.
     pub seed: u64,
+    /// The content key of the draft model rank 0 names, where the other ranks load a part of
+    /// it (the gemma4 assistant's layers): each must hold the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draft: Option<String>,
 }
 
 impl Job {
@@ -162,6 +166,7 @@ impl Job {
                 .content_key()
                 .map_err(|e| format!("reading the model's files: {e}"))?,
             seed,
+            draft: None,
         })
     }
 }

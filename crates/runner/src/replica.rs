@@ -42,6 +42,9 @@ pub struct LeadConfig {
     pub rank_timeout: Duration,
     /// By layers or by tensors.
     pub mode: Mode,
+    /// The content key of the draft model, for the other ranks to compare with theirs
+    /// ([`crate::cluster::Job::draft`]).
+    pub draft: Option<String>,
 }
 
 /// Joins the ranks of `cfg` as rank 0 (starting those on this machine), shares the job, and
@@ -55,7 +58,10 @@ pub fn lead(
     broken: Arc<AtomicBool>,
 ) -> Result<(LoadedModel, Lockstep), String> {
     // Rank 0 samples for every sequence: the job's seed is unused.
-    let job = Job::of(cfg.argv.clone(), files, 0)?;
+    let job = Job {
+        draft: cfg.draft.clone(),
+        ..Job::of(cfg.argv.clone(), files, 0)?
+    };
     let cluster = Rc::new(Cluster::lead(&cfg.join, &job)?);
     let (mut loaded, held) = cluster.load_stage(files, dtype, Ends::First, cfg.mode)?;
     for (rank, h) in held.iter().enumerate() {
