@@ -468,72 +468,6 @@ fn ranks_die_with_rank_0() {
     none_left(&hosts);
 }
 
-/// A rank whose copy of the gemma4 assistant differs, where the ranks load parts of it (a
-/// runner split by tensors): rank 0 names it in one line at start, the rank says nothing,
-/// and no one serves. Set up as above, the draft's path naming the dense-head assistant there.
-#[test]
-fn a_rank_with_another_draft_is_named_at_start() {
-    let Some(ip) = own_address() else {
-        eprintln!("skipped: this machine has no address besides loopback");
-        return;
-    };
-    let _one = RUNS.lock().unwrap_or_else(|e| e.into_inner());
-    let (d, hosts) = hostfile(&["127.0.0.1", &ip]);
-    let (here, there) = (d.path().join("here"), d.path().join("there"));
-    for (dir, draft) in [
-        (&here, "gemma4_assistant"),
-        (&there, "gemma4_assistant_dense"),
-    ] {
-        std::fs::create_dir(dir).unwrap();
-        std::os::unix::fs::symlink(fixture("gemma4_e2b_like"), dir.join("m")).unwrap();
-        std::os::unix::fs::symlink(fixture(draft), dir.join("d")).unwrap();
-    }
-    let port = ring_port(2).to_string();
-    let mut rank0 = mlx_runner()
-        .current_dir(&here)
-        .args([
-            "runner",
-            "--model",
-            "m",
-            "--draft",
-            "d",
-            "--ring-port",
-            &port,
-        ])
-        .args([
-            "--parallel-mode",
-            "tensor",
-            "--port",
-            "0",
-            "--join-timeout",
-            "20",
-        ])
-        .arg("--hostfile")
-        .arg(&hosts)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let worker = mlx_runner()
-        .current_dir(&there)
-        .args(["worker", "--rank", "1", "--ring-port", &port, "--hostfile"])
-        .arg(&hosts)
-        .output()
-        .unwrap();
-    let (status, err) = wait_within(&mut rank0, Duration::from_secs(30));
-    assert!(!status.success(), "{err}");
-    let last = err.lines().last().unwrap_or_default();
-    assert_eq!(
-        last, "error: loading the drafter: rank 1: its copy of the draft d differs from rank 0's",
-        "{err}"
-    );
-    assert!(!worker.status.success());
-    assert!(
-        worker.stderr.is_empty(),
-        "{}",
-        String::from_utf8_lossy(&worker.stderr)
-    );
-}
-
 /// This machine's address on its outbound interface (no packet is sent), if it has one.
 fn own_address() -> Option<String> {
     let s = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
@@ -542,35 +476,31 @@ fn own_address() -> Option<String> {
     (!ip.is_loopback() && !ip.is_unspecified()).then(|| ip.to_string())
 }
 
-/// A rank whose copy of the model differs: rank 0 names it, no one loads, every rank ends.
-/// Rank 1 sits on this machine's own non-loopback address, so rank 0 leaves it to be started
-/// by hand, as on another host, from a directory where the model's path names another model.
-#[test]
-fn a_rank_with_another_model_is_named_before_loading() {
+/// Rank 0 run with `args` from one directory and rank 1 started by hand from another, each
+/// holding `links` (a name and the fixtures it names here and there): rank 1 sits on this
+/// machine's own non-loopback address, so rank 0 leaves it to be started as on another host.
+/// Rank 0's last line of stderr, once it has failed as it must, and the line count; `None`
+/// where this machine has no such address. Rank 1 must end quietly with a failure.
+fn with_another_copy(args: &[&str], links: &[(&str, &str, &str)]) -> Option<(String, usize)> {
     let Some(ip) = own_address() else {
         eprintln!("skipped: this machine has no address besides loopback");
-        return;
+        return None;
     };
     let _one = RUNS.lock().unwrap_or_else(|e| e.into_inner());
     let (d, hosts) = hostfile(&["127.0.0.1", &ip]);
     let (here, there) = (d.path().join("here"), d.path().join("there"));
-    for (dir, model) in [(&here, "gemma4_31b_like"), (&there, "gemma4_26b_a4b_like")] {
+    for (i, dir) in [&here, &there].into_iter().enumerate() {
         std::fs::create_dir(dir).unwrap();
-        std::os::unix::fs::symlink(fixture(model), dir.join("m")).unwrap();
+        for &(name, mine, theirs) in links {
+            let target = fixture([mine, theirs][i]);
+            std::os::unix::fs::symlink(target, dir.join(name)).unwrap();
+        }
     }
     let port = ring_port(2).to_string();
     let mut rank0 = mlx_runner()
         .current_dir(&here)
-        .args([
-            "generate",
-            "--model",
-            "m",
-            "--prompt",
-            "hi",
-            "--ring-port",
-            &port,
-        ])
-        .args(["--join-timeout", "20", "--hostfile"])
+        .args(args)
+        .args(["--ring-port", &port, "--join-timeout", "20", "--hostfile"])
         .arg(&hosts)
         .stderr(Stdio::piped())
         .spawn()
@@ -583,15 +513,54 @@ fn a_rank_with_another_model_is_named_before_loading() {
         .unwrap();
     let (status, err) = wait_within(&mut rank0, Duration::from_secs(30));
     assert!(!status.success(), "{err}");
-    assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(
-        err.contains("checking the model: rank 1: its copy of m differs from rank 0's"),
-        "{err}"
-    );
     assert!(!worker.status.success());
     assert!(
         worker.stderr.is_empty(),
         "{}",
         String::from_utf8_lossy(&worker.stderr)
     );
+    let last = err.lines().last().unwrap_or_default().to_string();
+    Some((last, err.lines().count()))
+}
+
+/// A rank whose copy of the model differs: rank 0 names it, no one loads, every rank ends.
+#[test]
+fn a_rank_with_another_model_is_named_before_loading() {
+    let args = ["generate", "--model", "m", "--prompt", "hi"];
+    let links = [("m", "gemma4_31b_like", "gemma4_26b_a4b_like")];
+    if let Some((last, lines)) = with_another_copy(&args, &links) {
+        assert_eq!(lines, 1, "{last}");
+        assert_eq!(
+            last, "error: checking the model: rank 1: its copy of m differs from rank 0's",
+            "{last}"
+        );
+    }
+}
+
+/// A rank whose copy of the gemma4 assistant differs, where the ranks load parts of it (a
+/// runner split by tensors): rank 0 names it in one line at start, and no one serves.
+#[test]
+fn a_rank_with_another_draft_is_named_at_start() {
+    let args = [
+        "runner",
+        "--model",
+        "m",
+        "--draft",
+        "d",
+        "--parallel-mode",
+        "tensor",
+        "--port",
+        "0",
+    ];
+    let links = [
+        ("m", "gemma4_e2b_like", "gemma4_e2b_like"),
+        ("d", "gemma4_assistant", "gemma4_assistant_dense"),
+    ];
+    if let Some((last, _)) = with_another_copy(&args, &links) {
+        assert_eq!(
+            last,
+            "error: loading the drafter: rank 1: its copy of the draft d differs from rank 0's",
+            "{last}"
+        );
+    }
 }
