@@ -103,10 +103,10 @@ fn any_rotates(cluster: &Cluster, model: &dyn CausalLm) -> Result<bool, String> 
 /// A rank other than 0 of a split model served over HTTP, its stage loaded: replays rank 0's
 /// passes until rank 0 stops.
 ///
-/// `disk` opens this rank's disk tier (given its share of the model, see [`Lockstep::place`])
-/// where rank 0's runner has one (told whether this rank drafts). `draft` loads this rank's share of a drafter split with the
-/// model (`None` where rank 0's drafter runs on rank 0 alone); every rank agrees on it, as
-/// rank 0 reports its own drafter ([`Lockstep::agree`]).
+/// `disk` opens this rank's disk tier (given its share of the model, see [`Lockstep::place`],
+/// and whether this rank drafts) where rank 0's runner has one. `draft` loads this rank's part
+/// of a drafter split with the model (`None` where rank 0's drafter runs on rank 0 alone);
+/// every rank agrees on it, as rank 0 reports its own drafter ([`Lockstep::agree`]).
 pub fn serve_following(
     cluster: &Cluster,
     mut model: Box<dyn CausalLm>,
