@@ -736,15 +736,6 @@ enum ParallelMode {
     Tensor,
 }
 
-impl ParallelMode {
-    fn mode(self) -> models::parallel::Mode {
-        match self {
-            ParallelMode::Pipeline => models::parallel::Mode::Pipeline,
-            ParallelMode::Tensor => models::parallel::Mode::Tensor,
-        }
-    }
-}
-
 #[derive(clap::Args, Clone)]
 struct ClusterArgs {
     /// Split the model over the ranks this hostfile names (mlx.launch's JSON: one
@@ -765,6 +756,15 @@ struct ClusterArgs {
     /// stalls ends the run with an error rather than a hang).
     #[arg(long, default_value_t = 120.0)]
     rank_timeout: f64,
+    /// Split by layers, a pass of at least this many tokens (a prefill chunk, a large verify
+    /// block) goes down the ranks as micro-batches, one per rank, so that they work at once;
+    /// 0 keeps every pass whole.
+    #[arg(long, default_value_t = 128)]
+    micro_batch_tokens: usize,
+    /// Leave the ranks this process starts on this machine to the scheduler, rather than
+    /// giving each its own share of the CPUs.
+    #[arg(long)]
+    no_pin: bool,
 }
 
 #[derive(clap::Args)]
@@ -782,12 +782,22 @@ struct WorkerArgs {
 }
 
 impl ClusterArgs {
+    fn mode(&self) -> models::parallel::Mode {
+        match self.parallel_mode {
+            ParallelMode::Pipeline => models::parallel::Mode::Pipeline {
+                micro_tokens: self.micro_batch_tokens,
+            },
+            ParallelMode::Tensor => models::parallel::Mode::Tensor,
+        }
+    }
+
     fn join_options(&self, hostfile: &std::path::Path, rank: usize) -> Result<JoinOptions> {
         Ok(JoinOptions {
             hostfile: hostfile.to_path_buf(),
             rank,
             ring_port: self.ring_port,
             timeout: seconds(self.join_timeout, "--join-timeout")?,
+            pin: !self.no_pin,
         })
     }
 }
@@ -949,7 +959,7 @@ fn runner(a: RunnerArgs) -> Result<()> {
             join: a.cluster.join_options(hostfile, 0)?,
             argv: std::env::args().skip(1).collect(),
             rank_timeout: seconds(a.cluster.rank_timeout, "--rank-timeout")?,
-            mode: a.cluster.parallel_mode.mode(),
+            mode: a.cluster.mode(),
             draft: match &engine.draft {
                 Some(DraftSource::Model(files)) if models::is_assistant(files)? => Some(
                     files
@@ -1125,6 +1135,7 @@ fn worker(w: WorkerArgs) -> Result<()> {
         rank: w.rank,
         ring_port: w.ring_port,
         timeout: seconds(w.join_timeout, "--join-timeout")?,
+        pin: false,
     };
     if opts.rank == 0 {
         anyhow::bail!("--rank 0 is the process the hostfile is given to, not a worker");
@@ -1184,7 +1195,7 @@ fn worker(w: WorkerArgs) -> Result<()> {
     match followed {
         Followed::Generate(a) => run_generate(a, cfg, model, Some((&cluster, job.seed))),
         Followed::Runner(a) => {
-            let mode = a.cluster.parallel_mode.mode();
+            let mode = a.cluster.mode();
             let (loaded, _) = cluster
                 .load_stage(&cfg.model, a.dtype, models::parallel::Ends::First, mode)
                 .map_err(quietly)?;
@@ -1267,7 +1278,7 @@ fn run_generate(
             if cfg.draft_depth.is_none() {
                 cfg.draft_depth = Some(0);
             }
-            let mode = a.cluster.parallel_mode.mode();
+            let mode = a.cluster.mode();
             match c.load_stage(
                 &cfg.model,
                 a.dtype,

@@ -120,6 +120,38 @@ fn pipeline_output_is_one_process_output_on_every_fixture() {
     }
 }
 
+/// Split by layers into micro-batches (every pass of 2 tokens or more cut into one per rank:
+/// the prompt's pass inside its one row), the tokens are one process's and the logprobs within
+/// 1e-4 of its: a row's second piece reads the keys its first piece cached instead of computing
+/// them in the same pass.
+#[test]
+fn micro_batches_give_one_process_output() {
+    let _one = RUNS.lock().unwrap_or_else(|e| e.into_inner());
+    let args = ["-n", "12", "--json", "--top-logprobs", "3"];
+    let prompt = "Once upon a time, in a land far away, there lived";
+    for (model, ranks) in [
+        ("glm4_moe_lite", 2),
+        ("gemma4_31b_like", 3),
+        ("gemma4_e2b_like", 2),
+    ] {
+        let alone = chunks(&generate_from(model, prompt, &args, None).output().unwrap());
+        let (_d, hosts) = local(ranks);
+        let micro = [&args[..], &["--micro-batch-tokens", "2"]].concat();
+        let split = chunks(
+            &generate_from(model, prompt, &micro, Some(&hosts))
+                .output()
+                .unwrap(),
+        );
+        let what = format!("{model} over {ranks} ranks in micro-batches");
+        assert_eq!(split.len(), alone.len(), "{what}");
+        for (i, (a, b)) in split.iter().zip(&alone).enumerate() {
+            let a: serde_json::Value = serde_json::from_str(a).unwrap();
+            let b: serde_json::Value = serde_json::from_str(b).unwrap();
+            alike(&a, &b, 1e-4, &format!("{what}: chunk {i}"));
+        }
+    }
+}
+
 /// `a` and `b` alike, numbers within `tol` (logprobs; token ids differ by whole numbers).
 fn alike(a: &serde_json::Value, b: &serde_json::Value, tol: f64, at: &str) {
     use serde_json::Value as V;
@@ -294,54 +326,41 @@ fn a_rank_that_never_joins_is_one_line_within_the_timeout() {
 #[test]
 fn bad_cluster_arguments_are_clear_errors() {
     let (_d, hosts) = hostfile(&[]);
-    let out = generate("gemma4_31b_like", &[], Some(&hosts))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && err.contains("names no ranks"),
-        "{err}"
+    refused(
+        generate("gemma4_31b_like", &[], Some(&hosts)),
+        "names no ranks",
     );
     let (_d, hosts) = local(2);
-    let out = generate("gemma4_31b_like", &["--draft", "ngram"], Some(&hosts))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && err.contains("--draft over ranks needs a fixed --draft-depth"),
-        "{err}"
+    refused(
+        generate("gemma4_31b_like", &["--draft", "ngram"], Some(&hosts)),
+        "--draft over ranks needs a fixed --draft-depth",
     );
     // Every rank of `generate` runs the whole loop; the split assistant needs rank 0 leading.
     let assistant = fixture("gemma4_assistant");
-    let out = generate(
-        "gemma4_e2b_like",
-        &[
-            "--draft",
-            &assistant,
-            "--draft-depth",
-            "2",
-            "--parallel-mode",
-            "tensor",
-        ],
-        Some(&hosts),
-    )
-    .output()
-    .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && err.contains("not in `generate`"),
-        "{err}"
+    let split_assistant = [
+        "--draft",
+        &assistant,
+        "--draft-depth",
+        "2",
+        "--parallel-mode",
+        "tensor",
+    ];
+    refused(
+        generate("gemma4_e2b_like", &split_assistant, Some(&hosts)),
+        "not in `generate`",
     );
-    let out = mlx_runner()
+    let mut worker = mlx_runner();
+    worker
         .args(["worker", "--rank", "0", "--hostfile"])
-        .arg(&hosts)
-        .output()
-        .unwrap();
+        .arg(&hosts);
+    refused(worker, "--rank 0 is the process");
+}
+
+/// `cmd` fails, saying `why`.
+fn refused(mut cmd: Command, why: &str) {
+    let out = cmd.output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && err.contains("--rank 0 is the process"),
-        "{err}"
-    );
+    assert!(!out.status.success() && err.contains(why), "{err}");
 }
 
 /// The processes whose command line names `hostfile`: the run's ranks.

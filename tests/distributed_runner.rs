@@ -108,6 +108,72 @@ fn a_split_model_serves_what_one_process_serves() {
     }
 }
 
+/// In micro-batches (every pass of 2 tokens or more cut into one per rank), rank 0 computes
+/// the next micro-batch before taking the previous one's final hidden states back: one request
+/// at a time (its prompt's chunks cut inside the row) and several at once (their rows shared
+/// out among the micro-batches, a decode step's included), the same text and logprobs within
+/// 1e-4 as one process; an image's tokens stay in one micro-batch.
+#[test]
+fn micro_batches_serve_what_one_process_serves() {
+    let prompts = [
+        "The quick brown fox",
+        "Once upon a time, in a land far away",
+        "1, 2, 3, 4,",
+    ];
+    let requests: Vec<Value> = prompts.iter().map(|p| request(p)).collect();
+    for (model, ranks) in [("glm4_moe_lite", 2), ("gemma4_31b_like", 3)] {
+        let same = ["--prefill-chunk", "8", "--no-draft", "--cache-budget", "0"];
+        let solo = Runner::start(model, &[&same[..], &["--parallel", "1"]].concat());
+        let alone = one_by_one(&solo, &requests);
+        drop(solo);
+        let (_d, hosts) = local(ranks);
+        let micro = ["--parallel", "4", "--micro-batch-tokens", "2"];
+        let split = Arc::new(split_runner(
+            model,
+            ranks,
+            &hosts,
+            &[&same[..], &micro].concat(),
+        ));
+        for (i, b) in requests.iter().enumerate() {
+            let what = format!("{model}: request {i} in micro-batches");
+            close(&outcome(&split.complete(b)), &alone[i], &what);
+        }
+        for (i, got) in all_at_once(&split, &requests).iter().enumerate() {
+            close(
+                got,
+                &alone[i],
+                &format!("{model}: request {i} together in micro-batches"),
+            );
+        }
+    }
+    use base64::Engine;
+    let model = "gemma4_vision_like";
+    let image = std::fs::read(common::fixture(model).join("images").join("wide.png")).unwrap();
+    let body = json!({
+        "Prompt": "Describe [img-0] now.",
+        "Media": [{"data": base64::engine::general_purpose::STANDARD.encode(image), "id": 0}],
+        "Options": {"num_predict": 8, "temperature": 0, "repeat_penalty": 1.0},
+        "Logprobs": true,
+    });
+    let solo = Runner::start(model, &["--no-draft", "--cache-budget", "0"]);
+    let want = outcome(&solo.complete(&body));
+    drop(solo);
+    let (_d, hosts) = local(2);
+    let micro = [
+        "--no-draft",
+        "--cache-budget",
+        "0",
+        "--micro-batch-tokens",
+        "2",
+    ];
+    let split = split_runner(model, 2, &hosts, &micro);
+    close(
+        &outcome(&split.complete(&body)),
+        &want,
+        "an image in micro-batches",
+    );
+}
+
 /// A rank killed mid-stream: the stream ends with an in-stream error, rank 0 exits non-zero
 /// (its parent starts it again) and no rank is left running. Rank 0 is held still while the
 /// rank dies, so the kill lands mid-stream however fast the model is.

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <dlfcn.h>
+#include <sched.h>
 #include <immintrin.h>
 #include <cstdlib>
 #include <cstring>
@@ -47,6 +48,19 @@ struct Aligned64 {
   bool operator==(const Aligned64<U>&) const { return true; }
 };
 
+// The CPUs this process may run on: its affinity where it has one (a rank that rank 0 gave its
+// own share of the machine), else every core. std::thread::hardware_concurrency counts the
+// machine's, and a pool of that many threads on a share of one core made them take turns.
+inline unsigned usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return (unsigned)n;
+  }
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
 // The caller and (cores - 1) workers, sharing each job's chunks through an atomic counter.
 //
 // A job's chunks are claimed one at a time by whoever is running, so a worker that wakes late
@@ -58,7 +72,7 @@ struct Aligned64 {
 class Pool {
  public:
   Pool() {
-    unsigned n = std::max(1u, std::thread::hardware_concurrency());
+    const unsigned n = usable_cpus();
     for (unsigned i = 1; i < n; ++i) {
       workers_.emplace_back([this] { work(); });
     }

@@ -107,6 +107,7 @@ pub mod ffi {
         fn version() -> String;
         fn blas_library() -> String;
         fn openblas_config() -> String;
+        fn set_blas_threads(n: i32);
         fn gpu_available() -> bool;
         fn set_default_device(gpu: bool) -> Result<()>;
         fn default_device_is_gpu() -> bool;

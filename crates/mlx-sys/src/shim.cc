@@ -18,6 +18,7 @@
 
 #ifdef MLXR_OPENBLAS_WHEEL
 extern "C" const char* mlxr_blas_config(void);
+extern "C" void mlxr_blas_set_threads(int n);
 
 namespace {
 // As below, for the forwarder to the wheel's OpenBLAS (crates/mlx-sys/src/blas_forward.c).
@@ -27,6 +28,7 @@ namespace {
 
 #ifdef MLXR_OPENBLAS
 extern "C" char* openblas_get_config(void);
+extern "C" void openblas_set_num_threads(int n);
 
 namespace {
 // Referenced from a static initializer so that the linker keeps libopenblas among the NEEDED
@@ -129,6 +131,16 @@ rust::String openblas_config() {
   return rust::String(std::string(c ? c : "") + " (scipy-openblas wheel)");
 #else
   return rust::String("");
+#endif
+}
+
+void set_blas_threads(int n) {
+#if defined(MLXR_OPENBLAS)
+  openblas_set_num_threads(n);
+#elif defined(MLXR_OPENBLAS_WHEEL)
+  mlxr_blas_set_threads(n);
+#else
+  (void)n;
 #endif
 }
 

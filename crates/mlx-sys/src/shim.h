@@ -37,6 +37,7 @@ using I32s = rust::Slice<const int32_t>;
 rust::String version();
 rust::String blas_library();
 rust::String openblas_config();
+void set_blas_threads(int n);
 bool gpu_available();
 void set_default_device(bool gpu);
 bool default_device_is_gpu();

@@ -30,6 +30,7 @@ pub use ops::{concatenate, stack, where_, QuantMode, Quantized};
 pub use rows::{RowFormat, Rows};
 pub use runtime::{
     async_eval, blas_library, default_device, eval, gpu_available, graph_ops, init_thread,
-    openblas_config, quantized_kernel_counts, quantized_kernel_description, set_default_device,
-    set_quantized_kernel, set_quantized_unpacking, synchronize, version, Device,
+    openblas_config, quantized_kernel_counts, quantized_kernel_description, set_blas_threads,
+    set_default_device, set_quantized_kernel, set_quantized_unpacking, synchronize, version,
+    Device,
 };

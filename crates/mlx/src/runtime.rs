@@ -20,6 +20,12 @@ pub fn openblas_config() -> Option<String> {
     Some(ffi::openblas_config()).filter(|s| !s.is_empty())
 }
 
+/// How many threads OpenBLAS runs a product on (it counts the CPUs once, when it loads: a
+/// process whose CPUs are cut down later says so here). No effect without OpenBLAS.
+pub fn set_blas_threads(n: usize) {
+    ffi::set_blas_threads(n.clamp(1, i32::MAX as usize) as i32)
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
     Cpu,

@@ -13,6 +13,7 @@ use crate::nn::{
 use crate::packed::{check_rows, single_row};
 use crate::parallel::{self, Shard, Split, Stage};
 use crate::parts::{self, Part};
+use crate::pipeline;
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
 use cache::{AttnMask, KvCache, LayerCache, RotatingKvCache};
@@ -1230,6 +1231,12 @@ impl CausalLm for Gemma4 {
         let eps = self.cfg.rms_norm_eps;
         let expected = self.cache_slot.iter().flatten().count();
         check_rows(tokens, rows, expected, "gemma4")?;
+        if let Some((stage, _)) = &self.stage {
+            let pass = |t: &Array, r: &mut [PackedRow<'_>]| self.forward_packed(t, r);
+            if let Some(h) = pipeline::micro_batched(stage, tokens, rows, pass)? {
+                return Ok(h);
+            }
+        }
         // A later stage without per-layer inputs needs no embeddings: the residual stream
         // arrives from the previous rank.
         let embeds = match &self.stage {

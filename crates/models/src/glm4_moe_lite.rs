@@ -13,6 +13,7 @@ use crate::nn::{forward_all, norm, Activation, Embedding, Experts, GatedMlp, Lin
 use crate::packed::{check_rows, single_row};
 use crate::parallel::{self, Shard, Split, Stage};
 use crate::parts::{self, Part};
+use crate::pipeline;
 use crate::weights::{Vb, Weights};
 use crate::{CausalLm, ModelError, PackedRow, Result};
 use cache::{LatentCache, LayerCache};
@@ -874,6 +875,12 @@ impl CausalLm for Glm4MoeLite {
 
     fn forward_packed(&self, tokens: &Array, rows: &mut [PackedRow<'_>]) -> Result<Array> {
         check_rows(tokens, rows, self.layers.len(), "glm4_moe_lite")?;
+        if let Some(stage) = &self.stage {
+            let pass = |t: &Array, r: &mut [PackedRow<'_>]| self.forward_packed(t, r);
+            if let Some(h) = pipeline::micro_batched(stage, tokens, rows, pass)? {
+                return Ok(h);
+            }
+        }
         if rows.iter().any(|r| !r.media.is_empty()) {
             return Err(ModelError::Invalid(
                 "glm4_moe_lite takes no images or audio".into(),

@@ -24,6 +24,7 @@ pub mod nn;
 mod packed;
 pub mod parallel;
 mod parts;
+pub mod pipeline;
 mod prequant;
 mod tokenizer;
 pub mod weights;
@@ -458,14 +459,14 @@ fn load_impl(
     let weights = Weights::load_files(files, dtype, quant)?;
     let ranks = group.as_ref().map_or(1, |(g, _, _)| g.size());
     let split = match group {
-        Some((g, ends, parallel::Mode::Pipeline)) if ranks > 1 => {
+        Some((g, ends, parallel::Mode::Pipeline { micro_tokens })) if ranks > 1 => {
             let ranges = match &arch {
                 Arch::Gemma4(cfg) => gemma4::Gemma4::split(cfg, &weights, ranks, ends)?,
                 Arch::Glm(cfg) => glm4_moe_lite::Glm4MoeLite::split(cfg, &weights, ranks, ends)?,
             };
-            Some(parallel::Split::Layers(parallel::Stage::new(
-                g, &ranges, dtype, ends,
-            )?))
+            Some(parallel::Split::Layers(
+                parallel::Stage::new(g, &ranges, dtype, ends)?.with_micro_batches(micro_tokens),
+            ))
         }
         Some((g, ends, parallel::Mode::Tensor)) if ranks > 1 => {
             Some(parallel::Split::Tensors(parallel::Shard::new(g, ends)))

@@ -11,17 +11,29 @@
 use crate::{ModelError, Result};
 use mlx::distributed::Group;
 use mlx::{Array, Dtype};
+use std::cell::RefCell;
 use std::ops::Range;
 use std::rc::Rc;
 
 /// How a model is split over ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
-    /// Contiguous layers per rank ([`Stage`]).
-    Pipeline,
+    /// Contiguous layers per rank ([`Stage`]); passes of at least `micro_tokens` tokens (0:
+    /// none) go down the stages as micro-batches ([`crate::pipeline`]).
+    Pipeline { micro_tokens: usize },
     /// Every layer on every rank, each holding its share of the heads and hidden units
     /// ([`Shard`]).
     Tensor,
+}
+
+impl Mode {
+    /// The split's name, whatever its settings: what decides how the ranks' caches divide.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Pipeline { .. } => "Pipeline",
+            Mode::Tensor => "Tensor",
+        }
+    }
 }
 
 /// This rank's part of a split model, either way.
@@ -66,6 +78,20 @@ pub struct Stage {
     /// What the hidden states cross between ranks in: the model's compute dtype.
     dtype: Dtype,
     ends: Ends,
+    /// Passes of at least this many tokens go down the stages as micro-batches
+    /// ([`crate::pipeline`]); 0: never.
+    micro_tokens: usize,
+    /// Set while a pass runs as micro-batches.
+    flight: RefCell<Option<Flight>>,
+}
+
+/// Rank 0's side of a pass in micro-batches where rank 0 leads ([`Ends::First`]): the shape of
+/// the micro-batch whose final hidden states are still to come back from the last stage, and
+/// those that have.
+#[derive(Clone, Default)]
+struct Flight {
+    pending: Option<Vec<i32>>,
+    landed: Vec<Array>,
 }
 
 impl Stage {
@@ -89,7 +115,66 @@ impl Stage {
             layers,
             dtype,
             ends,
+            micro_tokens: 0,
+            flight: RefCell::new(None),
         })
+    }
+
+    /// Passes of at least `tokens` tokens (0: none) run as micro-batches, one per stage.
+    pub fn with_micro_batches(mut self, tokens: usize) -> Stage {
+        self.micro_tokens = tokens;
+        self
+    }
+
+    /// How many micro-batches a pass of `tokens` tokens is cut into: one (the pass whole) where
+    /// micro-batches are off, the pass is short, or a micro-batch is already running.
+    pub(crate) fn micro_batches(&self, tokens: usize) -> usize {
+        let off = self.micro_tokens == 0 || tokens < self.micro_tokens;
+        if off || self.flight.borrow().is_some() {
+            return 1;
+        }
+        self.group.size().min(tokens)
+    }
+
+    /// Starts a pass in micro-batches: until [`Stage::land`], rank 0 leading leaves each
+    /// micro-batch's final hidden states on their way back while it computes the next one.
+    pub(crate) fn take_off(&self) {
+        *self.flight.borrow_mut() = Some(Flight::default());
+    }
+
+    /// Ends a pass in micro-batches: on rank 0 leading, every micro-batch's final hidden
+    /// states in order (the last one received here); elsewhere `None` (each micro-batch's pass
+    /// returned its own).
+    pub(crate) fn land(&self) -> Result<Option<Vec<Array>>> {
+        let Some(mut flight) = self.flight.borrow_mut().take() else {
+            return Ok(None);
+        };
+        if !self.leads_a_return() {
+            return Ok(None);
+        }
+        if let Some(shape) = flight.pending.take() {
+            flight.landed.push(self.receive_last(&shape)?);
+        }
+        Ok(Some(flight.landed))
+    }
+
+    /// Drops a pass in micro-batches that failed part way.
+    pub(crate) fn abort_flight(&self) {
+        self.flight.borrow_mut().take();
+    }
+
+    /// Whether this rank sends the residual stream on and gets the final hidden states back
+    /// (rank 0 leading a model of several stages).
+    fn leads_a_return(&self) -> bool {
+        self.ends == Ends::First && self.is_first() && !self.is_last()
+    }
+
+    /// The final hidden states of `shape` from the last stage, evaluated here.
+    fn receive_last(&self, shape: &[i32]) -> Result<Array> {
+        let out = self.group.recv(shape, self.dtype, self.group.size() - 1)?;
+        out.eval()?;
+        mlx::synchronize()?;
+        Ok(out)
     }
 
     pub fn layers(&self) -> Range<usize> {
@@ -149,7 +234,6 @@ impl Stage {
     /// Where rank 0 leads ([`Ends::First`]), the last stage sends `out` to rank 0 instead, and
     /// rank 0 returns what it receives.
     pub fn leave(&self, h: &Array, out: Option<Array>) -> Result<Array> {
-        let last = self.group.size() - 1;
         match out {
             Some(out) if self.is_last() => {
                 if self.ends == Ends::First {
@@ -164,16 +248,39 @@ impl Stage {
             _ if self.is_last() => Err(ModelError::Invalid(
                 "the last stage ended without final hidden states".into(),
             )),
+            _ if self.leads_a_return() && self.flight.borrow().is_some() => {
+                // In micro-batches: this one's residual stream is computed before waiting on
+                // the previous one's return, and sent only after it: the last stage sends
+                // that return before it receives this one, so two sends never wait on each
+                // other whatever their size.
+                let x = h.astype(self.dtype)?;
+                x.eval()?;
+                mlx::synchronize()?;
+                let previous = self
+                    .flight
+                    .borrow_mut()
+                    .as_mut()
+                    .and_then(|f| f.pending.take());
+                if let Some(shape) = previous {
+                    let back = self.receive_last(&shape)?;
+                    if let Some(f) = self.flight.borrow_mut().as_mut() {
+                        f.landed.push(back);
+                    }
+                }
+                self.group.send(&x, self.rank() + 1)?.eval()?;
+                mlx::synchronize()?;
+                if let Some(f) = self.flight.borrow_mut().as_mut() {
+                    f.pending = Some(h.shape());
+                }
+                Ok(Array::zeros(&h.shape(), self.dtype)?)
+            }
             _ => {
                 self.group
                     .send(&h.astype(self.dtype)?, self.rank() + 1)?
                     .eval()?;
                 mlx::synchronize()?;
                 if self.ends == Ends::First && self.is_first() {
-                    let out = self.group.recv(&h.shape(), self.dtype, last)?;
-                    out.eval()?;
-                    mlx::synchronize()?;
-                    return Ok(out);
+                    return self.receive_last(&h.shape());
                 }
                 Ok(Array::zeros(&h.shape(), self.dtype)?)
             }

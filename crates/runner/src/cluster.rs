@@ -115,6 +115,8 @@ pub struct JoinOptions {
     pub ring_port: u16,
     /// How long the ring may take to form before this rank gives up with an error.
     pub timeout: Duration,
+    /// Rank 0: give each rank on this machine its own share of the CPUs ([`pin_shares`]).
+    pub pin: bool,
 }
 
 impl JoinOptions {
@@ -232,12 +234,28 @@ impl Cluster {
             children: Vec::new(),
         };
         if opts.rank == 0 {
-            for (rank, host) in hostfile.hosts.iter().enumerate().skip(1) {
-                if host.is_local() {
-                    local
-                        .children
-                        .push((rank, spawn_worker(&worker_args(rank))?));
-                }
+            let here: Vec<usize> = (1..size)
+                .filter(|&r| hostfile.hosts[r].is_local())
+                .collect();
+            let shares = if opts.pin && !here.is_empty() {
+                pin_shares(here.len() + 1)
+            } else {
+                None
+            };
+            for (i, &rank) in here.iter().enumerate() {
+                let cpus = shares.as_ref().map(|s| cpu_set(&s[i + 1]));
+                local
+                    .children
+                    .push((rank, spawn_worker(&worker_args(rank), cpus)?));
+            }
+            if let Some(shares) = &shares {
+                pin_self(&shares[0])?;
+                let ranks: Vec<String> = std::iter::once(0)
+                    .chain(here.iter().copied())
+                    .zip(shares)
+                    .map(|(r, cpus)| format!("rank {r} on CPUs {}", cpu_list(cpus)))
+                    .collect();
+                tracing::info!("ranks on this machine: {}", ranks.join(", "));
             }
         }
         let watchdog = Watchdog::start(
@@ -482,9 +500,108 @@ impl Drop for Local {
     }
 }
 
-/// Starts this executable with `args` as a rank on this machine. It is killed when this
-/// process dies, however it dies, so no rank outlives rank 0.
-fn spawn_worker(args: &[String]) -> Result<Child, String> {
+/// The CPUs this process may run on, in order.
+fn allowed_cpus() -> Vec<usize> {
+    // SAFETY: a zeroed cpu_set_t is an empty set; sched_getaffinity fills it.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    if unsafe { libc::sched_getaffinity(0, size, &mut set) } != 0 {
+        return Vec::new();
+    }
+    (0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect()
+}
+
+/// This process's CPUs cut into `ranks` contiguous shares as even as they go (the first ones
+/// a CPU larger where they do not divide), or `None` where there are fewer CPUs than ranks.
+///
+/// Ranks on one machine left to the scheduler take each other's cores: a rank waiting on the
+/// ring polls its sockets, and each rank's kernels start a thread per core of the machine, so a
+/// rank computing runs beside its peers' spinning threads. On the 2-core VM a 2-rank pipeline's
+/// prefill of gemma4 31B's widths ran at half the speed it has with a core each
+/// (docs/DISTRIBUTED.md, "Ranks on one machine").
+pub fn pin_shares(ranks: usize) -> Option<Vec<Vec<usize>>> {
+    let cpus = allowed_cpus();
+    shares(&cpus, ranks)
+}
+
+fn shares(cpus: &[usize], ranks: usize) -> Option<Vec<Vec<usize>>> {
+    if ranks == 0 || cpus.len() < ranks {
+        return None;
+    }
+    let (each, extra) = (cpus.len() / ranks, cpus.len() % ranks);
+    let mut at = 0;
+    Some(
+        (0..ranks)
+            .map(|r| {
+                let n = each + usize::from(r < extra);
+                at += n;
+                cpus[at - n..at].to_vec()
+            })
+            .collect(),
+    )
+}
+
+fn cpu_set(cpus: &[usize]) -> libc::cpu_set_t {
+    // SAFETY: a zeroed cpu_set_t is an empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for &c in cpus {
+        unsafe { libc::CPU_SET(c, &mut set) };
+    }
+    set
+}
+
+/// "0-3,8" for [0, 1, 2, 3, 8].
+fn cpu_list(cpus: &[usize]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < cpus.len() {
+        let mut j = i;
+        while j + 1 < cpus.len() && cpus[j + 1] == cpus[j] + 1 {
+            j += 1;
+        }
+        parts.push(if i == j {
+            cpus[i].to_string()
+        } else {
+            format!("{}-{}", cpus[i], cpus[j])
+        });
+        i = j + 1;
+    }
+    parts.join(",")
+}
+
+/// Pins every thread this process has to `cpus` (threads started later inherit it from the
+/// thread that starts them), and tells OpenBLAS, which counted the CPUs when it loaded.
+fn pin_self(cpus: &[usize]) -> Result<(), String> {
+    let set = cpu_set(cpus);
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    let tasks = std::fs::read_dir("/proc/self/task")
+        .map_err(|e| format!("listing this process's threads: {e}"))?;
+    for t in tasks.flatten() {
+        let Some(tid) = t
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<libc::pid_t>().ok())
+        else {
+            continue;
+        };
+        // SAFETY: sched_setaffinity reads `size` bytes of `set`. A thread that ended since
+        // the listing is no error.
+        if unsafe { libc::sched_setaffinity(tid, size, &set) } != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::ESRCH) {
+                return Err(format!("pinning this rank to CPUs {}: {e}", cpu_list(cpus)));
+            }
+        }
+    }
+    mlx::set_blas_threads(cpus.len());
+    Ok(())
+}
+
+/// Starts this executable with `args` as a rank on this machine, on `cpus` where given. It is
+/// killed when this process dies, however it dies, so no rank outlives rank 0.
+fn spawn_worker(args: &[String], cpus: Option<libc::cpu_set_t>) -> Result<Child, String> {
     use std::os::unix::process::CommandExt;
     let exe = std::env::current_exe().map_err(|e| format!("finding this executable: {e}"))?;
     let parent = std::process::id() as libc::pid_t;
@@ -495,12 +612,18 @@ fn spawn_worker(args: &[String]) -> Result<Child, String> {
         .stderr(Stdio::inherit())
         .env_remove("MLX_HOSTFILE")
         .env_remove("MLX_RANK");
-    // SAFETY: prctl and getppid are async-signal-safe; nothing is allocated between fork and
-    // exec.
+    // SAFETY: prctl, sched_setaffinity and getppid are async-signal-safe; nothing is
+    // allocated between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                 return Err(std::io::Error::last_os_error());
+            }
+            // The affinity holds across exec: the worker's kernels and OpenBLAS count these.
+            if let Some(set) = &cpus {
+                if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), set) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             // The parent may have died before the line above took effect.
             if libc::getppid() != parent {
@@ -622,6 +745,19 @@ mod tests {
         let p = d.path().join("hosts.json");
         std::fs::write(&p, text).unwrap();
         (d, p)
+    }
+
+    #[test]
+    fn local_ranks_share_the_cpus_out_evenly() {
+        let cpus: Vec<usize> = (0..8).collect();
+        assert_eq!(
+            shares(&cpus, 3).unwrap(),
+            vec![vec![0, 1, 2], vec![3, 4, 5], vec![6, 7]]
+        );
+        assert_eq!(shares(&[4, 5], 2).unwrap(), vec![vec![4], vec![5]]);
+        // Fewer CPUs than ranks: nothing pinned.
+        assert_eq!(shares(&[0, 1], 3), None);
+        assert_eq!(cpu_list(&[0, 1, 2, 3, 8, 10, 11]), "0-3,8,10-11");
     }
 
     #[test]

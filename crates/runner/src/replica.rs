@@ -473,7 +473,12 @@ pub struct Lockstep {
 
 /// A rank's share of a split model, as the disk tier's key names it.
 fn place(cluster: &Cluster, mode: Mode) -> String {
-    format!(" rank {} of {} by {mode:?}", cluster.rank(), cluster.size())
+    format!(
+        " rank {} of {} by {}",
+        cluster.rank(),
+        cluster.size(),
+        mode.name()
+    )
 }
 
 impl Lockstep {
