@@ -195,6 +195,14 @@ impl Gemma4Assistant {
         hidden: &Array,
         kvs: &[&SharedKv],
     ) -> Result<AssistantStep> {
+        if self.peers.is_some() {
+            // The other ranks' share of a row needs its sequence and position, which only
+            // the drafter's own steps name.
+            return Err(ModelError::Invalid(
+                "an assistant split over ranks drafts through its drafter, which names each row"
+                    .into(),
+            ));
+        }
         self.step_split(tokens, hidden, kvs, &[])
     }
 
