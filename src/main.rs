@@ -1295,6 +1295,9 @@ fn run_generate(
                                 h.weights as f64 / 1e6
                             );
                         }
+                        if let Some(pinned) = c.pinned() {
+                            eprintln!("ranks on this machine: {pinned}");
+                        }
                     }
                     Ok(loaded)
                 }

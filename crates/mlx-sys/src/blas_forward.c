@@ -17,9 +17,5 @@ void cblas_sgemm(int order, int trans_a, int trans_b, blasint m, blasint n, blas
   scipy_cblas_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
-extern void scipy_openblas_set_num_threads(int n);
-
-void mlxr_blas_set_threads(int n) { scipy_openblas_set_num_threads(n); }
-
 /* Which OpenBLAS serves, for `mlx-runner info`; also what keeps this library linked. */
 const char *mlxr_blas_config(void) { return scipy_openblas_get_config(); }

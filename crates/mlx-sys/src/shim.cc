@@ -18,7 +18,6 @@
 
 #ifdef MLXR_OPENBLAS_WHEEL
 extern "C" const char* mlxr_blas_config(void);
-extern "C" void mlxr_blas_set_threads(int n);
 
 namespace {
 // As below, for the forwarder to the wheel's OpenBLAS (crates/mlx-sys/src/blas_forward.c).
@@ -28,7 +27,6 @@ namespace {
 
 #ifdef MLXR_OPENBLAS
 extern "C" char* openblas_get_config(void);
-extern "C" void openblas_set_num_threads(int n);
 
 namespace {
 // Referenced from a static initializer so that the linker keeps libopenblas among the NEEDED
@@ -135,13 +133,15 @@ rust::String openblas_config() {
 }
 
 void set_blas_threads(int n) {
-#if defined(MLXR_OPENBLAS)
-  openblas_set_num_threads(n);
-#elif defined(MLXR_OPENBLAS_WHEEL)
-  mlxr_blas_set_threads(n);
-#else
-  (void)n;
-#endif
+  // Looked up rather than linked: the system's OpenBLAS and the scipy-openblas wheel name it
+  // differently, and the wheel's forwarder library is shared between checkouts (one built
+  // before this call existed must still serve). A BLAS with neither has no threads to set.
+  for (const char* name : {"openblas_set_num_threads", "scipy_openblas_set_num_threads"}) {
+    if (auto set = reinterpret_cast<void (*)(int)>(dlsym(RTLD_DEFAULT, name))) {
+      set(n);
+      return;
+    }
+  }
 }
 
 bool gpu_available() {

@@ -875,16 +875,16 @@ impl CausalLm for Glm4MoeLite {
 
     fn forward_packed(&self, tokens: &Array, rows: &mut [PackedRow<'_>]) -> Result<Array> {
         check_rows(tokens, rows, self.layers.len(), "glm4_moe_lite")?;
+        if rows.iter().any(|r| !r.media.is_empty()) {
+            return Err(ModelError::Invalid(
+                "glm4_moe_lite takes no images or audio".into(),
+            ));
+        }
         if let Some(stage) = &self.stage {
             let pass = |t: &Array, r: &mut [PackedRow<'_>]| self.forward_packed(t, r);
             if let Some(h) = pipeline::micro_batched(stage, tokens, rows, pass)? {
                 return Ok(h);
             }
-        }
-        if rows.iter().any(|r| !r.media.is_empty()) {
-            return Err(ModelError::Invalid(
-                "glm4_moe_lite takes no images or audio".into(),
-            ));
         }
         let eps = self.cfg.rms_norm_eps;
         let batch = Rows::new(rows, self.first + self.layers.len(), false)?;

@@ -95,15 +95,29 @@ pub(crate) fn micro_batched(
     if groups.len() < 2 {
         return Ok(None);
     }
-    stage.take_off();
-    let outs = run_groups(tokens, rows, &groups, &mut pass).and_then(|outs| {
-        let landed = stage.land()?;
-        Ok(landed.unwrap_or(outs))
-    });
-    stage.abort_flight();
-    let outs = outs?;
+    let flight = Flight::take_off(stage);
+    let outs = run_groups(tokens, rows, &groups, &mut pass)?;
+    let outs = stage.land()?.unwrap_or(outs);
+    drop(flight);
     let refs: Vec<&Array> = outs.iter().collect();
     Ok(Some(mlx::concatenate(&refs, 1)?))
+}
+
+/// A pass in micro-batches on `stage`, ended however the pass ends (an error or a panic part
+/// way must not leave later passes thinking they fly).
+struct Flight<'s>(&'s Stage);
+
+impl<'s> Flight<'s> {
+    fn take_off(stage: &'s Stage) -> Flight<'s> {
+        stage.take_off();
+        Flight(stage)
+    }
+}
+
+impl Drop for Flight<'_> {
+    fn drop(&mut self) {
+        self.0.abort_flight();
+    }
 }
 
 /// Each group's pass in turn, over its pieces of the rows.

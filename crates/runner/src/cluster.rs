@@ -183,6 +183,9 @@ pub struct Cluster {
 /// The ranks rank 0 started on this machine.
 struct Local {
     children: Vec<(usize, Child)>,
+    /// Which CPUs each rank on this machine was given ("rank 0 on CPUs 0-7, rank 1 on CPUs
+    /// 8-15"), where rank 0 pinned them.
+    pinned: Option<String>,
 }
 
 /// A file removed when this goes: MLX's ring hostfile, which its init reads once.
@@ -195,6 +198,11 @@ impl Drop for TempFile {
 }
 
 impl Cluster {
+    /// Which CPUs each rank on this machine runs on, where rank 0 gave them their own.
+    pub fn pinned(&self) -> Option<&str> {
+        self.local.pinned.as_deref()
+    }
+
     /// Joins the ranks of `opts.hostfile` as `opts.rank`, rank 0 first starting the ranks on
     /// this machine as children (`worker_args` is what each runs after the executable path,
     /// given its rank). Ends the process with one line on stderr if the ring does not form
@@ -232,6 +240,7 @@ impl Cluster {
         std::env::set_var("MLX_RANK", opts.rank.to_string());
         let mut local = Local {
             children: Vec::new(),
+            pinned: None,
         };
         if opts.rank == 0 {
             let here: Vec<usize> = (1..size)
@@ -249,13 +258,17 @@ impl Cluster {
                     .push((rank, spawn_worker(&worker_args(rank), cpus)?));
             }
             if let Some(shares) = &shares {
-                pin_self(&shares[0])?;
+                // Pinning only speeds the ranks up: where it fails they run as they are.
+                if let Err(e) = pin_self(&shares[0]) {
+                    tracing::warn!("{e}");
+                }
                 let ranks: Vec<String> = std::iter::once(0)
                     .chain(here.iter().copied())
                     .zip(shares)
                     .map(|(r, cpus)| format!("rank {r} on CPUs {}", cpu_list(cpus)))
                     .collect();
                 tracing::info!("ranks on this machine: {}", ranks.join(", "));
+                local.pinned = Some(ranks.join(", "));
             }
         }
         let watchdog = Watchdog::start(
@@ -502,7 +515,8 @@ impl Drop for Local {
 
 /// The CPUs this process may run on, in order.
 fn allowed_cpus() -> Vec<usize> {
-    // SAFETY: a zeroed cpu_set_t is an empty set; sched_getaffinity fills it.
+    // SAFETY: a zeroed cpu_set_t is an empty set, which sched_getaffinity fills; CPU_ISSET
+    // reads within it for every index below CPU_SETSIZE.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     let size = std::mem::size_of::<libc::cpu_set_t>();
     if unsafe { libc::sched_getaffinity(0, size, &mut set) } != 0 {
@@ -513,38 +527,64 @@ fn allowed_cpus() -> Vec<usize> {
         .collect()
 }
 
-/// This process's CPUs cut into `ranks` contiguous shares as even as they go (the first ones
-/// a CPU larger where they do not divide), or `None` where there are fewer CPUs than ranks.
-///
-/// Ranks on one machine left to the scheduler take each other's cores: a rank waiting on the
-/// ring polls its sockets, and each rank's kernels start a thread per core of the machine, so a
-/// rank computing runs beside its peers' spinning threads. On the 2-core VM a 2-rank pipeline's
-/// prefill of gemma4 31B's widths ran at half the speed it has with a core each
-/// (docs/DISTRIBUTED.md, "Ranks on one machine").
-pub fn pin_shares(ranks: usize) -> Option<Vec<Vec<usize>>> {
-    let cpus = allowed_cpus();
-    shares(&cpus, ranks)
+/// The physical core (package, core) `cpu` is a hardware thread of, where Linux says.
+fn core_of(cpu: usize) -> Option<(String, String)> {
+    let dir = format!("/sys/devices/system/cpu/cpu{cpu}/topology");
+    let read = |f: &str| std::fs::read_to_string(format!("{dir}/{f}")).ok();
+    Some((read("physical_package_id")?, read("core_id")?))
 }
 
-fn shares(cpus: &[usize], ranks: usize) -> Option<Vec<Vec<usize>>> {
-    if ranks == 0 || cpus.len() < ranks {
+/// This process's CPUs cut into `ranks` shares as even as they go, or `None` where there are
+/// fewer CPUs than ranks.
+///
+/// Ranks on one machine left to the scheduler take each other's cores: a rank waiting on the
+/// ring polls its sockets, and each rank's kernels start a thread per CPU it may use, so a rank
+/// computing runs beside its peers' spinning threads (docs/DISTRIBUTED.md, "Ranks on one
+/// machine", measures it). A share is whole physical cores where there are enough of them (a
+/// core's hardware threads share its caches and units, and Linux often numbers a core's two
+/// threads far apart), else single CPUs.
+pub fn pin_shares(ranks: usize) -> Option<Vec<Vec<usize>>> {
+    let cpus = allowed_cpus();
+    let mut cores: Vec<((String, String), Vec<usize>)> = Vec::new();
+    for &c in &cpus {
+        let Some(key) = core_of(c) else {
+            return shares(&cpus.iter().map(|&c| vec![c]).collect::<Vec<_>>(), ranks);
+        };
+        match cores.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, threads)) => threads.push(c),
+            None => cores.push((key, vec![c])),
+        }
+    }
+    let cores: Vec<Vec<usize>> = cores.into_iter().map(|(_, t)| t).collect();
+    shares(&cores, ranks)
+        .or_else(|| shares(&cpus.iter().map(|&c| vec![c]).collect::<Vec<_>>(), ranks))
+}
+
+/// `units` (cores, each a list of CPUs) cut into `ranks` contiguous shares as even as they go
+/// (the first ones a unit larger where they do not divide), each share its units' CPUs in
+/// order; `None` where there are fewer units than ranks.
+fn shares(units: &[Vec<usize>], ranks: usize) -> Option<Vec<Vec<usize>>> {
+    if ranks == 0 || units.len() < ranks {
         return None;
     }
-    let (each, extra) = (cpus.len() / ranks, cpus.len() % ranks);
+    let (each, extra) = (units.len() / ranks, units.len() % ranks);
     let mut at = 0;
     Some(
         (0..ranks)
             .map(|r| {
                 let n = each + usize::from(r < extra);
                 at += n;
-                cpus[at - n..at].to_vec()
+                let mut cpus: Vec<usize> = units[at - n..at].concat();
+                cpus.sort_unstable();
+                cpus
             })
             .collect(),
     )
 }
 
 fn cpu_set(cpus: &[usize]) -> libc::cpu_set_t {
-    // SAFETY: a zeroed cpu_set_t is an empty set.
+    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes within it for indices below
+    // CPU_SETSIZE, which every CPU sched_getaffinity reported is.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     for &c in cpus {
         unsafe { libc::CPU_SET(c, &mut set) };
@@ -612,7 +652,8 @@ fn spawn_worker(args: &[String], cpus: Option<libc::cpu_set_t>) -> Result<Child,
         .stderr(Stdio::inherit())
         .env_remove("MLX_HOSTFILE")
         .env_remove("MLX_RANK");
-    // SAFETY: prctl, sched_setaffinity and getppid are async-signal-safe; nothing is
+    // SAFETY: prctl, sched_setaffinity and getppid are raw system calls (not on POSIX's list
+    // of async-signal-safe functions, but they take no locks and allocate nothing); nothing is
     // allocated between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
@@ -620,10 +661,9 @@ fn spawn_worker(args: &[String], cpus: Option<libc::cpu_set_t>) -> Result<Child,
                 return Err(std::io::Error::last_os_error());
             }
             // The affinity holds across exec: the worker's kernels and OpenBLAS count these.
+            // Where it cannot be set the worker runs unpinned.
             if let Some(set) = &cpus {
-                if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), set) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
+                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), set);
             }
             // The parent may have died before the line above took effect.
             if libc::getppid() != parent {
@@ -749,14 +789,20 @@ mod tests {
 
     #[test]
     fn local_ranks_share_the_cpus_out_evenly() {
-        let cpus: Vec<usize> = (0..8).collect();
+        let single = |cpus: &[usize]| cpus.iter().map(|&c| vec![c]).collect::<Vec<_>>();
         assert_eq!(
-            shares(&cpus, 3).unwrap(),
+            shares(&single(&[0, 1, 2, 3, 4, 5, 6, 7]), 3).unwrap(),
             vec![vec![0, 1, 2], vec![3, 4, 5], vec![6, 7]]
         );
-        assert_eq!(shares(&[4, 5], 2).unwrap(), vec![vec![4], vec![5]]);
+        assert_eq!(shares(&single(&[4, 5]), 2).unwrap(), vec![vec![4], vec![5]]);
         // Fewer CPUs than ranks: nothing pinned.
-        assert_eq!(shares(&[0, 1], 3), None);
+        assert_eq!(shares(&single(&[0, 1]), 3), None);
+        // Four cores of two threads numbered n and n + 4: each rank gets whole cores.
+        let cores = [vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]];
+        assert_eq!(
+            shares(&cores, 2).unwrap(),
+            vec![vec![0, 1, 4, 5], vec![2, 3, 6, 7]]
+        );
         assert_eq!(cpu_list(&[0, 1, 2, 3, 8, 10, 11]), "0-3,8,10-11");
     }
 

@@ -651,6 +651,11 @@ impl Scheduler {
             if let Some(mode) = &r.mode {
                 cmd.arg("--parallel-mode").arg(mode);
             }
+            // Each split runner would give its ranks the same shares of this machine's CPUs:
+            // where several may run at once, the scheduler places them instead.
+            if self.cfg.max_loaded > 1 {
+                cmd.arg("--no-pin");
+            }
         }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
