@@ -143,12 +143,17 @@ fn micro_batches_give_one_process_output() {
                 .unwrap(),
         );
         let what = format!("{model} over {ranks} ranks in micro-batches");
-        assert_eq!(split.len(), alone.len(), "{what}");
-        for (i, (a, b)) in split.iter().zip(&alone).enumerate() {
-            let a: serde_json::Value = serde_json::from_str(a).unwrap();
-            let b: serde_json::Value = serde_json::from_str(b).unwrap();
-            alike(&a, &b, 1e-4, &format!("{what}: chunk {i}"));
-        }
+        chunks_alike(&split, &alone, &what);
+    }
+}
+
+/// `generate --json` chunks alike: the same tokens, logprobs within 1e-4.
+fn chunks_alike(got: &[String], want: &[String], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        let a: serde_json::Value = serde_json::from_str(a).unwrap();
+        let b: serde_json::Value = serde_json::from_str(b).unwrap();
+        alike(&a, &b, 1e-4, &format!("{what}: chunk {i}"));
     }
 }
 
@@ -194,13 +199,7 @@ fn tensor_output_is_one_process_output_on_every_fixture() {
             let tensor = [&args[..], &["--parallel-mode", "tensor"]].concat();
             let out = generate(model, &tensor, Some(&hosts)).output().unwrap();
             let split = chunks(&out);
-            let what = format!("{model} over {ranks} ranks");
-            assert_eq!(split.len(), alone.len(), "{what}");
-            for (i, (a, b)) in split.iter().zip(&alone).enumerate() {
-                let a: serde_json::Value = serde_json::from_str(a).unwrap();
-                let b: serde_json::Value = serde_json::from_str(b).unwrap();
-                alike(&a, &b, 1e-4, &format!("{what}: chunk {i}"));
-            }
+            chunks_alike(&split, &alone, &format!("{model} over {ranks} ranks"));
         }
     }
 }

@@ -61,36 +61,55 @@ fn request(prompt: &str) -> Value {
     })
 }
 
+/// A request's text and logprobs.
+type Answer = (String, Vec<f64>);
+
+/// Three requests, greedy with logprobs.
+fn three_requests() -> Vec<Value> {
+    [
+        "The quick brown fox",
+        "Once upon a time, in a land far away",
+        "1, 2, 3, 4,",
+    ]
+    .iter()
+    .map(|p| request(p))
+    .collect()
+}
+
+/// One process's answers to `requests` one at a time (with `same`), and `model` split over
+/// `ranks` with `same` and `split` (its hostfile's folder goes with it).
+fn beside_one_process(
+    model: &str,
+    ranks: usize,
+    same: &[&str],
+    split: &[&str],
+    requests: &[Value],
+) -> (Vec<Answer>, Arc<Runner>, tempfile::TempDir) {
+    let solo = Runner::start(model, &[same, &["--parallel", "1"]].concat());
+    let alone = one_by_one(&solo, requests);
+    drop(solo);
+    let (d, hosts) = local(ranks);
+    let runner = split_runner(model, ranks, &hosts, &[same, split].concat());
+    (alone, Arc::new(runner), d)
+}
+
 /// One at a time, a split model answers with the same bits as one process; several at once
 /// (batched into packed passes the other ranks replay, sequences starting and ending between
 /// them), the same text and logprobs within 1e-4.
 #[test]
 fn a_split_model_serves_what_one_process_serves() {
-    let prompts = [
-        "The quick brown fox",
-        "Once upon a time, in a land far away",
-        "1, 2, 3, 4,",
-    ];
-    let requests: Vec<Value> = prompts.iter().map(|p| request(p)).collect();
+    let requests = three_requests();
     for (model, ranks) in [
         ("glm4_moe_lite", 2),
         ("gemma4_31b_like", 3),
         ("gemma4_e2b_like", 2),
         ("gemma4_26b_a4b_like_q4", 2),
     ] {
-        let same = ["--prefill-chunk", "8", "--no-draft"];
         // Both keep a prefix cache: they restore alike (a restored prefix changes how the
         // prompt is chunked, and so the last bits).
-        let solo = Runner::start(model, &[&same[..], &["--parallel", "1"]].concat());
-        let alone = one_by_one(&solo, &requests);
-        drop(solo);
-        let (_d, hosts) = local(ranks);
-        let split = Arc::new(split_runner(
-            model,
-            ranks,
-            &hosts,
-            &[&same[..], &["--parallel", "4"]].concat(),
-        ));
+        let same = ["--prefill-chunk", "8", "--no-draft"];
+        let (alone, split, _d) =
+            beside_one_process(model, ranks, &same, &["--parallel", "4"], &requests);
         for (i, b) in requests.iter().enumerate() {
             assert_eq!(
                 outcome(&split.complete(b)),
@@ -115,35 +134,18 @@ fn a_split_model_serves_what_one_process_serves() {
 /// 1e-4 as one process; an image's tokens stay in one micro-batch.
 #[test]
 fn micro_batches_serve_what_one_process_serves() {
-    let prompts = [
-        "The quick brown fox",
-        "Once upon a time, in a land far away",
-        "1, 2, 3, 4,",
-    ];
-    let requests: Vec<Value> = prompts.iter().map(|p| request(p)).collect();
+    let requests = three_requests();
     for (model, ranks) in [("glm4_moe_lite", 2), ("gemma4_31b_like", 3)] {
         let same = ["--prefill-chunk", "8", "--no-draft", "--cache-budget", "0"];
-        let solo = Runner::start(model, &[&same[..], &["--parallel", "1"]].concat());
-        let alone = one_by_one(&solo, &requests);
-        drop(solo);
-        let (_d, hosts) = local(ranks);
         let micro = ["--parallel", "4", "--micro-batch-tokens", "2"];
-        let split = Arc::new(split_runner(
-            model,
-            ranks,
-            &hosts,
-            &[&same[..], &micro].concat(),
-        ));
+        let (alone, split, _d) = beside_one_process(model, ranks, &same, &micro, &requests);
         for (i, b) in requests.iter().enumerate() {
             let what = format!("{model}: request {i} in micro-batches");
             close(&outcome(&split.complete(b)), &alone[i], &what);
         }
         for (i, got) in all_at_once(&split, &requests).iter().enumerate() {
-            close(
-                got,
-                &alone[i],
-                &format!("{model}: request {i} together in micro-batches"),
-            );
+            let what = format!("{model}: request {i} together in micro-batches");
+            close(got, &alone[i], &what);
         }
     }
     use base64::Engine;
