@@ -95,7 +95,7 @@ pub(crate) fn micro_batched(
     if groups.len() < 2 {
         return Ok(None);
     }
-    let flight = Flight::take_off(stage);
+    let flight = InFlight::take_off(stage);
     let outs = run_groups(tokens, rows, &groups, &mut pass)?;
     let outs = stage.land()?.unwrap_or(outs);
     drop(flight);
@@ -105,16 +105,16 @@ pub(crate) fn micro_batched(
 
 /// A pass in micro-batches on `stage`, ended however the pass ends (an error or a panic part
 /// way must not leave later passes thinking they fly).
-struct Flight<'s>(&'s Stage);
+struct InFlight<'s>(&'s Stage);
 
-impl<'s> Flight<'s> {
-    fn take_off(stage: &'s Stage) -> Flight<'s> {
+impl<'s> InFlight<'s> {
+    fn take_off(stage: &'s Stage) -> InFlight<'s> {
         stage.take_off();
-        Flight(stage)
+        InFlight(stage)
     }
 }
 
-impl Drop for Flight<'_> {
+impl Drop for InFlight<'_> {
     fn drop(&mut self) {
         self.0.abort_flight();
     }

@@ -262,13 +262,14 @@ impl Cluster {
                 if let Err(e) = pin_self(&shares[0]) {
                     tracing::warn!("{e}");
                 }
-                let ranks: Vec<String> = std::iter::once(0)
+                let pinned = std::iter::once(0)
                     .chain(here.iter().copied())
                     .zip(shares)
                     .map(|(r, cpus)| format!("rank {r} on CPUs {}", cpu_list(cpus)))
-                    .collect();
-                tracing::info!("ranks on this machine: {}", ranks.join(", "));
-                local.pinned = Some(ranks.join(", "));
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                tracing::info!("ranks on this machine: {pinned}");
+                local.pinned = Some(pinned);
             }
         }
         let watchdog = Watchdog::start(
@@ -545,10 +546,11 @@ fn core_of(cpu: usize) -> Option<(String, String)> {
 /// threads far apart), else single CPUs.
 pub fn pin_shares(ranks: usize) -> Option<Vec<Vec<usize>>> {
     let cpus = allowed_cpus();
+    let single: Vec<Vec<usize>> = cpus.iter().map(|&c| vec![c]).collect();
     let mut cores: Vec<((String, String), Vec<usize>)> = Vec::new();
     for &c in &cpus {
         let Some(key) = core_of(c) else {
-            return shares(&cpus.iter().map(|&c| vec![c]).collect::<Vec<_>>(), ranks);
+            return shares(&single, ranks);
         };
         match cores.iter_mut().find(|(k, _)| *k == key) {
             Some((_, threads)) => threads.push(c),
@@ -556,8 +558,7 @@ pub fn pin_shares(ranks: usize) -> Option<Vec<Vec<usize>>> {
         }
     }
     let cores: Vec<Vec<usize>> = cores.into_iter().map(|(_, t)| t).collect();
-    shares(&cores, ranks)
-        .or_else(|| shares(&cpus.iter().map(|&c| vec![c]).collect::<Vec<_>>(), ranks))
+    shares(&cores, ranks).or_else(|| shares(&single, ranks))
 }
 
 /// `units` (cores, each a list of CPUs) cut into `ranks` contiguous shares as even as they go
