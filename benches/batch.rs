@@ -89,8 +89,22 @@ fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
+/// A weight of the matmul floor, held as the model holds it.
+enum Floor {
+    Panels(mlx::Array),
+    Wt(mlx::Array),
+}
+
+impl Floor {
+    fn array(&self) -> &mlx::Array {
+        match self {
+            Floor::Panels(a) | Floor::Wt(a) => a,
+        }
+    }
+}
+
 /// (step, graph build, matmul floor) in milliseconds for `b` decode rows.
-fn step_costs(m: &models::LoadedModel, weights: &[mlx::Array], b: usize) -> (f64, f64, f64) {
+fn step_costs(m: &models::LoadedModel, weights: &[Floor], b: usize) -> (f64, f64, f64) {
     let model = &*m.model;
     let mut caches: Vec<Vec<models::LayerCache>> = (0..b).map(|_| model.make_caches()).collect();
     for (r, c) in caches.iter_mut().enumerate() {
@@ -122,9 +136,15 @@ fn step_costs(m: &models::LoadedModel, weights: &[mlx::Array], b: usize) -> (f64
         let x = mlx::random::normal(&[b as i32, 1], m.dtype, 0.0, 1.0, None).unwrap();
         let outs: Vec<mlx::Array> = weights
             .iter()
-            .map(|w| {
-                let inp = x.broadcast_to(&[b as i32, w.shape()[0]]).unwrap();
-                inp.matmul(w).unwrap()
+            .map(|w| match w {
+                Floor::Panels(p) => {
+                    let inp = x.broadcast_to(&[b as i32, p.shape()[1]]).unwrap();
+                    mlx::fast::panel_matmul(&inp, p).unwrap()
+                }
+                Floor::Wt(w) => {
+                    let inp = x.broadcast_to(&[b as i32, w.shape()[0]]).unwrap();
+                    inp.matmul(w).unwrap()
+                }
             })
             .collect();
         mlx::eval(&outs.iter().collect::<Vec<_>>()).unwrap();
@@ -142,23 +162,27 @@ fn step_costs(m: &models::LoadedModel, weights: &[mlx::Array], b: usize) -> (f64
 fn breakdown(model_dir: &Path) {
     mlx::init_thread().unwrap();
     let m = models::load(model_dir, models::DtypeChoice::Auto).unwrap();
-    let weights: Vec<mlx::Array> = mlx::io::load_safetensors(model_dir.join("model.safetensors"))
+    let weights: Vec<Floor> = mlx::io::load_safetensors(model_dir.join("model.safetensors"))
         .unwrap()
         .arrays
         .into_values()
         .filter(|a| a.ndim() == 2 && a.dtype().is_float())
-        // `Wᵀ` as the model holds it on the CPU (models::nn::weight_layout), so the floor is
-        // the same products through the same kernel.
+        // As the model holds each on the CPU (models::nn::Linear::dense: float32 column panels
+        // where the rows are whole panels, else `Wᵀ`), so the floor is the same products
+        // through the same kernels.
         .map(|a| {
-            a.astype(m.dtype)
-                .unwrap()
-                .t()
-                .unwrap()
-                .contiguous()
-                .unwrap()
+            let a = a.astype(m.dtype).unwrap();
+            let held = match (m.dtype == mlx::Dtype::F32)
+                .then(|| mlx::fast::pack_panels(&a).unwrap())
+                .flatten()
+            {
+                Some(p) => Floor::Panels(p),
+                None => Floor::Wt(a.t().unwrap().contiguous().unwrap()),
+            };
+            held.array().eval().unwrap();
+            held
         })
         .collect();
-    mlx::eval(&weights.iter().collect::<Vec<_>>()).unwrap();
     println!("\nWhere a batched decode step goes (in-process, medians of 10 steps)\n");
     println!("| rows | step ms | per row ms | graph build ms | matmul floor ms | step / floor |");
     println!("|---|---|---|---|---|---|");

@@ -2,7 +2,8 @@
 //!
 //! Decode tokens/s of the benchmark model (target/bench-model, ~120M float32, gemma4-shaped:
 //! 8 sliding layers of a 512-token window, 2 full ones) and of its 4-bit form, at ~1k and ~4k
-//! tokens of context (`KV_BENCH_CONTEXTS=1024,4096,16384` for others), with
+//! tokens of context (`KV_BENCH_CONTEXTS=1024,4096,16384` for others; `KV_BENCH_MODELS=4-bit`
+//! for one model; `KV_BENCH_PEER=0` skips the comparison with mlx-lm), with
 //! `--kv-cache-type f32`, `f16`, `bf16`, `q8` and `q4`; the bytes a cached token costs (the
 //! runner's memory plan). Each (model, context) runs its types in turn, five rounds; the
 //! context is prefilled once per runner and then restored from the prefix cache, so the rounds
@@ -260,6 +261,10 @@ fn main() {
     if let Some(q4) = quantized_model(&python, &base, 4, 64) {
         models.push(("4-bit", q4));
     }
+    // `KV_BENCH_MODELS=4-bit` (or float32) runs one of the two.
+    if let Ok(only) = std::env::var("KV_BENCH_MODELS") {
+        models.retain(|(name, _)| only.split(',').any(|o| o.trim() == *name));
+    }
     let mut quality = Vec::new();
     println!("## Decode tokens/s by KV cache type (medians of {ROUNDS})\n");
     println!("| model | context | cache | bytes per token | ÷ f32's | decode tok/s | vs f32 |");
@@ -315,5 +320,7 @@ fn main() {
     for row in quality {
         println!("{row}");
     }
-    against_peer(&python);
+    if std::env::var("KV_BENCH_PEER").as_deref() != Ok("0") {
+        against_peer(&python);
+    }
 }

@@ -1575,6 +1575,178 @@ struct MatmulOp {
   }
 };
 
+// ---- a float32 weight matrix held in column panels: x [M, K] @ W, W as [N / 32, K, 32] -------
+//
+// Row-major W [K, N] streams badly once a pass does more than one row's work per weight: the
+// few-row kernel above reads twelve rows of W at a time (twelve short streams, a stride of N
+// floats apart), and at 4 and 8 rows the float32 bench model's products took 1.3x and 2x the
+// one-row time though the FMAs fit in the read several times over. Held as panels of 32 columns
+// (panel p is W[:, 32p : 32p + 32] row by row, one contiguous block), a thread walks its panels
+// in memory order, and each output element's sum stays in a register for the whole of K: on the
+// bench model's shapes (standalone, two threads) one row took 17-19 ms against 22-24, four 17-19
+// against 28-30, eight 18-21 against 41-45.
+
+constexpr int kPanel = 32;
+
+// Up to 8 rows of x transposed ([K][R]): the kernels broadcast x[r][k] from one row of it.
+std::vector<float> rows_by_k(const float* x, int R, int K) {
+  std::vector<float> xt((size_t)K * R);
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < K; ++k) xt[(size_t)k * R + r] = x[(size_t)r * K + k];
+  return xt;
+}
+
+// y[r, 0:32] = Σ_k xt[k][r] · panel[k][0:32] for R rows of y (N apart): each output element is
+// one FMA chain over k in order from zero, as in panel_rows_avx2 and panel_rows_scalar, so a row
+// gets the same bits whatever kernel, and whichever rows beside it, computed it.
+template <int R>
+__attribute__((target("avx512f"))) void panel_rows512(const float* xt, int K, const float* panel, float* y, int N) {
+  __m512 acc[R][2];
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int k = 0; k < K; ++k, panel += kPanel, xt += R) {
+    const __m512 v0 = _mm512_loadu_ps(panel), v1 = _mm512_loadu_ps(panel + 16);
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 b = _mm512_set1_ps(xt[r]);
+      acc[r][0] = _mm512_fmadd_ps(b, v0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(b, v1, acc[r][1]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(y + (size_t)r * N, acc[r][0]);
+    _mm512_storeu_ps(y + (size_t)r * N + 16, acc[r][1]);
+  }
+}
+
+// The same sums with AVX2 (16 registers): the panel in two halves of 16 columns, rows four at a
+// time.
+template <int R>
+__attribute__((target("avx2,fma"))) void panel_half_avx2(const float* xt, int stride, int K, const float* half,
+                                                         float* y, int N) {
+  __m256 acc[R][2];
+  #pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int k = 0; k < K; ++k, half += kPanel, xt += stride) {
+    const __m256 v0 = _mm256_loadu_ps(half), v1 = _mm256_loadu_ps(half + 8);
+    #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 b = _mm256_broadcast_ss(xt + r);
+      acc[r][0] = _mm256_fmadd_ps(b, v0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(b, v1, acc[r][1]);
+    }
+  }
+  #pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + (size_t)r * N, acc[r][0]);
+    _mm256_storeu_ps(y + (size_t)r * N + 8, acc[r][1]);
+  }
+}
+
+template <int R>
+void panel_rows_avx2(const float* xt, int K, const float* panel, float* y, int N) {
+  for (int h = 0; h < kPanel; h += 16)
+    for (int r0 = 0; r0 < R; r0 += 4) {
+      const float* x0 = xt + r0;
+      float* y0 = y + (size_t)r0 * N + h;
+      switch (std::min(4, R - r0)) {
+        case 1: panel_half_avx2<1>(x0, R, K, panel + h, y0, N); break;
+        case 2: panel_half_avx2<2>(x0, R, K, panel + h, y0, N); break;
+        case 3: panel_half_avx2<3>(x0, R, K, panel + h, y0, N); break;
+        default: panel_half_avx2<4>(x0, R, K, panel + h, y0, N); break;
+      }
+    }
+}
+
+void panel_rows_scalar(const float* xt, int R, int K, const float* panel, float* y, int N) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kPanel; ++c) {
+      float acc = 0.0f;
+      for (int k = 0; k < K; ++k) acc = std::fma(xt[(size_t)k * R + r], panel[(size_t)k * kPanel + c], acc);
+      y[(size_t)r * N + c] = acc;
+    }
+}
+
+// The widest of the panel kernels to use: 512, 256 or 0 (scalar), capped by the CPU; tests set
+// it to check that all three give the same bits.
+std::atomic<int> g_panel_width{512};
+
+template <int R>
+void panel_rows(const float* xt, int K, const float* panel, float* y, int N) {
+  const int width = g_panel_width.load(std::memory_order_relaxed);
+  if (width >= 512 && has_avx512()) return panel_rows512<R>(xt, K, panel, y, N);
+  if (width >= 256 && has_avx2()) return panel_rows_avx2<R>(xt, K, panel, y, N);
+  panel_rows_scalar(xt, R, K, panel, y, N);
+}
+
+// Rows of x from which a product goes to sgemm, through row-major tiles copied out of the
+// panels: below it, the kernel reads the panels once per eight rows.
+constexpr int kPanelSgemmRows = 64;
+
+// y [M, N] = x [M, K] @ W, W as panels [N / 32, K, 32].
+void panel_product(const float* x, int M, int K, const float* panels, int N, float* y) {
+  const int P = N / kPanel;
+  if (M >= kPanelSgemmRows && sgemm() != nullptr) {
+    // Tiles of whole panels, row-major [K, cols], of about TILE_BYTES: sgemm's per-call cost
+    // spread thin, the tile still in cache between the copy and the product.
+    const int per = std::max(1, (int)(TILE_BYTES / (sizeof(float) * (size_t)K * kPanel)));
+    const int tile = std::min(P, per);
+    std::vector<float> buf((size_t)K * tile * kPanel);
+    for (int p0 = 0; p0 < P; p0 += tile) {
+      const int p1 = std::min(P, p0 + tile), cols = (p1 - p0) * kPanel;
+      for_rows(K, 64, [&](size_t k0, size_t k1) {
+        for (size_t k = k0; k < k1; ++k)
+          for (int p = p0; p < p1; ++p)
+            std::memcpy(buf.data() + k * cols + (size_t)(p - p0) * kPanel,
+                        panels + ((size_t)p * K + k) * kPanel, sizeof(float) * kPanel);
+      });
+      // Row-major (101), no transposes (111).
+      sgemm()(101, 111, 111, M, cols, K, 1.0f, x, K, buf.data(), cols, 0.0f, y + (size_t)p0 * kPanel, N);
+    }
+    return;
+  }
+  for (int m = 0; m < M; m += kMaxRows) {
+    const int R = std::min(kMaxRows, M - m);
+    const std::vector<float> xt = rows_by_k(x + (size_t)m * K, R, K);
+    float* ym = y + (size_t)m * N;
+    // Each thread a run of whole panels, 8 at least (256 columns): it reads one block of memory.
+    for_rows(P, 8, [&](size_t p0, size_t p1) {
+      for (size_t p = p0; p < p1; ++p) {
+        const float* panel = panels + p * (size_t)K * kPanel;
+        float* yp = ym + p * kPanel;
+        switch (R) {
+          case 1: panel_rows<1>(xt.data(), K, panel, yp, N); break;
+          case 2: panel_rows<2>(xt.data(), K, panel, yp, N); break;
+          case 3: panel_rows<3>(xt.data(), K, panel, yp, N); break;
+          case 4: panel_rows<4>(xt.data(), K, panel, yp, N); break;
+          case 5: panel_rows<5>(xt.data(), K, panel, yp, N); break;
+          case 6: panel_rows<6>(xt.data(), K, panel, yp, N); break;
+          case 7: panel_rows<7>(xt.data(), K, panel, yp, N); break;
+          default: panel_rows<8>(xt.data(), K, panel, yp, N); break;
+        }
+      }
+    }, 1);
+  }
+}
+
+struct PanelMatmulOp {
+  struct Params {
+    bool operator==(const Params&) const = default;
+  };
+  static constexpr const char* name = "MlxrCpuPanelMatmul";
+  static constexpr FusedKind kind = FusedKind::PanelMatmul;
+
+  static void run(const Params&, std::vector<View>& in, View& out) {
+    std::vector<float> xt, pt;
+    const float* x = dense(in[0], xt);
+    const float* panels = dense(in[1], pt);
+    const int K = in[1].shape(1), N = in[1].shape(0) * kPanel;
+    const int M = (int)(in[0].size() / K);
+    panel_product(x, M, K, panels, N, out.data<float>());
+  }
+};
+
 bool is_f32(const mx::array& a) { return a.dtype() == mx::float32; }
 
 // A norm's weight the kernels take for rows of d values: float32, [d].
@@ -1622,6 +1794,8 @@ bool cpu_norm_update_applies(
 }
 
 void set_fused_cpu_enabled(bool on) { g_enabled.store(on); }
+
+void set_cpu_panel_width(int bits) { g_panel_width.store(bits); }
 
 bool fused_cpu_enabled() { return g_enabled.load(); }
 
@@ -1918,6 +2092,15 @@ std::optional<mx::array> cpu_matmul(const mx::array& x, const mx::array& w) {
   auto shape = x.shape();
   shape.back() = w.shape(1);
   return fused<MatmulOp>(shape, {}, {x, w});
+}
+
+std::optional<mx::array> cpu_panel_matmul(const mx::array& x, const mx::array& panels) {
+  if (!on_cpu() || !is_f32(x) || !is_f32(panels) || x.ndim() < 1 || panels.ndim() != 3 ||
+      panels.shape(2) != kPanel || x.shape(-1) != panels.shape(1) || x.size() == 0 || panels.size() == 0)
+    return std::nullopt;
+  auto shape = x.shape();
+  shape.back() = panels.shape(0) * kPanel;
+  return fused<PanelMatmulOp>(shape, {}, {x, panels});
 }
 
 std::optional<mx::array> cpu_gelu_tanh(const mx::array& x) {

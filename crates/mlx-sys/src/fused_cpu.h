@@ -21,6 +21,7 @@ enum class FusedKind : uint8_t {
   // Cache writes that had to copy their buffer (something else still held it).
   SdpaWriteCopy = 8,
   Softmax = 9,
+  PanelMatmul = 10,
 };
 
 // Each returns the fused primitive's output, or nullopt when it does not apply (not the CPU, not
@@ -168,8 +169,15 @@ std::optional<mlx::core::array> cpu_silu_mul(
 // x [..., K] @ w [K, N] for a few rows of x and a loaded (evaluated, row-major) float32 w.
 std::optional<mlx::core::array> cpu_matmul(const mlx::core::array& x, const mlx::core::array& w);
 
+// x [.., K] @ W for W held as column panels [N / 32, K, 32] (panel p: W[:, 32p : 32p + 32], row
+// by row): float32 on the CPU, any number of rows.
+std::optional<mlx::core::array> cpu_panel_matmul(const mlx::core::array& x, const mlx::core::array& panels);
+
 // Turns the fused kernels on (the default) or off (MLX's own graphs everywhere).
 void set_fused_cpu_enabled(bool on);
+
+// The widest vectors the panel product may use: 512, 256 or 0 (scalar); the CPU caps it.
+void set_cpu_panel_width(int bits);
 
 // Whether the fused kernels are on.
 bool fused_cpu_enabled();

@@ -228,6 +228,8 @@ pub mod ffi {
 
         // linear algebra and quantization
         fn matmul(a: &Arr, b: &Arr) -> Result<UniquePtr<Arr>>;
+        /// `x @ W` for `W` held as column panels `[N / 32, K, 32]` (mlx::fast::pack_panels).
+        fn panel_matmul(x: &Arr, panels: &Arr) -> Result<UniquePtr<Arr>>;
         fn addmm(c: &Arr, a: &Arr, b: &Arr, alpha: f32, beta: f32) -> Result<UniquePtr<Arr>>;
         unsafe fn gather_mm(
             a: &Arr,
@@ -437,6 +439,7 @@ pub mod ffi {
         fn sigmoid_mul(g: &Arr, u: &Arr) -> Result<UniquePtr<Arr>>;
         /// Turns mlx-runner's fused CPU kernels (RMS norm, RoPE, attention, GELU) on or off.
         fn set_fused_kernels(on: bool);
+        fn set_panel_width(bits: i32);
         /// Evaluations of one fused kernel: 0 RMS norm, 1 RoPE, 2 attention, 3 GELU, 4 few-row matmul,
         /// 5 soft-capping, 6 silu(g) · u, 7 heads' norm and rotation; 8 counts attention's cache
         /// writes that had to copy their buffer.

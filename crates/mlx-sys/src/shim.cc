@@ -533,6 +533,15 @@ ArrPtr matmul(const Arr& a, const Arr& b) {
   return wrap(mx::matmul(a.a, b.a));
 }
 
+// x @ W for W held as column panels [N / 32, K, 32]; without the kernel, x @ W with W put back
+// as [K, N] (a copy: tests comparing against MLX's own product take this path).
+ArrPtr panel_matmul(const Arr& x, const Arr& panels) {
+  if (auto out = cpu_panel_matmul(x.a, panels.a)) return wrap(std::move(*out));
+  const auto& p = panels.a;
+  auto w = mx::reshape(mx::transpose(p, {1, 0, 2}), {p.shape(1), p.shape(0) * p.shape(2)});
+  return wrap(mx::matmul(x.a, w));
+}
+
 ArrPtr addmm(const Arr& c, const Arr& a, const Arr& b, float alpha, float beta) {
   return wrap(mx::addmm(c.a, a.a, b.a, alpha, beta));
 }
@@ -962,6 +971,8 @@ ArrPtr softcap(const Arr& x, float cap) {
 void set_fused_kernels(bool on) {
   set_fused_cpu_enabled(on);
 }
+
+void set_panel_width(int32_t bits) { set_cpu_panel_width(bits); }
 
 uint64_t fused_kernel_count(uint8_t kind) {
   return fused_cpu_count(static_cast<FusedKind>(kind));

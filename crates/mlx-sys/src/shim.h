@@ -146,6 +146,7 @@ ArrPtr topk(const Arr& a, int32_t k, int32_t axis);
 
 // --- linear algebra and quantization ---------------------------------------------------------
 ArrPtr matmul(const Arr& a, const Arr& b);
+ArrPtr panel_matmul(const Arr& x, const Arr& panels);
 ArrPtr addmm(const Arr& c, const Arr& a, const Arr& b, float alpha, float beta);
 ArrPtr gather_mm(const Arr& a, const Arr& b, const Arr* lhs, const Arr* rhs, bool sorted);
 // `mode`: 0 affine, 1 mxfp4, 2 nvfp4, 3 mxfp8 (MLX's names, in that order); biases affine's only.
@@ -294,6 +295,7 @@ ArrPtr softcap(const Arr& x, float cap);
 ArrPtr silu_mul(const Arr& g, const Arr& u);
 ArrPtr sigmoid_mul(const Arr& g, const Arr& u);
 void set_fused_kernels(bool on);
+void set_panel_width(int32_t bits);
 uint64_t fused_kernel_count(uint8_t kind);
 
 // --- random ------------------------------------------------------------------------------------

@@ -512,6 +512,47 @@ pub fn sdpa_write(
     ))
 }
 
+/// Columns per panel of [`pack_panels`].
+pub const PANEL: i32 = 32;
+
+/// `w` (`[N, K]`, a checkpoint's `[out, in]`) as column panels of `x @ wᵀ`: `[N / 32, K, 32]`,
+/// panel `p` holding `wᵀ[:, 32p .. 32p + 32]` row by row in one block, the layout the CPU's
+/// few-row product streams ([`panel_matmul`]). `None` where `N` is not a multiple of 32.
+pub fn pack_panels(w: &Array) -> Result<Option<Array>> {
+    let shape = w.shape();
+    if shape.len() != 2 || shape[0] % PANEL != 0 || shape[0] == 0 || shape[1] == 0 {
+        return Ok(None);
+    }
+    let (n, k) = (shape[0], shape[1]);
+    Ok(Some(
+        w.reshape(&[n / PANEL, PANEL, k])?
+            .transpose(&[0, 2, 1])?
+            .contiguous()?,
+    ))
+}
+
+/// `Wᵀ` (`[K, N]`) from its panels ([`pack_panels`]), as a new array.
+pub fn unpack_panels(panels: &Array) -> Result<Array> {
+    let s = panels.shape();
+    panels
+        .transpose(&[1, 0, 2])?
+        .reshape(&[s[1], s[0] * s[2]])?
+        .contiguous()
+}
+
+/// The widest vectors [`panel_matmul`]'s kernel may use: 512, 256 or 0 bits (scalar), capped by
+/// the CPU (default 512). Every width gives the same bits; tests check that.
+pub fn set_panel_width(bits: i32) {
+    ffi::set_panel_width(bits)
+}
+
+/// `x @ Wᵀ` for `W` held as panels ([`pack_panels`]): one op on the CPU, which reads the panels
+/// once for every eight rows of `x` (tiles of them through sgemm from 64 rows); elsewhere MLX's
+/// product with `Wᵀ` put back.
+pub fn panel_matmul(x: &Array, panels: &Array) -> Result<Array> {
+    Ok(Array::from_raw(ffi::panel_matmul(x.arr(), panels.arr())?))
+}
+
 /// `0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))`, the tanh approximation of GELU.
 pub fn gelu_tanh(x: &Array) -> Result<Array> {
     Ok(Array::from_raw(ffi::gelu_tanh(x.arr())?))
@@ -562,6 +603,8 @@ pub struct FusedCounts {
     /// [`sdpa_write`]s that had to copy their buffers (another array or op still held them).
     pub sdpa_write_copies: u64,
     pub softmax: u64,
+    /// [`panel_matmul`]s.
+    pub panel_matmul: u64,
 }
 
 pub fn fused_kernel_counts() -> FusedCounts {
@@ -576,5 +619,6 @@ pub fn fused_kernel_counts() -> FusedCounts {
         heads_norm_rope: ffi::fused_kernel_count(7),
         sdpa_write_copies: ffi::fused_kernel_count(8),
         softmax: ffi::fused_kernel_count(9),
+        panel_matmul: ffi::fused_kernel_count(10),
     }
 }

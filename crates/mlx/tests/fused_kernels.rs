@@ -57,6 +57,7 @@ fn both(f: impl Fn() -> Array) -> (Vec<f32>, Vec<f32>, Vec<i32>, FusedCounts) {
         heads_norm_rope: after.heads_norm_rope - before.heads_norm_rope,
         sdpa_write_copies: after.sdpa_write_copies - before.sdpa_write_copies,
         softmax: after.softmax - before.softmax,
+        panel_matmul: after.panel_matmul - before.panel_matmul,
     };
     (
         ours.to_vec::<f32>().unwrap(),
@@ -892,6 +893,101 @@ fn few_row_matmul_rows_do_not_depend_on_their_neighbours() {
             "the first {rows} rows alone differ from the same rows among eight"
         );
     }
+}
+
+/// A weight held as column panels (`fast::pack_panels`, how a model holds float32 weights on the
+/// CPU) multiplies as MLX's product with the weight: rows through the panel kernel (one to 63,
+/// eight at a time), and from 64 rows through tiles for sgemm; x of any leading shape or
+/// strides.
+#[test]
+fn panel_matmul_matches_mlx() {
+    let _one = serial();
+    for (case, (rows, k, n)) in [
+        (vec![1], 768, 3072),
+        (vec![1, 1], 64, 32),
+        (vec![3], 37, 1024),
+        (vec![1, 4], 256, 544),
+        (vec![2, 3], 130, 2048),
+        (vec![8], 96, 64),
+        (vec![11], 200, 96),
+        (vec![64], 130, 320),
+        (vec![2, 50], 300, 3072),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut xs = rows.clone();
+        xs.push(k);
+        let x = normal(&xs, 300 + case as u64);
+        // `[out, in]` as a checkpoint holds it.
+        let w = normal(&[n, k], 350 + case as u64);
+        let panels = fast::pack_panels(&w).unwrap().expect("n is whole panels");
+        assert_eq!(panels.shape(), vec![n / 32, k, 32]);
+        panels.eval().unwrap();
+        let (ours, theirs, shape, ran) = both(|| fast::panel_matmul(&x, &panels).unwrap());
+        let want_shape: Vec<i32> = rows.iter().copied().chain([n]).collect();
+        assert_eq!(shape, want_shape);
+        assert_close(&ours, &theirs, 1e-4, &format!("panels {xs:?} x [{k}, {n}]"));
+        assert_eq!(ran.panel_matmul, 1, "{xs:?}");
+        // And MLX's product with the weight itself.
+        let direct = x.matmul(&w.t().unwrap()).unwrap().to_vec::<f32>().unwrap();
+        assert_close(&ours, &direct, 1e-4, &format!("x Wᵀ {xs:?} x [{k}, {n}]"));
+        // The panels put back are Wᵀ.
+        let back = fast::unpack_panels(&panels).unwrap();
+        assert_eq!(
+            back.to_vec::<f32>().unwrap(),
+            w.t()
+                .unwrap()
+                .contiguous()
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap()
+        );
+    }
+    // A transposed x is read through a copy.
+    let w = normal(&[64, 24], 390);
+    let panels = fast::pack_panels(&w).unwrap().unwrap();
+    let x = normal(&[24, 2], 391).t().unwrap();
+    let (ours, theirs, _, ran) = both(|| fast::panel_matmul(&x, &panels).unwrap());
+    assert_close(&ours, &theirs, 1e-4, "transposed x");
+    assert_eq!(ran.panel_matmul, 1);
+    // Only whole panels.
+    assert!(fast::pack_panels(&normal(&[40, 24], 392))
+        .unwrap()
+        .is_none());
+}
+
+/// A row of x gets the same bits from the panel product whichever rows share its pass (one to
+/// 63: eight at a time, the last pass shorter) and whichever kernel width computed it
+/// (AVX-512, AVX2 or scalar): a request's greedy tokens do not depend on the batch beside it,
+/// nor on the CPU's vector width.
+#[test]
+fn panel_matmul_rows_do_not_depend_on_their_neighbours_or_the_vector_width() {
+    let _one = serial();
+    fast::set_fused_kernels(true);
+    let (k, n) = (130, 1024);
+    let panels = fast::pack_panels(&normal(&[n, k], 400)).unwrap().unwrap();
+    panels.eval().unwrap();
+    let xs = normal(&[63, k], 401).to_vec::<f32>().unwrap();
+    let product = |rows: i32| {
+        let x = Array::from_slice(&xs[..(rows * k) as usize], &[rows, k]).unwrap();
+        fast::panel_matmul(&x, &panels)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    let all = product(63);
+    for width in [512, 256, 0] {
+        fast::set_panel_width(width);
+        for rows in [1, 2, 3, 5, 8, 9, 17, 63] {
+            let y = product(rows);
+            assert!(
+                y.iter().zip(&all).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{width}-bit kernel: the first {rows} rows differ from the same rows among 63"
+            );
+        }
+    }
+    fast::set_panel_width(512);
 }
 
 #[test]

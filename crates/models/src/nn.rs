@@ -13,6 +13,13 @@ pub enum Linear {
     Dense {
         wt: Array,
     },
+    /// A float32 `W` on the CPU as column panels of `Wᵀ`, `[out / 32, in, 32]`
+    /// ([`mlx::fast::pack_panels`]): the layout the CPU's few-row product streams at memory
+    /// speed however many rows (up to eight) a step multiplies, where a row-major `Wᵀ` took
+    /// twice the one-row time at eight rows (docs/MODELS.md, "Float32 weights on the CPU").
+    Paneled {
+        panels: Array,
+    },
     Quantized(Quantized),
     /// A quantized matrix times a float32 global scale, `[]` (per tensor) or `[out]` (per
     /// row): NVIDIA's nvfp4 checkpoints (crate::prequant). The products are MLX's nvfp4 ones,
@@ -62,10 +69,45 @@ pub fn weight_layout(weights: &Weights, w: &Array) -> Result<Array> {
     })
 }
 
+/// `w` (`[out, in]`) as column panels where the CPU multiplies them ([`Linear::Paneled`]):
+/// float32, on the CPU, `out` a multiple of 32.
+fn panels_of(w: &Array) -> Result<Option<Array>> {
+    if mlx::default_device() != mlx::Device::Cpu || w.dtype() != mlx::Dtype::F32 {
+        return Ok(None);
+    }
+    Ok(mlx::fast::pack_panels(w)?)
+}
+
 impl Linear {
     pub fn dense(weights: &Weights, w: Array) -> Result<Linear> {
+        if let Some(panels) = panels_of(&w)? {
+            return Ok(Linear::Paneled {
+                panels: weights.keep_instead(&w, panels),
+            });
+        }
         Ok(Linear::Dense {
             wt: weight_layout(weights, &w)?,
+        })
+    }
+
+    /// A dense layer from `Wᵀ` (`[in, out]`, kept for loading), in the layout [`Linear::dense`]
+    /// gives it.
+    pub(crate) fn from_wt(weights: &Weights, wt: Array) -> Result<Linear> {
+        if let Some(panels) = panels_of(&wt.t()?)? {
+            return Ok(Linear::Paneled {
+                panels: weights.keep_instead(&wt, panels),
+            });
+        }
+        Ok(Linear::Dense { wt })
+    }
+
+    /// `Wᵀ` (`[in, out]`) of a dense layer, whichever layout holds it (panels put back as a
+    /// new array); `None` for the other forms.
+    pub(crate) fn dense_wt(&self) -> Result<Option<Array>> {
+        Ok(match self {
+            Linear::Dense { wt } => Some(wt.clone()),
+            Linear::Paneled { panels } => Some(mlx::fast::unpack_panels(panels)?),
+            _ => None,
         })
     }
 
@@ -74,6 +116,7 @@ impl Linear {
     pub(crate) fn withdraw(&self, weights: &Weights) {
         match self {
             Linear::Dense { wt } => weights.withdraw(wt),
+            Linear::Paneled { panels } => weights.withdraw(panels),
             Linear::Quantized(q) => weights.withdraw_quantized(q),
             Linear::Scaled { q, global } => {
                 weights.withdraw_quantized(q);
@@ -87,6 +130,7 @@ impl Linear {
     pub fn outputs(&self) -> usize {
         match self {
             Linear::Dense { wt } => wt.shape().last().copied().unwrap_or(0) as usize,
+            Linear::Paneled { panels } => (panels.shape()[0] * mlx::fast::PANEL) as usize,
             Linear::Quantized(q) | Linear::Scaled { q, .. } => {
                 q.weight.shape().first().copied().unwrap_or(0) as usize
             }
@@ -97,6 +141,7 @@ impl Linear {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         Ok(match self {
             Linear::Dense { wt } => x.matmul(wt)?,
+            Linear::Paneled { panels } => mlx::fast::panel_matmul(x, panels)?,
             Linear::Quantized(q) => x.quantized_matmul(q, true)?,
             Linear::Scaled { q, global } => times_global(x.quantized_matmul(q, true)?, global)?,
             Linear::Summed { part, shard } => shard.sum(&part.forward(x)?)?,
@@ -117,9 +162,10 @@ impl Linear {
             Linear::Quantized(q) => {
                 mlx::fast::quantized_matmul_residual_norm(x, q, w, eps, residual, scale, None)?.0
             }
-            Linear::Dense { .. } | Linear::Scaled { .. } | Linear::Summed { .. } => {
-                add_norm(residual, &self.forward(x)?, w, eps, scale)?
-            }
+            Linear::Dense { .. }
+            | Linear::Paneled { .. }
+            | Linear::Scaled { .. }
+            | Linear::Summed { .. } => add_norm(residual, &self.forward(x)?, w, eps, scale)?,
         })
     }
 
@@ -151,7 +197,10 @@ impl Linear {
                     )),
                 }
             }
-            Linear::Dense { .. } | Linear::Scaled { .. } | Linear::Summed { .. } => {
+            Linear::Dense { .. }
+            | Linear::Paneled { .. }
+            | Linear::Scaled { .. }
+            | Linear::Summed { .. } => {
                 add_norm_then_norm(residual, &self.forward(x)?, w, eps, scale, next)
             }
         }
@@ -174,7 +223,10 @@ pub fn quantized_alike<'a>(layers: &[&'a Linear]) -> Option<Vec<&'a Quantized>> 
         .iter()
         .map(|l| match l {
             Linear::Quantized(q) => Some(q),
-            Linear::Dense { .. } | Linear::Scaled { .. } | Linear::Summed { .. } => None,
+            Linear::Dense { .. }
+            | Linear::Paneled { .. }
+            | Linear::Scaled { .. }
+            | Linear::Summed { .. } => None,
         })
         .collect::<Option<_>>()?;
     let first = *qs.first()?;
@@ -255,6 +307,22 @@ impl Experts {
     }
 }
 
+/// Columns `ids` (any shape) of `Wᵀ` held as panels `[N / 32, K, 32]`: `[..ids, K]`. Column
+/// `n` is element `n % 32` of each row of panel `n / 32`, so each id reads its K values alone.
+fn panel_columns(panels: &Array, ids: &Array) -> Result<Array> {
+    let s = panels.shape();
+    let (k, width) = (f64::from(s[1]), f64::from(s[2]));
+    let ids = ids.astype(mlx::Dtype::I32)?;
+    // Offset of (id, row 0) in the flat panels, then one row of `width` per k.
+    let first = ids
+        .floor_divide_scalar(width)?
+        .multiply_scalar(k * width)?
+        .add(&ids.remainder_scalar(width)?)?;
+    let rows = Array::arange(0.0, k, 1.0, mlx::Dtype::I32)?.multiply_scalar(width)?;
+    let at = first.expand_dims(-1)?.add(&rows)?;
+    Ok(panels.reshape(&[-1])?.take(&at, 0)?)
+}
+
 /// A token embedding table `[V, H]`, also usable as a tied output head.
 #[derive(Clone)]
 pub enum Embedding {
@@ -263,6 +331,9 @@ pub enum Embedding {
     /// `Eᵀ`, `[H, V]`: a tied head in the CPU's fast layout ([`weight_layout`]); lookups
     /// gather columns, which costs little next to the head reading the whole table per token.
     DenseTransposed(Array),
+    /// A float32 tied head on the CPU as column panels of `Eᵀ`, `[V / 32, H, 32]`
+    /// ([`Linear::Paneled`]); a lookup gathers each token's column out of its panel.
+    Paneled(Array),
     Quantized(Quantized),
     /// A quantized table times a float32 global scale (`[]`).
     Scaled {
@@ -276,7 +347,12 @@ impl Embedding {
     pub fn for_tied_head(self, weights: &Weights) -> Result<Embedding> {
         Ok(match self {
             Embedding::Dense(w) if mlx::default_device() == mlx::Device::Cpu => {
-                Embedding::DenseTransposed(weight_layout(weights, &w)?)
+                // A lookup indexes the flat panels with int32.
+                let fits = w.size() <= i32::MAX as usize;
+                match panels_of(&w)?.filter(|_| fits) {
+                    Some(panels) => Embedding::Paneled(weights.keep_instead(&w, panels)),
+                    None => Embedding::DenseTransposed(weight_layout(weights, &w)?),
+                }
             }
             other => other,
         })
@@ -293,6 +369,7 @@ impl Embedding {
                 let axes: Vec<i32> = (1..n).chain(std::iter::once(0)).collect();
                 cols.transpose(&axes)?
             }
+            Embedding::Paneled(panels) => panel_columns(panels, ids)?,
             Embedding::Quantized(q) => quantized_rows(q, ids)?,
             Embedding::Scaled { q, global } => times_global(quantized_rows(q, ids)?, global)?,
         })
@@ -312,6 +389,7 @@ impl Embedding {
         Ok(match self {
             Embedding::Dense(w) => h.matmul(&w.t()?)?,
             Embedding::DenseTransposed(wt) => h.matmul(wt)?,
+            Embedding::Paneled(panels) => mlx::fast::panel_matmul(h, panels)?,
             Embedding::Quantized(q) => h.quantized_matmul(q, true)?,
             Embedding::Scaled { q, global } => times_global(h.quantized_matmul(q, true)?, global)?,
         })

@@ -16,6 +16,7 @@ use crate::nn::{Embedding, Experts, GatedMlp, Linear};
 use crate::parallel::Shard;
 use crate::weights::Weights;
 use crate::{ModelError, Result};
+use mlx::fast::PANEL;
 use mlx::{Array, Quantized};
 use std::ops::Range;
 
@@ -98,13 +99,17 @@ fn dequantized(w: &Weights, q: &Quantized, global: Option<&Array>, part: &Part) 
 pub(crate) fn linear(w: &Weights, l: Linear, part: &Part) -> Result<Linear> {
     l.withdraw(w);
     Ok(match (&l, part) {
-        // `Wᵀ`, `[in, out]`.
-        (Linear::Dense { wt }, Part::Rows(r)) => Linear::Dense {
-            wt: cut(w, wt, 1, r)?,
-        },
-        (Linear::Dense { wt }, Part::Cols(r)) => Linear::Dense {
-            wt: cut(w, wt, 0, r)?,
-        },
+        // `Wᵀ`, `[in, out]` (panels put back first).
+        (Linear::Dense { .. } | Linear::Paneled { .. }, _) => {
+            let Some(wt) = l.dense_wt()? else {
+                unreachable!("a dense layer holds Wᵀ")
+            };
+            let wt = match part {
+                Part::Rows(r) => cut(w, &wt, 1, r)?,
+                Part::Cols(r) => cut(w, &wt, 0, r)?,
+            };
+            Linear::from_wt(w, wt)?
+        }
         (Linear::Quantized(q), _) => match quantized(w, q, part)? {
             Some(q) => Linear::Quantized(q),
             None => Linear::dense(w, dequantized(w, q, None, part)?)?,
@@ -170,6 +175,15 @@ fn embedding_view(e: &Embedding, vocab: &Range<i32>) -> Result<Embedding> {
         Embedding::DenseTransposed(t) => {
             Embedding::DenseTransposed(t.slice_axis(1, vocab.start, Some(vocab.end))?)
         }
+        // Whole panels are a view; a range inside one is copied out of the columns.
+        Embedding::Paneled(p) if vocab.start % PANEL == 0 && vocab.end % PANEL == 0 => {
+            Embedding::Paneled(p.slice_axis(0, vocab.start / PANEL, Some(vocab.end / PANEL))?)
+        }
+        Embedding::Paneled(p) => Embedding::DenseTransposed(
+            mlx::fast::unpack_panels(p)?
+                .slice_axis(1, vocab.start, Some(vocab.end))?
+                .contiguous()?,
+        ),
         Embedding::Quantized(q) => Embedding::Quantized(quantized_rows_view(q, vocab)?),
         Embedding::Scaled { q, global } => Embedding::Scaled {
             q: quantized_rows_view(q, vocab)?,
@@ -194,6 +208,15 @@ pub(crate) fn embedding_rows(w: &Weights, e: Embedding, vocab: &Range<i32>) -> R
         Embedding::DenseTransposed(wt) => {
             w.withdraw(wt);
             Embedding::DenseTransposed(cut(w, wt, 1, vocab)?)
+        }
+        Embedding::Paneled(p) => {
+            w.withdraw(p);
+            let rows = cut(w, &mlx::fast::unpack_panels(p)?, 1, vocab)?;
+            // `Eᵀ`'s columns are the table's rows: panel them again as a tied head.
+            match mlx::fast::pack_panels(&rows.t()?)? {
+                Some(panels) => Embedding::Paneled(w.keep_instead(&rows, panels)),
+                None => Embedding::DenseTransposed(rows),
+            }
         }
         Embedding::Quantized(q) => Embedding::Quantized(cut_rows(q)?),
         Embedding::Scaled { q, global } => Embedding::Scaled {
@@ -254,7 +277,7 @@ pub(crate) fn summed(w: &Weights, l: Linear, cols: Range<i32>, shard: &Shard) ->
 fn group(l: &Linear) -> i32 {
     match l {
         Linear::Quantized(q) | Linear::Scaled { q, .. } => q.group_size,
-        Linear::Dense { .. } => 1,
+        Linear::Dense { .. } | Linear::Paneled { .. } => 1,
         Linear::Summed { part, .. } => group(part),
     }
 }
@@ -397,7 +420,7 @@ mod tests {
         ));
         assert!(matches!(
             linear(&w, q.clone(), &Part::Cols(0..40)).unwrap(),
-            Linear::Dense { .. }
+            Linear::Dense { .. } | Linear::Paneled { .. }
         ));
     }
 
