@@ -546,9 +546,9 @@ pub fn set_panel_width(bits: i32) {
     ffi::set_panel_width(bits)
 }
 
-/// `x @ Wᵀ` for `W` held as panels ([`pack_panels`]): one op on the CPU, which reads the panels
-/// once for every eight rows of `x` (tiles of them through sgemm from 64 rows); elsewhere MLX's
-/// product with `Wᵀ` put back.
+/// `x @ Wᵀ` for `W` held as panels ([`pack_panels`]): one op on the CPU, which reads each panel
+/// once and multiplies it into every row of `x`, eight rows at a time; elsewhere MLX's product
+/// with `Wᵀ` put back.
 pub fn panel_matmul(x: &Array, panels: &Array) -> Result<Array> {
     Ok(Array::from_raw(ffi::panel_matmul(x.arr(), panels.arr())?))
 }

@@ -896,9 +896,8 @@ fn few_row_matmul_rows_do_not_depend_on_their_neighbours() {
 }
 
 /// A weight held as column panels (`fast::pack_panels`, how a model holds float32 weights on the
-/// CPU) multiplies as MLX's product with the weight: rows through the panel kernel (one to 63,
-/// eight at a time), and from 64 rows through tiles for sgemm; x of any leading shape or
-/// strides.
+/// CPU) multiplies as MLX's product with the weight, for one row of x to hundreds (eight at a
+/// time over each panel), x of any leading shape or strides.
 #[test]
 fn panel_matmul_matches_mlx() {
     let _one = serial();
@@ -957,10 +956,10 @@ fn panel_matmul_matches_mlx() {
         .is_none());
 }
 
-/// A row of x gets the same bits from the panel product whichever rows share its pass (one to
-/// 63: eight at a time, the last pass shorter) and whichever kernel width computed it
-/// (AVX-512, AVX2 or scalar): a request's greedy tokens do not depend on the batch beside it,
-/// nor on the CPU's vector width.
+/// A row of x gets the same bits from the panel product whichever rows share its call (eight
+/// at a time, the last group shorter; a decode step's row and a prefill chunk's alike) and
+/// whichever kernel width computed it (AVX-512, AVX2 or scalar): a request's greedy tokens do
+/// not depend on the batch beside it, nor on the CPU's vector width.
 #[test]
 fn panel_matmul_rows_do_not_depend_on_their_neighbours_or_the_vector_width() {
     let _one = serial();
@@ -968,7 +967,7 @@ fn panel_matmul_rows_do_not_depend_on_their_neighbours_or_the_vector_width() {
     let (k, n) = (130, 1024);
     let panels = fast::pack_panels(&normal(&[n, k], 400)).unwrap().unwrap();
     panels.eval().unwrap();
-    let xs = normal(&[63, k], 401).to_vec::<f32>().unwrap();
+    let xs = normal(&[150, k], 401).to_vec::<f32>().unwrap();
     let product = |rows: i32| {
         let x = Array::from_slice(&xs[..(rows * k) as usize], &[rows, k]).unwrap();
         fast::panel_matmul(&x, &panels)
@@ -976,14 +975,14 @@ fn panel_matmul_rows_do_not_depend_on_their_neighbours_or_the_vector_width() {
             .to_vec::<f32>()
             .unwrap()
     };
-    let all = product(63);
+    let all = product(150);
     for width in [512, 256, 0] {
         fast::set_panel_width(width);
-        for rows in [1, 2, 3, 5, 8, 9, 17, 63] {
+        for rows in [1, 2, 3, 5, 8, 9, 17, 63, 150] {
             let y = product(rows);
             assert!(
                 y.iter().zip(&all).all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{width}-bit kernel: the first {rows} rows differ from the same rows among 63"
+                "{width}-bit kernel: the first {rows} rows differ from the same rows among 150"
             );
         }
     }

@@ -424,6 +424,66 @@ mod tests {
         ));
     }
 
+    /// A float32 matrix whose rows are whole panels is held as panels on the CPU; its products,
+    /// its parts' products and a tied head's lookups and logits are the plain matrix's.
+    #[test]
+    fn paneled_layers_and_their_parts_are_the_plain_matrix() {
+        let w = weights();
+        let normal = |shape: &[i32], seed: u64| {
+            let key = random::key(seed).unwrap();
+            random::normal(shape, Dtype::F32, 0.0, 1.0, Some(&key)).unwrap()
+        };
+        let m = normal(&[64, 96], 20);
+        let x = normal(&[2, 96], 21);
+        let l = Linear::dense(&w, m.clone()).unwrap();
+        assert!(matches!(l, Linear::Paneled { .. }));
+        assert_eq!(l.outputs(), 64);
+        let whole = l.forward(&x).unwrap();
+        let plain = x.matmul(&m.t().unwrap()).unwrap();
+        assert!(max_diff(&whole, &plain) < 1e-4);
+        for parts in [
+            vec![Part::Rows(0..32), Part::Rows(32..64)],
+            vec![Part::Rows(0..20), Part::Rows(20..64)],
+            vec![Part::Cols(0..48), Part::Cols(48..96)],
+        ] {
+            let d = max_diff(&from_parts(&w, &l, &x, &parts), &whole);
+            assert!(d < 1e-4, "{:?}: {d}", parts[0]);
+        }
+        assert!(matches!(
+            linear(&w, l.clone(), &Part::Rows(0..32)).unwrap(),
+            Linear::Paneled { .. }
+        ));
+        assert!(matches!(
+            linear(&w, l.clone(), &Part::Rows(0..20)).unwrap(),
+            Linear::Dense { .. }
+        ));
+
+        // A tied head of 64 tokens.
+        let table = normal(&[64, 96], 22);
+        let e = Embedding::Dense(table.clone()).for_tied_head(&w).unwrap();
+        assert!(matches!(e, Embedding::Paneled(_)));
+        let rows_of = |e: &Embedding, ids: &[i32]| {
+            let ids = Array::from_slice(ids, &[1, ids.len() as i32]).unwrap();
+            e.lookup(&ids).unwrap().to_vec::<f32>().unwrap()
+        };
+        let want = |ids: &[i32]| {
+            let ids = Array::from_slice(ids, &[ids.len() as i32]).unwrap();
+            table.take(&ids, 0).unwrap().to_vec::<f32>().unwrap()
+        };
+        assert_eq!(rows_of(&e, &[3, 40, 63, 0]), want(&[3, 40, 63, 0]));
+        let logits = e.as_linear(&x).unwrap();
+        assert!(max_diff(&logits, &x.matmul(&table.t().unwrap()).unwrap()) < 1e-4);
+        // A rank's share of the vocabulary, as a view (whole panels or not) and cut.
+        let aligned = embedding_view(&e, &(32..64)).unwrap();
+        assert!(matches!(aligned, Embedding::Paneled(_)));
+        assert_eq!(rows_of(&aligned, &[0, 5]), want(&[32, 37]));
+        let inside = embedding_view(&e, &(10..50)).unwrap();
+        assert_eq!(rows_of(&inside, &[0, 39]), want(&[10, 49]));
+        let cut = embedding_rows(&w, e.clone(), &(32..64)).unwrap();
+        assert!(matches!(cut, Embedding::Paneled(_)));
+        assert_eq!(rows_of(&cut, &[31, 1]), want(&[63, 33]));
+    }
+
     /// Each expert's part: the experts' products from the parts, summed over column parts, are
     /// the whole stack's.
     #[test]
