@@ -1367,7 +1367,9 @@ fn run_generate(
         }
         out.flush().context("writing to stdout")
     };
-    while !g.is_finished() {
+    // A round can finish the sequence with tokens (and its end) still queued: hand those out
+    // too.
+    while !g.is_finished() || g.has_ready() {
         let ev = g.step(&mut ctx)?;
         if let Some((c, _)) = cluster {
             c.progress();

@@ -110,6 +110,46 @@ fn generate_json_streams_protocol_chunks() {
     }
 }
 
+/// A speculative round that ends the sequence (the end of text among its accepted tokens)
+/// leaves its tokens and the end queued: generate hands them all out, ending on the final
+/// chunk. It used to stop at the round and print neither (seeds 6 and 7 here did).
+#[test]
+fn generate_hands_out_what_a_finishing_round_queued() {
+    for seed in 1..=12 {
+        let out = mlx_runner()
+            .args([
+                "generate",
+                "--model",
+                &fixture("glm4_moe_lite"),
+                "--prompt",
+                "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3",
+                "-n",
+                "32",
+                "--json",
+                "--draft",
+                &fixture("glm4_moe_lite"),
+                "--draft-depth",
+                "3",
+                "--temperature",
+                "0.9",
+                "--seed",
+                &seed.to_string(),
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        let last: serde_json::Value =
+            serde_json::from_str(text.lines().last().unwrap_or("{}")).unwrap();
+        assert_eq!(last["Done"], true, "seed {seed}: no final chunk:\n{text}");
+        assert!(last["EvalCount"].is_u64(), "seed {seed}: {last}");
+    }
+}
+
 #[test]
 fn generate_with_a_broken_model_fails_with_one_line() {
     let dir = tempfile::tempdir().unwrap();

@@ -69,6 +69,19 @@ fn chunks(out: &Output) -> Vec<String> {
     lines
 }
 
+/// That a run ended well: success, and its last line the final chunk. An unseeded sampled run
+/// may draw the end of text first and print nothing else.
+fn ended(out: &Output) {
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let last = text.lines().last().unwrap_or_default();
+    assert!(last.contains("\"Done\":true"), "no final chunk:\n{text}");
+}
+
 /// Text models among the fixtures: every architecture and quantization.
 const FIXTURES: &[&str] = &[
     "gemma4_31b_like",
@@ -256,7 +269,7 @@ fn ranks_draft_alike_at_a_fixed_depth() {
                 &["--temperature", "0.9", "--rank-timeout", "20"],
             ]
             .concat();
-            chunks(
+            ended(
                 &generate_from(model, prompt, &sampled, Some(&hosts))
                     .output()
                     .unwrap(),
@@ -289,14 +302,14 @@ fn ranks_sample_together() {
     let out = generate("gemma4_31b_like", &unseeded, Some(&hosts))
         .output()
         .unwrap();
-    chunks(&out);
+    ended(&out);
     // Split by tensors, each rank's hidden states may differ from another's in the last bits
     // (each sums in its own order); the logits every rank samples from are one gathered
     // array, so they stay in step all the same.
     let (_d, hosts) = local(3);
     let tensor = [&unseeded[..], &["--parallel-mode", "tensor"]].concat();
     for model in ["gemma4_26b_a4b_like", "glm4_moe_lite"] {
-        chunks(&generate(model, &tensor, Some(&hosts)).output().unwrap());
+        ended(&generate(model, &tensor, Some(&hosts)).output().unwrap());
     }
 }
 

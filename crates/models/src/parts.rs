@@ -332,6 +332,11 @@ mod tests {
         Weights::from_arrays(HashMap::new(), Dtype::F32, None)
     }
 
+    fn normal(shape: &[i32], seed: u64) -> Array {
+        let key = random::key(seed).unwrap();
+        random::normal(shape, Dtype::F32, 0.0, 1.0, Some(&key)).unwrap()
+    }
+
     fn max_diff(a: &Array, b: &Array) -> f32 {
         let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
         assert_eq!(a.len(), b.len());
@@ -370,16 +375,8 @@ mod tests {
     #[test]
     fn parts_multiply_as_the_whole_does() {
         let w = weights();
-        let key = random::key(3).unwrap();
-        let m = random::normal(&[12, 128], Dtype::F32, 0.0, 1.0, Some(&key)).unwrap();
-        let x = random::normal(
-            &[1, 3, 128],
-            Dtype::F32,
-            0.0,
-            1.0,
-            Some(&random::key(4).unwrap()),
-        )
-        .unwrap();
+        let m = normal(&[12, 128], 3);
+        let x = normal(&[1, 3, 128], 4);
         let mut layers = vec![("dense", Linear::dense(&w, m.clone()).unwrap())];
         for (name, mode, group, bits) in [
             ("affine q4", QuantMode::Affine, 32, 4),
@@ -429,10 +426,6 @@ mod tests {
     #[test]
     fn paneled_layers_and_their_parts_are_the_plain_matrix() {
         let w = weights();
-        let normal = |shape: &[i32], seed: u64| {
-            let key = random::key(seed).unwrap();
-            random::normal(shape, Dtype::F32, 0.0, 1.0, Some(&key)).unwrap()
-        };
         let m = normal(&[64, 96], 20);
         let x = normal(&[2, 96], 21);
         let l = Linear::dense(&w, m.clone()).unwrap();
@@ -489,10 +482,6 @@ mod tests {
     #[test]
     fn expert_parts_multiply_as_the_whole_does() {
         let w = weights();
-        let normal = |shape: &[i32], seed: u64| {
-            let key = random::key(seed).unwrap();
-            random::normal(shape, Dtype::F32, 0.0, 1.0, Some(&key)).unwrap()
-        };
         let m = normal(&[4, 16, 128], 5);
         let x = normal(&[2, 1, 1, 128], 6);
         let idx = Array::from_slice(&[3i32, 1, 0, 2], &[2, 2]).unwrap();
