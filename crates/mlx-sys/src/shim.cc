@@ -533,13 +533,18 @@ ArrPtr matmul(const Arr& a, const Arr& b) {
   return wrap(mx::matmul(a.a, b.a));
 }
 
-// x @ W for W held as column panels [N / 32, K, 32]; without the kernel, x @ W with W put back
-// as [K, N] (a copy: tests comparing against MLX's own product take this path).
+// x @ W for W held as column panels [N / 32, K, 32]; without the kernel, MLX's product of x's
+// rows with every panel ([P, M, 32]), laid out as [.., N]: only the output is rearranged, never
+// the weight.
 ArrPtr panel_matmul(const Arr& x, const Arr& panels) {
   if (auto out = cpu_panel_matmul(x.a, panels.a)) return wrap(std::move(*out));
   const auto& p = panels.a;
-  auto w = mx::reshape(mx::transpose(p, {1, 0, 2}), {p.shape(1), p.shape(0) * p.shape(2)});
-  return wrap(mx::matmul(x.a, w));
+  const int K = p.shape(1), N = p.shape(0) * p.shape(2);
+  auto rows = mx::reshape(x.a, {-1, K});
+  auto y = mx::transpose(mx::matmul(rows, p), {1, 0, 2});
+  auto shape = x.a.shape();
+  shape.back() = N;
+  return wrap(mx::reshape(y, shape));
 }
 
 ArrPtr addmm(const Arr& c, const Arr& a, const Arr& b, float alpha, float beta) {

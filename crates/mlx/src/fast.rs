@@ -517,7 +517,7 @@ pub const PANEL: i32 = 32;
 
 /// `w` (`[N, K]`, a checkpoint's `[out, in]`) as column panels of `x @ wᵀ`: `[N / 32, K, 32]`,
 /// panel `p` holding `wᵀ[:, 32p .. 32p + 32]` row by row in one block, the layout the CPU's
-/// few-row product streams ([`panel_matmul`]). `None` where `N` is not a multiple of 32.
+/// product streams ([`panel_matmul`]). `None` where `N` is not a multiple of 32.
 pub fn pack_panels(w: &Array) -> Result<Option<Array>> {
     let shape = w.shape();
     if shape.len() != 2 || shape[0] % PANEL != 0 || shape[0] == 0 || shape[1] == 0 {

@@ -14,9 +14,10 @@ pub enum Linear {
         wt: Array,
     },
     /// A float32 `W` on the CPU as column panels of `Wᵀ`, `[out / 32, in, 32]`
-    /// ([`mlx::fast::pack_panels`]): the layout the CPU's few-row product streams at memory
-    /// speed however many rows (up to eight) a step multiplies, where a row-major `Wᵀ` took
-    /// twice the one-row time at eight rows (docs/MODELS.md, "Float32 weights on the CPU").
+    /// ([`mlx::fast::pack_panels`]): the layout the CPU's product streams at memory speed
+    /// however many rows a step multiplies (a decode step over eight rows took twice the
+    /// one-row time with a row-major `Wᵀ`), prefill chunks included (docs/MODELS.md, "Float32
+    /// weights on the CPU").
     Paneled {
         panels: Array,
     },

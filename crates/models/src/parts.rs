@@ -99,6 +99,17 @@ fn dequantized(w: &Weights, q: &Quantized, global: Option<&Array>, part: &Part) 
 pub(crate) fn linear(w: &Weights, l: Linear, part: &Part) -> Result<Linear> {
     l.withdraw(w);
     Ok(match (&l, part) {
+        // Panels cut along their input rows, or into whole panels, stay panels.
+        (Linear::Paneled { panels }, Part::Cols(r)) => Linear::Paneled {
+            panels: cut(w, panels, 1, r)?,
+        },
+        (Linear::Paneled { panels }, Part::Rows(r))
+            if r.start % PANEL == 0 && r.end % PANEL == 0 =>
+        {
+            Linear::Paneled {
+                panels: cut(w, panels, 0, &(r.start / PANEL..r.end / PANEL))?,
+            }
+        }
         // `Wᵀ`, `[in, out]` (panels put back first).
         (Linear::Dense { .. } | Linear::Paneled { .. }, _) => {
             let Some(wt) = l.dense_wt()? else {
@@ -168,8 +179,9 @@ fn quantized_rows_view(q: &Quantized, vocab: &Range<i32>) -> Result<Quantized> {
     })
 }
 
-/// Rows `vocab` of an embedding table the rank also holds whole, as a view of it (no memory).
-fn embedding_view(e: &Embedding, vocab: &Range<i32>) -> Result<Embedding> {
+/// Rows `vocab` of an embedding table the rank also holds whole, as a view of it (no memory);
+/// only a paneled table's range that starts or ends inside a panel is a copy, kept for loading.
+fn embedding_view(w: &Weights, e: &Embedding, vocab: &Range<i32>) -> Result<Embedding> {
     Ok(match e {
         Embedding::Dense(t) => Embedding::Dense(t.slice_axis(0, vocab.start, Some(vocab.end))?),
         Embedding::DenseTransposed(t) => {
@@ -180,9 +192,11 @@ fn embedding_view(e: &Embedding, vocab: &Range<i32>) -> Result<Embedding> {
             Embedding::Paneled(p.slice_axis(0, vocab.start / PANEL, Some(vocab.end / PANEL))?)
         }
         Embedding::Paneled(p) => Embedding::DenseTransposed(
-            mlx::fast::unpack_panels(p)?
-                .slice_axis(1, vocab.start, Some(vocab.end))?
-                .contiguous()?,
+            w.keep(
+                mlx::fast::unpack_panels(p)?
+                    .slice_axis(1, vocab.start, Some(vocab.end))?
+                    .contiguous()?,
+            ),
         ),
         Embedding::Quantized(q) => Embedding::Quantized(quantized_rows_view(q, vocab)?),
         Embedding::Scaled { q, global } => Embedding::Scaled {
@@ -237,7 +251,7 @@ pub(crate) fn vocab_rows(
 ) -> Result<Embedding> {
     let rows = shard.vocab_part(vocab);
     match whole {
-        Some(e) => embedding_view(e, &rows),
+        Some(e) => embedding_view(w, e, &rows),
         None => embedding_rows(w, table()?, &rows),
     }
 }
@@ -450,6 +464,10 @@ mod tests {
             linear(&w, l.clone(), &Part::Rows(0..20)).unwrap(),
             Linear::Dense { .. }
         ));
+        assert!(matches!(
+            linear(&w, l.clone(), &Part::Cols(0..48)).unwrap(),
+            Linear::Paneled { .. }
+        ));
 
         // A tied head of 64 tokens.
         let table = normal(&[64, 96], 22);
@@ -467,10 +485,10 @@ mod tests {
         let logits = e.as_linear(&x).unwrap();
         assert!(max_diff(&logits, &x.matmul(&table.t().unwrap()).unwrap()) < 1e-4);
         // A rank's share of the vocabulary, as a view (whole panels or not) and cut.
-        let aligned = embedding_view(&e, &(32..64)).unwrap();
+        let aligned = embedding_view(&w, &e, &(32..64)).unwrap();
         assert!(matches!(aligned, Embedding::Paneled(_)));
         assert_eq!(rows_of(&aligned, &[0, 5]), want(&[32, 37]));
-        let inside = embedding_view(&e, &(10..50)).unwrap();
+        let inside = embedding_view(&w, &e, &(10..50)).unwrap();
         assert_eq!(rows_of(&inside, &[0, 39]), want(&[10, 49]));
         let cut = embedding_rows(&w, e.clone(), &(32..64)).unwrap();
         assert!(matches!(cut, Embedding::Paneled(_)));
