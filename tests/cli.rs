@@ -9,15 +9,20 @@ fn mlx_runner() -> Command {
     c
 }
 
+/// Runs the binary with `args`, which must succeed: its (stdout, stderr).
+fn run_ok(args: &[&str]) -> (String, String) {
+    let out = mlx_runner().args(args).output().unwrap();
+    let (text, err) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(out.status.success(), "{text}\n{err}");
+    (text, err)
+}
+
 #[test]
 fn info_reports_mlx_device_and_blas() {
-    let out = mlx_runner().arg("info").output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (text, _) = run_ok(&["info"]);
     assert!(text.contains("mlx        0.32.4"), "{text}");
     assert!(text.contains("device     cpu"), "{text}");
     assert!(text.lines().any(|l| l.starts_with("sgemm ")), "{text}");
@@ -44,24 +49,15 @@ fn fixture(name: &str) -> String {
 
 #[test]
 fn generate_prints_text_and_stats() {
-    let out = mlx_runner()
-        .args([
-            "generate",
-            "--model",
-            &fixture("gemma4_e2b_like"),
-            "--prompt",
-            "Hello world",
-            "-n",
-            "8",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
+    let (_, err) = run_ok(&[
+        "generate",
+        "--model",
+        &fixture("gemma4_e2b_like"),
+        "--prompt",
+        "Hello world",
+        "-n",
+        "8",
+    ]);
     assert!(
         err.contains("prompt: ") && err.contains(" tokens, ") && err.contains("generated:"),
         "{err}"
@@ -70,27 +66,18 @@ fn generate_prints_text_and_stats() {
 
 #[test]
 fn generate_json_streams_protocol_chunks() {
-    let out = mlx_runner()
-        .args([
-            "generate",
-            "--model",
-            &fixture("glm4_moe_lite"),
-            "--prompt",
-            "Hello",
-            "-n",
-            "4",
-            "--json",
-            "--top-logprobs",
-            "2",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).unwrap();
+    let (text, _) = run_ok(&[
+        "generate",
+        "--model",
+        &fixture("glm4_moe_lite"),
+        "--prompt",
+        "Hello",
+        "-n",
+        "4",
+        "--json",
+        "--top-logprobs",
+        "2",
+    ]);
     let lines: Vec<serde_json::Value> = text
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -116,33 +103,24 @@ fn generate_json_streams_protocol_chunks() {
 #[test]
 fn generate_hands_out_what_a_finishing_round_queued() {
     for seed in 1..=12 {
-        let out = mlx_runner()
-            .args([
-                "generate",
-                "--model",
-                &fixture("glm4_moe_lite"),
-                "--prompt",
-                "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3",
-                "-n",
-                "32",
-                "--json",
-                "--draft",
-                &fixture("glm4_moe_lite"),
-                "--draft-depth",
-                "3",
-                "--temperature",
-                "0.9",
-                "--seed",
-                &seed.to_string(),
-            ])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let text = String::from_utf8(out.stdout).unwrap();
+        let (text, _) = run_ok(&[
+            "generate",
+            "--model",
+            &fixture("glm4_moe_lite"),
+            "--prompt",
+            "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3",
+            "-n",
+            "32",
+            "--json",
+            "--draft",
+            &fixture("glm4_moe_lite"),
+            "--draft-depth",
+            "3",
+            "--temperature",
+            "0.9",
+            "--seed",
+            &seed.to_string(),
+        ]);
         let last: serde_json::Value =
             serde_json::from_str(text.lines().last().unwrap_or("{}")).unwrap();
         assert_eq!(last["Done"], true, "seed {seed}: no final chunk:\n{text}");
