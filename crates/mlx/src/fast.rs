@@ -548,7 +548,7 @@ pub fn set_panel_width(bits: i32) {
 
 /// `x @ Wᵀ` for `W` held as panels ([`pack_panels`]): one op on the CPU, which reads each panel
 /// once and multiplies it into every row of `x`, eight rows at a time; elsewhere MLX's product
-/// with `Wᵀ` put back.
+/// of `x` with every panel, the output laid out as `[.., N]`.
 pub fn panel_matmul(x: &Array, panels: &Array) -> Result<Array> {
     Ok(Array::from_raw(ffi::panel_matmul(x.arr(), panels.arr())?))
 }

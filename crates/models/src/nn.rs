@@ -102,16 +102,6 @@ impl Linear {
         Ok(Linear::Dense { wt })
     }
 
-    /// `Wᵀ` (`[in, out]`) of a dense layer, whichever layout holds it (panels put back as a
-    /// new array); `None` for the other forms.
-    pub(crate) fn dense_wt(&self) -> Result<Option<Array>> {
-        Ok(match self {
-            Linear::Dense { wt } => Some(wt.clone()),
-            Linear::Paneled { panels } => Some(mlx::fast::unpack_panels(panels)?),
-            _ => None,
-        })
-    }
-
     /// Withdraws this layer's tensors from those evaluated at load ([`Weights::withdraw`]):
     /// for a layer used only to make other tensors at load.
     pub(crate) fn withdraw(&self, weights: &Weights) {

@@ -95,6 +95,14 @@ fn dequantized(w: &Weights, q: &Quantized, global: Option<&Array>, part: &Part) 
     detached(&v.slice_axis(axis, r.start, Some(r.end))?)
 }
 
+/// This rank's part of `Wᵀ` (`[in, out]`): a range of its outputs (columns) or inputs (rows).
+fn cut_wt(w: &Weights, wt: &Array, part: &Part) -> Result<Array> {
+    match part {
+        Part::Rows(r) => cut(w, wt, 1, r),
+        Part::Cols(r) => cut(w, wt, 0, r),
+    }
+}
+
 /// This rank's part of `l`, which is let go.
 pub(crate) fn linear(w: &Weights, l: Linear, part: &Part) -> Result<Linear> {
     l.withdraw(w);
@@ -110,16 +118,11 @@ pub(crate) fn linear(w: &Weights, l: Linear, part: &Part) -> Result<Linear> {
                 panels: cut(w, panels, 0, &(r.start / PANEL..r.end / PANEL))?,
             }
         }
-        // `Wᵀ`, `[in, out]` (panels put back first).
-        (Linear::Dense { .. } | Linear::Paneled { .. }, _) => {
-            let Some(wt) = l.dense_wt()? else {
-                unreachable!("a dense layer holds Wᵀ")
-            };
-            let wt = match part {
-                Part::Rows(r) => cut(w, &wt, 1, r)?,
-                Part::Cols(r) => cut(w, &wt, 0, r)?,
-            };
-            Linear::from_wt(w, wt)?
+        // `Wᵀ`, `[in, out]`; another range of a paneled matrix's outputs from its panels put
+        // back.
+        (Linear::Dense { wt }, _) => Linear::from_wt(w, cut_wt(w, wt, part)?)?,
+        (Linear::Paneled { panels }, _) => {
+            Linear::from_wt(w, cut_wt(w, &mlx::fast::unpack_panels(panels)?, part)?)?
         }
         (Linear::Quantized(q), _) => match quantized(w, q, part)? {
             Some(q) => Linear::Quantized(q),
