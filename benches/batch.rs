@@ -89,22 +89,12 @@ fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
-/// A weight of the matmul floor, held as the model holds it.
-enum Floor {
-    Panels(mlx::Array),
-    Wt(mlx::Array),
-}
-
-impl Floor {
-    fn array(&self) -> &mlx::Array {
-        match self {
-            Floor::Panels(a) | Floor::Wt(a) => a,
-        }
-    }
-}
-
 /// (step, graph build, matmul floor) in milliseconds for `b` decode rows.
-fn step_costs(m: &models::LoadedModel, weights: &[Floor], b: usize) -> (f64, f64, f64) {
+fn step_costs(
+    m: &models::LoadedModel,
+    weights: &[(models::nn::Linear, i32)],
+    b: usize,
+) -> (f64, f64, f64) {
     let model = &*m.model;
     let mut caches: Vec<Vec<models::LayerCache>> = (0..b).map(|_| model.make_caches()).collect();
     for (r, c) in caches.iter_mut().enumerate() {
@@ -136,15 +126,9 @@ fn step_costs(m: &models::LoadedModel, weights: &[Floor], b: usize) -> (f64, f64
         let x = mlx::random::normal(&[b as i32, 1], m.dtype, 0.0, 1.0, None).unwrap();
         let outs: Vec<mlx::Array> = weights
             .iter()
-            .map(|w| match w {
-                Floor::Panels(p) => {
-                    let inp = x.broadcast_to(&[b as i32, p.shape()[1]]).unwrap();
-                    mlx::fast::panel_matmul(&inp, p).unwrap()
-                }
-                Floor::Wt(w) => {
-                    let inp = x.broadcast_to(&[b as i32, w.shape()[0]]).unwrap();
-                    inp.matmul(w).unwrap()
-                }
+            .map(|(l, inputs)| {
+                let inp = x.broadcast_to(&[b as i32, *inputs]).unwrap();
+                l.forward(&inp).unwrap()
             })
             .collect();
         mlx::eval(&outs.iter().collect::<Vec<_>>()).unwrap();
@@ -162,27 +146,23 @@ fn step_costs(m: &models::LoadedModel, weights: &[Floor], b: usize) -> (f64, f64
 fn breakdown(model_dir: &Path) {
     mlx::init_thread().unwrap();
     let m = models::load(model_dir, models::DtypeChoice::Auto).unwrap();
-    let weights: Vec<Floor> = mlx::io::load_safetensors(model_dir.join("model.safetensors"))
-        .unwrap()
-        .arrays
-        .into_values()
-        .filter(|a| a.ndim() == 2 && a.dtype().is_float())
-        // As the model holds each on the CPU (models::nn::Linear::dense: float32 column panels
-        // where the rows are whole panels, else `Wᵀ`), so the floor is the same products
-        // through the same kernels.
-        .map(|a| {
-            let a = a.astype(m.dtype).unwrap();
-            let held = match (m.dtype == mlx::Dtype::F32)
-                .then(|| mlx::fast::pack_panels(&a).unwrap())
-                .flatten()
-            {
-                Some(p) => Floor::Panels(p),
-                None => Floor::Wt(a.t().unwrap().contiguous().unwrap()),
-            };
-            held.array().eval().unwrap();
-            held
-        })
-        .collect();
+    // Each weight as the model holds it (models::nn::Linear::dense: float32 column panels on
+    // the CPU where the rows are whole panels, else `Wᵀ`), so the floor is the same products
+    // through the same kernels.
+    let held = models::weights::Weights::from_arrays(Default::default(), m.dtype, None);
+    let weights: Vec<(models::nn::Linear, i32)> =
+        mlx::io::load_safetensors(model_dir.join("model.safetensors"))
+            .unwrap()
+            .arrays
+            .into_values()
+            .filter(|a| a.ndim() == 2 && a.dtype().is_float())
+            .map(|a| {
+                let inputs = a.shape()[1];
+                let l = models::nn::Linear::dense(&held, a.astype(m.dtype).unwrap()).unwrap();
+                (l, inputs)
+            })
+            .collect();
+    held.materialize().unwrap();
     println!("\nWhere a batched decode step goes (in-process, medians of 10 steps)\n");
     println!("| rows | step ms | per row ms | graph build ms | matmul floor ms | step / floor |");
     println!("|---|---|---|---|---|---|");
