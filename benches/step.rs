@@ -4,7 +4,10 @@
 //! step (forward, output head, greedy pick, evaluated and read back), building its graph, the
 //! ops it dispatches, every matrix product of the model alone, and the rest. Each is measured
 //! with mlx-runner's CPU kernels (quantized matmul, fused RMS norm / RoPE / attention / GELU)
-//! and with MLX's own kernels and op graphs, alternating step by step, medians of 10.
+//! and with MLX's own kernels and op graphs, alternating step by step, medians of 10. Then
+//! every product of the model at 1, 2, 4 and 8 rows, in milliseconds and GMAC/s, beside one
+//! matrix of the model whose weights stay in cache: where the two rates are alike, the products
+//! are bound by arithmetic at that row count, not by reading weights.
 //! `BENCH_STEP_MODEL=dir` measures another model directory instead.
 
 mod common;
@@ -25,10 +28,12 @@ fn kernels(on: bool) {
     mlx::fast::set_fused_kernels(on);
 }
 
-/// The model's matrices, laid out as the model holds them on the CPU (dense ones as `Wᵀ`).
+/// The model's matrices, laid out as the model holds them on the CPU (dense ones through
+/// `models::nn::Linear::dense`: float32 column panels where the rows are whole panels).
 enum Mat {
     Quantized(mlx::Quantized),
-    Dense(Array),
+    /// A float32 matrix with its input and output widths.
+    Dense(models::nn::Linear, i32, i32),
     /// An expert stack `[E, out, in]` of which a token reads `k` experts.
     Experts(mlx::Quantized, i32),
     /// A stack of per-head matrices `[H, out, in]` (MLA's split `kv_b_proj`), all read.
@@ -49,13 +54,44 @@ impl Mat {
         match self {
             Mat::Quantized(q) | Mat::Experts(q, _) => normal(&[rows, in_width(q)]),
             Mat::Heads(q) => normal(&[q.weight.shape()[0], rows, in_width(q)]),
-            Mat::Dense(wt) => normal(&[rows, wt.shape()[0]]),
+            Mat::Dense(_, inputs, _) => normal(&[rows, *inputs]),
+        }
+    }
+    /// Multiply-accumulates of a product over `rows` rows.
+    fn macs(&self, rows: i32) -> f64 {
+        let dims = |q: &mlx::Quantized| {
+            let s = q.weight.shape();
+            (
+                s[..s.len() - 1].iter().map(|&d| d as f64).product::<f64>(),
+                in_width(q) as f64,
+            )
+        };
+        let rows = rows as f64;
+        match self {
+            Mat::Quantized(q) | Mat::Heads(q) => {
+                let (out, inp) = dims(q);
+                rows * out * inp
+            }
+            Mat::Experts(q, k) => {
+                let (out, inp) = dims(q);
+                rows * (*k as f64) * out * inp / q.weight.shape()[0] as f64
+            }
+            Mat::Dense(_, inputs, outputs) => rows * (*inputs as f64) * (*outputs as f64),
+        }
+    }
+    /// Bytes of weights a product reads.
+    fn bytes(&self) -> usize {
+        match self {
+            Mat::Quantized(q) | Mat::Heads(q) | Mat::Experts(q, _) => {
+                q.weight.nbytes() + q.scales.nbytes() + q.biases.as_ref().map_or(0, |b| b.nbytes())
+            }
+            Mat::Dense(_, inputs, outputs) => 4 * *inputs as usize * *outputs as usize,
         }
     }
     fn apply(&self, x: &Array) -> Array {
         match self {
             Mat::Quantized(q) | Mat::Heads(q) => x.quantized_matmul(q, true).unwrap(),
-            Mat::Dense(wt) => x.matmul(wt).unwrap(),
+            Mat::Dense(l, _, _) => l.forward(x).unwrap(),
             Mat::Experts(q, k) => {
                 // Every row reads the same k experts: the rows share each expert's matrix.
                 let rows = x.shape()[0];
@@ -91,6 +127,7 @@ fn matrices(dir: &Path) -> Vec<Mat> {
     }
     let names: Vec<String> = arrays.keys().cloned().collect();
     let untied = names.iter().any(|n| n.ends_with("lm_head.weight"));
+    let dense = models::weights::Weights::from_arrays(Default::default(), mlx::Dtype::F32, None);
     let mut mats = vec![];
     for name in names {
         let Some(base) = name.strip_suffix(".weight") else {
@@ -118,13 +155,15 @@ fn matrices(dir: &Path) -> Vec<Mat> {
             let w = &arrays[&name];
             // Matrices only (norm scales are vectors); the embedding is the tied output head.
             if w.ndim() == 2 && w.shape().iter().all(|&d| d > 1) {
-                let wt = w.t().unwrap().contiguous().unwrap();
-                wt.eval().unwrap();
-                mats.push(Mat::Dense(wt));
+                let (outputs, inputs) = (w.shape()[0], w.shape()[1]);
+                let w = w.astype(mlx::Dtype::F32).unwrap();
+                let l = models::nn::Linear::dense(&dense, w).unwrap();
+                mats.push(Mat::Dense(l, inputs, outputs));
             }
         }
     }
     // Where the model's own weights live after loading (models::Weights::materialize).
+    dense.materialize().unwrap();
     let held: Vec<&Array> = mats
         .iter()
         .flat_map(|m| match m {
@@ -132,7 +171,7 @@ fn matrices(dir: &Path) -> Vec<Mat> {
                 .into_iter()
                 .chain(&q.biases)
                 .collect(),
-            Mat::Dense(wt) => vec![wt],
+            Mat::Dense(..) => vec![],
         })
         .collect();
     mlx::eval(&held).unwrap();
@@ -243,6 +282,43 @@ fn products_by_rows(dir: &Path) -> Vec<f64> {
     times.into_iter().map(median).collect()
 }
 
+/// GMAC/s of the largest plain matrix of the model whose weights fit in L2 (at most 512 KiB),
+/// multiplied `REPEATS` times in one evaluation at each row count of `ROW_COUNTS`: the kernel's
+/// arithmetic rate with its weights in cache, beside the whole model's from memory. Where the two
+/// are alike at some row count, the step is bound by arithmetic there, not by reading weights.
+fn in_cache_by_rows(dir: &Path) -> Option<(Vec<f64>, String)> {
+    const REPEATS: usize = 64;
+    kernels(true);
+    let mats = matrices(dir);
+    let m = mats
+        .iter()
+        .filter(|m| matches!(m, Mat::Quantized(_) | Mat::Dense(..)) && m.bytes() <= 1 << 20)
+        .max_by_key(|m| m.bytes())?;
+    let shape = match m {
+        Mat::Quantized(q) => format!("{} × {}", q.weight.shape()[0], in_width(q)),
+        Mat::Dense(_, inputs, outputs) => format!("{outputs} × {inputs}"),
+        _ => unreachable!("filtered to plain matrices"),
+    };
+    let rates = ROW_COUNTS
+        .iter()
+        .map(|&r| {
+            let x = m.input(r);
+            x.eval().unwrap();
+            let times: Vec<f64> = (0..STEPS + 2)
+                .map(|_| {
+                    let start = Instant::now();
+                    let outs: Vec<Array> = (0..REPEATS).map(|_| m.apply(&x)).collect();
+                    mlx::eval(&outs.iter().collect::<Vec<_>>()).unwrap();
+                    ms(start)
+                })
+                .skip(2)
+                .collect();
+            m.macs(r) * REPEATS as f64 / median(times) / 1e6
+        })
+        .collect();
+    Some((rates, shape))
+}
+
 fn main() {
     mlx::init_thread().unwrap();
     let dirs: Vec<PathBuf> = match std::env::var_os("BENCH_STEP_MODEL") {
@@ -291,11 +367,26 @@ fn main() {
         );
         println!("\nOps with mlx-runner's kernels: {ours_ops}");
         let by_rows = products_by_rows(&dir);
+        let model_macs: f64 = matrices(&dir).iter().map(|m| m.macs(1)).sum();
+        let cached = in_cache_by_rows(&dir);
         println!("\nEvery matrix product at R rows (mlx-runner's kernels, medians of {STEPS})\n");
-        println!("| rows | ms | rows a second, ÷ one row's |");
-        println!("|---|---|---|");
-        for (r, t) in ROW_COUNTS.iter().zip(&by_rows) {
-            println!("| {r} | {t:.2} | {:.2} |", *r as f64 * by_rows[0] / t);
+        match &cached {
+            Some((_, shape)) => println!(
+                "The last column: one {shape} matrix of the model, its weights in cache, many times over.\n"
+            ),
+            None => println!("(no matrix of the model fits in cache alone)\n"),
+        }
+        println!("| rows | ms | rows a second, ÷ one row's | GMAC/s | GMAC/s in cache |");
+        println!("|---|---|---|---|---|");
+        for (i, (r, t)) in ROW_COUNTS.iter().zip(&by_rows).enumerate() {
+            let in_cache = cached
+                .as_ref()
+                .map_or("—".to_string(), |(g, _)| format!("{:.1}", g[i]));
+            println!(
+                "| {r} | {t:.2} | {:.2} | {:.1} | {in_cache} |",
+                *r as f64 * by_rows[0] / t,
+                model_macs * *r as f64 / t / 1e6
+            );
         }
     }
 }
