@@ -361,6 +361,63 @@ fn a_verify_row_is_the_decode_step_at_its_position() {
     );
 }
 
+/// The same over quantized caches read packed (q8 and q4, groups of 32 and 64): each row of a
+/// causal verify step (L queries at the end of S keys) is the bits of the one-query step over the
+/// first keys up to its own, whichever rows share its tile and key blocks.
+#[test]
+fn a_verify_row_over_a_quantized_cache_is_the_decode_step_at_its_position() {
+    let _one = serial();
+    fast::set_fused_kernels(true);
+    let before = fast::fused_kernel_counts().sdpa;
+    let mut runs = 0;
+    for bits in [8, 4] {
+        for (hq, hk, s, d, group) in [
+            (4, 1, 258, 64, 64),
+            (8, 2, 131, 128, 32),
+            (4, 2, 600, 32, 32),
+        ] {
+            let l = 5;
+            let q = normal(&[1, hq, l, d], 21);
+            let quant = |a: Array| Rows::Affine(a.quantize(group, bits).unwrap());
+            let kv = KvSlots::of(
+                quant(normal(&[1, hk, s, d], 22)),
+                quant(normal(&[1, hk, s, d], 23)),
+            );
+            let all = fast::sdpa_slots(&q, &kv, Attention::new(0.2, SdpaMask::Causal))
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap();
+            runs += 1;
+            for i in 0..l {
+                let qi = q.slice_axis(2, i, Some(i + 1)).unwrap();
+                let seen = KvSlots {
+                    len: (s - l + i + 1) as usize,
+                    ..kv.clone()
+                };
+                let one = fast::sdpa_slots(&qi, &seen, Attention::new(0.2, SdpaMask::None))
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap();
+                runs += 1;
+                let (du, lu) = (d as usize, l as usize);
+                for h in 0..hq as usize {
+                    let at = (h * lu + i as usize) * du;
+                    assert_eq!(
+                        one[h * du..(h + 1) * du],
+                        all[at..at + du],
+                        "q{bits} g{group}: {s} keys, head {h}, query {i}"
+                    );
+                }
+            }
+        }
+    }
+    assert_eq!(
+        fast::fused_kernel_counts().sdpa - before,
+        runs,
+        "the kernel answered"
+    );
+}
+
 /// A cache write and the attention that reads it as one op (`sdpa_write`): the buffers come back
 /// with exactly the new rows in their slots and attention over their first `len` slots is what
 /// MLX's slice_update, slice and attention give; attention over a buffer's first slots
