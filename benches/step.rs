@@ -258,9 +258,8 @@ fn measure(dir: &Path) -> (Row, Row, String) {
 /// CPU kernels, the row counts taken in turn: what a batch of decode rows costs against one.
 const ROW_COUNTS: [i32; 4] = [1, 2, 4, 8];
 
-fn products_by_rows(dir: &Path) -> Vec<f64> {
+fn products_by_rows(mats: &[Mat]) -> Vec<f64> {
     kernels(true);
-    let mats = matrices(dir);
     let inputs: Vec<Vec<Array>> = ROW_COUNTS
         .iter()
         .map(|&r| mats.iter().map(|m| m.input(r)).collect())
@@ -282,14 +281,13 @@ fn products_by_rows(dir: &Path) -> Vec<f64> {
     times.into_iter().map(median).collect()
 }
 
-/// GMAC/s of the largest plain matrix of the model whose weights fit in L2 (at most 512 KiB),
+/// GMAC/s of the largest plain matrix of the model whose weights fit in L2 (at most 1 MiB),
 /// multiplied `REPEATS` times in one evaluation at each row count of `ROW_COUNTS`: the kernel's
 /// arithmetic rate with its weights in cache, beside the whole model's from memory. Where the two
 /// are alike at some row count, the step is bound by arithmetic there, not by reading weights.
-fn in_cache_by_rows(dir: &Path) -> Option<(Vec<f64>, String)> {
+fn in_cache_by_rows(mats: &[Mat]) -> Option<(Vec<f64>, String)> {
     const REPEATS: usize = 64;
     kernels(true);
-    let mats = matrices(dir);
     let m = mats
         .iter()
         .filter(|m| matches!(m, Mat::Quantized(_) | Mat::Dense(..)) && m.bytes() <= 1 << 20)
@@ -366,9 +364,10 @@ fn main() {
             1e3 / mlx.step
         );
         println!("\nOps with mlx-runner's kernels: {ours_ops}");
-        let by_rows = products_by_rows(&dir);
-        let model_macs: f64 = matrices(&dir).iter().map(|m| m.macs(1)).sum();
-        let cached = in_cache_by_rows(&dir);
+        let mats = matrices(&dir);
+        let by_rows = products_by_rows(&mats);
+        let model_macs: f64 = mats.iter().map(|m| m.macs(1)).sum();
+        let cached = in_cache_by_rows(&mats);
         println!("\nEvery matrix product at R rows (mlx-runner's kernels, medians of {STEPS})\n");
         match &cached {
             Some((_, shape)) => println!(

@@ -447,6 +447,11 @@ constexpr int kTile = 4;
 // integer, not as a pointer past the array.
 constexpr int kAhead = 16;
 
+// The widest vectors of the kernels whose bits do not depend on their width (the panel product:
+// 512, 256 or 0 for scalar; a quantized cache's values pass: 512 or 256), capped by the CPU.
+// Tests set it to check that every width gives the same bits.
+std::atomic<int> g_vector_width{512};
+
 // Key and value rows may be stored as float32, float16 or bfloat16 (a cache of a smaller type
 // halves what a decode step reads); the arithmetic is float32 throughout, each element widened
 // exactly as it is loaded.
@@ -930,7 +935,7 @@ void affine_block_scores(int R, const float* q, const float* qsum, int D, int gr
 
 template <int BITS>
 void affine_block_values(int R, const float* e, const AffineBlock& v, int n, int Dv, int group, float* const* acc) {
-  if (has_avx512()) {
+  if (g_vector_width.load(std::memory_order_relaxed) >= 512 && has_avx512()) {
     switch (R) {
       case 1: return affine_values512<1, BITS>(e, v, n, Dv, group, acc);
       case 2: return affine_values512<2, BITS>(e, v, n, Dv, group, acc);
@@ -1729,13 +1734,9 @@ void panel_rows_scalar(const float* xt, int R, int K, const float* panel, float*
     }
 }
 
-// The widest of the panel kernels to use: 512, 256 or 0 (scalar), capped by the CPU; tests set
-// it to check that all three give the same bits.
-std::atomic<int> g_panel_width{512};
-
 template <int R>
 void panel_rows(const float* xt, int K, const float* panel, float* y, int N) {
-  const int width = g_panel_width.load(std::memory_order_relaxed);
+  const int width = g_vector_width.load(std::memory_order_relaxed);
   if (width >= 512 && has_avx512()) return panel_rows512<R>(xt, K, panel, y, N);
   if (width >= 256 && has_avx2()) return panel_rows_avx2<R>(xt, K, panel, y, N);
   panel_rows_scalar(xt, R, K, panel, y, N);
@@ -1842,7 +1843,7 @@ bool cpu_norm_update_applies(
 
 void set_fused_cpu_enabled(bool on) { g_enabled.store(on); }
 
-void set_cpu_panel_width(int bits) { g_panel_width.store(bits); }
+void set_cpu_vector_width(int bits) { g_vector_width.store(bits); }
 
 bool fused_cpu_enabled() { return g_enabled.load(); }
 

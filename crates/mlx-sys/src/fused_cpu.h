@@ -176,8 +176,9 @@ std::optional<mlx::core::array> cpu_panel_matmul(const mlx::core::array& x, cons
 // Turns the fused kernels on (the default) or off (MLX's own graphs everywhere).
 void set_fused_cpu_enabled(bool on);
 
-// The widest vectors the panel product may use: 512, 256 or 0 (scalar); the CPU caps it.
-void set_cpu_panel_width(int bits);
+// The widest vectors of the kernels whose bits do not depend on it (the panel product: 512, 256
+// or 0 for scalar; a quantized cache's values pass: 512 or 256); the CPU caps it.
+void set_cpu_vector_width(int bits);
 
 // Whether the fused kernels are on.
 bool fused_cpu_enabled();

@@ -439,7 +439,7 @@ pub mod ffi {
         fn sigmoid_mul(g: &Arr, u: &Arr) -> Result<UniquePtr<Arr>>;
         /// Turns mlx-runner's fused CPU kernels (RMS norm, RoPE, attention, GELU) on or off.
         fn set_fused_kernels(on: bool);
-        fn set_panel_width(bits: i32);
+        fn set_vector_width(bits: i32);
         /// Evaluations of one fused kernel: 0 RMS norm, 1 RoPE, 2 attention, 3 GELU, 4 few-row matmul,
         /// 5 soft-capping, 6 silu(g) · u, 7 heads' norm and rotation, 9 softmax, 10 panel matmul;
         /// 8 counts attention's cache writes that had to copy their buffer.

@@ -977,7 +977,7 @@ void set_fused_kernels(bool on) {
   set_fused_cpu_enabled(on);
 }
 
-void set_panel_width(int32_t bits) { set_cpu_panel_width(bits); }
+void set_vector_width(int32_t bits) { set_cpu_vector_width(bits); }
 
 uint64_t fused_kernel_count(uint8_t kind) {
   return fused_cpu_count(static_cast<FusedKind>(kind));

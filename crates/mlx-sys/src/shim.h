@@ -295,7 +295,7 @@ ArrPtr softcap(const Arr& x, float cap);
 ArrPtr silu_mul(const Arr& g, const Arr& u);
 ArrPtr sigmoid_mul(const Arr& g, const Arr& u);
 void set_fused_kernels(bool on);
-void set_panel_width(int32_t bits);
+void set_vector_width(int32_t bits);
 uint64_t fused_kernel_count(uint8_t kind);
 
 // --- random ------------------------------------------------------------------------------------

@@ -540,10 +540,12 @@ pub fn unpack_panels(panels: &Array) -> Result<Array> {
         .contiguous()
 }
 
-/// The widest vectors [`panel_matmul`]'s kernel may use: 512, 256 or 0 bits (scalar), capped by
-/// the CPU (default 512). Every width gives the same bits; tests check that.
-pub fn set_panel_width(bits: i32) {
-    ffi::set_panel_width(bits)
+/// The widest vectors of the CPU kernels whose bits do not depend on their width: 512, 256 or 0
+/// bits (scalar), capped by the CPU (default 512). [`panel_matmul`] takes all three; attention
+/// over a quantized cache reads its values with 512 or 256 (0 acts as 256). Every width gives
+/// the same bits; tests check that.
+pub fn set_vector_width(bits: i32) {
+    ffi::set_vector_width(bits)
 }
 
 /// `x @ Wᵀ` for `W` held as panels ([`pack_panels`]): one op on the CPU, which reads each panel

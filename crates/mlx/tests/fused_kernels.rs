@@ -363,7 +363,8 @@ fn a_verify_row_is_the_decode_step_at_its_position() {
 
 /// The same over quantized caches read packed (q8 and q4, groups of 32 and 64): each row of a
 /// causal verify step (L queries at the end of S keys) is the bits of the one-query step over the
-/// first keys up to its own, whichever rows share its tile and key blocks.
+/// first keys up to its own, whichever rows share its tile and key blocks; and the values' pass
+/// gives the same bits with 512- and 256-bit vectors.
 #[test]
 fn a_verify_row_over_a_quantized_cache_is_the_decode_step_at_its_position() {
     let _one = serial();
@@ -383,11 +384,23 @@ fn a_verify_row_over_a_quantized_cache_is_the_decode_step_at_its_position() {
                 quant(normal(&[1, hk, s, d], 22)),
                 quant(normal(&[1, hk, s, d], 23)),
             );
-            let all = fast::sdpa_slots(&q, &kv, Attention::new(0.2, SdpaMask::Causal))
-                .unwrap()
-                .to_vec::<f32>()
-                .unwrap();
-            runs += 1;
+            let verify = || {
+                fast::sdpa_slots(&q, &kv, Attention::new(0.2, SdpaMask::Causal))
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap()
+            };
+            let all = verify();
+            fast::set_vector_width(256);
+            let narrow = verify();
+            fast::set_vector_width(512);
+            runs += 2;
+            assert!(
+                all.iter()
+                    .zip(&narrow)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "q{bits} g{group}: 256-bit vectors give other bits"
+            );
             for i in 0..l {
                 let qi = q.slice_axis(2, i, Some(i + 1)).unwrap();
                 let seen = KvSlots {
@@ -1034,7 +1047,7 @@ fn panel_matmul_rows_do_not_depend_on_their_neighbours_or_the_vector_width() {
     };
     let all = product(150);
     for width in [512, 256, 0] {
-        fast::set_panel_width(width);
+        fast::set_vector_width(width);
         for rows in [1, 2, 3, 5, 8, 9, 17, 63, 150] {
             let y = product(rows);
             assert!(
@@ -1043,7 +1056,7 @@ fn panel_matmul_rows_do_not_depend_on_their_neighbours_or_the_vector_width() {
             );
         }
     }
-    fast::set_panel_width(512);
+    fast::set_vector_width(512);
 }
 
 #[test]
