@@ -831,6 +831,23 @@ __attribute__((target("avx2,fma"))) void affine_scores(
   }
 }
 
+// A group's part of the values' weights for the R rows of a tile and the n keys of a block: each
+// weight times its key's scale for group g (into ew, rows kKeyBlock apart) and the weights'
+// sum with the keys' biases (into bias), shared by both widths of the values' pass.
+template <int R>
+__attribute__((target("avx2,fma"), always_inline)) inline void group_weights(const float* e, const AffineBlock& v, int n,
+                                                                          int g, float* ew, float* bias) {
+  for (int t = 0; t < R; ++t) bias[t] = 0.0f;
+  for (int c = 0; c < n; ++c) {
+    const float sc = v.s[c * v.sstep + g], bi = v.b[c * v.bstep + g];
+    #pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      ew[t * kKeyBlock + c] = e[t * kKeyBlock + c] * sc;
+      bias[t] = std::fma(e[t * kKeyBlock + c], bi, bias[t]);
+    }
+  }
+}
+
 // values_avx for values stored packed, read in place: acc_t += Σ_c e_tc (s_c u_c + b_c) is
 // Σ_c (e_tc s_c) u_c, a 16-column chunk at a time with the rows' sums in registers across the
 // block's keys (the weights e·s worked out once a group, in `ew`), plus Σ_c e_tc b_c added to
@@ -840,15 +857,8 @@ __attribute__((target("avx2,fma"))) void affine_values(
     const float* e, const AffineBlock& v, int n, int Dv, int group, float* const* acc) {
   alignas(32) float ew[kTile * kKeyBlock];
   for (int g = 0; g < Dv / group; ++g) {
-    float bias[kTile] = {};
-    for (int c = 0; c < n; ++c) {
-      const float sc = v.s[c * v.sstep + g], bi = v.b[c * v.bstep + g];
-      #pragma GCC unroll 4
-      for (int t = 0; t < R; ++t) {
-        ew[t * kKeyBlock + c] = e[t * kKeyBlock + c] * sc;
-        bias[t] = std::fma(e[t * kKeyBlock + c], bi, bias[t]);
-      }
-    }
+    float bias[kTile];
+    group_weights<R>(e, v, n, g, ew, bias);
     for (int d = g * group; d < (g + 1) * group; d += 16) {
       __m256 a[R][2];
       #pragma GCC unroll 4
@@ -898,15 +908,8 @@ __attribute__((target("avx512f,avx2,fma"))) void affine_values512(
     const float* e, const AffineBlock& v, int n, int Dv, int group, float* const* acc) {
   alignas(64) float ew[kTile * kKeyBlock];
   for (int g = 0; g < Dv / group; ++g) {
-    float bias[kTile] = {};
-    for (int c = 0; c < n; ++c) {
-      const float sc = v.s[c * v.sstep + g], bi = v.b[c * v.bstep + g];
-      #pragma GCC unroll 4
-      for (int t = 0; t < R; ++t) {
-        ew[t * kKeyBlock + c] = e[t * kKeyBlock + c] * sc;
-        bias[t] = std::fma(e[t * kKeyBlock + c], bi, bias[t]);
-      }
-    }
+    float bias[kTile];
+    group_weights<R>(e, v, n, g, ew, bias);
     for (int d = g * group; d < (g + 1) * group; d += 16) {
       __m512 a[R];
       #pragma GCC unroll 4
