@@ -194,10 +194,9 @@ struct Row {
     ops: usize,
 }
 
-fn measure(dir: &Path) -> (Row, Row, String) {
+fn measure(dir: &Path, mats: &[Mat]) -> (Row, Row, String) {
     let m = models::load(dir, models::DtypeChoice::Auto).unwrap();
     let model = &*m.model;
-    let mats = matrices(dir);
     let inputs: Vec<Array> = mats.iter().map(|m| m.input(1)).collect();
     mlx::eval(&inputs.iter().collect::<Vec<_>>()).unwrap();
     let mut caches = model.make_caches();
@@ -333,7 +332,8 @@ fn main() {
         }
     };
     for dir in dirs {
-        let (ours, mlx, ours_ops) = measure(&dir);
+        let mats = matrices(&dir);
+        let (ours, mlx, ours_ops) = measure(&dir, &mats);
         println!(
             "\nA one-token decode step of {} after a 64-token prompt (in-process, medians of {STEPS})\n",
             dir.display()
@@ -364,7 +364,6 @@ fn main() {
             1e3 / mlx.step
         );
         println!("\nOps with mlx-runner's kernels: {ours_ops}");
-        let mats = matrices(&dir);
         let by_rows = products_by_rows(&mats);
         let model_macs: f64 = mats.iter().map(|m| m.macs(1)).sum();
         let cached = in_cache_by_rows(&mats);
