@@ -4,10 +4,12 @@
 //! step (forward, output head, greedy pick, evaluated and read back), building its graph, the
 //! ops it dispatches, every matrix product of the model alone, and the rest. Each is measured
 //! with mlx-runner's CPU kernels (quantized matmul, fused RMS norm / RoPE / attention / GELU)
-//! and with MLX's own kernels and op graphs, alternating step by step, medians of 10. Then
-//! every product of the model at 1, 2, 4 and 8 rows, in milliseconds and GMAC/s, beside one
-//! matrix of the model whose weights stay in cache: where the two rates are alike, the products
-//! are bound by arithmetic at that row count, not by reading weights.
+//! and with MLX's own kernels and op graphs (on the weights in MLX's own row layout),
+//! alternating step by step, medians of 10. Then every product of the model at 1, 2, 3, 4 and 8
+//! rows, in milliseconds and GMAC/s, beside one matrix of the model whose weights stay in cache:
+//! where the two rates are alike, the products are bound by arithmetic at that row count, not
+//! by reading weights. Where the model's quantized matrices are 16-output panels, the same
+//! products with MLX's row layout are taken in turn with them and compared.
 //! `BENCH_STEP_MODEL=dir` measures another model directory instead.
 
 mod common;
@@ -43,7 +45,9 @@ enum Mat {
 /// The input width of a packed matrix: its rows are bit streams of `bits`-bit values, so 3-,
 /// 5- and 6-bit rows hold a fraction of a value per word (K·bits/32 words).
 fn in_width(q: &mlx::Quantized) -> i32 {
-    q.weight.shape()[q.weight.ndim() - 1] * 32 / q.bits
+    // A paneled matrix's words are `[N/16, words, 16]`.
+    let axis = if q.panels { 1 } else { q.weight.ndim() - 1 };
+    q.weight.shape()[axis] * 32 / q.bits
 }
 
 impl Mat {
@@ -61,10 +65,13 @@ impl Mat {
     fn macs(&self, rows: i32) -> f64 {
         let dims = |q: &mlx::Quantized| {
             let s = q.weight.shape();
-            (
-                s[..s.len() - 1].iter().map(|&d| d as f64).product::<f64>(),
-                in_width(q) as f64,
-            )
+            // Matrices of a stack times each one's outputs.
+            let stacked: f64 = s[..s.len().saturating_sub(2)]
+                .iter()
+                .map(|&d| d as f64)
+                .product();
+            let stacked = if q.panels { 1.0 } else { stacked };
+            (stacked * q.outputs() as f64, in_width(q) as f64)
         };
         let rows = rows as f64;
         match self {
@@ -86,6 +93,28 @@ impl Mat {
                 q.weight.nbytes() + q.scales.nbytes() + q.biases.as_ref().map_or(0, |b| b.nbytes())
             }
             Mat::Dense(_, inputs, outputs) => 4 * *inputs as usize * *outputs as usize,
+        }
+    }
+    /// This matrix in the layout MLX's own kernels are written for (a paneled one put back in
+    /// rows, a copy): what the MLX column of the step multiplies.
+    fn as_rows(&self) -> Mat {
+        match self {
+            Mat::Quantized(q) if q.panels => {
+                let r = q.rows().unwrap();
+                let copy = |a: &Array| a.contiguous().unwrap();
+                let r = mlx::Quantized {
+                    weight: copy(&r.weight),
+                    scales: copy(&r.scales),
+                    biases: r.biases.as_ref().map(copy),
+                    ..r
+                };
+                mlx::eval(&[&r.weight, &r.scales]).unwrap();
+                Mat::Quantized(r)
+            }
+            Mat::Quantized(q) => Mat::Quantized(q.clone()),
+            Mat::Dense(l, i, o) => Mat::Dense(l.clone(), *i, *o),
+            Mat::Experts(q, k) => Mat::Experts(q.clone(), *k),
+            Mat::Heads(q) => Mat::Heads(q.clone()),
         }
     }
     fn apply(&self, x: &Array) -> Array {
@@ -145,9 +174,11 @@ fn matrices(dir: &Path) -> Vec<Mat> {
                 group_size: group,
                 bits,
                 mode: mlx::QuantMode::Affine,
+                panels: false,
             };
             mats.push(match q.weight.ndim() {
-                2 => Mat::Quantized(q),
+                // Paneled where the model's loader panels it (models::Weights::paneled).
+                2 => Mat::Quantized(q.paneled().unwrap().unwrap_or(q)),
                 _ if base.contains("switch") || base.contains("experts") => Mat::Experts(q, top_k),
                 _ => Mat::Heads(q),
             });
@@ -194,8 +225,13 @@ struct Row {
     ops: usize,
 }
 
-fn measure(dir: &Path, mats: &[Mat]) -> (Row, Row, String) {
+/// `mats` as the model holds them; `rows_mats` in MLX's row layout, which MLX's kernels take.
+fn measure(dir: &Path, mats: &[Mat], rows_mats: &[Mat]) -> (Row, Row, String) {
     let m = models::load(dir, models::DtypeChoice::Auto).unwrap();
+    // MLX's kernels run on a copy in MLX's own row layout (no quantized panels).
+    mlx::set_quantized_panels(false);
+    let m_rows = models::load(dir, models::DtypeChoice::Auto).unwrap();
+    mlx::set_quantized_panels(true);
     let model = &*m.model;
     let inputs: Vec<Array> = mats.iter().map(|m| m.input(1)).collect();
     mlx::eval(&inputs.iter().collect::<Vec<_>>()).unwrap();
@@ -222,6 +258,11 @@ fn measure(dir: &Path, mats: &[Mat]) -> (Row, Row, String) {
     for i in 0..(STEPS + 2) * 2 {
         let on = i % 2 == 0;
         kernels(on);
+        let (model, mats) = if on {
+            (model, mats)
+        } else {
+            (&*m_rows.model, rows_mats)
+        };
         let start = Instant::now();
         let h = model.forward(&next, &mut caches).unwrap();
         let picked = model.logits(&h).unwrap().argmax(-1, false).unwrap();
@@ -255,29 +296,36 @@ fn measure(dir: &Path, mats: &[Mat]) -> (Row, Row, String) {
 
 /// Medians of every matrix product of the model at each row count of `ROW_COUNTS`, with the
 /// CPU kernels, the row counts taken in turn: what a batch of decode rows costs against one.
-const ROW_COUNTS: [i32; 4] = [1, 2, 4, 8];
+const ROW_COUNTS: [i32; 5] = [1, 2, 3, 4, 8];
 
-fn products_by_rows(mats: &[Mat]) -> Vec<f64> {
+/// Each of `layouts` (the model's matrices in different layouts) in turn at every row count:
+/// medians per layout, per row count.
+fn products_by_rows(layouts: &[&[Mat]]) -> Vec<Vec<f64>> {
     kernels(true);
     let inputs: Vec<Vec<Array>> = ROW_COUNTS
         .iter()
-        .map(|&r| mats.iter().map(|m| m.input(r)).collect())
+        .map(|&r| layouts[0].iter().map(|m| m.input(r)).collect())
         .collect();
     for x in &inputs {
         mlx::eval(&x.iter().collect::<Vec<_>>()).unwrap();
     }
-    let mut times = vec![vec![]; ROW_COUNTS.len()];
+    let mut times = vec![vec![vec![]; ROW_COUNTS.len()]; layouts.len()];
     for i in 0..STEPS + 2 {
         for (j, x) in inputs.iter().enumerate() {
-            let start = Instant::now();
-            let outs: Vec<Array> = mats.iter().zip(x).map(|(m, x)| m.apply(x)).collect();
-            mlx::eval(&outs.iter().collect::<Vec<_>>()).unwrap();
-            if i >= 2 {
-                times[j].push(ms(start));
+            for (l, mats) in layouts.iter().enumerate() {
+                let start = Instant::now();
+                let outs: Vec<Array> = mats.iter().zip(x).map(|(m, x)| m.apply(x)).collect();
+                mlx::eval(&outs.iter().collect::<Vec<_>>()).unwrap();
+                if i >= 2 {
+                    times[l][j].push(ms(start));
+                }
             }
         }
     }
-    times.into_iter().map(median).collect()
+    times
+        .into_iter()
+        .map(|t| t.into_iter().map(median).collect())
+        .collect()
 }
 
 /// GMAC/s of the largest plain matrix of the model whose weights fit in L2 (at most 1 MiB),
@@ -292,7 +340,7 @@ fn in_cache_by_rows(mats: &[Mat]) -> Option<(Vec<f64>, String)> {
         .filter(|m| matches!(m, Mat::Quantized(_) | Mat::Dense(..)) && m.bytes() <= 1 << 20)
         .max_by_key(|m| m.bytes())?;
     let shape = match m {
-        Mat::Quantized(q) => format!("{} × {}", q.weight.shape()[0], in_width(q)),
+        Mat::Quantized(q) => format!("{} × {}", q.outputs(), in_width(q)),
         Mat::Dense(_, inputs, outputs) => format!("{outputs} × {inputs}"),
         _ => unreachable!("filtered to plain matrices"),
     };
@@ -333,7 +381,11 @@ fn main() {
     };
     for dir in dirs {
         let mats = matrices(&dir);
-        let (ours, mlx, ours_ops) = measure(&dir, &mats);
+        let rows_mats: Vec<Mat> = mats.iter().map(Mat::as_rows).collect();
+        let paneled = mats
+            .iter()
+            .any(|m| matches!(m, Mat::Quantized(q) if q.panels));
+        let (ours, mlx, ours_ops) = measure(&dir, &mats, &rows_mats);
         println!(
             "\nA one-token decode step of {} after a 64-token prompt (in-process, medians of {STEPS})\n",
             dir.display()
@@ -364,7 +416,13 @@ fn main() {
             1e3 / mlx.step
         );
         println!("\nOps with mlx-runner's kernels: {ours_ops}");
-        let by_rows = products_by_rows(&mats);
+        let layouts: Vec<&[Mat]> = if paneled {
+            vec![&mats, &rows_mats]
+        } else {
+            vec![&mats]
+        };
+        let timed = products_by_rows(&layouts);
+        let by_rows = &timed[0];
         let model_macs: f64 = mats.iter().map(|m| m.macs(1)).sum();
         let cached = in_cache_by_rows(&mats);
         println!("\nEvery matrix product at R rows (mlx-runner's kernels, medians of {STEPS})\n");
@@ -374,14 +432,32 @@ fn main() {
             ),
             None => println!("(no matrix of the model fits in cache alone)\n"),
         }
-        println!("| rows | ms | rows a second, ÷ one row's | GMAC/s | GMAC/s in cache |");
-        println!("|---|---|---|---|---|");
-        for (i, (r, t)) in ROW_COUNTS.iter().zip(&by_rows).enumerate() {
+        if paneled {
+            println!(
+                "The quantized matrices are 16-output panels (docs/MODELS.md, \"Quantized weights on \
+                 the CPU\"); the last two columns are the same products with MLX's row layout, \
+                 taken in turn with them.\n"
+            );
+        }
+        let header = if paneled {
+            " ms, row layout | row layout ÷ panels |"
+        } else {
+            ""
+        };
+        println!("| rows | ms | rows a second, ÷ one row's | GMAC/s | GMAC/s in cache |{header}");
+        println!(
+            "|---|---|---|---|---|{}",
+            if paneled { "---|---|" } else { "" }
+        );
+        for (i, (r, t)) in ROW_COUNTS.iter().zip(by_rows).enumerate() {
             let in_cache = cached
                 .as_ref()
                 .map_or("—".to_string(), |(g, _)| format!("{:.1}", g[i]));
+            let rows_layout = timed.get(1).map_or(String::new(), |t2| {
+                format!(" {:.2} | {:.2} |", t2[i], t2[i] / t)
+            });
             println!(
-                "| {r} | {t:.2} | {:.2} | {:.1} | {in_cache} |",
+                "| {r} | {t:.2} | {:.2} | {:.1} | {in_cache} |{rows_layout}",
                 *r as f64 * by_rows[0] / t,
                 model_macs * *r as f64 / t / 1e6
             );

@@ -46,6 +46,8 @@ fn run() -> Result<(), String> {
         "src/cpu_common.h",
         "src/fused_cpu.h",
         "src/fused_cpu.cc",
+        "src/qpanel_cpu.h",
+        "src/qpanel_cpu.cc",
         "src/weight_arena.cc",
     ] {
         println!("cargo:rerun-if-changed={f}");
@@ -75,6 +77,7 @@ fn run() -> Result<(), String> {
         .file("src/qmm_cpu.cc")
         .file("src/fpq_cpu.cc")
         .file("src/fused_cpu.cc")
+        .file("src/qpanel_cpu.cc")
         .file("src/weight_arena.cc")
         .include(&include)
         .include(&manifest)

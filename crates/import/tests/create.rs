@@ -117,6 +117,7 @@ fn dequantized_twin(s: &Scratch, model: &str, checkpoint: &str) -> std::path::Pa
             group_size: p.group_size,
             bits: p.bits,
             mode: p.mode,
+            panels: false,
         };
         let w = q.dequantize().unwrap().astype(mlx::Dtype::F32).unwrap();
         // Stacked per-expert weights have no single source tensor; the others do. (An affine

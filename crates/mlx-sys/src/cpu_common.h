@@ -622,9 +622,10 @@ void expert_runs(const uint32_t* ids, int B, int M, int N, int E, float* out, co
 }
 
 // x [..., K] (row-major) times each of n packed matrices (mats: w, scales and, in MLX's affine
-// mode (0), biases per matrix, 2-D, one format) into outs[i] [..., N_i], row-major: the quantized
-// kernels' products of one x, prepared once and, for few rows, computed in one pass over the
-// pool (qmm_cpu.cc).
-void quantized_products(const View& x, const View* mats, size_t n, int group, int bits, int mode, float* const* outs);
+// mode (0), biases per matrix, 2-D or all as panels, one format) into outs[i] [..., N_i],
+// row-major: the quantized kernels' products of one x, prepared once and, for few rows,
+// computed in one pass over the pool (qmm_cpu.cc).
+void quantized_products(
+    const View& x, const View* mats, size_t n, int group, int bits, int mode, bool panels, float* const* outs);
 
 }  // namespace mlxr

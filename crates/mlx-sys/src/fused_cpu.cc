@@ -18,6 +18,7 @@
 
 #include "mlx-sys/src/cpu_common.h"
 #include "mlx-sys/src/qmm_cpu.h"
+#include "mlx-sys/src/qpanel_cpu.h"
 
 // GCC 12's AVX-512 intrinsics give their undefined operands themselves as a value
 // (`__Y = __Y`), which its own -Wuninitialized then reports wherever they are inlined.
@@ -385,6 +386,7 @@ struct QuantizedQkvHeadsOp {
   struct Params {
     QkvHeadsOp::Params heads;
     int group, bits, matrices, mode;
+    bool panels;
     bool operator==(const Params&) const = default;
   };
   static constexpr const char* name = "MlxrCpuQuantizedQkvHeads";
@@ -400,13 +402,15 @@ struct QuantizedQkvHeadsOp {
     // at a time).
     thread_local std::vector<float> raw;
     size_t total = 0;
-    for (int i = 0; i < n; ++i) total += (size_t)in[1 + per * i].shape(0);
+    // A matrix's outputs: its rows, or 16 a panel.
+    auto outputs = [&](int i) { return (size_t)in[1 + per * i].shape(0) * (p.panels ? QPANEL : 1); };
+    for (int i = 0; i < n; ++i) total += outputs(i);
     raw.resize(rows * total);
     float* parts[3] = {raw.data(), nullptr, nullptr};
-    for (int i = 1; i < n; ++i) parts[i] = parts[i - 1] + rows * in[1 + per * (i - 1)].shape(0);
-    quantized_products(x, in.data() + 1, n, p.group, p.bits, p.mode, parts);
+    for (int i = 1; i < n; ++i) parts[i] = parts[i - 1] + rows * outputs(i - 1);
+    quantized_products(x, in.data() + 1, n, p.group, p.bits, p.mode, p.panels, parts);
     const float* y[3] = {parts[0], parts[1], n == 3 ? parts[2] : parts[1]};
-    QkvHeadsOp::heads(p.heads, y, in[1].shape(0) / p.heads.q_heads, rows, in.data() + 1 + per * n, outs);
+    QkvHeadsOp::heads(p.heads, y, (int)(outputs(0) / p.heads.q_heads), rows, in.data() + 1 + per * n, outs);
   }
 };
 
@@ -2002,6 +2006,7 @@ std::optional<std::vector<mx::array>> cpu_quantized_qkv_heads(
     int group_size,
     int bits,
     int mode,
+    bool panels,
     int q_heads,
     int kv_heads,
     const mx::array& q_norm,
@@ -2017,11 +2022,12 @@ std::optional<std::vector<mx::array>> cpu_quantized_qkv_heads(
     return std::nullopt;
   auto bias = [&](size_t i) { return mode == 0 ? std::optional<mx::array>(biases[i]) : std::nullopt; };
   for (size_t i = 0; i < n; ++i)
-    if (!cpu_qmm_applies(x, ws[i], scales[i], bias(i), group_size, bits, mode)) return std::nullopt;
-  if (ws[0].shape(0) % q_heads != 0) return std::nullopt;
-  const int d = ws[0].shape(0) / q_heads;
+    if (!cpu_qmm_applies(x, ws[i], scales[i], bias(i), group_size, bits, mode, panels)) return std::nullopt;
+  const int unit = panels ? QPANEL : 1;
+  if (ws[0].shape(0) * unit % q_heads != 0) return std::nullopt;
+  const int d = ws[0].shape(0) * unit / q_heads;
   for (size_t i = 1; i < n; ++i)
-    if (ws[i].shape(0) != kv_heads * d) return std::nullopt;
+    if (ws[i].shape(0) * unit != kv_heads * d) return std::nullopt;
   const int T = (int)(x.size() / x.shape(-1));
   std::vector<mx::array> in{x};
   for (size_t i = 0; i < n; ++i) {
@@ -2030,7 +2036,7 @@ std::optional<std::vector<mx::array>> cpu_quantized_qkv_heads(
   }
   const auto p = qkv_heads_part(q_heads, kv_heads, q_norm, k_norm, eps, rope, offsets, d, T, in);
   if (!p) return std::nullopt;
-  return fused_many<QuantizedQkvHeadsOp>(qkv_heads_shapes(*p, d, T), {*p, group_size, bits, (int)n, mode}, std::move(in));
+  return fused_many<QuantizedQkvHeadsOp>(qkv_heads_shapes(*p, d, T), {*p, group_size, bits, (int)n, mode, panels}, std::move(in));
 }
 
 std::optional<std::vector<mx::array>> cpu_sdpa_slots(

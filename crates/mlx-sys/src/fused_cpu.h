@@ -124,6 +124,7 @@ std::optional<std::vector<mlx::core::array>> cpu_quantized_qkv_heads(
     int group_size,
     int bits,
     int mode,
+    bool panels,
     int q_heads,
     int kv_heads,
     const mlx::core::array& q_norm,

@@ -289,6 +289,9 @@ pub mod ffi {
         /// Primitives still to run in the graphs behind `v`, one `name count` line per kind.
         fn graph_ops(v: &ArrVec) -> String;
         fn set_quantized_kernel(on: bool);
+        /// Whether affine matrices of `bits` in groups of `group_size` are multiplied from
+        /// 16-output panels here (mlx::Quantized::paneled): AVX-512, 4 or 8 bits.
+        fn quantized_panels_apply(bits: i32, group_size: i32) -> bool;
         fn set_quantized_unpacking(mode: i32);
         fn quantized_unpacking() -> i32;
         /// Products the kernel computed, by path (dequantize + sgemm when true).
@@ -335,6 +338,7 @@ pub mod ffi {
             biases: &Arr,
             group_size: i32,
             bits: i32,
+            mode: i32,
             scale: f32,
             has_scale: bool,
         ) -> Result<UniquePtr<Arr>>;

@@ -21,6 +21,7 @@
 #include "mlx-sys/src/fpq_cpu.h"
 #include "mlx-sys/src/cpu_common.h"
 #include "mlx-sys/src/fused_cpu.h"
+#include "mlx-sys/src/qpanel_cpu.h"
 
 #include <dlfcn.h>
 #include <immintrin.h>
@@ -102,7 +103,16 @@ struct Shape {
   int M, N, K, bits, group;
   // MLX's quantization mode (0 affine; the microscaling modes go to fpq_cpu.cc's kernels).
   int mode = 0;
+  // Affine words, scales and biases held as 16-output panels (qpanel_cpu.h).
+  bool panels = false;
 };
+
+// Runs f(n0, n1) over output rows [0, s.N) as for_rows does, in whole panels where s.panels.
+template <class F>
+void for_outputs(const Shape& s, size_t min_per_chunk, const F& f) {
+  const size_t unit = s.panels ? QPANEL : 1;
+  for_rows(s.N / unit, std::max<size_t>(1, min_per_chunk / unit), [&](size_t a, size_t b) { f(a * unit, b * unit); });
+}
 
 // Values per packed uint32, and per 8-lane unit (8 uint32), for the widths that divide a word.
 inline int per_word(int bits) { return 32 / bits; }
@@ -1368,6 +1378,12 @@ PreparedX prepare_x(const float* x, const Shape& s) {
   // Reused between calls (the stream's thread makes them one at a time).
   thread_local std::vector<float, Aligned64<float>> xt_buf, xt16_buf, xsum_buf;
   xsum_buf.resize((size_t)s.M * groups);
+  if (s.panels) {
+    // The panel kernel broadcasts x's values in their own order.
+    for (int m = 0; m < s.M; ++m)
+      group_sums(x + (size_t)m * s.K, xsum_buf.data() + (size_t)m * groups, s.K, s.group);
+    return {x, nullptr, xsum_buf.data(), true};
+  }
   if (!word_aligned(s.bits)) {
     for (int m = 0; m < s.M; ++m)
       group_sums(x + (size_t)m * s.K, xsum_buf.data() + (size_t)m * groups, s.K, s.group);
@@ -1425,6 +1441,8 @@ void qmv_range(
     const Shape& s,
     int n0,
     int n1) {
+  if (s.panels)
+    return qpanel_rows(px.xt, px.xsum, w, sc, bi, out, s.M, s.N, s.K, s.bits, s.group, n0 / QPANEL, n1 / QPANEL);
   const int groups = s.K / s.group;
   for (int m = 0; m < s.M; m += 4) {
     int rows = std::min(4, s.M - m);
@@ -1482,7 +1500,7 @@ void qmv(
     return;
   }
   const PreparedX px = prepare_x(x, s);
-  for_rows(s.N, rows_per_chunk(s), [&](size_t n0, size_t n1) {
+  for_outputs(s, rows_per_chunk(s), [&](size_t n0, size_t n1) {
     qmv_range(px, w, sc, bi, out, s, (int)n0, (int)n1);
   });
 }
@@ -1582,6 +1600,34 @@ void dequantize_rows(
 }
 
 // Many rows: tiles of dequantized weights through sgemm (tiled_product).
+// qmm for panels: tiles of whole panels dequantized row-major (qpanel_tile), then
+// x[:, k0:k1] · tileᵀ by sgemm, as tiled_product does for rows.
+void qmm_panels(
+    const float* x,
+    const uint32_t* w,
+    const float* sc,
+    const float* bi,
+    float* out,
+    const Shape& s) {
+  const int kt = std::min(s.K, K_TILE);
+  const int panels = s.N / QPANEL;
+  const int block = std::max(1, std::min(panels, (int)(TILE_BYTES / (sizeof(float) * kt * QPANEL))));
+  std::vector<float> buf((size_t)block * QPANEL * kt);
+  for (int p0 = 0; p0 < panels; p0 += block) {
+    const int p1 = std::min(panels, p0 + block), rows = (p1 - p0) * QPANEL;
+    for (int k0 = 0; k0 < s.K; k0 += kt) {
+      const int k1 = std::min(s.K, k0 + kt), cols = k1 - k0;
+      for_rows(p1 - p0, 1, [&](size_t a, size_t b) {
+        qpanel_tile(w, sc, bi, buf.data() + a * QPANEL * cols, cols, s.K, s.bits, s.group, p0 + (int)a, p0 + (int)b,
+                    k0, k1);
+      });
+      // Row-major (101), x[:, k0:k1] · tileᵀ (NoTrans 111, Trans 112) into out[:, 16·p0 : 16·p1].
+      sgemm()(101, 111, 112, s.M, rows, cols, 1.0f, x + k0, s.K, buf.data(), cols, k0 == 0 ? 0.0f : 1.0f,
+              out + (size_t)p0 * QPANEL, s.N);
+    }
+  }
+}
+
 void qmm(
     const float* x,
     const uint32_t* w,
@@ -1589,6 +1635,7 @@ void qmm(
     const float* bi,
     float* out,
     const Shape& s) {
+  if (s.panels) return qmm_panels(x, w, sc, bi, out, s);
   tiled_product(x, out, s.M, s.N, s.K, [&](float* dst, int n0, int n1, int k0, int k1) {
     dequantize_rows(w, sc, bi, dst, s, n0, n1, k0, k1);
   });
@@ -1655,17 +1702,22 @@ void table_rows(const PreparedX& px, const DensePacked& q, float* out, const Sha
   qmv_range(px, q.w, q.s, q.b, out, s, n0, n1);
 }
 
-// x [..., K] @ dequantize(w)ᵀ, w [N, K·bits/32], scales and biases [N, K/group].
+// Output rows of a 2-D matrix's words: its rows, or 16 a panel.
+int outputs(const View& w, bool panels) { return (int)w.shape(0) * (panels ? QPANEL : 1); }
+int outputs(const mx::array& w, bool panels) { return w.shape(0) * (panels ? QPANEL : 1); }
+
+// x [..., K] @ dequantize(w)ᵀ, w [N, K·bits/32], scales and biases [N, K/group] (or panels).
 struct QuantizedMatmulOp {
   struct Params {
     int group, bits;
+    bool panels;
     bool operator==(const Params&) const = default;
   };
   static constexpr const char* name = "MlxrCpuQuantizedMatmul";
 
   static void run(const Params& p, std::vector<View>& in, View& out) {
     const auto &x = in[0], &w = in[1];
-    const Shape s{(int)(x.size() / x.shape(-1)), (int)w.shape(0), (int)x.shape(-1), p.bits, p.group};
+    const Shape s{(int)(x.size() / x.shape(-1)), outputs(w, p.panels), (int)x.shape(-1), p.bits, p.group, 0, p.panels};
     std::vector<float> xc;
     const DensePacked q(w, in[2], in[3]);
     product(dense(x, xc), q.w, q.s, q.b, out.data<float>(), s);
@@ -1681,14 +1733,14 @@ struct QuantizedMatmulNormOp {
   struct Params {
     int group, bits, mode;
     float eps;
-    bool has_w, has_scale, has_next;
+    bool has_w, has_scale, has_next, panels;
     bool operator==(const Params&) const = default;
   };
   static constexpr const char* name = "MlxrCpuQuantizedMatmulNorm";
 
   static void run_many(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
     const auto &x = in[0], &w = in[1];
-    const Shape s{(int)(x.size() / x.shape(-1)), (int)w.shape(0), (int)x.shape(-1), p.bits, p.group, p.mode};
+    const Shape s{(int)(x.size() / x.shape(-1)), outputs(w, p.panels), (int)x.shape(-1), p.bits, p.group, p.mode, p.panels};
     std::vector<float> xc, wt, rt, st, nt;
     std::unique_ptr<DensePacked> keep;
     const DensePacked& q = *matrix_at(in, 1, p.mode, keep);
@@ -1720,6 +1772,7 @@ struct QuantizedMatmulNormOp {
 struct QuantizedMatmulsOp {
   struct Params {
     int group, bits, mode;
+    bool panels;
     bool operator==(const Params&) const = default;
   };
   static constexpr const char* name = "MlxrCpuQuantizedMatmuls";
@@ -1727,13 +1780,14 @@ struct QuantizedMatmulsOp {
   static void run_many(const Params& p, std::vector<View>& in, std::vector<View>& outs) {
     std::vector<float*> o;
     for (auto& out : outs) o.push_back(out.data<float>());
-    quantized_products(in[0], in.data() + 1, outs.size(), p.group, p.bits, p.mode, o.data());
+    quantized_products(in[0], in.data() + 1, outs.size(), p.group, p.bits, p.mode, p.panels, o.data());
   }
 };
 
 }  // namespace
 
-void quantized_products(const View& x, const View* mats, size_t n, int group, int bits, int mode, float* const* outs) {
+void quantized_products(
+    const View& x, const View* mats, size_t n, int group, int bits, int mode, bool panels, float* const* outs) {
   const int M = (int)(x.size() / x.shape(-1)), K = (int)x.shape(-1);
   std::vector<float> xc;
   const float* xp = dense(x, xc);
@@ -1743,17 +1797,20 @@ void quantized_products(const View& x, const View* mats, size_t n, int group, in
   for (size_t i = 0; i < n; ++i) {
     const View* m = mats + per * i;
     qs.push_back(std::make_unique<DensePacked>(m[0], m[1], mode == 0 ? &m[2] : nullptr));
-    shapes.push_back(Shape{M, (int)m[0].shape(0), K, bits, group, mode});
+    shapes.push_back(Shape{M, outputs(m[0], panels), K, bits, group, mode, panels});
   }
   if (M >= SGEMM_ROWS || !has_avx2()) {
     for (size_t i = 0; i < n; ++i) table_product(xp, *qs[i], outs[i], shapes[i]);
     return;
   }
   const PreparedX px = prepare_x(xp, shapes[0]);
-  // The matrices' rows end to end; a chunk of that joint range computes its part of each.
+  // The matrices' rows end to end; a chunk of that joint range computes its part of each
+  // (whole panels of each where they are panels: every matrix's rows are).
   std::vector<int> start(n + 1, 0);
   for (size_t i = 0; i < n; ++i) start[i + 1] = start[i] + shapes[i].N;
-  for_rows(start[n], rows_per_chunk(shapes[0]), [&](size_t n0, size_t n1) {
+  Shape joint = shapes[0];
+  joint.N = start[n];
+  for_outputs(joint, rows_per_chunk(shapes[0]), [&](size_t n0, size_t n1) {
     for (size_t i = 0; i < n; ++i) {
       const int a = std::max((int)n0, start[i]), b = std::min((int)n1, start[i + 1]);
       if (a < b) table_rows(px, *qs[i], outs[i], shapes[i], a - start[i], b - start[i]);
@@ -1774,6 +1831,7 @@ struct QuantizedGluOp {
   struct Params {
     int group, bits, mode;
     GluAct act;
+    bool panels;
     bool operator==(const Params&) const = default;
   };
   static constexpr const char* name = "MlxrCpuQuantizedGlu";
@@ -1786,7 +1844,7 @@ struct QuantizedGluOp {
 
   static void run(const Params& p, std::vector<View>& in, View& out) {
     const auto& x = in[0];
-    const Shape s{(int)(x.size() / x.shape(-1)), (int)in[1].shape(0), (int)x.shape(-1), p.bits, p.group, p.mode};
+    const Shape s{(int)(x.size() / x.shape(-1)), outputs(in[1], p.panels), (int)x.shape(-1), p.bits, p.group, p.mode, p.panels};
     std::vector<float> xc;
     const float* xp = dense(x, xc);
     std::unique_ptr<DensePacked> gk, uk;
@@ -1804,7 +1862,7 @@ struct QuantizedGluOp {
       return;
     }
     const PreparedX px = prepare_x(xp, s);
-    for_rows(s.N, rows_per_chunk(s), [&](size_t n0, size_t n1) {
+    for_outputs(s, rows_per_chunk(s), [&](size_t n0, size_t n1) {
       table_rows(px, g, gate.data(), s, (int)n0, (int)n1);
       table_rows(px, u, up.data(), s, (int)n0, (int)n1);
       for (int m = 0; m < s.M; ++m) {
@@ -1853,20 +1911,25 @@ struct GatherQuantizedMatmulOp {
 struct DequantizeOp {
   struct Params {
     int group, bits;
+    bool panels;
     bool operator==(const Params&) const = default;
   };
   static constexpr const char* name = "MlxrCpuDequantize";
 
   static void run(const Params& p, std::vector<View>& in, View& out) {
     const auto& w = in[0];
-    const int K = row_values(w.shape(-1), p.bits);
-    const int N = (int)(w.size() / w.shape(-1));
+    // Panels [N/16, words, 16] hold rows of words.shape(1) words.
+    const int K = row_values(w.shape(p.panels ? 1 : -1), p.bits);
+    const int N = (int)(w.size() * 32 / p.bits / K);
     const Shape s{1, N, K, p.bits, p.group};
     const DensePacked q(w, in[1], in[2]);
     float* o = out.data<float>();
     // Rows of at least 16 KB of output per chunk: a lookup of a few rows stays on this thread.
     for_rows(N, std::max(1, 4096 / K), [&](size_t n0, size_t n1) {
-      dequantize_rows(q.w, q.s, q.b, o + n0 * K, s, (int)n0, (int)n1, 0, K);
+      if (p.panels)
+        for (size_t n = n0; n < n1; ++n) qpanel_row(q.w, q.s, q.b, o + n * K, (int)n, K, p.bits, p.group);
+      else
+        dequantize_rows(q.w, q.s, q.b, o + n0 * K, s, (int)n0, (int)n1, 0, K);
     });
   }
 };
@@ -1881,13 +1944,14 @@ struct QuantizedEmbeddingOp {
     int group, bits;
     bool has_scale;
     float scale;
+    bool panels;
     bool operator==(const Params&) const = default;
   };
   static constexpr const char* name = "MlxrCpuQuantizedEmbedding";
 
   static void run(const Params& p, std::vector<View>& in, View& out) {
     const auto& w = in[1];
-    const int V = (int)w.shape(0), K = row_values(w.shape(1), p.bits);
+    const int V = outputs(w, p.panels), K = row_values(w.shape(1), p.bits);
     const Shape s{1, V, K, p.bits, p.group};
     std::vector<int32_t> it;
     const int32_t* ids = dense(in[0], it);
@@ -1903,7 +1967,10 @@ struct QuantizedEmbeddingOp {
           std::fill(row, row + K, 0.0f);
           continue;
         }
-        dequantize_rows(q.w, q.s, q.b, row, s, (int)id, (int)id + 1, 0, K);
+        if (p.panels)
+          qpanel_row(q.w, q.s, q.b, row, (int)id, K, p.bits, p.group);
+        else
+          dequantize_rows(q.w, q.s, q.b, row, s, (int)id, (int)id + 1, 0, K);
         if (p.has_scale)
           for (int k = 0; k < K; ++k) row[k] = row[k] * p.scale;
       }
@@ -1952,6 +2019,21 @@ bool kernel_applies(
          scales.shape(-2) == w.shape(-2) && scales.shape(-1) == K / group_size;
 }
 
+// What the panel kernels read: affine panels (qpanel_cpu.h) at a width and group they take,
+// words [N/16, K·bits/32, 16] with float32 scales and biases [N/16, K/group, 16].
+bool panels_format_applies(
+    const mx::array& w,
+    const mx::array& scales,
+    const std::optional<mx::array>& biases,
+    int group_size,
+    int bits) {
+  return g_enabled.load() && mx::default_device() == mx::Device::cpu && biases && qpanel_applies(bits, group_size) &&
+         w.dtype() == mx::uint32 && scales.dtype() == mx::float32 && biases->dtype() == mx::float32 &&
+         w.ndim() == 3 && w.shape(2) == QPANEL && w.shape(0) > 0 && scales.ndim() == 3 &&
+         scales.shape(0) == w.shape(0) && scales.shape(2) == QPANEL && biases->shape() == scales.shape() &&
+         (int64_t)w.shape(1) * 32 == (int64_t)scales.shape(1) * group_size * bits;
+}
+
 }  // namespace
 
 void set_cpu_qmm_enabled(bool on) { g_enabled.store(on); }
@@ -1976,11 +2058,12 @@ std::optional<mx::array> cpu_quantized_matmul(
     const std::optional<mx::array>& biases,
     bool transpose,
     int group_size,
-    int bits) {
-  if (!transpose || !cpu_qmm_applies(x, w, scales, biases, group_size, bits)) return std::nullopt;
+    int bits,
+    bool panels) {
+  if (!transpose || !cpu_qmm_applies(x, w, scales, biases, group_size, bits, 0, panels)) return std::nullopt;
   auto shape = x.shape();
-  shape.back() = w.shape(0);
-  return make<QuantizedMatmulOp>(shape, {group_size, bits}, {x, w, scales, *biases});
+  shape.back() = outputs(w, panels);
+  return make<QuantizedMatmulOp>(shape, {group_size, bits, panels}, {x, w, scales, *biases});
 }
 
 std::optional<std::vector<mx::array>> cpu_quantized_matmul_norm(
@@ -1995,10 +2078,11 @@ std::optional<std::vector<mx::array>> cpu_quantized_matmul_norm(
     float eps,
     const mx::array& residual,
     const std::optional<mx::array>& scale,
-    const std::optional<mx::array>& next_w) {
-  if (!cpu_qmm_applies(x, w, scales, biases, group_size, bits, mode)) return std::nullopt;
+    const std::optional<mx::array>& next_w,
+    bool panels) {
+  if (!cpu_qmm_applies(x, w, scales, biases, group_size, bits, mode, panels)) return std::nullopt;
   auto shape = x.shape();
-  shape.back() = w.shape(0);
+  shape.back() = outputs(w, panels);
   if (!cpu_norm_update_applies(shape, norm_w, residual, scale, next_w)) return std::nullopt;
   std::vector<mx::array> in{x, w, scales};
   if (biases) in.push_back(*biases);
@@ -2009,7 +2093,7 @@ std::optional<std::vector<mx::array>> cpu_quantized_matmul_norm(
   std::vector<mx::Shape> shapes(next_w ? 2 : 1, shape);
   return make_many<QuantizedMatmulNormOp>(
       std::move(shapes),
-      {group_size, bits, mode, eps, norm_w.has_value(), scale.has_value(), next_w.has_value()},
+      {group_size, bits, mode, eps, norm_w.has_value(), scale.has_value(), next_w.has_value(), panels},
       std::move(in));
 }
 
@@ -2051,7 +2135,13 @@ std::optional<mx::array> cpu_dequantize(
     const mx::array& scales,
     const std::optional<mx::array>& biases,
     int group_size,
-    int bits) {
+    int bits,
+    bool panels) {
+  if (panels) {
+    if (!panels_format_applies(w, scales, biases, group_size, bits)) return std::nullopt;
+    const int K = row_values(w.shape(1), bits);
+    return make<DequantizeOp>({w.shape(0) * QPANEL, K}, {group_size, bits, true}, {w, scales, *biases});
+  }
   const bool fits = packed_format_applies(w, scales, biases, group_size, bits) &&
                     w.ndim() >= 1 && w.size() > 0 &&
                     std::equal(w.shape().begin(), w.shape().end() - 1, scales.shape().begin()) &&
@@ -2059,7 +2149,7 @@ std::optional<mx::array> cpu_dequantize(
   if (!fits) return std::nullopt;
   auto shape = w.shape();
   shape.back() = row_values(w.shape(-1), bits);
-  return make<DequantizeOp>(shape, {group_size, bits}, {w, scales, *biases});
+  return make<DequantizeOp>(shape, {group_size, bits, false}, {w, scales, *biases});
 }
 
 std::optional<mx::array> cpu_quantized_embedding(
@@ -2069,16 +2159,18 @@ std::optional<mx::array> cpu_quantized_embedding(
     const mx::array& biases,
     int group_size,
     int bits,
-    std::optional<float> scale) {
-  const bool fits = packed_format_applies(w, scales, biases, group_size, bits) && w.ndim() == 2 &&
-                    scales.ndim() == 2 && w.shape(0) == scales.shape(0) && w.shape(0) > 0 &&
-                    (size_t)w.shape(1) * 32 == (size_t)scales.shape(1) * group_size * bits &&
-                    (ids.dtype() == mx::int32 || ids.dtype() == mx::uint32) && ids.size() > 0;
+    std::optional<float> scale,
+    bool panels) {
+  const bool table = panels ? panels_format_applies(w, scales, biases, group_size, bits)
+                            : packed_format_applies(w, scales, biases, group_size, bits) && w.ndim() == 2 &&
+                                  scales.ndim() == 2 && w.shape(0) == scales.shape(0) && w.shape(0) > 0 &&
+                                  (size_t)w.shape(1) * 32 == (size_t)scales.shape(1) * group_size * bits;
+  const bool fits = table && (ids.dtype() == mx::int32 || ids.dtype() == mx::uint32) && ids.size() > 0;
   if (!fits) return std::nullopt;
   auto shape = ids.shape();
   shape.push_back(row_values(w.shape(1), bits));
   return make<QuantizedEmbeddingOp>(
-      shape, {group_size, bits, scale.has_value(), scale.value_or(1.0f)}, {ids, w, scales, biases});
+      shape, {group_size, bits, scale.has_value(), scale.value_or(1.0f), panels}, {ids, w, scales, biases});
 }
 
 bool cpu_qmm_applies(
@@ -2088,7 +2180,11 @@ bool cpu_qmm_applies(
     const std::optional<mx::array>& biases,
     int group_size,
     int bits,
-    int mode) {
+    int mode,
+    bool panels) {
+  if (panels)
+    return mode == 0 && panels_format_applies(w, scales, biases, group_size, bits) && x.dtype() == mx::float32 &&
+           x.ndim() >= 1 && x.size() > 0 && (int64_t)x.shape(-1) * bits == (int64_t)w.shape(1) * 32;
   return kernel_applies(x, w, scales, biases, true, group_size, bits, mode) && w.ndim() == 2 &&
          scales.ndim() == 2;
 }
@@ -2100,7 +2196,8 @@ std::optional<std::vector<mx::array>> cpu_quantized_matmuls(
     const std::vector<mx::array>& biases,
     int group_size,
     int bits,
-    int mode) {
+    int mode,
+    bool panels) {
   // Affine matrices have biases, the microscaling modes none.
   const size_t with_biases = mode == 0 ? ws.size() : 0;
   if (ws.empty() || scales.size() != ws.size() || biases.size() != with_biases || !fused_cpu_enabled())
@@ -2109,14 +2206,14 @@ std::optional<std::vector<mx::array>> cpu_quantized_matmuls(
   std::vector<mx::array> inputs{x};
   for (size_t i = 0; i < ws.size(); ++i) {
     const auto b = mode == 0 ? std::optional<mx::array>(biases[i]) : std::nullopt;
-    if (!cpu_qmm_applies(x, ws[i], scales[i], b, group_size, bits, mode)) return std::nullopt;
+    if (!cpu_qmm_applies(x, ws[i], scales[i], b, group_size, bits, mode, panels)) return std::nullopt;
     auto shape = x.shape();
-    shape.back() = ws[i].shape(0);
+    shape.back() = outputs(ws[i], panels);
     shapes.push_back(std::move(shape));
     inputs.insert(inputs.end(), {ws[i], scales[i]});
     if (b) inputs.push_back(*b);
   }
-  return make_many<QuantizedMatmulsOp>(std::move(shapes), {group_size, bits, mode}, std::move(inputs));
+  return make_many<QuantizedMatmulsOp>(std::move(shapes), {group_size, bits, mode, panels}, std::move(inputs));
 }
 
 std::optional<mx::array> cpu_quantized_glu(
@@ -2130,20 +2227,20 @@ std::optional<mx::array> cpu_quantized_glu(
     int group_size,
     int bits,
     GluAct act,
-    int mode) {
+    int mode,
+    bool panels) {
   const bool fits = fused_cpu_enabled() &&
-                    kernel_applies(x, gate_w, gate_scales, gate_biases, true, group_size, bits, mode) &&
-                    kernel_applies(x, up_w, up_scales, up_biases, true, group_size, bits, mode) &&
-                    gate_w.ndim() == 2 && gate_scales.ndim() == 2 &&
+                    cpu_qmm_applies(x, gate_w, gate_scales, gate_biases, group_size, bits, mode, panels) &&
+                    cpu_qmm_applies(x, up_w, up_scales, up_biases, group_size, bits, mode, panels) &&
                     up_w.shape() == gate_w.shape() && up_scales.shape() == gate_scales.shape();
   if (!fits) return std::nullopt;
   auto shape = x.shape();
-  shape.back() = gate_w.shape(0);
+  shape.back() = outputs(gate_w, panels);
   std::vector<mx::array> in{x, gate_w, gate_scales};
   if (gate_biases) in.push_back(*gate_biases);
   in.insert(in.end(), {up_w, up_scales});
   if (up_biases) in.push_back(*up_biases);
-  return make<QuantizedGluOp>(shape, {group_size, bits, mode, act}, std::move(in));
+  return make<QuantizedGluOp>(shape, {group_size, bits, mode, act, panels}, std::move(in));
 }
 
 }  // namespace mlxr

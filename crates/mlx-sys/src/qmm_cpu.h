@@ -9,6 +9,10 @@
 
 namespace mlxr {
 
+// Every function here with a `panels` flag takes affine matrices either in MLX's row layout or
+// (panels) as 16-output panels, qpanel_cpu.h; a caller whose panels are refused (nullopt) puts
+// them back in rows for MLX's ops.
+
 // x @ dequantize(w)ᵀ through the kernel, or nullopt when it does not apply (not the CPU, not
 // float32, not 4/8 bits, ...): the caller then uses MLX's quantized_matmul.
 std::optional<mlx::core::array> cpu_quantized_matmul(
@@ -18,7 +22,8 @@ std::optional<mlx::core::array> cpu_quantized_matmul(
     const std::optional<mlx::core::array>& biases,
     bool transpose,
     int group_size,
-    int bits);
+    int bits,
+    bool panels);
 
 // x @ dequantize(w)ᵀ (w 2-D, transposed) and then the residual update norm_update_row computes
 // (fused_cpu.h) of the product: {sum} or, with next_w, {sum, its norm}; nullopt where the
@@ -35,7 +40,8 @@ std::optional<std::vector<mlx::core::array>> cpu_quantized_matmul_norm(
     float eps,
     const mlx::core::array& residual,
     const std::optional<mlx::core::array>& scale,
-    const std::optional<mlx::core::array>& next_w);
+    const std::optional<mlx::core::array>& next_w,
+    bool panels);
 
 // dequantize(w[ids]) · scale (a quantized embedding lookup: w, scales, biases 2-D, ids int32
 // or uint32 of any shape) through the kernel, or nullopt.
@@ -46,7 +52,8 @@ std::optional<mlx::core::array> cpu_quantized_embedding(
     const mlx::core::array& biases,
     int group_size,
     int bits,
-    std::optional<float> scale);
+    std::optional<float> scale,
+    bool panels);
 
 // Whether the kernel takes x @ dequantize(w)ᵀ for this x and 2-D packed matrix (and is on).
 bool cpu_qmm_applies(
@@ -56,7 +63,8 @@ bool cpu_qmm_applies(
     const std::optional<mlx::core::array>& biases,
     int group_size,
     int bits,
-    int mode = 0);
+    int mode = 0,
+    bool panels = false);
 
 // gather_qmm (expert stacks w [E, N, ·], per-row expert ids) through the kernel, or nullopt.
 std::optional<mlx::core::array> cpu_gather_qmm(
@@ -76,7 +84,8 @@ std::optional<mlx::core::array> cpu_dequantize(
     const mlx::core::array& scales,
     const std::optional<mlx::core::array>& biases,
     int group_size,
-    int bits);
+    int bits,
+    bool panels);
 
 // x @ dequantize(w_i)ᵀ for matrices of one format that share x, as one op with one output each,
 // or nullopt (the caller then multiplies them one by one). Needs the quantized and the fused
@@ -88,7 +97,8 @@ std::optional<std::vector<mlx::core::array>> cpu_quantized_matmuls(
     const std::vector<mlx::core::array>& biases,
     int group_size,
     int bits,
-    int mode);
+    int mode,
+    bool panels);
 
 // The activation of a gated MLP.
 enum class GluAct : uint8_t { Gelu = 0, Silu = 1 };
@@ -106,7 +116,8 @@ std::optional<mlx::core::array> cpu_quantized_glu(
     int group_size,
     int bits,
     GluAct act,
-    int mode);
+    int mode,
+    bool panels);
 
 // Turns the kernel on (the default) or off (MLX's own path everywhere), for comparisons.
 void set_cpu_qmm_enabled(bool on);

@@ -4,6 +4,7 @@
 #include "mlx-sys/src/qmm_cpu.h"
 #include "mlx-sys/src/fpq_cpu.h"
 #include "mlx-sys/src/fused_cpu.h"
+#include "mlx-sys/src/qpanel_cpu.h"
 
 #include <dlfcn.h>
 
@@ -566,6 +567,21 @@ std::string mode_name(int32_t mode) {
     default: throw std::invalid_argument("unknown quantization mode " + std::to_string(mode));
   }
 }
+
+// A mode code with this bit set is an affine matrix held as 16-output panels (qpanel_cpu.h,
+// mlx::Quantized's `panels`): takes it off `mode` and says whether it was there.
+constexpr int32_t kPanelsBit = 0x100;
+bool take_panels(int32_t& mode) {
+  const bool panels = (mode & kPanelsBit) != 0;
+  mode &= ~kPanelsBit;
+  return panels;
+}
+
+// A paneled matrix's words, scales or biases ([N/16, ·, 16]) in MLX's row layout ([N, ·]), for
+// MLX's own ops where the panel kernels do not apply.
+Arr panel_rows(const mx::array& a) {
+  return Arr{mx::reshape(mx::transpose(a, {0, 2, 1}), {a.shape(0) * a.shape(2), a.shape(1)})};
+}
 }  // namespace
 
 std::unique_ptr<ArrVec> quantize(const Arr& w, int32_t group_size, int32_t bits, int32_t mode) {
@@ -579,9 +595,14 @@ ArrPtr dequantize(
     int32_t group_size,
     int32_t bits,
     int32_t mode) {
-  if (auto out = mode == 0 ? cpu_dequantize(w.a, scales.a, opt(biases), group_size, bits)
+  const bool panels = take_panels(mode);
+  if (auto out = mode == 0 ? cpu_dequantize(w.a, scales.a, opt(biases), group_size, bits, panels)
                            : cpu_fp_dequantize(w.a, scales.a, group_size, bits, mode)) {
     return wrap(std::move(*out));
+  }
+  if (panels && biases) {
+    const Arr rb = panel_rows(biases->a);
+    return dequantize(panel_rows(w.a), panel_rows(scales.a), &rb, group_size, bits, mode);
   }
   return wrap(mx::dequantize(w.a, scales.a, opt(biases), group_size, bits, mode_name(mode)));
 }
@@ -595,10 +616,15 @@ ArrPtr quantized_matmul(
     int32_t group_size,
     int32_t bits,
     int32_t mode) {
+  const bool panels = take_panels(mode);
   if (auto out = mode == 0
-                     ? cpu_quantized_matmul(x.a, w.a, scales.a, opt(biases), transpose, group_size, bits)
+                     ? cpu_quantized_matmul(x.a, w.a, scales.a, opt(biases), transpose, group_size, bits, panels)
                      : cpu_fp_quantized_matmul(x.a, w.a, scales.a, transpose, group_size, bits, mode)) {
     return wrap(std::move(*out));
+  }
+  if (panels && biases) {
+    const Arr rb = panel_rows(biases->a);
+    return quantized_matmul(x, panel_rows(w.a), panel_rows(scales.a), &rb, transpose, group_size, bits, mode);
   }
   return wrap(mx::quantized_matmul(
       x.a, w.a, scales.a, opt(biases), transpose, group_size, bits, mode_name(mode)));
@@ -612,12 +638,14 @@ std::unique_ptr<ArrVec> quantized_matmuls(
     int32_t group_size,
     int32_t bits,
     int32_t mode) {
+  const int32_t code = mode;
+  const bool panels = take_panels(mode);
   // Affine matrices have biases, the microscaling modes none.
   const size_t with_biases = mode == 0 ? w.v.size() : 0;
   if (w.v.size() != scales.v.size() || biases.v.size() != with_biases) {
     throw std::invalid_argument("quantized_matmuls: weights, scales and biases differ in number");
   }
-  if (auto outs = cpu_quantized_matmuls(x.a, w.v, scales.v, biases.v, group_size, bits, mode)) {
+  if (auto outs = cpu_quantized_matmuls(x.a, w.v, scales.v, biases.v, group_size, bits, mode, panels)) {
     return wrap_vec(std::move(*outs));
   }
   std::vector<mx::array> outs;
@@ -625,7 +653,8 @@ std::unique_ptr<ArrVec> quantized_matmuls(
     Arr wi{w.v[i]}, si{scales.v[i]};
     std::optional<Arr> bi;
     if (mode == 0) bi.emplace(Arr{biases.v[i]});
-    outs.push_back(quantized_matmul(x, wi, si, bi ? &*bi : nullptr, true, group_size, bits, mode)->a);
+    // Each through quantized_matmul, which takes the panels' code.
+    outs.push_back(quantized_matmul(x, wi, si, bi ? &*bi : nullptr, true, group_size, bits, code)->a);
   }
   return wrap_vec(std::move(outs));
 }
@@ -654,10 +683,13 @@ ArrPtr quantized_glu(
     int32_t mode) {
   if (act > 1) throw std::invalid_argument("quantized_glu: unknown activation");
   const auto a = static_cast<GluAct>(act);
+  const int32_t code = mode;
+  const bool panels = take_panels(mode);
   if (auto out = cpu_quantized_glu(x.a, gate_w.a, gate_scales.a, opt(gate_biases), up_w.a,
-                                   up_scales.a, opt(up_biases), group_size, bits, a, mode)) {
+                                   up_scales.a, opt(up_biases), group_size, bits, a, mode, panels)) {
     return wrap(std::move(*out));
   }
+  mode = code;
   // The ops the fused kernel stands for, each through its own kernel where that applies.
   auto gate = quantized_matmul(x, gate_w, gate_scales, gate_biases, true, group_size, bits, mode);
   auto up = quantized_matmul(x, up_w, up_scales, up_biases, true, group_size, bits, mode);
@@ -667,6 +699,10 @@ ArrPtr quantized_glu(
 
 void set_quantized_kernel(bool on) {
   set_cpu_qmm_enabled(on);
+}
+
+bool quantized_panels_apply(int32_t bits, int32_t group_size) {
+  return qpanel_applies(bits, group_size);
 }
 
 void set_quantized_unpacking(int32_t mode) {
@@ -726,12 +762,17 @@ ArrPtr quantized_embedding(
     const Arr& biases,
     int32_t group_size,
     int32_t bits,
+    int32_t mode,
     float scale,
     bool has_scale) {
   const std::optional<float> s = has_scale ? std::optional<float>(scale) : std::nullopt;
-  if (auto out = cpu_quantized_embedding(ids.a, w.a, scales.a, biases.a, group_size, bits, s)) {
+  const bool panels = take_panels(mode);
+  if (auto out = cpu_quantized_embedding(ids.a, w.a, scales.a, biases.a, group_size, bits, s, panels)) {
     return wrap(std::move(*out));
   }
+  if (panels)
+    return quantized_embedding(ids, panel_rows(w.a), panel_rows(scales.a), panel_rows(biases.a), group_size, bits,
+                               mode, scale, has_scale);
   const Arr rw{mx::take(w.a, ids.a, 0)}, rs{mx::take(scales.a, ids.a, 0)}, rb{mx::take(biases.a, ids.a, 0)};
   auto rows = dequantize(rw, rs, &rb, group_size, bits, 0);
   return has_scale ? wrap(mx::multiply(rows->a, mx::array(scale, mx::float32))) : std::move(rows);
@@ -750,10 +791,13 @@ std::unique_ptr<ArrVec> quantized_matmul_norm(
     const Arr& residual,
     const Arr* scale,
     const Arr* next_w) {
+  const int32_t code = mode;
+  const bool panels = take_panels(mode);
   if (auto outs = cpu_quantized_matmul_norm(x.a, w.a, scales.a, opt(biases), group_size, bits, mode,
-                                            opt(norm_w), eps, residual.a, opt(scale), opt(next_w))) {
+                                            opt(norm_w), eps, residual.a, opt(scale), opt(next_w), panels)) {
     return wrap_vec(std::move(*outs));
   }
+  mode = code;
   auto y = quantized_matmul(x, w, scales, biases, true, group_size, bits, mode);
   if (!next_w) return wrap_vec({rms_norm_residual(*y, norm_w, eps, residual, scale)->a});
   return rms_norm_residual_norm(*y, norm_w, eps, residual, scale, *next_w);
@@ -853,15 +897,19 @@ std::unique_ptr<ArrVec> quantized_qkv_heads(
     const Arr& offsets,
     const Arr* freqs) {
   const size_t n = w.v.size();
+  const int32_t code = mode;
+  const bool panels = take_panels(mode);
   if ((n != 2 && n != 3) || scales.v.size() != n || biases.v.size() != (mode == 0 ? n : 0)) {
     throw std::invalid_argument(
         "quantized_qkv_heads: takes two or three matrices, each with scales (and biases in affine mode)");
   }
   const HeadsRope rope = heads_rope(rotation, freqs);
-  if (auto outs = cpu_quantized_qkv_heads(x.a, w.v, scales.v, biases.v, group_size, bits, mode, heads.q_heads,
-                                          heads.kv_heads, q_norm.a, k_norm.a, heads.eps, rope, offsets.a)) {
+  if (auto outs = cpu_quantized_qkv_heads(x.a, w.v, scales.v, biases.v, group_size, bits, mode, panels,
+                                          heads.q_heads, heads.kv_heads, q_norm.a, k_norm.a, heads.eps, rope,
+                                          offsets.a)) {
     return wrap_vec(std::move(*outs));
   }
+  mode = code;
   // The two ops it stands for.
   auto raw = quantized_matmuls(x, w, scales, biases, group_size, bits, mode);
   const Arr q{raw->v[0]}, k{raw->v[1]}, v{raw->v[n == 3 ? 2 : 1]};

@@ -183,6 +183,7 @@ ArrPtr quantized_glu(
     uint8_t act,
     int32_t mode);
 void set_quantized_kernel(bool on);
+bool quantized_panels_apply(int32_t bits, int32_t group_size);
 void set_quantized_unpacking(int32_t mode);
 int32_t quantized_unpacking();
 uint64_t quantized_kernel_count(bool sgemm_path);
@@ -214,6 +215,7 @@ ArrPtr quantized_embedding(
     const Arr& biases,
     int32_t group_size,
     int32_t bits,
+    int32_t mode,
     float scale,
     bool has_scale);
 // x @ dequantize(w)ᵀ, then the residual update above of the product: {sum} or, with next_w,

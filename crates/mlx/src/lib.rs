@@ -26,7 +26,10 @@ pub use dtype::{Dtype, Element};
 pub use error::{Error, Result};
 pub use fast::SdpaMask;
 pub use index::Ix;
-pub use ops::{concatenate, stack, where_, QuantMode, Quantized};
+pub use ops::{
+    concatenate, quantized_panels_apply, set_quantized_panels, stack, where_, QuantMode, Quantized,
+    QUANT_PANEL,
+};
 pub use rows::{RowFormat, Rows};
 pub use runtime::{
     async_eval, blas_library, default_device, eval, gpu_available, graph_ops, init_thread,

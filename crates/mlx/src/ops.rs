@@ -497,6 +497,32 @@ pub struct Quantized {
     pub group_size: i32,
     pub bits: i32,
     pub mode: QuantMode,
+    /// The words, scales and biases are held as panels of [`QUANT_PANEL`] output rows
+    /// (`[N/16, words, 16]`, `[N/16, groups, 16]`; [`Quantized::paneled`]) rather than MLX's
+    /// rows (`[N, words]`, `[N, groups]`). Every op here takes either; MLX's own ops see rows.
+    pub panels: bool,
+}
+
+/// Output rows per panel of a paneled quantized matrix ([`Quantized::panels`]).
+pub const QUANT_PANEL: i32 = 16;
+
+/// The bit of a mode code that says the matrix is paneled (the shim's `kPanelsBit`).
+const PANELS_BIT: i32 = 0x100;
+
+static PANELS_ON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether this CPU multiplies affine matrices of `bits` in groups of `group_size` from panels
+/// ([`Quantized::paneled`]; AVX-512, 4 or 8 bits, groups of 32, 64 or 128).
+pub fn quantized_panels_apply(bits: i32, group_size: i32) -> bool {
+    ffi::quantized_panels_apply(bits, group_size)
+}
+
+/// Whether [`Quantized::paneled`] makes panels (the default) or leaves every matrix in MLX's
+/// rows: for measuring MLX's own kernels on the layout they are written for.
+/// `MLXR_NO_QUANT_PANELS` set in the environment leaves them in rows too (to compare the two
+/// layouts through the whole runner).
+pub fn set_quantized_panels(on: bool) {
+    PANELS_ON.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
 impl Array {
@@ -525,6 +551,7 @@ impl Array {
             group_size,
             bits,
             mode,
+            panels: false,
         })
     }
 
@@ -540,7 +567,7 @@ impl Array {
                 transpose,
                 w.group_size,
                 w.bits,
-                w.mode.code(),
+                w.code(),
             )?
         }))
     }
@@ -568,7 +595,7 @@ impl Array {
             &pack(ws.iter().filter_map(|q| q.biases.as_ref())),
             first.group_size,
             first.bits,
-            first.mode.code(),
+            first.code(),
         )?)
     }
 
@@ -611,7 +638,7 @@ impl Array {
                 gate.group_size,
                 gate.bits,
                 act,
-                gate.mode.code(),
+                gate.code(),
             )?
         }))
     }
@@ -637,7 +664,7 @@ impl Array {
                 transpose,
                 w.group_size,
                 w.bits,
-                w.mode.code(),
+                w.code(),
                 sorted,
             )?
         }))
@@ -648,7 +675,77 @@ impl Quantized {
     /// Whether `other` has this matrix's mode, bits and group size (what a fused op over
     /// several matrices needs).
     pub fn same_format(&self, other: &Quantized) -> bool {
-        (self.mode, self.bits, self.group_size) == (other.mode, other.bits, other.group_size)
+        (self.mode, self.bits, self.group_size, self.panels)
+            == (other.mode, other.bits, other.group_size, other.panels)
+    }
+
+    /// The mode's code for the shim, with [`PANELS_BIT`] where the matrix is paneled.
+    pub(crate) fn code(&self) -> i32 {
+        self.mode.code() | if self.panels { PANELS_BIT } else { 0 }
+    }
+
+    /// Output rows (of a stack, of each matrix).
+    pub fn outputs(&self) -> i32 {
+        let shape = self.weight.shape();
+        if self.panels {
+            shape[0] * QUANT_PANEL
+        } else {
+            shape[shape.len().saturating_sub(2)]
+        }
+    }
+
+    /// This matrix as panels of [`QUANT_PANEL`] output rows, where the CPU multiplies it from
+    /// them (docs/MODELS.md, "Quantized weights on the CPU"): an affine 2-D matrix with float32
+    /// scales, 4 or 8 bits, on a CPU with AVX-512, its rows a multiple of 16. `None` elsewhere.
+    /// A copy (evaluated with the model), the same size as the rows.
+    pub fn paneled(&self) -> Result<Option<Quantized>> {
+        let shape = self.weight.shape();
+        let fits = !self.panels
+            && PANELS_ON.load(std::sync::atomic::Ordering::Relaxed)
+            && std::env::var_os("MLXR_NO_QUANT_PANELS").is_none()
+            && self.mode == QuantMode::Affine
+            && crate::default_device() == crate::Device::Cpu
+            && shape.len() == 2
+            && shape[0] > 0
+            && shape[0] % QUANT_PANEL == 0
+            && self.scales.dtype() == crate::Dtype::F32
+            && self.biases.as_ref().map(|b| b.dtype()) == Some(crate::Dtype::F32)
+            && quantized_panels_apply(self.bits, self.group_size);
+        let Some(biases) = self.biases.as_ref().filter(|_| fits) else {
+            return Ok(None);
+        };
+        let panel = |a: &Array| -> Result<Array> {
+            let s = a.shape();
+            a.reshape(&[s[0] / QUANT_PANEL, QUANT_PANEL, s[1]])?
+                .transpose(&[0, 2, 1])?
+                .contiguous()
+        };
+        Ok(Some(Quantized {
+            weight: panel(&self.weight)?,
+            scales: panel(&self.scales)?,
+            biases: Some(panel(biases)?),
+            panels: true,
+            ..*self
+        }))
+    }
+
+    /// This matrix in MLX's row layout: itself, or a paneled one's arrays put back (views, for
+    /// cutting and slicing by rows; [`Quantized::paneled`] panels a result again).
+    pub fn rows(&self) -> Result<Quantized> {
+        if !self.panels {
+            return Ok(self.clone());
+        }
+        let unpanel = |a: &Array| -> Result<Array> {
+            let s = a.shape();
+            a.transpose(&[0, 2, 1])?.reshape(&[s[0] * s[2], s[1]])
+        };
+        Ok(Quantized {
+            weight: unpanel(&self.weight)?,
+            scales: unpanel(&self.scales)?,
+            biases: self.biases.as_ref().map(unpanel).transpose()?,
+            panels: false,
+            ..*self
+        })
     }
 
     /// "affine 4 bits, group 64", "mxfp4", ...: for messages.
@@ -664,6 +761,9 @@ impl Quantized {
     /// gathers, [`Quantized::dequantize`] and the float32 multiply it stands for.
     pub fn lookup(&self, ids: &Array, scale: Option<f32>) -> Result<Array> {
         let Some(biases) = &self.biases else {
+            if self.panels {
+                return self.rows()?.lookup(ids, scale);
+            }
             // The fused op is affine's; the other modes take the rows, then dequantize them.
             let rows = Quantized {
                 weight: self.weight.take(ids, 0)?,
@@ -684,6 +784,7 @@ impl Quantized {
             biases.arr(),
             self.group_size,
             self.bits,
+            self.code(),
             scale.unwrap_or(1.0),
             scale.is_some(),
         )?))
@@ -699,7 +800,7 @@ impl Quantized {
                 ptr(self.biases.as_ref()),
                 self.group_size,
                 self.bits,
-                self.mode.code(),
+                self.code(),
             )?
         }))
     }

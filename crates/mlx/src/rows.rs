@@ -121,6 +121,7 @@ impl Rows {
                     group_size,
                     bits,
                     mode: crate::QuantMode::Affine,
+                    panels: false,
                 }))
             }
             (b, n) => Err(bad(format!("{n} arrays for rows of {b:?} bits"))),

@@ -1278,6 +1278,7 @@ fn every_microscaling_code_decodes_as_mlx_does() {
             group_size: group,
             bits,
             mode,
+            panels: false,
         };
         mlx::set_quantized_kernel(true);
         let ours = q.dequantize().unwrap().to_vec::<f32>().unwrap();

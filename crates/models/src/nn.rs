@@ -40,6 +40,10 @@ pub enum Linear {
 
 /// Rows `ids` of a quantized table, dequantized: only those rows are decoded.
 fn quantized_rows(q: &Quantized, ids: &Array) -> Result<Array> {
+    if q.panels {
+        // A panel holds 16 rows interleaved: the lookup op reads one row's words from it.
+        return Ok(q.lookup(ids, None)?);
+    }
     let part = |a: &Array| a.take(ids, 0);
     Ok(Quantized {
         weight: part(&q.weight)?,
@@ -122,9 +126,7 @@ impl Linear {
         match self {
             Linear::Dense { wt } => wt.shape().last().copied().unwrap_or(0) as usize,
             Linear::Paneled { panels } => (panels.shape()[0] * mlx::fast::PANEL) as usize,
-            Linear::Quantized(q) | Linear::Scaled { q, .. } => {
-                q.weight.shape().first().copied().unwrap_or(0) as usize
-            }
+            Linear::Quantized(q) | Linear::Scaled { q, .. } => q.outputs().max(0) as usize,
             Linear::Summed { part, .. } => part.outputs(),
         }
     }

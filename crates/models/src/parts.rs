@@ -47,6 +47,12 @@ fn cut(w: &Weights, a: &Array, axis: i32, range: &Range<i32>) -> Result<Array> {
 /// The part of a quantized matrix (or stack): `None` where a column cut would split
 /// quantization groups.
 fn quantized(w: &Weights, q: &Quantized, part: &Part) -> Result<Option<Quantized>> {
+    if q.panels {
+        // Cut in MLX's rows, then paneled again.
+        return quantized(w, &q.rows()?, part)?
+            .map(|c| w.paneled(c))
+            .transpose();
+    }
     let (axis, words, groups) = match part {
         Part::Rows(r) => (-2, r.clone(), r.clone()),
         Part::Cols(r) => {
@@ -173,6 +179,19 @@ pub(crate) fn experts(w: &Weights, e: Experts, part: &Part) -> Result<Experts> {
 
 /// Rows `vocab` of a quantized table, as a view of it.
 fn quantized_rows_view(q: &Quantized, vocab: &Range<i32>) -> Result<Quantized> {
+    let panel = mlx::QUANT_PANEL;
+    if q.panels && vocab.start % panel == 0 && vocab.end % panel == 0 {
+        let panels = vocab.start / panel..vocab.end / panel;
+        let part = |a: &Array| a.slice_axis(0, panels.start, Some(panels.end));
+        return Ok(Quantized {
+            weight: part(&q.weight)?,
+            scales: part(&q.scales)?,
+            biases: q.biases.as_ref().map(part).transpose()?,
+            ..*q
+        });
+    }
+    // A range inside a panel: a view of the rows (they are read as MLX's layout then).
+    let q = &q.rows()?;
     let rows = |a: &Array| a.slice_axis(0, vocab.start, Some(vocab.end));
     Ok(Quantized {
         weight: rows(&q.weight)?,
@@ -495,6 +514,66 @@ mod tests {
         assert_eq!(rows_of(&inside, &[0, 39]), want(&[10, 49]));
         let cut = embedding_rows(&w, e.clone(), &(32..64)).unwrap();
         assert!(matches!(cut, Embedding::Paneled(_)));
+        assert_eq!(rows_of(&cut, &[31, 1]), want(&[63, 33]));
+    }
+
+    /// A quantized matrix held as 16-output panels (where the CPU takes them): its parts'
+    /// products are the whole's, and a part stays paneled where its rows allow; a quantized
+    /// tied head's vocabulary share looks up and multiplies as the table does.
+    #[test]
+    fn paneled_quantized_layers_and_their_parts_are_the_whole() {
+        if !mlx::quantized_panels_apply(4, 32) {
+            return;
+        }
+        let w = weights();
+        let m = normal(&[64, 128], 30);
+        let x = normal(&[3, 128], 31);
+        let q = w.paneled(m.quantize(32, 4).unwrap()).unwrap();
+        assert!(q.panels);
+        let l = Linear::Quantized(q.clone());
+        assert_eq!(l.outputs(), 64);
+        let whole = l.forward(&x).unwrap();
+        let rows = Linear::Quantized(q.rows().unwrap()).forward(&x).unwrap();
+        assert!(max_diff(&whole, &rows) < 1e-4);
+        for parts in [
+            vec![Part::Rows(0..32), Part::Rows(32..64)],
+            vec![Part::Rows(0..20), Part::Rows(20..64)],
+            vec![Part::Cols(0..64), Part::Cols(64..128)],
+        ] {
+            let d = max_diff(&from_parts(&w, &l, &x, &parts), &whole);
+            assert!(d < 1e-4, "{:?}: {d}", parts[0]);
+        }
+        let held = |part: Part| match linear(&w, l.clone(), &part).unwrap() {
+            Linear::Quantized(q) => q.panels,
+            _ => panic!("{part:?}: not quantized"),
+        };
+        assert!(held(Part::Rows(0..32)));
+        assert!(held(Part::Cols(0..64)));
+        assert!(!held(Part::Rows(0..20)));
+
+        let e = Embedding::Quantized(q.clone());
+        let table = q.dequantize().unwrap();
+        let rows_of = |e: &Embedding, ids: &[i32]| {
+            let ids = Array::from_slice(ids, &[1, ids.len() as i32]).unwrap();
+            e.lookup(&ids).unwrap().to_vec::<f32>().unwrap()
+        };
+        let want = |ids: &[i32]| {
+            let ids = Array::from_slice(ids, &[ids.len() as i32]).unwrap();
+            table.take(&ids, 0).unwrap().to_vec::<f32>().unwrap()
+        };
+        assert_eq!(rows_of(&e, &[3, 40, 63, 0]), want(&[3, 40, 63, 0]));
+        let aligned = embedding_view(&w, &e, &(32..64)).unwrap();
+        assert!(matches!(&aligned, Embedding::Quantized(q) if q.panels));
+        assert_eq!(rows_of(&aligned, &[0, 5]), want(&[32, 37]));
+        let inside = embedding_view(&w, &e, &(10..50)).unwrap();
+        assert_eq!(rows_of(&inside, &[0, 39]), want(&[10, 49]));
+        let logits = inside.as_linear(&x).unwrap();
+        let plain = x
+            .matmul(&table.slice_axis(0, 10, Some(50)).unwrap().t().unwrap())
+            .unwrap();
+        assert!(max_diff(&logits, &plain) < 1e-4);
+        let cut = embedding_rows(&w, e.clone(), &(32..64)).unwrap();
+        assert!(matches!(&cut, Embedding::Quantized(q) if q.panels));
         assert_eq!(rows_of(&cut, &[31, 1]), want(&[63, 33]));
     }
 

@@ -535,6 +535,22 @@ impl Weights {
         }
     }
 
+    /// `q` as the CPU multiplies it fastest: paneled where [`mlx::Quantized::paneled`] applies
+    /// (its row arrays withdrawn, the panels kept for loading), else `q`.
+    pub(crate) fn paneled(&self, q: mlx::Quantized) -> Result<mlx::Quantized> {
+        let Some(p) = q.paneled()? else {
+            return Ok(q);
+        };
+        self.withdraw_quantized(&q);
+        for part in [Some(&p.weight), Some(&p.scales), p.biases.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            self.keep(part.clone());
+        }
+        Ok(p)
+    }
+
     /// [`Weights::withdraw`] for each part of a quantized matrix.
     pub(crate) fn withdraw_quantized(&self, q: &mlx::Quantized) {
         for part in [Some(&q.weight), Some(&q.scales), q.biases.as_ref()]
@@ -724,6 +740,7 @@ impl<'a> Vb<'a> {
             group_size,
             bits,
             mode,
+            panels: false,
         })
     }
 
@@ -790,7 +807,7 @@ impl<'a> Vb<'a> {
             let q = self.quantized(&[], out, inp)?;
             return Ok(match self.global_scale(out)? {
                 Some(global) => Linear::Scaled { q, global },
-                None => Linear::Quantized(q),
+                None => Linear::Quantized(self.w.paneled(q)?),
             });
         }
         Linear::dense(self.w, self.get("weight", &[out, inp])?)
@@ -815,7 +832,7 @@ impl<'a> Vb<'a> {
             let q = self.quantized(&[], vocab, dim)?;
             return Ok(match self.global_scale(1)? {
                 Some(global) => Embedding::Scaled { q, global },
-                None => Embedding::Quantized(q),
+                None => Embedding::Quantized(self.w.paneled(q)?),
             });
         }
         Ok(Embedding::Dense(self.get("weight", &[vocab, dim])?))
