@@ -347,6 +347,9 @@ impl Embedding {
                     None => Embedding::DenseTransposed(weight_layout(weights, &w)?),
                 }
             }
+            // Panels serve the head's product; a lookup reads a row's words 16 apart in its
+            // panel, so tables only looked up (per-layer embeddings) keep MLX's rows.
+            Embedding::Quantized(q) => Embedding::Quantized(weights.paneled(q)?),
             other => other,
         })
     }

@@ -382,6 +382,18 @@ mod tests {
             .fold(0.0, f32::max)
     }
 
+    /// The rows an embedding's lookup gives for `ids`.
+    fn looked_up(e: &Embedding, ids: &[i32]) -> Vec<f32> {
+        let ids = Array::from_slice(ids, &[1, ids.len() as i32]).unwrap();
+        e.lookup(&ids).unwrap().to_vec::<f32>().unwrap()
+    }
+
+    /// Rows `ids` of a dense table.
+    fn table_rows(table: &Array, ids: &[i32]) -> Vec<f32> {
+        let ids = Array::from_slice(ids, &[ids.len() as i32]).unwrap();
+        table.take(&ids, 0).unwrap().to_vec::<f32>().unwrap()
+    }
+
     /// `[x Wᵀ]` from each part of `W` cut by `parts`: rows joined, columns summed.
     fn from_parts(w: &Weights, l: &Linear, x: &Array, parts: &[Part]) -> Array {
         let outs: Vec<Array> = parts
@@ -495,14 +507,8 @@ mod tests {
         let table = normal(&[64, 96], 22);
         let e = Embedding::Dense(table.clone()).for_tied_head(&w).unwrap();
         assert!(matches!(e, Embedding::Paneled(_)));
-        let rows_of = |e: &Embedding, ids: &[i32]| {
-            let ids = Array::from_slice(ids, &[1, ids.len() as i32]).unwrap();
-            e.lookup(&ids).unwrap().to_vec::<f32>().unwrap()
-        };
-        let want = |ids: &[i32]| {
-            let ids = Array::from_slice(ids, &[ids.len() as i32]).unwrap();
-            table.take(&ids, 0).unwrap().to_vec::<f32>().unwrap()
-        };
+        let rows_of = looked_up;
+        let want = |ids: &[i32]| table_rows(&table, ids);
         assert_eq!(rows_of(&e, &[3, 40, 63, 0]), want(&[3, 40, 63, 0]));
         let logits = e.as_linear(&x).unwrap();
         assert!(max_diff(&logits, &x.matmul(&table.t().unwrap()).unwrap()) < 1e-4);
@@ -553,14 +559,8 @@ mod tests {
 
         let e = Embedding::Quantized(q.clone());
         let table = q.dequantize().unwrap();
-        let rows_of = |e: &Embedding, ids: &[i32]| {
-            let ids = Array::from_slice(ids, &[1, ids.len() as i32]).unwrap();
-            e.lookup(&ids).unwrap().to_vec::<f32>().unwrap()
-        };
-        let want = |ids: &[i32]| {
-            let ids = Array::from_slice(ids, &[ids.len() as i32]).unwrap();
-            table.take(&ids, 0).unwrap().to_vec::<f32>().unwrap()
-        };
+        let rows_of = looked_up;
+        let want = |ids: &[i32]| table_rows(&table, ids);
         assert_eq!(rows_of(&e, &[3, 40, 63, 0]), want(&[3, 40, 63, 0]));
         let aligned = embedding_view(&w, &e, &(32..64)).unwrap();
         assert!(matches!(&aligned, Embedding::Quantized(q) if q.panels));

@@ -832,7 +832,7 @@ impl<'a> Vb<'a> {
             let q = self.quantized(&[], vocab, dim)?;
             return Ok(match self.global_scale(1)? {
                 Some(global) => Embedding::Scaled { q, global },
-                None => Embedding::Quantized(self.w.paneled(q)?),
+                None => Embedding::Quantized(q),
             });
         }
         Ok(Embedding::Dense(self.get("weight", &[vocab, dim])?))
