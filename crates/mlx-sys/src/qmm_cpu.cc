@@ -1599,7 +1599,6 @@ void dequantize_rows(
   }
 }
 
-// Many rows: tiles of dequantized weights through sgemm (tiled_product).
 // qmm for panels: tiles of whole panels dequantized row-major (qpanel_tile), then
 // x[:, k0:k1] · tileᵀ by sgemm, as tiled_product does for rows.
 void qmm_panels(
@@ -1628,6 +1627,7 @@ void qmm_panels(
   }
 }
 
+// Many rows: tiles of dequantized weights through sgemm (tiled_product).
 void qmm(
     const float* x,
     const uint32_t* w,

@@ -27,7 +27,8 @@ namespace mlxr {
 
 namespace {
 
-#define QPANEL_TARGET __attribute__((target("avx512f,avx512dq,avx512vl,fma,avx2")))
+// AVX-512's foundation only (has_avx512()): no instruction here needs DQ, BW or VL.
+#define QPANEL_TARGET __attribute__((target("avx512f,fma,avx2")))
 
 // Field i of each of the 16 words as floats.
 template <int BITS>
@@ -152,6 +153,11 @@ void rows_of(
     }
 }
 
+// The upper eight floats of v.
+QPANEL_TARGET inline __m256 upper(__m512 v) {
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
 // Eight vectors v[i] (value i of eight consecutive inputs, lanes the panel's 16 outputs) stored
 // as 16 rows of 8: d[l·ld + i] = v[i][l]. In-lane unpacks and shuffles give each 128-bit lane
 // four values of four outputs; two-source permutes pair the lanes into rows.
@@ -174,9 +180,9 @@ QPANEL_TARGET inline void store_rows(const __m512 v[8], float* d, size_t ld) {
     const __m512 a = _mm512_permutex2var_ps(u[m], lo, u[m + 4]);  // outputs m, 4 + m
     const __m512 b = _mm512_permutex2var_ps(u[m], hi, u[m + 4]);  // outputs 8 + m, 12 + m
     _mm256_storeu_ps(d + (size_t)m * ld, _mm512_castps512_ps256(a));
-    _mm256_storeu_ps(d + (size_t)(4 + m) * ld, _mm512_extractf32x8_ps(a, 1));
+    _mm256_storeu_ps(d + (size_t)(4 + m) * ld, upper(a));
     _mm256_storeu_ps(d + (size_t)(8 + m) * ld, _mm512_castps512_ps256(b));
-    _mm256_storeu_ps(d + (size_t)(12 + m) * ld, _mm512_extractf32x8_ps(b, 1));
+    _mm256_storeu_ps(d + (size_t)(12 + m) * ld, upper(b));
   }
 }
 
