@@ -107,6 +107,14 @@ struct Shape {
   bool panels = false;
 };
 
+// Rows of x from which a product goes through dequantized tiles and sgemm. The panel kernel
+// keeps ~60 GMAC/s at every row count (each unpacked value serves up to eight rows while the
+// panel is in L1), which dequantizing the matrix then sgemm only passes from ~80 rows on (Ice
+// Lake VM, 24 matrices of 3072×768 at 4 bits: panels 2.8x as fast at 16 rows, 1.7x at 32,
+// 1.16x at 64, even at 80, 0.93x at 96); the row kernels hand over at SGEMM_ROWS.
+constexpr int PANEL_SGEMM_ROWS = 80;
+int sgemm_rows(const Shape& s) { return s.panels ? PANEL_SGEMM_ROWS : SGEMM_ROWS; }
+
 // Runs f(n0, n1) over output rows [0, s.N) as for_rows does, in whole panels where s.panels.
 template <class F>
 void for_outputs(const Shape& s, size_t min_per_chunk, const F& f) {
@@ -1611,17 +1619,17 @@ void qmm_panels(
   const int kt = std::min(s.K, K_TILE);
   const int panels = s.N / QPANEL;
   const int block = std::max(1, std::min(panels, (int)(TILE_BYTES / (sizeof(float) * kt * QPANEL))));
-  std::vector<float> buf((size_t)block * QPANEL * kt);
+  float* const buf = tile_buffer((size_t)block * QPANEL * kt);
   for (int p0 = 0; p0 < panels; p0 += block) {
     const int p1 = std::min(panels, p0 + block), rows = (p1 - p0) * QPANEL;
     for (int k0 = 0; k0 < s.K; k0 += kt) {
       const int k1 = std::min(s.K, k0 + kt), cols = k1 - k0;
       for_rows(p1 - p0, 1, [&](size_t a, size_t b) {
-        qpanel_tile(w, sc, bi, buf.data() + a * QPANEL * cols, cols, s.K, s.bits, s.group, p0 + (int)a, p0 + (int)b,
+        qpanel_tile(w, sc, bi, buf + a * QPANEL * cols, cols, s.K, s.bits, s.group, p0 + (int)a, p0 + (int)b,
                     k0, k1);
       });
       // Row-major (101), x[:, k0:k1] · tileᵀ (NoTrans 111, Trans 112) into out[:, 16·p0 : 16·p1].
-      sgemm()(101, 111, 112, s.M, rows, cols, 1.0f, x + k0, s.K, buf.data(), cols, k0 == 0 ? 0.0f : 1.0f,
+      sgemm()(101, 111, 112, s.M, rows, cols, 1.0f, x + k0, s.K, buf, cols, k0 == 0 ? 0.0f : 1.0f,
               out + (size_t)p0 * QPANEL, s.N);
     }
   }
@@ -1649,7 +1657,7 @@ void product(
     const float* bi,
     float* out,
     const Shape& s) {
-  if (s.M >= SGEMM_ROWS && sgemm() != nullptr) {
+  if (s.M >= sgemm_rows(s) && sgemm() != nullptr) {
     qmm(x, w, sc, bi, out, s);
     g_sgemm_path.fetch_add(1);
   } else {
@@ -1799,7 +1807,7 @@ void quantized_products(
     qs.push_back(std::make_unique<DensePacked>(m[0], m[1], mode == 0 ? &m[2] : nullptr));
     shapes.push_back(Shape{M, outputs(m[0], panels), K, bits, group, mode, panels});
   }
-  if (M >= SGEMM_ROWS || !has_avx2()) {
+  if (M >= sgemm_rows(shapes[0]) || !has_avx2()) {
     for (size_t i = 0; i < n; ++i) table_product(xp, *qs[i], outs[i], shapes[i]);
     return;
   }
@@ -1853,7 +1861,7 @@ struct QuantizedGluOp {
     float* o = out.data<float>();
     const size_t total = (size_t)s.M * s.N;
     std::vector<float> gate(total), up(total);
-    if (s.M >= SGEMM_ROWS || !has_avx2()) {
+    if (s.M >= sgemm_rows(s) || !has_avx2()) {
       table_product(xp, g, gate.data(), s);
       table_product(xp, u, up.data(), s);
       for_rows(total, 1 << 14, [&](size_t i0, size_t i1) {

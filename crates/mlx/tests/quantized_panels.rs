@@ -1,8 +1,9 @@
 //! Affine-quantized matrices held as 16-output panels (`mlx::Quantized::paneled`,
 //! crates/mlx-sys/src/qpanel_cpu.cc): their products against MLX's own `quantized_matmul` on
-//! the row layout and against the dense product, on both sides of the sgemm threshold; a row's
-//! bits independent of the rows beside it; every fused op and lookup taking panels with the
-//! values it gives for rows; MLX's own ops (kernels off) on panels put back in rows.
+//! the row layout and against the dense product, on both sides of the sgemm threshold (80 rows
+//! for panels); a row's bits independent of the rows beside it below it; every fused op and
+//! lookup taking panels with the values it gives for rows; MLX's own ops (kernels off) on
+//! panels put back in rows.
 
 use mlx::{random, Array, Dtype, Quantized};
 
@@ -85,8 +86,10 @@ fn paneled_products_match_mlx_on_both_paths() {
             (15, 48, 256),
             (16, 32, 512),
             (37, 16, 1024),
-            // Inputs past the sgemm path's K tile: tiles accumulate.
-            (20, 32, 4608),
+            (79, 32, 256),
+            // The sgemm path, and inputs past its K tile: tiles accumulate.
+            (80, 48, 512),
+            (97, 32, 4608),
         ] {
             if k % group != 0 {
                 continue;
@@ -131,15 +134,16 @@ fn a_paneled_row_does_not_depend_on_the_rows_beside_it() {
         let Some((_, p)) = both(&w, group, bits) else {
             return;
         };
-        let x = normal(&[15, k], 1.0, 200 + group as u64);
-        let alone: Vec<Vec<f32>> = (0..15)
+        let x = normal(&[79, k], 1.0, 200 + group as u64);
+        let alone: Vec<Vec<f32>> = (0..79)
             .map(|r| {
                 let row = x.slice_axis(0, r, Some(r + 1)).unwrap();
                 values(&row.quantized_matmul(&p, true).unwrap())
             })
             .collect();
-        // Every row count the few-rows kernel takes (the sgemm path starts at 16).
-        for m in 2..=15 {
+        // Row counts the panel kernel takes (the sgemm path starts at 80): every one up to 17,
+        // blocks of eight and their remainders beyond.
+        for m in (2..=17).chain([24, 31, 64, 79]) {
             let together = values(
                 &x.slice_axis(0, 0, Some(m))
                     .unwrap()
@@ -165,7 +169,7 @@ fn fused_ops_take_panels_with_the_values_of_the_ops_they_fuse() {
     mlx::fast::set_fused_kernels(true);
     let mut case = 1000u64;
     for (bits, group) in FORMATS {
-        for rows in [1, 3, 20] {
+        for rows in [1, 3, 20, 90] {
             case += 10;
             let k = 256;
             let x = normal(&[1, rows, k], 1.0, case);
