@@ -595,17 +595,20 @@ inline float* tile_buffer(size_t n) {
   return buf.get();
 }
 
+// `unit`: the rows fill takes at a time (a matrix's rows come in panels of that many, N a
+// multiple of it); tiles and the threads' shares of them are whole units.
 template <class Fill>
-void tiled_product(const float* x, float* out, int M, int N, int K, const Fill& fill) {
+void tiled_product(const float* x, float* out, int M, int N, int K, const Fill& fill, int unit = 1) {
   const int kt = std::min(K, K_TILE);
-  const int block = std::max(16, std::min(N, (int)(TILE_BYTES / (sizeof(float) * kt))));
+  const int fit = std::max(16, std::min(N, (int)(TILE_BYTES / (sizeof(float) * kt))));
+  const int block = std::max(unit, fit / unit * unit);
   float* const buf = tile_buffer((size_t)block * kt);
   for (int n0 = 0; n0 < N; n0 += block) {
     const int n1 = std::min(N, n0 + block), rows = n1 - n0;
     for (int k0 = 0; k0 < K; k0 += kt) {
       const int k1 = std::min(K, k0 + kt), cols = k1 - k0;
-      for_rows(rows, 1, [&](size_t r0, size_t r1) {
-        fill(buf + r0 * cols, n0 + (int)r0, n0 + (int)r1, k0, k1);
+      for_rows(rows / unit, 1, [&](size_t u0, size_t u1) {
+        fill(buf + u0 * unit * cols, n0 + (int)u0 * unit, n0 + (int)u1 * unit, k0, k1);
       });
       // Row-major (101), x[:, k0:k1] · tileᵀ (NoTrans 111, Trans 112) into out[:, n0:n1].
       sgemm()(101, 111, 112, M, rows, cols, 1.0f, x + k0, K, buf, cols, k0 == 0 ? 0.0f : 1.0f,

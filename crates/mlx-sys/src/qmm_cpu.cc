@@ -1607,34 +1607,6 @@ void dequantize_rows(
   }
 }
 
-// qmm for panels: tiles of whole panels dequantized row-major (qpanel_tile), then
-// x[:, k0:k1] · tileᵀ by sgemm, as tiled_product does for rows.
-void qmm_panels(
-    const float* x,
-    const uint32_t* w,
-    const float* sc,
-    const float* bi,
-    float* out,
-    const Shape& s) {
-  const int kt = std::min(s.K, K_TILE);
-  const int panels = s.N / QPANEL;
-  const int block = std::max(1, std::min(panels, (int)(TILE_BYTES / (sizeof(float) * kt * QPANEL))));
-  float* const buf = tile_buffer((size_t)block * QPANEL * kt);
-  for (int p0 = 0; p0 < panels; p0 += block) {
-    const int p1 = std::min(panels, p0 + block), rows = (p1 - p0) * QPANEL;
-    for (int k0 = 0; k0 < s.K; k0 += kt) {
-      const int k1 = std::min(s.K, k0 + kt), cols = k1 - k0;
-      for_rows(p1 - p0, 1, [&](size_t a, size_t b) {
-        qpanel_tile(w, sc, bi, buf + a * QPANEL * cols, cols, s.K, s.bits, s.group, p0 + (int)a, p0 + (int)b,
-                    k0, k1);
-      });
-      // Row-major (101), x[:, k0:k1] · tileᵀ (NoTrans 111, Trans 112) into out[:, 16·p0 : 16·p1].
-      sgemm()(101, 111, 112, s.M, rows, cols, 1.0f, x + k0, s.K, buf, cols, k0 == 0 ? 0.0f : 1.0f,
-              out + (size_t)p0 * QPANEL, s.N);
-    }
-  }
-}
-
 // Many rows: tiles of dequantized weights through sgemm (tiled_product).
 void qmm(
     const float* x,
@@ -1643,7 +1615,16 @@ void qmm(
     const float* bi,
     float* out,
     const Shape& s) {
-  if (s.panels) return qmm_panels(x, w, sc, bi, out, s);
+  if (s.panels) {
+    // Tiles of whole panels, dequantized row-major as the rows' tiles are.
+    tiled_product(
+        x, out, s.M, s.N, s.K,
+        [&](float* dst, int n0, int n1, int k0, int k1) {
+          qpanel_tile(w, sc, bi, dst, k1 - k0, s.K, s.bits, s.group, n0 / QPANEL, n1 / QPANEL, k0, k1);
+        },
+        QPANEL);
+    return;
+  }
   tiled_product(x, out, s.M, s.N, s.K, [&](float* dst, int n0, int n1, int k0, int k1) {
     dequantize_rows(w, sc, bi, dst, s, n0, n1, k0, k1);
   });
