@@ -20,8 +20,11 @@
 //! Last, batched decoding with and without a drafter (the constructed pair of
 //! benches/speculative.rs). `BATCH_ONLY_BREAKDOWN` / `BATCH_ONLY_DRAFTING` run one part alone.
 //! `BATCH_BITS=4` (or 8) runs the client rounds on the bench model as `mlx_lm convert -q` makes
-//! it at that width (group 64), both servers loading the same converted weights (the
-//! breakdown, whose floor multiplies float matrices, stays with the float model).
+//! it at that width (group 64), both servers loading the same converted weights; the breakdown
+//! then steps the converted model, but its floor still multiplies only float matrices (a
+//! quantized model's products alone are in `cargo bench --bench step`).
+//! `BATCH_BREAKDOWN_STEPS` (default 10) sets how many steps the breakdown times, so that a
+//! profiler attached to it sees decode steps more than the prefill before them.
 
 mod common;
 use common::{
@@ -106,7 +109,7 @@ fn step_costs(
     }
     let (mut steps, mut builds, mut floors) = (vec![], vec![], vec![]);
     let mut next = mlx::Array::from_slice(&vec![42i32; b], &[1, b as i32]).unwrap();
-    for i in 0..14 {
+    for i in 0..4 + env_or("BATCH_BREAKDOWN_STEPS", 10) {
         let start = Instant::now();
         let mut rows: Vec<models::PackedRow<'_>> = caches
             .iter_mut()

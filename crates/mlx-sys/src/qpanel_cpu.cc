@@ -126,6 +126,7 @@ void rows_of(
     int p1) {
   const int groups = K / group;
   int p = p0;
+  static_assert(qpanel_batch(1) == 4 && qpanel_batch(2) == 2 && qpanel_batch(4) == 2 && qpanel_batch(5) == 1);
   if (M == 1) {
     for (; p + 4 <= p1; p += 4) panel_rows<BITS, 1, 4>(x, xsum, w, sc, bi, out, N, K, group, p);
   } else if (M == 2) {

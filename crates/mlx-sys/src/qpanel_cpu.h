@@ -20,6 +20,12 @@ namespace mlxr {
 // Output rows per panel.
 constexpr int QPANEL = 16;
 
+// Panels the few-rows kernel takes side by side for M rows of x (one or two rows read four or
+// two panels at once, for enough independent chains and streams to keep reading memory): a
+// caller splitting the outputs over threads cuts them in multiples of it, or the rest of each
+// piece takes the one-panel kernel, which reads memory slower.
+constexpr int qpanel_batch(int M) { return M == 1 ? 4 : M <= 4 ? 2 : 1; }
+
 // Whether panels of `bits`-bit values in groups of `group` run here: AVX-512, 4 or 8 bits.
 bool qpanel_applies(int bits, int group);
 

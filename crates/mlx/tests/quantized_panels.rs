@@ -79,6 +79,10 @@ fn paneled_products_match_mlx_on_both_paths() {
     for (bits, group) in FORMATS {
         for (rows, n, k) in [
             (1, 16, 256),
+            // Outputs split over the pool in pieces of four panels (one row) or two (two to
+            // four rows), the last piece a single panel.
+            (1, 592, 1536),
+            (3, 592, 1536),
             (2, 48, 512),
             (4, 64, 384),
             (5, 32, 768),
@@ -129,33 +133,35 @@ fn a_paneled_row_does_not_depend_on_the_rows_beside_it() {
     let _one = serial();
     mlx::set_quantized_kernel(true);
     for (bits, group) in FORMATS {
-        let (n, k) = (48, 512);
-        let w = normal(&[n, k], 0.05, 100 + bits as u64);
-        let Some((_, p)) = both(&w, group, bits) else {
-            return;
-        };
-        let x = normal(&[79, k], 1.0, 200 + group as u64);
-        let alone: Vec<Vec<f32>> = (0..79)
-            .map(|r| {
-                let row = x.slice_axis(0, r, Some(r + 1)).unwrap();
-                values(&row.quantized_matmul(&p, true).unwrap())
-            })
-            .collect();
-        // Row counts the panel kernel takes (the sgemm path starts at 80): every one up to 17,
-        // blocks of eight and their remainders beyond.
-        for m in (2..=17).chain([24, 31, 64, 79]) {
-            let together = values(
-                &x.slice_axis(0, 0, Some(m))
-                    .unwrap()
-                    .quantized_matmul(&p, true)
-                    .unwrap(),
-            );
-            for r in 0..m as usize {
-                assert_eq!(
-                    together[r * n as usize..(r + 1) * n as usize],
-                    alone[r][..],
-                    "{bits}-bit g{group}: row {r} of {m}"
+        // The second is split over the pool, in pieces that depend on the row count.
+        for (n, k) in [(48, 512), (592, 1536)] {
+            let w = normal(&[n, k], 0.05, 100 + bits as u64);
+            let Some((_, p)) = both(&w, group, bits) else {
+                return;
+            };
+            let x = normal(&[79, k], 1.0, 200 + group as u64);
+            let alone: Vec<Vec<f32>> = (0..79)
+                .map(|r| {
+                    let row = x.slice_axis(0, r, Some(r + 1)).unwrap();
+                    values(&row.quantized_matmul(&p, true).unwrap())
+                })
+                .collect();
+            // Row counts the panel kernel takes (the sgemm path starts at 80): every one up to 17,
+            // blocks of eight and their remainders beyond.
+            for m in (2..=17).chain([24, 31, 64, 79]) {
+                let together = values(
+                    &x.slice_axis(0, 0, Some(m))
+                        .unwrap()
+                        .quantized_matmul(&p, true)
+                        .unwrap(),
                 );
+                for r in 0..m as usize {
+                    assert_eq!(
+                        together[r * n as usize..(r + 1) * n as usize],
+                        alone[r][..],
+                        "{bits}-bit g{group} n{n}: row {r} of {m}"
+                    );
+                }
             }
         }
     }
