@@ -899,14 +899,46 @@ __attribute__((target("avx512f,avx2,fma"))) inline __m512 packed16(const uint32_
   }
 }
 
+// W 16-column chunks from column d of the values' sums of a tile's R rows, over the block's n
+// keys: the sums stay in registers across the keys, each key's chunks widened once for all the
+// rows. Two chunks give each row two chains, so that a tile of four rows has eight in flight
+// (one chunk's four FMA chains waited on each other's latency); each output element's FMAs
+// are the same whatever W is.
+template <int R, int BITS, int W>
+__attribute__((target("avx512f,avx2,fma"), always_inline)) inline void values_chunks512(
+    const float* ew, const AffineBlock& v, int n, int d, const float* bias, float* const* acc) {
+  __m512 a[R][W];
+  #pragma GCC unroll 4
+  for (int t = 0; t < R; ++t)
+    #pragma GCC unroll 2
+    for (int j = 0; j < W; ++j) a[t][j] = _mm512_add_ps(_mm512_loadu_ps(acc[t] + d + 16 * j), _mm512_set1_ps(bias[t]));
+  for (int c = 0; c < n; ++c) {
+    __m512 x[W];
+    #pragma GCC unroll 2
+    for (int j = 0; j < W; ++j) x[j] = packed16<BITS>(v.w + c * v.wstep, d + 16 * j);
+    #pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      const __m512 e = _mm512_set1_ps(ew[t * kKeyBlock + c]);
+      #pragma GCC unroll 2
+      for (int j = 0; j < W; ++j) a[t][j] = _mm512_fmadd_ps(e, x[j], a[t][j]);
+    }
+  }
+  #pragma GCC unroll 4
+  for (int t = 0; t < R; ++t)
+    #pragma GCC unroll 2
+    for (int j = 0; j < W; ++j) _mm512_storeu_ps(acc[t] + d + 16 * j, a[t][j]);
+}
+
 // affine_values with 16 lanes (AVX-512): one 16-column chunk a register, its sixteen values of
 // each key widened at once. Each output element is the same sequence of FMAs as in
 // affine_values (the bias, then every key in order), so the two give the same bits. In a
 // 4k-token decode step of the 4-bit bench model with a q8 cache on a 2-core Ice Lake VM, the
 // values' share of the step went from 10.0-10.1% to 6.7-7.1% of it (perf, two runs each against
-// the 8-lane kernel, beside the weights' kernel's 43-46%). Unpacking the keys sixteen values at
-// a time for affine_scores' 8-lane chains did not move its share (11.1-11.7%), and 16-lane
-// chains change the scores' rounding; the keys keep the 8-lane kernel.
+// the 8-lane kernel, beside the weights' kernel's 43-46%). The keys' 16-lane kernel is
+// affine_scores512 (two keys' 8-lane chains a register, so the scores' rounding stays). Both,
+// on one 4k-token head of 256-value keys read from memory (4 query rows; the old and new
+// kernels alternated, medians of 95): the scores' kernel alone 1.08x (q8) and 1.17x (q4), the
+// values' two chunks a pass alone 1.05x and 1.01x, both 1.12-1.19x and 1.19-1.26x.
 template <int R, int BITS>
 __attribute__((target("avx512f,avx2,fma"))) void affine_values512(
     const float* e, const AffineBlock& v, int n, int Dv, int group, float* const* acc) {
@@ -914,17 +946,100 @@ __attribute__((target("avx512f,avx2,fma"))) void affine_values512(
   for (int g = 0; g < Dv / group; ++g) {
     float bias[kTile];
     group_weights<R>(e, v, n, g, ew, bias);
-    for (int d = g * group; d < (g + 1) * group; d += 16) {
-      __m512 a[R];
-      #pragma GCC unroll 4
-      for (int t = 0; t < R; ++t) a[t] = _mm512_add_ps(_mm512_loadu_ps(acc[t] + d), _mm512_set1_ps(bias[t]));
-      for (int c = 0; c < n; ++c) {
-        const __m512 x = packed16<BITS>(v.w + c * v.wstep, d);
+    const int end = (g + 1) * group;
+    int d = g * group;
+    for (; d + 32 <= end; d += 32) values_chunks512<R, BITS, 2>(ew, v, n, d, bias, acc);
+    for (; d < end; d += 16) values_chunks512<R, BITS, 1>(ew, v, n, d, bias, acc);
+  }
+}
+
+// Eight values of each of two packed rows from value d (a multiple of 8), unscaled, as one
+// vector: row a's in lanes 0-7, row b's in lanes 8-15 (each lane what packed8 gives it).
+template <int BITS>
+__attribute__((target("avx512f,avx2,fma"))) inline __m512 packed8x2(const uint32_t* a, const uint32_t* b, int d) {
+  if constexpr (BITS == 8) {
+    const __m128i lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint8_t*>(a) + d));
+    const __m128i both = _mm_castpd_si128(
+        _mm_loadh_pd(_mm_castsi128_pd(lo), reinterpret_cast<const double*>(reinterpret_cast<const uint8_t*>(b) + d)));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(both));
+  } else {
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    const __m512i words = _mm512_mask_set1_epi32(_mm512_set1_epi32((int)a[d / 8]), 0xFF00, (int)b[d / 8]);
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(0xF)));
+  }
+}
+
+// Lanes 0-7 x, lanes 8-15 y.
+__attribute__((target("avx512f,avx2,fma"))) inline __m512 halves(__m256 x, __m256 y) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(x)), _mm256_castps_pd(y), 1));
+}
+
+// affine_scores with 512-bit vectors: each vector holds two keys' 8-lane chains (lanes 0-7 one
+// key, 8-15 the next) against a query chunk repeated in both halves, and four keys are taken at
+// a time, so that a tile of four query rows has eight chains in flight, as the 8-lane kernel
+// has with two keys, at twice the lanes per instruction (the widening and scaling too). Every
+// lane forms what the 8-lane kernel's lane forms, in the same order, and the halves go through
+// the same reduction, so both give the same bits. A 4k-token head of 256-value keys (4 query
+// rows, q8 and q4 caches): the 8-lane kernel spent its time in that arithmetic, not waiting on
+// memory, where the float32 cache's kernel waits on memory.
+template <int R, int BITS>
+__attribute__((target("avx512f,avx2,fma"))) void affine_scores512(
+    const float* q, const float* qsum, int D, int group, const AffineBlock& k, int n, float* sc,
+    const AffineBlock& v, int Dv) {
+  const int G = D / group;
+  const int64_t line = 64 / 4;
+  for (int c = 0; c < n; c += 4) {
+    const int keys = std::min(4, n - c);
+    // Past the block's end the last key is computed again and its result not kept.
+    const int rows[4] = {c, c + std::min(1, keys - 1), c + std::min(2, keys - 1), c + keys - 1};
+    #pragma GCC unroll 4
+    for (int i = 0; i < keys; ++i) {
+      const uintptr_t ahead = reinterpret_cast<uintptr_t>(k.w + (rows[i] + kAhead) * k.wstep);
+      for (int64_t x = 0; x < D * BITS / 32; x += line) _mm_prefetch(reinterpret_cast<const char*>(ahead + x * 4), _MM_HINT_T1);
+      const uintptr_t vrow = reinterpret_cast<uintptr_t>(v.w + rows[i] * v.wstep);
+      for (int64_t x = 0; x < Dv * BITS / 32; x += line) _mm_prefetch(reinterpret_cast<const char*>(vrow + x * 4), _MM_HINT_T1);
+    }
+    const uint32_t* w[4];
+    #pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) w[i] = k.w + rows[i] * k.wstep;
+    // a[p][t]: keys 2p and 2p + 1 against query row t.
+    __m512 a[2][kTile];
+    #pragma GCC unroll 4
+    for (int t = 0; t < kTile; ++t) a[0][t] = a[1][t] = _mm512_setzero_ps();
+    for (int g = 0; g < G; ++g) {
+      const __m512 s01 = halves(_mm256_set1_ps(k.s[rows[0] * k.sstep + g]), _mm256_set1_ps(k.s[rows[1] * k.sstep + g]));
+      const __m512 s23 = halves(_mm256_set1_ps(k.s[rows[2] * k.sstep + g]), _mm256_set1_ps(k.s[rows[3] * k.sstep + g]));
+      for (int d = g * group; d < (g + 1) * group; d += 8) {
+        const __m512 k01 = _mm512_mul_ps(packed8x2<BITS>(w[0], w[1], d), s01);
+        const __m512 k23 = _mm512_mul_ps(packed8x2<BITS>(w[2], w[3], d), s23);
         #pragma GCC unroll 4
-        for (int t = 0; t < R; ++t) a[t] = _mm512_fmadd_ps(_mm512_set1_ps(ew[t * kKeyBlock + c]), x, a[t]);
+        for (int t = 0; t < R; ++t) {
+          const __m512 qv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(reinterpret_cast<const double*>(q + t * D + d))));
+          a[0][t] = _mm512_fmadd_ps(qv, k01, a[0][t]);
+          a[1][t] = _mm512_fmadd_ps(qv, k23, a[1][t]);
+        }
       }
+    }
+    #pragma GCC unroll 2
+    for (int pair = 0; pair < 2; ++pair) {
+      if (2 * pair >= keys) break;
+      __m256 h[2][kTile];
       #pragma GCC unroll 4
-      for (int t = 0; t < R; ++t) _mm512_storeu_ps(acc[t] + d, a[t]);
+      for (int t = 0; t < kTile; ++t) {
+        h[0][t] = _mm512_castps512_ps256(a[pair][t]);
+        h[1][t] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[pair][t]), 1));
+      }
+      alignas(16) float sums[2][4];
+      reduce_tile(h, sums);
+      for (int i = 0; i < std::min(2, keys - 2 * pair); ++i) {
+        const float* bi = k.b + rows[2 * pair + i] * k.bstep;
+        #pragma GCC unroll 4
+        for (int t = 0; t < R; ++t) {
+          float x = sums[i][t];
+          for (int g = 0; g < G; ++g) x = std::fma(bi[g], qsum[t * G + g], x);
+          sc[t * kKeyBlock + c + 2 * pair + i] = x;
+        }
+      }
     }
   }
 }
@@ -932,6 +1047,14 @@ __attribute__((target("avx512f,avx2,fma"))) void affine_values512(
 template <int BITS>
 void affine_block_scores(int R, const float* q, const float* qsum, int D, int group, const AffineBlock& k, int n,
                          float* sc, const AffineBlock& v, int Dv) {
+  if (g_vector_width.load(std::memory_order_relaxed) >= 512 && has_avx512()) {
+    switch (R) {
+      case 1: return affine_scores512<1, BITS>(q, qsum, D, group, k, n, sc, v, Dv);
+      case 2: return affine_scores512<2, BITS>(q, qsum, D, group, k, n, sc, v, Dv);
+      case 3: return affine_scores512<3, BITS>(q, qsum, D, group, k, n, sc, v, Dv);
+      default: return affine_scores512<4, BITS>(q, qsum, D, group, k, n, sc, v, Dv);
+    }
+  }
   switch (R) {
     case 1: return affine_scores<1, BITS>(q, qsum, D, group, k, n, sc, v, Dv);
     case 2: return affine_scores<2, BITS>(q, qsum, D, group, k, n, sc, v, Dv);
