@@ -569,12 +569,15 @@ std::string mode_name(int32_t mode) {
 }
 
 // A mode code with this bit set is an affine matrix held as 16-output panels (qpanel_cpu.h,
-// mlx::Quantized's `panels`): takes it off `mode` and says whether it was there.
+// mlx::Quantized's `panels`). The ops below take the code as it comes, split it for the
+// kernels, and hand it on whole to the unfused ops they stand for.
 constexpr int32_t kPanelsBit = 0x100;
-bool take_panels(int32_t& mode) {
-  const bool panels = (mode & kPanelsBit) != 0;
-  mode &= ~kPanelsBit;
-  return panels;
+struct ModeCode {
+  int32_t mode;  // MLX's quantization mode
+  bool panels;
+};
+ModeCode split_mode(int32_t code) {
+  return {code & ~kPanelsBit, (code & kPanelsBit) != 0};
 }
 
 // A paneled matrix's words, scales or biases ([N/16, ·, 16]) in MLX's row layout ([N, ·]), for
@@ -594,8 +597,8 @@ ArrPtr dequantize(
     const Arr* biases,
     int32_t group_size,
     int32_t bits,
-    int32_t mode) {
-  const bool panels = take_panels(mode);
+    int32_t code) {
+  const auto [mode, panels] = split_mode(code);
   if (auto out = mode == 0 ? cpu_dequantize(w.a, scales.a, opt(biases), group_size, bits, panels)
                            : cpu_fp_dequantize(w.a, scales.a, group_size, bits, mode)) {
     return wrap(std::move(*out));
@@ -615,8 +618,8 @@ ArrPtr quantized_matmul(
     bool transpose,
     int32_t group_size,
     int32_t bits,
-    int32_t mode) {
-  const bool panels = take_panels(mode);
+    int32_t code) {
+  const auto [mode, panels] = split_mode(code);
   if (auto out = mode == 0
                      ? cpu_quantized_matmul(x.a, w.a, scales.a, opt(biases), transpose, group_size, bits, panels)
                      : cpu_fp_quantized_matmul(x.a, w.a, scales.a, transpose, group_size, bits, mode)) {
@@ -637,9 +640,8 @@ std::unique_ptr<ArrVec> quantized_matmuls(
     const ArrVec& biases,
     int32_t group_size,
     int32_t bits,
-    int32_t mode) {
-  const int32_t code = mode;
-  const bool panels = take_panels(mode);
+    int32_t code) {
+  const auto [mode, panels] = split_mode(code);
   // Affine matrices have biases, the microscaling modes none.
   const size_t with_biases = mode == 0 ? w.v.size() : 0;
   if (w.v.size() != scales.v.size() || biases.v.size() != with_biases) {
@@ -680,19 +682,17 @@ ArrPtr quantized_glu(
     int32_t group_size,
     int32_t bits,
     uint8_t act,
-    int32_t mode) {
+    int32_t code) {
   if (act > 1) throw std::invalid_argument("quantized_glu: unknown activation");
   const auto a = static_cast<GluAct>(act);
-  const int32_t code = mode;
-  const bool panels = take_panels(mode);
+  const auto [mode, panels] = split_mode(code);
   if (auto out = cpu_quantized_glu(x.a, gate_w.a, gate_scales.a, opt(gate_biases), up_w.a,
                                    up_scales.a, opt(up_biases), group_size, bits, a, mode, panels)) {
     return wrap(std::move(*out));
   }
-  mode = code;
   // The ops the fused kernel stands for, each through its own kernel where that applies.
-  auto gate = quantized_matmul(x, gate_w, gate_scales, gate_biases, true, group_size, bits, mode);
-  auto up = quantized_matmul(x, up_w, up_scales, up_biases, true, group_size, bits, mode);
+  auto gate = quantized_matmul(x, gate_w, gate_scales, gate_biases, true, group_size, bits, code);
+  auto up = quantized_matmul(x, up_w, up_scales, up_biases, true, group_size, bits, code);
   if (a == GluAct::Silu) return silu_mul(*gate, *up);
   return wrap(mx::multiply(gelu_tanh(*gate)->a, up->a));
 }
@@ -762,11 +762,11 @@ ArrPtr quantized_embedding(
     const Arr& biases,
     int32_t group_size,
     int32_t bits,
-    int32_t mode,
+    int32_t code,
     float scale,
     bool has_scale) {
   const std::optional<float> s = has_scale ? std::optional<float>(scale) : std::nullopt;
-  const bool panels = take_panels(mode);
+  const auto [mode, panels] = split_mode(code);
   if (auto out = cpu_quantized_embedding(ids.a, w.a, scales.a, biases.a, group_size, bits, s, panels)) {
     return wrap(std::move(*out));
   }
@@ -785,20 +785,18 @@ std::unique_ptr<ArrVec> quantized_matmul_norm(
     const Arr* biases,
     int32_t group_size,
     int32_t bits,
-    int32_t mode,
+    int32_t code,
     const Arr* norm_w,
     float eps,
     const Arr& residual,
     const Arr* scale,
     const Arr* next_w) {
-  const int32_t code = mode;
-  const bool panels = take_panels(mode);
+  const auto [mode, panels] = split_mode(code);
   if (auto outs = cpu_quantized_matmul_norm(x.a, w.a, scales.a, opt(biases), group_size, bits, mode,
                                             opt(norm_w), eps, residual.a, opt(scale), opt(next_w), panels)) {
     return wrap_vec(std::move(*outs));
   }
-  mode = code;
-  auto y = quantized_matmul(x, w, scales, biases, true, group_size, bits, mode);
+  auto y = quantized_matmul(x, w, scales, biases, true, group_size, bits, code);
   if (!next_w) return wrap_vec({rms_norm_residual(*y, norm_w, eps, residual, scale)->a});
   return rms_norm_residual_norm(*y, norm_w, eps, residual, scale, *next_w);
 }
@@ -889,7 +887,7 @@ std::unique_ptr<ArrVec> quantized_qkv_heads(
     const ArrVec& biases,
     int32_t group_size,
     int32_t bits,
-    int32_t mode,
+    int32_t code,
     const QkvHeads& heads,
     const Arr& q_norm,
     const Arr& k_norm,
@@ -897,8 +895,7 @@ std::unique_ptr<ArrVec> quantized_qkv_heads(
     const Arr& offsets,
     const Arr* freqs) {
   const size_t n = w.v.size();
-  const int32_t code = mode;
-  const bool panels = take_panels(mode);
+  const auto [mode, panels] = split_mode(code);
   if ((n != 2 && n != 3) || scales.v.size() != n || biases.v.size() != (mode == 0 ? n : 0)) {
     throw std::invalid_argument(
         "quantized_qkv_heads: takes two or three matrices, each with scales (and biases in affine mode)");
@@ -909,9 +906,8 @@ std::unique_ptr<ArrVec> quantized_qkv_heads(
                                           offsets.a)) {
     return wrap_vec(std::move(*outs));
   }
-  mode = code;
   // The two ops it stands for.
-  auto raw = quantized_matmuls(x, w, scales, biases, group_size, bits, mode);
+  auto raw = quantized_matmuls(x, w, scales, biases, group_size, bits, code);
   const Arr q{raw->v[0]}, k{raw->v[1]}, v{raw->v[n == 3 ? 2 : 1]};
   return qkv_heads(q, k, v, heads, q_norm, k_norm, rotation, offsets, freqs);
 }

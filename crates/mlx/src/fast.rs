@@ -523,12 +523,7 @@ pub fn pack_panels(w: &Array) -> Result<Option<Array>> {
     if shape.len() != 2 || shape[0] % PANEL != 0 || shape[0] == 0 || shape[1] == 0 {
         return Ok(None);
     }
-    let (n, k) = (shape[0], shape[1]);
-    Ok(Some(
-        w.reshape(&[n / PANEL, PANEL, k])?
-            .transpose(&[0, 2, 1])?
-            .contiguous()?,
-    ))
+    Ok(Some(w.row_panels(PANEL)?))
 }
 
 /// `Wᵀ` (`[K, N]`) from its panels ([`pack_panels`]), as a new array.

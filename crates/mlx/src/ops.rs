@@ -526,6 +526,18 @@ pub fn set_quantized_panels(on: bool) {
 }
 
 impl Array {
+    /// A `[N, K]` matrix as panels of `width` rows, `[N / width, K, width]` (a copy): element
+    /// `[p, k, l]` is row `width·p + l`'s element `k`, so a panel's `width` rows are one
+    /// contiguous run per column. The caller checks that `width` divides `N`. The float32
+    /// panels of [`crate::fast::pack_panels`] and the quantized ones of
+    /// [`Quantized::paneled`] are both this.
+    pub fn row_panels(&self, width: i32) -> Result<Array> {
+        let s = self.shape();
+        self.reshape(&[s[0] / width, width, s[1]])?
+            .transpose(&[0, 2, 1])?
+            .contiguous()
+    }
+
     /// Affine quantization (`quantize_as` for the other modes).
     pub fn quantize(&self, group_size: i32, bits: i32) -> Result<Quantized> {
         self.quantize_as(QuantMode::Affine, group_size, bits)
@@ -714,16 +726,10 @@ impl Quantized {
         let Some(biases) = self.biases.as_ref().filter(|_| fits) else {
             return Ok(None);
         };
-        let panel = |a: &Array| -> Result<Array> {
-            let s = a.shape();
-            a.reshape(&[s[0] / QUANT_PANEL, QUANT_PANEL, s[1]])?
-                .transpose(&[0, 2, 1])?
-                .contiguous()
-        };
         Ok(Some(Quantized {
-            weight: panel(&self.weight)?,
-            scales: panel(&self.scales)?,
-            biases: Some(panel(biases)?),
+            weight: self.weight.row_panels(QUANT_PANEL)?,
+            scales: self.scales.row_panels(QUANT_PANEL)?,
+            biases: Some(biases.row_panels(QUANT_PANEL)?),
             panels: true,
             ..*self
         }))
