@@ -7,7 +7,12 @@
 //! other. Reported per client count: aggregate decode tokens/s (all tokens after each
 //! request's first, over the span from the first request's first token to the last request's
 //! end), median time to first token and median per-request decode tokens/s; medians over
-//! rounds, and ours / peer as ratios. `BATCH_ROUNDS`, `BATCH_TOKENS` and `BATCH_CLIENTS`
+//! rounds, and ours / peer as ratios. The aggregate's span includes prompts prefilled after
+//! the first request's first token (requests that reach the server after it started on the
+//! first are prefilled in a later step, while the first decodes), so it depends on when they
+//! arrive; the steady aggregate counts only the text chunks that arrive while every request is
+//! decoding (from the last request's first chunk to the first request's last), which is the
+//! rate of batched decode steps alone. `BATCH_ROUNDS`, `BATCH_TOKENS` and `BATCH_CLIENTS`
 //! (comma-separated) override the defaults.
 //!
 //! Then, in-process, where a batched decode step goes at 1, 2, 4 and 8 rows (each row 64
@@ -51,15 +56,18 @@ fn env_or(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-/// (aggregate decode tok/s, median TTFT s, median per-request decode tok/s) of `clients`
-/// requests sent at once.
+/// (aggregate decode tok/s, median TTFT s, median per-request decode tok/s, steady aggregate
+/// tok/s) of one round.
+type Round = (f64, f64, f64, f64);
+
+/// A [`Round`] of `clients` requests sent at once.
 fn round(
     clients: usize,
     n: usize,
     tag: &str,
     send: fn(u16, &str, usize) -> Timing,
     port: u16,
-) -> (f64, f64, f64) {
+) -> Round {
     let handles: Vec<_> = (0..clients)
         .map(|c| {
             // Distinct prompts, so no prefix cache serves one from another.
@@ -85,7 +93,23 @@ fn round(
             .map(|x| x.tokens.saturating_sub(1) as f64 / (x.end - x.first).as_secs_f64().max(1e-9))
             .collect(),
     );
-    (aggregate, ttft, per)
+    (aggregate, ttft, per, steady(&t))
+}
+
+/// Text chunks a second, all requests together, from the last request's first chunk to the
+/// first request's last: while every one of them is decoding (NaN where that span is empty).
+fn steady(t: &[Timing]) -> f64 {
+    let from = t.iter().map(|x| x.first).max().unwrap();
+    let to = t.iter().map(|x| x.last).min().unwrap();
+    if to <= from {
+        return f64::NAN;
+    }
+    let chunks = t
+        .iter()
+        .flat_map(|x| &x.chunks)
+        .filter(|&&c| c > from && c <= to)
+        .count();
+    chunks as f64 / (to - from).as_secs_f64()
 }
 
 fn ms(t: Instant) -> f64 {
@@ -265,12 +289,13 @@ fn main() {
     if std::env::var("BATCH_ONLY_OURS").is_ok() {
         println!("{weights} weights");
         for (&c, rows) in counts.iter().zip(&ours_rows) {
-            let m = |f: fn(&(f64, f64, f64)) -> f64| median(rows.iter().map(f).collect());
+            let m = |f: fn(&Round) -> f64| median(rows.iter().map(f).collect());
             println!(
-                "ours, {c} clients: aggregate {:.1} tok/s, TTFT {:.0} ms, per request {:.1} tok/s",
+                "ours, {c} clients: aggregate {:.1} tok/s, TTFT {:.0} ms, per request {:.1} tok/s, steady aggregate {:.1} tok/s",
                 m(|r| r.0),
                 m(|r| r.1) * 1e3,
-                m(|r| r.2)
+                m(|r| r.2),
+                m(|r| r.3)
             );
         }
         return;
@@ -290,27 +315,29 @@ fn main() {
         }
     }
 
-    let med =
-        |v: &[(f64, f64, f64)], f: fn(&(f64, f64, f64)) -> f64| median(v.iter().map(f).collect());
+    let med = |v: &[Round], f: fn(&Round) -> f64| median(v.iter().map(f).collect());
     println!("\n~120M gemma4-shaped model, {weights}, {n} new tokens per request, greedy; medians of {rounds} rounds\n");
-    println!("| clients | ours aggregate tok/s | mlx_lm.server aggregate tok/s | ratio | ours TTFT | peer TTFT | ours per-request tok/s | peer per-request tok/s |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| clients | ours aggregate tok/s | mlx_lm.server aggregate tok/s | ratio | ours TTFT | peer TTFT | ours per-request tok/s | peer per-request tok/s | ours steady tok/s | peer steady tok/s |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let solo = med(&ours_rows[0], |r| r.0);
     for (i, &c) in counts.iter().enumerate() {
         let (oa, pa) = (med(&ours_rows[i], |r| r.0), med(&peer_rows[i], |r| r.0));
         println!(
-            "| {c} | {oa:.1} | {pa:.1} | {:.2} | {:.0} ms | {:.0} ms | {:.1} | {:.1} |",
+            "| {c} | {oa:.1} | {pa:.1} | {:.2} | {:.0} ms | {:.0} ms | {:.1} | {:.1} | {:.1} | {:.1} |",
             oa / pa,
             med(&ours_rows[i], |r| r.1) * 1e3,
             med(&peer_rows[i], |r| r.1) * 1e3,
             med(&ours_rows[i], |r| r.2),
             med(&peer_rows[i], |r| r.2),
+            med(&ours_rows[i], |r| r.3),
+            med(&peer_rows[i], |r| r.3),
         );
     }
     for (i, &c) in counts.iter().enumerate() {
         println!(
-            "ours, {c} clients: aggregate {:.2}x one client's; per-request decode {:.2}x slower than one alone",
+            "ours, {c} clients: aggregate {:.2}x one client's (steady {:.2}x); per-request decode {:.2}x slower than one alone",
             med(&ours_rows[i], |r| r.0) / solo,
+            med(&ours_rows[i], |r| r.3) / med(&ours_rows[0], |r| r.3),
             med(&ours_rows[0], |r| r.2) / med(&ours_rows[i], |r| r.2),
         );
     }

@@ -255,6 +255,8 @@ pub struct Timing {
     pub end: std::time::Instant,
     /// Tokens generated (our `EvalCount`; the peer's text chunks).
     pub tokens: usize,
+    /// When each chunk with text arrived.
+    pub chunks: Vec<std::time::Instant>,
 }
 
 impl Timing {
@@ -303,7 +305,7 @@ pub fn stream_ours(port: u16, prompt: &str, n: usize) -> Timing {
     let resp = ureq::post(&format!("http://127.0.0.1:{port}/v1/completions"))
         .send_string(&body.to_string())
         .unwrap();
-    let (mut first, mut last, mut tokens) = (None, start, 0);
+    let (mut first, mut last, mut tokens, mut chunks) = (None, start, 0, Vec::new());
     for line in std::io::BufReader::new(resp.into_reader()).lines() {
         let v: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
         if v["Done"] == true {
@@ -313,6 +315,7 @@ pub fn stream_ours(port: u16, prompt: &str, n: usize) -> Timing {
         if !v["Content"].as_str().unwrap_or("").is_empty() {
             first.get_or_insert_with(std::time::Instant::now);
             last = std::time::Instant::now();
+            chunks.push(last);
         }
     }
     let end = std::time::Instant::now();
@@ -322,6 +325,7 @@ pub fn stream_ours(port: u16, prompt: &str, n: usize) -> Timing {
         last,
         end,
         tokens,
+        chunks,
     }
 }
 
@@ -334,7 +338,7 @@ pub fn stream_peer(port: u16, prompt: &str, n: usize) -> Timing {
     let resp = ureq::post(&format!("http://127.0.0.1:{port}/v1/completions"))
         .send_string(&body.to_string())
         .unwrap();
-    let (mut first, mut last, mut tokens) = (None, start, 0);
+    let (mut first, mut last, mut tokens, mut chunks) = (None, start, 0, Vec::new());
     for line in std::io::BufReader::new(resp.into_reader()).lines() {
         let line = line.unwrap();
         let Some(data) = line.strip_prefix("data: ") else {
@@ -350,6 +354,7 @@ pub fn stream_peer(port: u16, prompt: &str, n: usize) -> Timing {
         {
             first.get_or_insert_with(std::time::Instant::now);
             last = std::time::Instant::now();
+            chunks.push(last);
             tokens += 1;
         }
     }
@@ -360,6 +365,7 @@ pub fn stream_peer(port: u16, prompt: &str, n: usize) -> Timing {
         last,
         end,
         tokens,
+        chunks,
     }
 }
 

@@ -787,6 +787,33 @@ __attribute__((target("avx2,fma"))) inline __m256 packed8(const uint32_t* row, i
   }
 }
 
+// A packed key row fetched kAhead rows ahead of `row`, and value row `row` (used once the
+// block's scores are done), into L2 (see kAhead).
+template <int BITS>
+__attribute__((always_inline)) inline void fetch_rows(const AffineBlock& k, const AffineBlock& v, int row, int D, int Dv) {
+  const int64_t line = 64 / 4;
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(k.w + (row + kAhead) * k.wstep);
+  for (int64_t x = 0; x < D * BITS / 32; x += line) _mm_prefetch(reinterpret_cast<const char*>(ahead + x * 4), _MM_HINT_T1);
+  const uintptr_t vrow = reinterpret_cast<uintptr_t>(v.w + row * v.wstep);
+  for (int64_t x = 0; x < Dv * BITS / 32; x += line) _mm_prefetch(reinterpret_cast<const char*>(vrow + x * 4), _MM_HINT_T1);
+}
+
+// The scores of `keys` (1 or 2) keys, rows[i], from their reduced products sums[i][t] with the
+// query rows: each plus its groups' biases times the rows' group sums (qsum), into sc[t][i].
+template <int R>
+__attribute__((target("avx2,fma"), always_inline)) inline void biased_scores(
+    const float (&sums)[2][4], const AffineBlock& k, const int* rows, int keys, const float* qsum, int G, float* sc) {
+  for (int i = 0; i < keys; ++i) {
+    const float* bi = k.b + rows[i] * k.bstep;
+    #pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) {
+      float x = sums[i][t];
+      for (int g = 0; g < G; ++g) x = std::fma(bi[g], qsum[t * G + g], x);
+      sc[t * kKeyBlock + i] = x;
+    }
+  }
+}
+
 // scores_avx for keys stored packed, read in place: with k = s·u + b over each group,
 // q · k = Σ_g s_g (q_g · u_g) + Σ_g b_g (Σ q_g), so each group's integers u are widened and
 // scaled (two operations for eight values beside the FMAs, where dequantizing a block into a
@@ -798,16 +825,12 @@ __attribute__((target("avx2,fma"))) void affine_scores(
     const float* q, const float* qsum, int D, int group, const AffineBlock& k, int n, float* sc,
     const AffineBlock& v, int Dv) {
   const int G = D / group;
-  const int64_t line = 64 / 4;
   for (int c = 0; c < n; c += 2) {
     const int keys = std::min(2, n - c);
     const int rows[2] = {c, c + keys - 1};
     #pragma GCC unroll 2
     for (int i = 0; i < keys; ++i) {
-      const uintptr_t ahead = reinterpret_cast<uintptr_t>(k.w + (rows[i] + kAhead) * k.wstep);
-      for (int64_t x = 0; x < D * BITS / 32; x += line) _mm_prefetch(reinterpret_cast<const char*>(ahead + x * 4), _MM_HINT_T1);
-      const uintptr_t vrow = reinterpret_cast<uintptr_t>(v.w + rows[i] * v.wstep);
-      for (int64_t x = 0; x < Dv * BITS / 32; x += line) _mm_prefetch(reinterpret_cast<const char*>(vrow + x * 4), _MM_HINT_T1);
+      fetch_rows<BITS>(k, v, rows[i], D, Dv);
     }
     __m256 a[2][kTile];
     #pragma GCC unroll 4
@@ -823,15 +846,7 @@ __attribute__((target("avx2,fma"))) void affine_scores(
     }
     alignas(16) float sums[2][4];
     reduce_tile(a, sums);
-    for (int i = 0; i < keys; ++i) {
-      const float* bi = k.b + rows[i] * k.bstep;
-      #pragma GCC unroll 4
-      for (int t = 0; t < R; ++t) {
-        float x = sums[i][t];
-        for (int g = 0; g < G; ++g) x = std::fma(bi[g], qsum[t * G + g], x);
-        sc[t * kKeyBlock + c + i] = x;
-      }
-    }
+    biased_scores<R>(sums, k, rows, keys, qsum, G, sc + c);
   }
 }
 
@@ -987,17 +1002,13 @@ __attribute__((target("avx512f,avx2,fma"))) void affine_scores512(
     const float* q, const float* qsum, int D, int group, const AffineBlock& k, int n, float* sc,
     const AffineBlock& v, int Dv) {
   const int G = D / group;
-  const int64_t line = 64 / 4;
   for (int c = 0; c < n; c += 4) {
     const int keys = std::min(4, n - c);
     // Past the block's end the last key is computed again and its result not kept.
     const int rows[4] = {c, c + std::min(1, keys - 1), c + std::min(2, keys - 1), c + keys - 1};
     #pragma GCC unroll 4
     for (int i = 0; i < keys; ++i) {
-      const uintptr_t ahead = reinterpret_cast<uintptr_t>(k.w + (rows[i] + kAhead) * k.wstep);
-      for (int64_t x = 0; x < D * BITS / 32; x += line) _mm_prefetch(reinterpret_cast<const char*>(ahead + x * 4), _MM_HINT_T1);
-      const uintptr_t vrow = reinterpret_cast<uintptr_t>(v.w + rows[i] * v.wstep);
-      for (int64_t x = 0; x < Dv * BITS / 32; x += line) _mm_prefetch(reinterpret_cast<const char*>(vrow + x * 4), _MM_HINT_T1);
+      fetch_rows<BITS>(k, v, rows[i], D, Dv);
     }
     const uint32_t* w[4];
     #pragma GCC unroll 4
@@ -1031,15 +1042,7 @@ __attribute__((target("avx512f,avx2,fma"))) void affine_scores512(
       }
       alignas(16) float sums[2][4];
       reduce_tile(h, sums);
-      for (int i = 0; i < std::min(2, keys - 2 * pair); ++i) {
-        const float* bi = k.b + rows[2 * pair + i] * k.bstep;
-        #pragma GCC unroll 4
-        for (int t = 0; t < R; ++t) {
-          float x = sums[i][t];
-          for (int g = 0; g < G; ++g) x = std::fma(bi[g], qsum[t * G + g], x);
-          sc[t * kKeyBlock + c + 2 * pair + i] = x;
-        }
-      }
+      biased_scores<R>(sums, k, rows + 2 * pair, std::min(2, keys - 2 * pair), qsum, G, sc + c + 2 * pair);
     }
   }
 }
