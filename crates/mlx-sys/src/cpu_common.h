@@ -247,6 +247,16 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+// A 512-bit vector's upper eight floats, and one vector of two 8-float halves (lo in lanes 0-7):
+// AVX-512's foundation only, as has_avx512() checks (the 8-float forms of these moves need DQ).
+__attribute__((target("avx512f"))) inline __m256 upper_half(__m512 v) {
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+__attribute__((target("avx512f"))) inline __m512 halves(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+
 // tanh-approximated GELU: 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³))), shared by the GELU op and
 // the fused quantized GeGLU so that both give the same values.
 //

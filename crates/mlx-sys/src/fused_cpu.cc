@@ -984,11 +984,6 @@ __attribute__((target("avx512f,avx2,fma"))) inline __m512 packed8x2(const uint32
   }
 }
 
-// Lanes 0-7 x, lanes 8-15 y.
-__attribute__((target("avx512f,avx2,fma"))) inline __m512 halves(__m256 x, __m256 y) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(x)), _mm256_castps_pd(y), 1));
-}
-
 // affine_scores with 512-bit vectors: each vector holds two keys' 8-lane chains (lanes 0-7 one
 // key, 8-15 the next) against a query chunk repeated in both halves, and four keys are taken at
 // a time, so that a tile of four query rows has eight chains in flight, as the 8-lane kernel
@@ -1038,7 +1033,7 @@ __attribute__((target("avx512f,avx2,fma"))) void affine_scores512(
       #pragma GCC unroll 4
       for (int t = 0; t < kTile; ++t) {
         h[0][t] = _mm512_castps512_ps256(a[pair][t]);
-        h[1][t] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[pair][t]), 1));
+        h[1][t] = upper_half(a[pair][t]);
       }
       alignas(16) float sums[2][4];
       reduce_tile(h, sums);

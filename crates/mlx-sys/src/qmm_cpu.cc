@@ -1239,7 +1239,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma"))) void 
       // Each lane's group scale: one group for the block (64 and 128), or two halves (32).
       if (s.group == 32) {
         const float lo = sr[i][2 * b], hi = whole ? sr[i][2 * b + 1] : 0.0f;
-        sv[i] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(lo)), _mm256_castps_pd(_mm256_set1_ps(hi)), 1));
+        sv[i] = halves(_mm256_set1_ps(lo), _mm256_set1_ps(hi));
       } else {
         sv[i] = _mm512_set1_ps(sr[i][(64 * b) >> group_shift]);
       }

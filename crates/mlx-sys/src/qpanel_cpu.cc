@@ -126,15 +126,16 @@ void rows_of(
     int p1) {
   const int groups = K / group;
   int p = p0;
-  static_assert(qpanel_batch(1) == 4 && qpanel_batch(2) == 2 && qpanel_batch(4) == 2 && qpanel_batch(5) == 1);
+  // Panels side by side while qpanel_batch(M) of them remain.
+  constexpr int P1 = qpanel_batch(1), P2 = qpanel_batch(2), P3 = qpanel_batch(3), P4 = qpanel_batch(4);
   if (M == 1) {
-    for (; p + 4 <= p1; p += 4) panel_rows<BITS, 1, 4>(x, xsum, w, sc, bi, out, N, K, group, p);
+    for (; p + P1 <= p1; p += P1) panel_rows<BITS, 1, P1>(x, xsum, w, sc, bi, out, N, K, group, p);
   } else if (M == 2) {
-    for (; p + 2 <= p1; p += 2) panel_rows<BITS, 2, 2>(x, xsum, w, sc, bi, out, N, K, group, p);
+    for (; p + P2 <= p1; p += P2) panel_rows<BITS, 2, P2>(x, xsum, w, sc, bi, out, N, K, group, p);
   } else if (M == 3) {
-    for (; p + 2 <= p1; p += 2) panel_rows<BITS, 3, 2>(x, xsum, w, sc, bi, out, N, K, group, p);
+    for (; p + P3 <= p1; p += P3) panel_rows<BITS, 3, P3>(x, xsum, w, sc, bi, out, N, K, group, p);
   } else if (M == 4) {
-    for (; p + 2 <= p1; p += 2) panel_rows<BITS, 4, 2>(x, xsum, w, sc, bi, out, N, K, group, p);
+    for (; p + P4 <= p1; p += P4) panel_rows<BITS, 4, P4>(x, xsum, w, sc, bi, out, N, K, group, p);
   }
   for (; p < p1; ++p)
     for (int m = 0; m < M; m += 8) {
@@ -152,11 +153,6 @@ void rows_of(
         default: panel_rows<BITS, 8, 1>(xm, sm, w, sc, bi, om, N, K, group, p); break;
       }
     }
-}
-
-// The upper eight floats of v.
-QPANEL_TARGET inline __m256 upper(__m512 v) {
-  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
 }
 
 // Eight vectors v[i] (value i of eight consecutive inputs, lanes the panel's 16 outputs) stored
@@ -181,9 +177,9 @@ QPANEL_TARGET inline void store_rows(const __m512 v[8], float* d, size_t ld) {
     const __m512 a = _mm512_permutex2var_ps(u[m], lo, u[m + 4]);  // outputs m, 4 + m
     const __m512 b = _mm512_permutex2var_ps(u[m], hi, u[m + 4]);  // outputs 8 + m, 12 + m
     _mm256_storeu_ps(d + (size_t)m * ld, _mm512_castps512_ps256(a));
-    _mm256_storeu_ps(d + (size_t)(4 + m) * ld, upper(a));
+    _mm256_storeu_ps(d + (size_t)(4 + m) * ld, upper_half(a));
     _mm256_storeu_ps(d + (size_t)(8 + m) * ld, _mm512_castps512_ps256(b));
-    _mm256_storeu_ps(d + (size_t)(12 + m) * ld, upper(b));
+    _mm256_storeu_ps(d + (size_t)(12 + m) * ld, upper_half(b));
   }
 }
 
