@@ -697,6 +697,19 @@ float block_weights(float* srow, int n, float m) {
   return sum;
 }
 
+// x[0..n) *= c: a row's weighted sums rescaled when its running max rises.
+__attribute__((target("avx2,fma"))) void scale_row_avx(float* x, int n, float c) {
+  const __m256 cv = _mm256_set1_ps(c);
+  int d = 0;
+  for (; d + 8 <= n; d += 8) _mm256_storeu_ps(x + d, _mm256_mul_ps(_mm256_loadu_ps(x + d), cv));
+  for (; d < n; ++d) x[d] *= c;
+}
+
+void scale_row(float* x, int n, float c) {
+  if (has_avx2()) return scale_row_avx(x, n, c);
+  for (int d = 0; d < n; ++d) x[d] *= c;
+}
+
 // The largest of a block's n scores.
 float block_max(const float* srow, int n) {
   if (has_avx2()) return block_max_avx(srow, n);
@@ -798,18 +811,32 @@ __attribute__((always_inline)) inline void fetch_rows(const AffineBlock& k, cons
   for (int64_t x = 0; x < Dv * BITS / 32; x += line) _mm_prefetch(reinterpret_cast<const char*>(vrow + x * 4), _MM_HINT_T1);
 }
 
-// The scores of `keys` (1 or 2) keys, rows[i], from their reduced products sums[i][t] with the
-// query rows: each plus its groups' biases times the rows' group sums (qsum), into sc[t][i].
+// The biases' term of a block's n scores, added once the block's products are in sc[t][c]:
+// each score plus its key's groups' biases times the rows' group sums (qsum, R rows of G),
+// in group order. Eight keys at a time: a lane forms what one key's scalar chain forms.
 template <int R>
-__attribute__((target("avx2,fma"), always_inline)) inline void biased_scores(
-    const float (&sums)[2][4], const AffineBlock& k, const int* rows, int keys, const float* qsum, int G, float* sc) {
-  for (int i = 0; i < keys; ++i) {
-    const float* bi = k.b + rows[i] * k.bstep;
+__attribute__((target("avx2,fma"))) void add_biases(const AffineBlock& k, int n, const float* qsum, int G, float* sc) {
+  const __m256i lanes = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)k.bstep));
+  int c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const float* b = k.b + c * k.bstep;
+    __m256 x[R];
     #pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) x[t] = _mm256_loadu_ps(sc + t * kKeyBlock + c);
+    for (int g = 0; g < G; ++g) {
+      const __m256 bg = _mm256_i32gather_ps(b + g, lanes, 4);
+      #pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) x[t] = _mm256_fmadd_ps(bg, _mm256_set1_ps(qsum[t * G + g]), x[t]);
+    }
+    #pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) _mm256_storeu_ps(sc + t * kKeyBlock + c, x[t]);
+  }
+  for (; c < n; ++c) {
+    const float* b = k.b + c * k.bstep;
     for (int t = 0; t < R; ++t) {
-      float x = sums[i][t];
-      for (int g = 0; g < G; ++g) x = std::fma(bi[g], qsum[t * G + g], x);
-      sc[t * kKeyBlock + i] = x;
+      float x = sc[t * kKeyBlock + c];
+      for (int g = 0; g < G; ++g) x = std::fma(b[g], qsum[t * G + g], x);
+      sc[t * kKeyBlock + c] = x;
     }
   }
 }
@@ -846,8 +873,11 @@ __attribute__((target("avx2,fma"))) void affine_scores(
     }
     alignas(16) float sums[2][4];
     reduce_tile(a, sums);
-    biased_scores<R>(sums, k, rows, keys, qsum, G, sc + c);
+    for (int i = 0; i < keys; ++i)
+      #pragma GCC unroll 4
+      for (int t = 0; t < R; ++t) sc[t * kKeyBlock + c + i] = sums[i][t];
   }
+  add_biases<R>(k, n, qsum, G, sc);
 }
 
 // A group's part of the values' weights for the R rows of a tile and the n keys of a block: each
@@ -944,6 +974,44 @@ __attribute__((target("avx512f,avx2,fma"), always_inline)) inline void values_ch
     for (int j = 0; j < W; ++j) _mm512_storeu_ps(acc[t] + d + 16 * j, a[t][j]);
 }
 
+// group_weights' sums Σ_c e_tc b_c for every group of the block at once (G <= 16), a group a
+// lane: each lane is the scalar chain over the keys in order, so the bits are the same; one
+// FMA a key and row for all the groups, where the scalar chains took one a key, row and group,
+// each waiting on the last (28% of the values pass's time in a 4k-token decode step of the
+// 4-bit bench model with a q8 cache, perf, before this and group_scales512).
+template <int R>
+__attribute__((target("avx512f"))) void block_biases512(const float* e, const AffineBlock& v, int n, int G,
+                                                        float (&bias)[kTile][16]) {
+  const __mmask16 groups = (__mmask16)((1u << G) - 1);
+  __m512 b[R];
+  #pragma GCC unroll 4
+  for (int t = 0; t < R; ++t) b[t] = _mm512_setzero_ps();
+  for (int c = 0; c < n; ++c) {
+    const __m512 bc = _mm512_maskz_loadu_ps(groups, v.b + c * v.bstep);
+    #pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) b[t] = _mm512_fmadd_ps(_mm512_set1_ps(e[t * kKeyBlock + c]), bc, b[t]);
+  }
+  #pragma GCC unroll 4
+  for (int t = 0; t < R; ++t) _mm512_store_ps(bias[t], b[t]);
+}
+
+// group_weights' ew for group g, sixteen keys at a time (each product the same single rounding).
+template <int R>
+__attribute__((target("avx512f"))) void group_scales512(const float* e, const AffineBlock& v, int n, int g,
+                                                        float* ew) {
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)v.sstep));
+  for (int c = 0; c < n; c += 16) {
+    // Keys past n are neither read nor written.
+    const __mmask16 keys = (__mmask16)(n - c >= 16 ? 0xFFFF : (1u << (n - c)) - 1);
+    const __m512 sc = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), keys, lanes, v.s + c * v.sstep + g, 4);
+    #pragma GCC unroll 4
+    for (int t = 0; t < R; ++t)
+      _mm512_mask_storeu_ps(ew + t * kKeyBlock + c, keys,
+                            _mm512_mul_ps(_mm512_maskz_loadu_ps(keys, e + t * kKeyBlock + c), sc));
+  }
+}
+
 // affine_values with 16 lanes (AVX-512): one 16-column chunk a register, its sixteen values of
 // each key widened at once. Each output element is the same sequence of FMAs as in
 // affine_values (the bias, then every key in order), so the two give the same bits. In a
@@ -958,9 +1026,17 @@ template <int R, int BITS>
 __attribute__((target("avx512f,avx2,fma"))) void affine_values512(
     const float* e, const AffineBlock& v, int n, int Dv, int group, float* const* acc) {
   alignas(64) float ew[kTile * kKeyBlock];
-  for (int g = 0; g < Dv / group; ++g) {
+  const int G = Dv / group;
+  alignas(64) float biases[kTile][16];
+  if (G <= 16) block_biases512<R>(e, v, n, G, biases);
+  for (int g = 0; g < G; ++g) {
     float bias[kTile];
-    group_weights<R>(e, v, n, g, ew, bias);
+    if (G <= 16) {
+      group_scales512<R>(e, v, n, g, ew);
+      for (int t = 0; t < R; ++t) bias[t] = biases[t][g];
+    } else {
+      group_weights<R>(e, v, n, g, ew, bias);
+    }
     const int end = (g + 1) * group;
     int d = g * group;
     for (; d + 32 <= end; d += 32) values_chunks512<R, BITS, 2>(ew, v, n, d, bias, acc);
@@ -982,6 +1058,11 @@ __attribute__((target("avx512f,avx2,fma"))) inline __m512 packed8x2(const uint32
     const __m512i words = _mm512_mask_set1_epi32(_mm512_set1_epi32((int)a[d / 8]), 0xFF00, (int)b[d / 8]);
     return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(0xF)));
   }
+}
+
+// _mm256_hadd_ps within each 128-bit lane of two 512-bit vectors: [x0+x1, x2+x3, y0+y1, y2+y3].
+__attribute__((target("avx512f"))) inline __m512 hadd512(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 // affine_scores with 512-bit vectors: each vector holds two keys' 8-lane chains (lanes 0-7 one
@@ -1026,20 +1107,23 @@ __attribute__((target("avx512f,avx2,fma"))) void affine_scores512(
         }
       }
     }
+    // reduce_tile's tree on both pairs at once: per 128-bit lane, hadd512 is _mm256_hadd_ps's
+    // sum of neighbours, so after three of them lane 0 of h[p] holds key 2p's lanes 0-3 part
+    // of every row, lane 1 its lanes 4-7 part, lanes 2 and 3 key 2p + 1's; one add of those
+    // parts is reduce_tile's last step.
+    __m512 h[2];
     #pragma GCC unroll 2
-    for (int pair = 0; pair < 2; ++pair) {
-      if (2 * pair >= keys) break;
-      __m256 h[2][kTile];
-      #pragma GCC unroll 4
-      for (int t = 0; t < kTile; ++t) {
-        h[0][t] = _mm512_castps512_ps256(a[pair][t]);
-        h[1][t] = upper_half(a[pair][t]);
-      }
-      alignas(16) float sums[2][4];
-      reduce_tile(h, sums);
-      biased_scores<R>(sums, k, rows + 2 * pair, std::min(2, keys - 2 * pair), qsum, G, sc + c + 2 * pair);
-    }
+    for (int p = 0; p < 2; ++p) h[p] = hadd512(hadd512(a[p][0], a[p][1]), hadd512(a[p][2], a[p][3]));
+    const __m512 sums = _mm512_add_ps(_mm512_shuffle_f32x4(h[0], h[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_f32x4(h[0], h[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    // [key][row] to [row][key]; a row's four scores go out together (past the block's end
+    // into the tile's own room, c + 4 <= kKeyBlock, where nothing reads them).
+    alignas(64) float by_row[16];
+    _mm512_store_ps(by_row, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums));
+    #pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) _mm_storeu_ps(sc + t * kKeyBlock + c, _mm_load_ps(by_row + 4 * t));
   }
+  add_biases<R>(k, n, qsum, G, sc);
 }
 
 template <int BITS>
@@ -1259,6 +1343,27 @@ struct SdpaOp {
     }
 
     const int groups = B * Hk;
+    // Packed keys and values are read in place (affine_scores); other quantized rows are
+    // dequantized a block at a time (unused for dense rows).
+    constexpr bool affine = std::is_same_v<KR, AffineRows> && std::is_same_v<VR, AffineRows>;
+    bool packed = false;
+    // Each query row's sums over the key groups, which the keys' biases multiply: worked out
+    // once per kv head here, not once per part of its keys (at 4k keys, sixteen times).
+    std::vector<float> qsum;
+    if constexpr (affine) {
+      packed = kr.packed() && vr.packed() && kr.group == vr.group && kr.bits == vr.bits;
+      if (packed) {
+        const int G = D / kr.group;
+        qsum.resize((size_t)groups * nq * G);
+        for (size_t r = 0; r < (size_t)groups * nq; ++r)
+          for (int gi = 0; gi < G; ++gi) {
+            const float* x = qs.data() + r * D + (size_t)gi * kr.group;
+            float s = 0.0f;
+            for (int d = 0; d < kr.group; ++d) s += x[d];
+            qsum[r * G + gi] = s;
+          }
+      }
+    }
     const int parts = std::max(1, (S + kPartKeys - 1) / kPartKeys);
     const int items = groups * parts;
     // Per item and query row: running max, running sum, then the weighted sum of V rows.
@@ -1280,23 +1385,10 @@ struct SdpaOp {
       const float* qg = qs.data() + (size_t)(b * Hq + hk * rep) * L * D;
       // Scores, then weights, of one tile of query rows against one key block.
       alignas(32) float sc[kTile * kKeyBlock];
-      // Packed keys and values are read in place (affine_scores); other quantized rows are
-      // dequantized a block at a time (unused for dense rows).
-      constexpr bool affine = std::is_same_v<KR, AffineRows> && std::is_same_v<VR, AffineRows>;
-      bool packed = false;
-      std::vector<float> kscr, vscr, qsum;
-      if constexpr (affine) {
-        packed = kr.packed() && vr.packed() && kr.group == vr.group && kr.bits == vr.bits;
-        if (packed) {
-          // Each query row's sums over the key groups, which the keys' biases multiply.
-          const int G = D / kr.group;
-          qsum.assign((size_t)nq * G, 0.0f);
-          for (int r = 0; r < nq; ++r)
-            for (int d = 0; d < D; ++d) qsum[(size_t)r * G + d / kr.group] += qg[(size_t)r * D + d];
-        } else {
-          kscr.resize((size_t)kKeyBlock * D);
-          vscr.resize((size_t)kKeyBlock * Dv);
-        }
+      std::vector<float> kscr, vscr;
+      if (affine && !packed) {
+        kscr.resize((size_t)kKeyBlock * D);
+        vscr.resize((size_t)kKeyBlock * Dv);
       }
       for (int j = j0; j < j1; j += kKeyBlock) {
         const int n = std::min(kKeyBlock, j1 - j);
@@ -1312,10 +1404,11 @@ struct SdpaOp {
               const float* qr = qg + (size_t)r0 * D;
               // The block's value rows are fetched while the first tile's scores are computed.
               const int vpf = r0 == 0 ? Dv : 0;
+              const float* qs_r = qsum.data() + ((size_t)g * nq + r0) * G;
               if (kr.bits == 8)
-                affine_block_scores<8>(R, qr, qsum.data() + (size_t)r0 * G, D, kr.group, kblk, n, sc, vblk, vpf);
+                affine_block_scores<8>(R, qr, qs_r, D, kr.group, kblk, n, sc, vblk, vpf);
               else
-                affine_block_scores<4>(R, qr, qsum.data() + (size_t)r0 * G, D, kr.group, kblk, n, sc, vblk, vpf);
+                affine_block_scores<4>(R, qr, qs_r, D, kr.group, kblk, n, sc, vblk, vpf);
             }
           }
           // The block's value rows are fetched while the first tile's scores are computed.
@@ -1347,8 +1440,7 @@ struct SdpaOp {
             const float m = std::max(sr[0], block_max(srow, n));
             const float corr = std::exp(sr[0] - m);
             acc[t] = sr + 2;
-            if (corr != 1.0f)
-              for (int d = 0; d < Dv; ++d) acc[t][d] *= corr;
+            if (corr != 1.0f) scale_row(acc[t], Dv, corr);
             const float sum = sr[1] * corr + block_weights(srow, n, m);
             sr[0] = m;
             sr[1] = sum;
