@@ -697,7 +697,8 @@ float block_weights(float* srow, int n, float m) {
   return sum;
 }
 
-// x[0..n) *= c: a row's weighted sums rescaled when its running max rises.
+// x[0..n) *= c: a row's weighted sums rescaled when its running max rises, a softmax row by
+// its sum's reciprocal.
 __attribute__((target("avx2,fma"))) void scale_row_avx(float* x, int n, float c) {
   const __m256 cv = _mm256_set1_ps(c);
   int d = 0;
@@ -1545,10 +1546,7 @@ __attribute__((target("avx2,fma"))) void softmax_rows_avx(const float* x, float*
       orow[t] = std::exp(xr[t] - m);
       sum += orow[t];
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / sum);
-    c = 0;
-    for (; c + 8 <= n; c += 8) _mm256_storeu_ps(orow + c, _mm256_mul_ps(_mm256_loadu_ps(orow + c), inv));
-    for (int t = c; t < n; ++t) orow[t] *= 1.0f / sum;
+    scale_row_avx(orow, n, 1.0f / sum);
   }
 }
 
