@@ -18,16 +18,16 @@
 //! Then, in-process, where a batched decode step goes at 1, 2, 4 and 8 rows (each row 64
 //! tokens into its sequence): the whole step (packed forward, head, greedy pick, evaluation),
 //! the part of it spent building the graph on the host, and the floor set by the model's
-//! matrix products alone (every 2-D weight, the tied head included, as `Wᵀ` the way the model
-//! holds it, times a `[B, in]` input, evaluated together). The rest is attention, norms,
-//! elementwise work and per-row overhead.
+//! matrix products alone (every 2-D weight, the tied head included, held the way the model
+//! holds it, times a `[B, in]` input, evaluated together), each step and its floor taken in
+//! turn. The rest (step − floor) is attention, norms, elementwise work and per-row overhead.
 //!
 //! Last, batched decoding with and without a drafter (the constructed pair of
 //! benches/speculative.rs). `BATCH_ONLY_BREAKDOWN` / `BATCH_ONLY_DRAFTING` run one part alone.
 //! `BATCH_BITS=4` (or 8) runs the client rounds on the bench model as `mlx_lm convert -q` makes
 //! it at that width (group 64), both servers loading the same converted weights; the breakdown
-//! then steps the converted model, but its floor still multiplies only float matrices (a
-//! quantized model's products alone are in `cargo bench --bench step`).
+//! then steps the converted model, its floor multiplying the quantized matrices as the model
+//! holds them (16-output panels on a CPU with AVX-512).
 //! `BATCH_BREAKDOWN_STEPS` (default 10) sets how many steps the breakdown times, so that a
 //! profiler attached to it sees decode steps more than the prefill before them.
 
@@ -116,12 +116,32 @@ fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
+/// A matrix of the model as the model holds it on the CPU, with its input width.
+enum Product {
+    /// Float: column panels where the rows are whole panels, else `Wᵀ`
+    /// (`models::nn::Linear::dense`).
+    Dense(models::nn::Linear, i32),
+    /// Affine-quantized: 16-output panels where the CPU takes them, else MLX's rows.
+    Quantized(mlx::Quantized, i32),
+}
+
+impl Product {
+    /// `rows` rows of random input.
+    fn input(&self, rows: i32, dtype: mlx::Dtype) -> mlx::Array {
+        let (Product::Dense(_, inputs) | Product::Quantized(_, inputs)) = self;
+        mlx::random::normal(&[rows, *inputs], dtype, 0.0, 1.0, None).unwrap()
+    }
+
+    fn apply(&self, x: &mlx::Array) -> mlx::Array {
+        match self {
+            Product::Dense(l, _) => l.forward(x).unwrap(),
+            Product::Quantized(q, _) => x.quantized_matmul(q, true).unwrap(),
+        }
+    }
+}
+
 /// (step, graph build, matmul floor) in milliseconds for `b` decode rows.
-fn step_costs(
-    m: &models::LoadedModel,
-    weights: &[(models::nn::Linear, i32)],
-    b: usize,
-) -> (f64, f64, f64) {
+fn step_costs(m: &models::LoadedModel, weights: &[Product], b: usize) -> (f64, f64, f64) {
     let model = &*m.model;
     let mut caches: Vec<Vec<models::LayerCache>> = (0..b).map(|_| model.make_caches()).collect();
     for (r, c) in caches.iter_mut().enumerate() {
@@ -131,6 +151,10 @@ fn step_costs(
         let t = mlx::Array::from_slice(&ids, &[1, 64]).unwrap();
         model.forward(&t, c).unwrap().eval().unwrap();
     }
+    // Each product's input, dense and ready before any is timed (a broadcast one is copied
+    // inside the product, or takes another kernel).
+    let inputs: Vec<mlx::Array> = weights.iter().map(|p| p.input(b as i32, m.dtype)).collect();
+    mlx::eval(&inputs.iter().collect::<Vec<_>>()).unwrap();
     let (mut steps, mut builds, mut floors) = (vec![], vec![], vec![]);
     let mut next = mlx::Array::from_slice(&vec![42i32; b], &[1, b as i32]).unwrap();
     for i in 0..4 + env_or("BATCH_BREAKDOWN_STEPS", 10) {
@@ -150,13 +174,10 @@ fn step_costs(
             .reshape(&[1, b as i32])
             .unwrap();
         let start = Instant::now();
-        let x = mlx::random::normal(&[b as i32, 1], m.dtype, 0.0, 1.0, None).unwrap();
         let outs: Vec<mlx::Array> = weights
             .iter()
-            .map(|(l, inputs)| {
-                let inp = x.broadcast_to(&[b as i32, *inputs]).unwrap();
-                l.forward(&inp).unwrap()
-            })
+            .zip(&inputs)
+            .map(|(p, x)| p.apply(x))
             .collect();
         mlx::eval(&outs.iter().collect::<Vec<_>>()).unwrap();
         let floor = ms(start);
@@ -173,34 +194,71 @@ fn step_costs(
 fn breakdown(model_dir: &Path) {
     mlx::init_thread().unwrap();
     let m = models::load(model_dir, models::DtypeChoice::Auto).unwrap();
-    // Each weight as the model holds it (models::nn::Linear::dense: float32 column panels on
-    // the CPU where the rows are whole panels, else `Wᵀ`), so the floor is the same products
-    // through the same kernels.
-    let held = models::weights::Weights::from_arrays(Default::default(), m.dtype, None);
-    let weights: Vec<(models::nn::Linear, i32)> =
-        mlx::io::load_safetensors(model_dir.join("model.safetensors"))
-            .unwrap()
-            .arrays
-            .into_values()
-            .filter(|a| a.ndim() == 2 && a.dtype().is_float())
-            .map(|a| {
-                let inputs = a.shape()[1];
-                let l = models::nn::Linear::dense(&held, a.astype(m.dtype).unwrap()).unwrap();
-                (l, inputs)
-            })
-            .collect();
-    held.materialize().unwrap();
-    println!("\nWhere a batched decode step goes (in-process, medians of 10 steps)\n");
-    println!("| rows | step ms | per row ms | graph build ms | matmul floor ms | step / floor |");
-    println!("|---|---|---|---|---|---|");
+    let weights = products(model_dir, &m);
+    println!(
+        "\nWhere a batched decode step goes (in-process, medians of {} steps)\n",
+        env_or("BATCH_BREAKDOWN_STEPS", 10)
+    );
+    println!(
+        "| rows | step ms | per row ms | graph build ms | matmul floor ms | rest ms | step / floor |"
+    );
+    println!("|---|---|---|---|---|---|---|");
     for b in env_counts("BATCH_BREAKDOWN_ROWS", "1,2,4,8") {
         let (step, build, floor) = step_costs(&m, &weights, b);
         println!(
-            "| {b} | {step:.1} | {:.1} | {build:.1} | {floor:.1} | {:.2} |",
+            "| {b} | {step:.1} | {:.1} | {build:.1} | {floor:.1} | {:.1} | {:.2} |",
             step / b as f64,
+            step - floor,
             step / floor
         );
     }
+}
+
+/// Every matrix the model multiplies a token by (the tied head included), held as the model
+/// holds it, so that the floor is the same products through the same kernels: float ones
+/// through `models::nn::Linear::dense`, affine-quantized ones (a `.scales` beside the weight,
+/// mlx-lm's layout) as the loader panels them.
+fn products(model_dir: &Path, m: &models::LoadedModel) -> Vec<Product> {
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(model_dir.join("config.json")).unwrap()).unwrap();
+    let quant = &cfg["quantization"];
+    let (group, bits) = (
+        quant["group_size"].as_i64().unwrap_or(64) as i32,
+        quant["bits"].as_i64().unwrap_or(4) as i32,
+    );
+    let arrays = mlx::io::load_safetensors(model_dir.join("model.safetensors"))
+        .unwrap()
+        .arrays;
+    let held = models::weights::Weights::from_arrays(Default::default(), m.dtype, None);
+    let mut out = vec![];
+    for (name, a) in &arrays {
+        let Some(base) = name.strip_suffix(".weight") else {
+            continue;
+        };
+        if a.ndim() != 2 {
+            continue;
+        }
+        if let Some(scales) = arrays.get(&format!("{base}.scales")) {
+            let q = mlx::Quantized {
+                weight: a.clone(),
+                scales: scales.clone(),
+                biases: arrays.get(&format!("{base}.biases")).cloned(),
+                group_size: group,
+                bits,
+                mode: mlx::QuantMode::Affine,
+                panels: false,
+            };
+            let inputs = a.shape()[1] * 32 / bits;
+            let q = q.paneled().unwrap().unwrap_or(q);
+            mlx::eval(&[&q.weight, &q.scales]).unwrap();
+            out.push(Product::Quantized(q, inputs));
+        } else if a.dtype().is_float() {
+            let l = models::nn::Linear::dense(&held, a.astype(m.dtype).unwrap()).unwrap();
+            out.push(Product::Dense(l, a.shape()[1]));
+        }
+    }
+    held.materialize().unwrap();
+    out
 }
 
 /// Batched and drafting together, on the constructed pair of benches/speculative.rs (a target
@@ -341,9 +399,6 @@ fn main() {
             med(&ours_rows[0], |r| r.2) / med(&ours_rows[i], |r| r.2),
         );
     }
-    // The breakdown's floor multiplies the float matrices (a quantized model's are packed).
-    if bits == 0 {
-        breakdown(&model);
-    }
+    breakdown(&model);
     drafting(rounds, n, &counts);
 }
