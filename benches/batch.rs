@@ -33,8 +33,8 @@
 
 mod common;
 use common::{
-    median, peer_server, quantized_model, root, runner, spec_pair, stream_ours as ours,
-    stream_peer as peer, Timing,
+    affine_matrix, median, peer_server, quantized_model, root, runner, spec_pair,
+    stream_ours as ours, stream_peer as peer, Timing,
 };
 
 use std::path::Path;
@@ -238,16 +238,7 @@ fn products(model_dir: &Path, m: &models::LoadedModel) -> Vec<Product> {
         if a.ndim() != 2 {
             continue;
         }
-        if let Some(scales) = arrays.get(&format!("{base}.scales")) {
-            let q = mlx::Quantized {
-                weight: a.clone(),
-                scales: scales.clone(),
-                biases: arrays.get(&format!("{base}.biases")).cloned(),
-                group_size: group,
-                bits,
-                mode: mlx::QuantMode::Affine,
-                panels: false,
-            };
+        if let Some(q) = affine_matrix(&arrays, base, group, bits) {
             let inputs = a.shape()[1] * 32 / bits;
             let q = q.paneled().unwrap().unwrap_or(q);
             mlx::eval(&[&q.weight, &q.scales]).unwrap();

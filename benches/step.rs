@@ -13,7 +13,7 @@
 //! `BENCH_STEP_MODEL=dir` measures another model directory instead.
 
 mod common;
-use common::{bench_model, median, peer_python, quantized_model};
+use common::{affine_matrix, bench_model, median, peer_python, quantized_model};
 
 use mlx::Array;
 use std::path::{Path, PathBuf};
@@ -166,16 +166,7 @@ fn matrices(dir: &Path) -> Vec<Mat> {
         if base.ends_with("embed_tokens_per_layer") || (untied && base.ends_with("embed_tokens")) {
             continue;
         }
-        if let Some(scales) = arrays.get(&format!("{base}.scales")) {
-            let q = mlx::Quantized {
-                weight: arrays[&name].clone(),
-                scales: scales.clone(),
-                biases: arrays.get(&format!("{base}.biases")).cloned(),
-                group_size: group,
-                bits,
-                mode: mlx::QuantMode::Affine,
-                panels: false,
-            };
+        if let Some(q) = affine_matrix(&arrays, base, group, bits) {
             mats.push(match q.weight.ndim() {
                 // Paneled where the model's loader panels it (models::Weights::paneled).
                 2 => Mat::Quantized(q.paneled().unwrap().unwrap_or(q)),

@@ -13,6 +13,26 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// The affine-quantized matrix `<base>.weight` among a checkpoint's arrays (mlx-lm's layout:
+/// `.scales` and `.biases` beside the packed words), in MLX's row layout; `None` where the
+/// weight has no scales (a float matrix).
+pub fn affine_matrix(
+    arrays: &std::collections::HashMap<String, mlx::Array>,
+    base: &str,
+    group_size: i32,
+    bits: i32,
+) -> Option<mlx::Quantized> {
+    Some(mlx::Quantized {
+        weight: arrays.get(&format!("{base}.weight"))?.clone(),
+        scales: arrays.get(&format!("{base}.scales"))?.clone(),
+        biases: arrays.get(&format!("{base}.biases")).cloned(),
+        group_size,
+        bits,
+        mode: mlx::QuantMode::Affine,
+        panels: false,
+    })
+}
+
 /// The peer environment's Python (benches/peer-venv.sh), if it has been made.
 pub fn peer_python() -> Option<PathBuf> {
     let python = root().join(".venv-peer/bin/python");
